@@ -1,0 +1,1 @@
+"""resihp_jax: hybrid-parallel LLM training that stays fast when devices fail."""

@@ -1,0 +1,191 @@
+"""The resumable batch iterator: a document source -> packed global batches.
+
+Its whole state is a position in the source (epoch, item index, token offset inside the item),
+so saving and restoring never skips or repeats a token. What a batch contains depends only on
+the source spec, the seed and the batch shape, never on how a Plan spreads micro-batches.
+"""
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from resihp_jax.data.packing import GlobalBatch, fill_row, pack_rows
+from resihp_jax.data.sources import DocumentSource, make_source
+from resihp_jax.errors import ConfigError
+
+STATE_VERSION = 1
+_IDENTITY_KEYS = ("source", "seed", "n_microbatches", "microbatch_size", "seq_len", "fingerprint")
+_POSITION_KEYS = ("epoch", "index", "offset", "batches")
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where the next token comes from: token `offset` of item `index` of `epoch`."""
+
+    epoch: int = 0
+    index: int = 0
+    offset: int = 0
+
+
+class DocumentStream:
+    """Reads a source item by item; take(n) returns the next piece of the current document."""
+
+    def __init__(self, source: DocumentSource, cursor: Cursor = Cursor()) -> None:
+        self.source = source
+        self.cursor = cursor
+        self._item: np.ndarray | None = None
+
+    def _next_item(self) -> None:
+        epoch, index = self.cursor.epoch, self.cursor.index + 1
+        if index == self.source.items_per_epoch():
+            epoch, index = epoch + 1, 0
+        self.cursor = Cursor(epoch, index, 0)
+        self._item = None
+
+    def _current_item(self) -> np.ndarray:
+        skipped = 0
+        while self._item is None:
+            item = self.source.item(self.cursor.epoch, self.cursor.index)
+            if item is not None and item.size > 0:
+                self._item = item
+                break
+            skipped += 1
+            if skipped > (self.source.items_per_epoch() or np.inf):
+                raise ConfigError(f"data source {self.source.spec!r} has no usable documents left")
+            self._next_item()
+        return self._item
+
+    def _document_end(self, item: np.ndarray) -> int:
+        max_len = self.source.max_doc_len
+        if max_len is None:
+            return item.size
+        return min(item.size, (self.cursor.offset // max_len + 1) * max_len)
+
+    def take(self, n: int) -> np.ndarray:
+        """Up to n tokens of the current document, never crossing a document boundary."""
+        item = self._current_item()
+        start = self.cursor.offset
+        piece = item[start : min(self._document_end(item), start + n)]
+        if start + piece.size == item.size:
+            self._next_item()
+        else:
+            self.cursor = replace(self.cursor, offset=start + piece.size)
+        return piece
+
+    def check_cursor(self, cursor: Cursor) -> None:
+        """ConfigError unless `cursor` points inside this source's items."""
+        n_items = self.source.items_per_epoch()
+        if n_items is None and cursor.epoch != 0:
+            raise ConfigError(f"data state epoch={cursor.epoch} must be 0 for an endless source")
+        if n_items is not None and cursor.index >= n_items:
+            raise ConfigError(f"data state index={cursor.index} is past the {n_items} items")
+        if cursor.offset == 0:
+            return
+        item = self.source.item(cursor.epoch, cursor.index)
+        size = 0 if item is None else item.size
+        if cursor.offset >= size:
+            raise ConfigError(
+                f"data state offset={cursor.offset} is outside item {cursor.index} "
+                f"of epoch {cursor.epoch}, which has {size} tokens"
+            )
+
+
+def _check_positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise ConfigError(f"seed must be a non-negative int, got {seed!r}")
+    return int(seed)
+
+
+class BatchIterator:
+    """Endless, deterministic, resumable stream of GlobalBatch values."""
+
+    def __init__(
+        self,
+        source_spec: str | DocumentSource,
+        *,
+        n_microbatches: int,
+        microbatch_size: int,
+        seq_len: int,
+        seed: int,
+        state: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.n_microbatches = _check_positive("n_microbatches", n_microbatches)
+        self.microbatch_size = _check_positive("microbatch_size", microbatch_size)
+        self.seq_len = _check_positive("seq_len", seq_len)
+        self.seed = _check_seed(seed)
+        if isinstance(source_spec, str):
+            source_spec = make_source(source_spec, self.seed, self.seq_len)
+        self.source = source_spec
+        self._stream = DocumentStream(self.source)
+        self._batches = 0
+        if state is not None:
+            self.restore(state)
+
+    def next_batch(self) -> GlobalBatch:
+        n_rows = self.n_microbatches * self.microbatch_size
+        rows = [fill_row(self._stream.take, self.seq_len) for _ in range(n_rows)]
+        self._batches += 1
+        return GlobalBatch.from_rows(pack_rows(rows, self.seq_len), self.n_microbatches)
+
+    def __iter__(self) -> Iterator[GlobalBatch]:
+        return self
+
+    def __next__(self) -> GlobalBatch:
+        return self.next_batch()
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "source": self.source.spec,
+            "seed": self.seed,
+            "n_microbatches": self.n_microbatches,
+            "microbatch_size": self.microbatch_size,
+            "seq_len": self.seq_len,
+            "fingerprint": self.source.fingerprint(),
+        }
+
+    def state(self) -> dict[str, Any]:
+        """JSON-serializable position of the next batch (not the data itself)."""
+        cursor = self._stream.cursor
+        position = {"epoch": cursor.epoch, "index": cursor.index, "offset": cursor.offset}
+        return {"version": STATE_VERSION, **self._identity(), **position, "batches": self._batches}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continue exactly where `state` left off; ConfigError if it belongs to other data."""
+        cursor = _check_state(state, self._identity())
+        self._stream.check_cursor(cursor)
+        self._stream = DocumentStream(self.source, cursor)
+        self._batches = int(state["batches"])
+
+    @property
+    def batches_served(self) -> int:
+        """Global batches produced since the start of training (carried across restores)."""
+        return self._batches
+
+
+def _check_state(state: Mapping[str, Any], identity: Mapping[str, Any]) -> Cursor:
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"data state must be a dict from BatchIterator.state(), got {state!r}")
+    missing = [k for k in ("version", *_IDENTITY_KEYS, *_POSITION_KEYS) if k not in state]
+    if missing:
+        raise ConfigError(f"data state is missing keys {missing}; pass BatchIterator.state()")
+    if state["version"] != STATE_VERSION:
+        raise ConfigError(f"data state version {state['version']!r} != {STATE_VERSION}")
+    for key in _IDENTITY_KEYS:
+        if state[key] != identity[key]:
+            raise ConfigError(
+                f"data state was saved with {key}={state[key]!r}, "
+                f"but this iterator has {key}={identity[key]!r}"
+            )
+    for key in _POSITION_KEYS:
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"data state {key} must be a non-negative int, got {value!r}")
+    return Cursor(state["epoch"], state["index"], state["offset"])

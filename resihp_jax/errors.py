@@ -1,0 +1,17 @@
+"""One exception type per kind of user mistake, so callers can catch them precisely."""
+
+
+class ResihpError(ValueError):
+    """Base class: a value the user supplied is invalid; the message names it and what is valid."""
+
+
+class ConfigError(ResihpError):
+    """A model, data, train or detector configuration value is invalid."""
+
+
+class PlanError(ResihpError):
+    """A Plan is impossible for the model or the devices it names."""
+
+
+class CheckpointError(ResihpError):
+    """A checkpoint is missing, incomplete, or does not match the state it is restored into."""

@@ -1,0 +1,87 @@
+"""Canonical layer stack `[n_layers, ...]` <-> a plan's stage layout `[pp, slots, ...]`.
+
+The stage layout has a fixed number of slots per stage (more than the even share), so a
+plan that only moves layers between stages keeps every array shape and the compiled step.
+Empty slots hold zeros; the step skips them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from resihp_jax.errors import PlanError
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.meshes.rules import is_layer_leaf
+
+
+def default_layer_slots(n_layers: int, pp: int) -> int:
+    """Even share plus ~25% headroom (at least one), capped by what any valid split needs."""
+    share = math.ceil(n_layers / pp)
+    return min(n_layers - pp + 1, share + max(1, share // 4))
+
+
+def default_microbatch_slots(n_microbatches: int, dp: int) -> int:
+    share = math.ceil(n_microbatches / dp)
+    return min(n_microbatches - dp + 1, share + max(1, share // 4))
+
+
+def layer_slots_for(plan: Plan, requested: int | None = None) -> int:
+    slots = requested or default_layer_slots(plan.n_layers, plan.pp)
+    if max(plan.layers_per_stage) > slots:
+        raise PlanError(f"Plan.layers_per_stage={plan.layers_per_stage} needs "
+                        f"{max(plan.layers_per_stage)} layer slots per stage; the step has {slots}")
+    return slots
+
+
+def microbatch_slots_for(plan: Plan, requested: int | None = None) -> int:
+    slots = requested or default_microbatch_slots(plan.n_microbatches, plan.dp)
+    if max(plan.microbatches_per_group) > slots:
+        raise PlanError(
+            f"Plan.microbatches_per_group={plan.microbatches_per_group} needs "
+            f"{max(plan.microbatches_per_group)} micro-batch slots per group; the step has {slots}")
+    return slots
+
+
+def stage_index(layers_per_stage: tuple[int, ...], slots: int) -> np.ndarray:
+    """[pp, slots] int32: canonical layer held in each slot, -1 for an empty slot."""
+    index_PxL = np.full((len(layers_per_stage), slots), -1, dtype=np.int32)
+    start = 0
+    for stage, count in enumerate(layers_per_stage):
+        index_PxL[stage, :count] = np.arange(start, start + count)
+        start += count
+    return index_PxL
+
+
+def canonical_index(index_PxL: np.ndarray) -> np.ndarray:
+    """[n_layers] int32: position of each canonical layer in the flattened stage layout."""
+    flat = index_PxL.reshape(-1)
+    order = np.argsort(np.where(flat < 0, np.iinfo(np.int32).max, flat), kind="stable")
+    return order[: int((flat >= 0).sum())].astype(np.int32)
+
+
+def _to_stage_leaf(leaf_LxX: jax.Array, index_PxL: jax.Array) -> jax.Array:
+    gathered = jnp.take(leaf_LxX, jnp.clip(index_PxL, 0), axis=0)
+    keep = (index_PxL >= 0).reshape(index_PxL.shape + (1,) * (leaf_LxX.ndim - 1))
+    return jnp.where(keep, gathered, jnp.zeros_like(gathered))
+
+
+def _to_canonical_leaf(leaf_PxLxX: jax.Array, positions_L: jax.Array) -> jax.Array:
+    flat = leaf_PxLxX.reshape((-1,) + leaf_PxLxX.shape[2:])
+    return jnp.take(flat, positions_L, axis=0)
+
+
+def to_stage_layout(tree: Any, index_PxL: jax.Array) -> Any:
+    """Every layer leaf `[n_layers, ...]` -> `[pp, slots, ...]`; other leaves unchanged."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: _to_stage_leaf(x, index_PxL) if is_layer_leaf(p) else x, tree)
+
+
+def to_canonical_layout(tree: Any, positions_L: jax.Array) -> Any:
+    """Inverse of `to_stage_layout` (empty slots dropped)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: _to_canonical_leaf(x, positions_L) if is_layer_leaf(p) else x, tree)

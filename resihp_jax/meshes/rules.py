@@ -1,0 +1,54 @@
+"""Logical axis names -> mesh axes, and the PartitionSpec of every leaf of a training state.
+
+A state leaf is recognised by the last two dict keys of its path (e.g. `layers/wq`), so the
+same rule shards parameters, gradients, and every optimizer moment that mirrors them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from resihp_jax.model.decoder import LOGICAL_AXES
+
+# Megatron-style tensor parallelism: heads, MLP columns and vocabulary rows split over 'tp'.
+PARAM_RULES: dict[str, str | None] = {
+    "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp",
+    "embed": None, "head_dim": None,
+}
+
+
+def logical_names(path: tuple[Any, ...]) -> tuple[str, ...] | None:
+    """Logical axis names of the parameter a state leaf mirrors, or None (e.g. a step count)."""
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    for group, name in zip(keys, keys[1:]):
+        if group in LOGICAL_AXES and name in LOGICAL_AXES[group]:
+            return LOGICAL_AXES[group][name]
+    return None
+
+
+def is_layer_leaf(path: tuple[Any, ...]) -> bool:
+    names = logical_names(path)
+    return names is not None and names[0] == "layers"
+
+
+def leaf_spec(path: tuple[Any, ...], stage_layout: bool) -> P:
+    """Spec of one leaf; in the stage layout `[pp, slots, ...]` replaces `[layers, ...]`."""
+    names = logical_names(path)
+    if names is None:
+        return P()
+    mapped = [PARAM_RULES.get(n) for n in names]
+    if names[0] == "layers":
+        mapped = (["pp", None] if stage_layout else [None]) + mapped[1:]
+    return P(*mapped)
+
+
+def state_specs(tree: Any, stage_layout: bool = True) -> Any:
+    return jax.tree_util.tree_map_with_path(lambda p, _: leaf_spec(p, stage_layout), tree)
+
+
+def state_shardings(tree: Any, mesh: Mesh, stage_layout: bool = True) -> Any:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(tree, stage_layout),
+                        is_leaf=lambda x: isinstance(x, P))

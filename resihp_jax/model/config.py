@@ -1,0 +1,79 @@
+"""ModelConfig: the frozen, self-validating description of a decoder's sizes, with presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from resihp_jax.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "tiny"
+    vocab_size: int = 256  # byte-level tokens
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    d_ff: int = 176
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+    attn_block: int = 16  # query/key block size of the block-sparse attention
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                      "attn_block"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"ModelConfig.{field}={value!r}: must be a positive integer")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"ModelConfig: d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"ModelConfig: n_heads={self.n_heads} is not a multiple of "
+                f"n_kv_heads={self.n_kv_heads} (grouped KV heads must divide the query heads)")
+        if (self.d_model // self.n_heads) % 2:
+            raise ConfigError(
+                f"ModelConfig: head_dim={self.d_model // self.n_heads} must be even for rotary "
+                "positions")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"ModelConfig.dtype={self.dtype!r}: valid are float32, bfloat16")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def layer_param_count(self) -> int:
+        attn = self.d_model * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        mlp = 3 * self.d_model * self.d_ff
+        return attn + mlp + 2 * self.d_model
+
+    def param_count(self) -> int:
+        embed_and_head = 2 * self.vocab_size * self.d_model + self.d_model
+        return embed_and_head + self.n_layers * self.layer_param_count()
+
+    def replace(self, **changes: object) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(),
+    "tiny-gqa": ModelConfig(name="tiny-gqa", n_heads=8, n_kv_heads=2, d_model=64),
+    # ~14M parameters: big enough that compute dominates dispatch on CPU.
+    "small": ModelConfig(name="small", d_model=384, n_layers=8, n_heads=8, n_kv_heads=8,
+                         d_ff=1024, attn_block=64),
+    # Llama-2-70B sizes, used by the planner and the cluster simulator (never run on CPU).
+    "llama2-70b": ModelConfig(name="llama2-70b", vocab_size=32_000, d_model=8192, n_layers=80,
+                              n_heads=64, n_kv_heads=8, d_ff=28_672, attn_block=128,
+                              dtype="bfloat16"),
+}
+
+
+def get_model_config(name: str, **overrides: object) -> ModelConfig:
+    """The preset called `name`, with any field overridden (e.g. n_layers=80)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; valid: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

@@ -1,0 +1,151 @@
+"""Pure functions of one decoder's math, shared by the NNX modules and the sharded train step.
+
+Every function takes the parameters it needs as arrays and an optional tensor-parallel axis
+name: with `tp_axis=None` it computes on whole weights (the single-device reference); inside
+`shard_map` it computes on this device's shard (heads, MLP columns, vocabulary rows) and
+reduces over `tp_axis` where Megatron-style tensor parallelism needs it.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from resihp_jax.model.attention import segment_attention
+from resihp_jax.model.config import ModelConfig
+
+Params = Mapping[str, jax.Array]
+
+
+def _psum(x: jax.Array, axis: str | None) -> jax.Array:
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
+def rms_norm(x_BxSxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+    x32 = x_BxSxD.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * inv).astype(x_BxSxD.dtype) * scale_D
+
+
+def rotary(x_BxSxHxK: jax.Array, pos_BxS: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding by each token's position inside its own document."""
+    half = x_BxSxHxK.shape[-1] // 2
+    freq_F = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_BxSxF = pos_BxS[..., None].astype(jnp.float32) * freq_F
+    cos_BxSx1xF = jnp.cos(angle_BxSxF)[:, :, None, :]
+    sin_BxSx1xF = jnp.sin(angle_BxSxF)[:, :, None, :]
+    x1, x2 = x_BxSxHxK[..., :half], x_BxSxHxK[..., half:]
+    out = jnp.concatenate([x1 * cos_BxSx1xF - x2 * sin_BxSx1xF,
+                           x2 * cos_BxSx1xF + x1 * sin_BxSx1xF], axis=-1)
+    return out.astype(x_BxSxHxK.dtype)
+
+
+def attention_partial(p: Params, x_BxSxD: jax.Array, seg_BxS: jax.Array, pos_BxS: jax.Array,
+                      cfg: ModelConfig) -> jax.Array:
+    """This device's heads' contribution to the attention output (sum over tp to finish)."""
+    h_BxSxD = rms_norm(x_BxSxD, p["attn_norm"], cfg.norm_eps)
+    q_BxSxHxK = rotary(jnp.einsum("bsd,dhk->bshk", h_BxSxD, p["wq"]), pos_BxS, cfg.rope_theta)
+    k_BxSxGxK = rotary(jnp.einsum("bsd,dgk->bsgk", h_BxSxD, p["wk"]), pos_BxS, cfg.rope_theta)
+    v_BxSxGxK = jnp.einsum("bsd,dgk->bsgk", h_BxSxD, p["wv"])
+    o_BxSxHxK = segment_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, seg_BxS,
+                                  block_size=cfg.attn_block)
+    return jnp.einsum("bshk,hkd->bsd", o_BxSxHxK, p["wo"])
+
+
+def mlp_partial(p: Params, x_BxSxD: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """This device's MLP columns' contribution to the MLP output (sum over tp to finish)."""
+    h_BxSxD = rms_norm(x_BxSxD, p["mlp_norm"], cfg.norm_eps)
+    gate_BxSxF = jnp.einsum("bsd,df->bsf", h_BxSxD, p["w_gate"])
+    up_BxSxF = jnp.einsum("bsd,df->bsf", h_BxSxD, p["w_up"])
+    return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate_BxSxF) * up_BxSxF, p["w_down"])
+
+
+def block(p: Params, x_BxSxD: jax.Array, seg_BxS: jax.Array, pos_BxS: jax.Array,
+          cfg: ModelConfig, tp_axis: str | None = None) -> jax.Array:
+    """One pre-norm decoder layer; `p` holds this layer's (shard of the) weights."""
+    x_BxSxD = x_BxSxD + _psum(attention_partial(p, x_BxSxD, seg_BxS, pos_BxS, cfg), tp_axis)
+    return x_BxSxD + _psum(mlp_partial(p, x_BxSxD, cfg), tp_axis)
+
+
+def vocab_offset(local_vocab: int, tp_axis: str | None) -> jax.Array | int:
+    """First vocabulary id held by this device (vocab-parallel embedding and head)."""
+    return 0 if tp_axis is None else jax.lax.axis_index(tp_axis) * local_vocab
+
+
+def _local_ids(ids_BxS: jax.Array, offset: jax.Array | int,
+               local_vocab: int) -> tuple[jax.Array, jax.Array]:
+    local_BxS = ids_BxS - offset
+    mine_BxS = (local_BxS >= 0) & (local_BxS < local_vocab)
+    return jnp.clip(local_BxS, 0, local_vocab - 1), mine_BxS
+
+
+def embed_partial(table_VxD: jax.Array, tokens_BxS: jax.Array, offset: jax.Array | int,
+                  dtype: str) -> jax.Array:
+    """Embeddings of the tokens whose rows this device holds, zeros elsewhere."""
+    ids_BxS, mine_BxS = _local_ids(tokens_BxS, offset, table_VxD.shape[0])
+    rows_BxSxD = jnp.take(table_VxD, ids_BxS, axis=0)
+    return jnp.where(mine_BxS[..., None], rows_BxSxD, 0).astype(dtype)
+
+
+def embed(table_VxD: jax.Array, tokens_BxS: jax.Array, tp_axis: str | None = None,
+          dtype: str = "float32") -> jax.Array:
+    """Token embeddings; with tp the table's rows are split over devices (vocab-parallel)."""
+    offset = vocab_offset(table_VxD.shape[0], tp_axis)
+    return _psum(embed_partial(table_VxD, tokens_BxS, offset, dtype), tp_axis)
+
+
+def logits(norm_D: jax.Array, w_DxV: jax.Array, x_BxSxD: jax.Array,
+           cfg: ModelConfig) -> jax.Array:
+    """This device's slice of the vocabulary logits, float32."""
+    h_BxSxD = rms_norm(x_BxSxD, norm_D, cfg.norm_eps)
+    return jnp.einsum("bsd,dv->bsv", h_BxSxD, w_DxV).astype(jnp.float32)
+
+
+def next_token_targets(tokens_BxS: jax.Array, seg_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Targets and 0/1 weights: a token is trained on only when its successor is in its document."""
+    next_tokens_BxS = jnp.roll(tokens_BxS, -1, axis=1)
+    next_seg_BxS = jnp.roll(seg_BxS, -1, axis=1).at[:, -1].set(0)
+    weights_BxS = ((seg_BxS != 0) & (next_seg_BxS == seg_BxS)).astype(jnp.float32)
+    return next_tokens_BxS, weights_BxS
+
+
+class LossPartials(NamedTuple):
+    """Per-token softmax statistics of one device's vocabulary slice."""
+    shift_BxS: jax.Array  # local max logit (a constant: the result does not depend on it)
+    sum_exp_BxS: jax.Array  # sum over local vocab of exp(logit - shift)
+    target_logit_BxS: jax.Array  # the target's logit if this device holds it, else 0
+
+
+def loss_partials(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
+                  offset: jax.Array | int) -> LossPartials:
+    shift_BxS = jax.lax.stop_gradient(jnp.max(logits_BxSxV, axis=-1))
+    sum_exp_BxS = jnp.sum(jnp.exp(logits_BxSxV - shift_BxS[..., None]), axis=-1)
+    ids_BxS, mine_BxS = _local_ids(targets_BxS, offset, logits_BxSxV.shape[-1])
+    picked_BxS = jnp.take_along_axis(logits_BxSxV, ids_BxS[..., None], axis=-1)[..., 0]
+    return LossPartials(shift_BxS, sum_exp_BxS, jnp.where(mine_BxS, picked_BxS, 0.0))
+
+
+def reduce_loss_partials(parts: LossPartials, tp_axis: str | None) -> LossPartials:
+    """Combine the vocabulary slices (the only collectives of the loss)."""
+    if tp_axis is None:
+        return parts
+    shift_BxS = jax.lax.stop_gradient(jax.lax.pmax(parts.shift_BxS, tp_axis))
+    rescaled_BxS = parts.sum_exp_BxS * jnp.exp(parts.shift_BxS - shift_BxS)
+    return LossPartials(shift_BxS, jax.lax.psum(rescaled_BxS, tp_axis),
+                        jax.lax.psum(parts.target_logit_BxS, tp_axis))
+
+
+def nll_sum(parts: LossPartials, weights_BxS: jax.Array) -> jax.Array:
+    """Sum over tokens of weight * cross-entropy, from whole-vocabulary statistics."""
+    nll_BxS = jnp.log(parts.sum_exp_BxS) + parts.shift_BxS - parts.target_logit_BxS
+    return jnp.sum(nll_BxS * weights_BxS)
+
+
+def token_loss_sum(logits_BxSxV: jax.Array, targets_BxS: jax.Array, weights_BxS: jax.Array,
+                   tp_axis: str | None = None) -> jax.Array:
+    """Sum over tokens of weight * cross-entropy; vocab-parallel when tp_axis is given."""
+    offset = vocab_offset(logits_BxSxV.shape[-1], tp_axis)
+    parts = reduce_loss_partials(loss_partials(logits_BxSxV, targets_BxS, offset), tp_axis)
+    return nll_sum(parts, weights_BxS)

@@ -1,0 +1,88 @@
+"""CostParams: the coefficients of the per-stage cost model, in seconds and bytes per second.
+
+Forward time of one layer on one micro-batch (healthy device, tp=1) is
+`c + alpha * tokens + beta * sum_i l_i**2`; backward is `bwd_ratio` times that. `for_model`
+derives GPU-like defaults from FLOP counts for planning and cluster simulation; `fit.py` learns
+the coefficients from observed steps instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from resihp_jax.errors import ConfigError
+from resihp_jax.model.config import ModelConfig
+
+_POSITIVE = ("bwd_ratio", "p2p_bandwidth", "tp_bandwidth", "dp_bandwidth")
+_NON_NEGATIVE = ("c", "alpha", "beta", "head_alpha", "embed_alpha", "tick_overhead",
+                 "step_overhead", "p2p_latency", "tp_latency", "dp_latency")
+
+
+def dtype_bytes(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else 4
+
+
+@dataclass(frozen=True)
+class CostParams:
+    c: float
+    alpha: float
+    beta: float
+    bwd_ratio: float = 2.0
+    head_alpha: float = 0.0  # head + loss per token, last stage
+    tick_overhead: float = 0.0  # per pipeline tick (gpipe) or per op (1f1b), also empty ticks
+    p2p_bandwidth: float = math.inf
+    p2p_latency: float = 0.0
+    tp_bandwidth: float = math.inf
+    tp_latency: float = 0.0
+    dp_bandwidth: float = math.inf
+    dp_latency: float = 0.0
+    tp_efficiency: float = 1.0
+    embed_alpha: float = 0.0  # embedding lookup (and its backward) per token, first stage
+    step_overhead: float = 0.0  # once per step: optimizer update, dispatch
+
+    def __post_init__(self) -> None:
+        for name in _POSITIVE + _NON_NEGATIVE + ("tp_efficiency",):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"CostParams.{name}={value!r}: must be a number")
+            object.__setattr__(self, name, float(value))
+        for name in _NON_NEGATIVE:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0.0):
+                raise ConfigError(f"CostParams.{name}={value!r}: must be finite and >= 0")
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if math.isnan(value) or value <= 0.0:
+                raise ConfigError(f"CostParams.{name}={value!r}: must be > 0 (inf allowed)")
+        if not (0.0 < self.tp_efficiency <= 1.0):
+            raise ConfigError(f"CostParams.tp_efficiency={self.tp_efficiency!r}: must be in (0, 1]")
+
+    def replace(self, **changes: Any) -> CostParams:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, *, device_flops: float = 300e12, mfu: float = 0.5,
+                  layer_overhead_s: float = 30e-6, tick_overhead_s: float = 20e-6,
+                  nvlink_bandwidth: float = 200e9, nvlink_latency: float = 10e-6,
+                  network_bandwidth: float = 25e9, network_latency: float = 15e-6,
+                  tp_efficiency: float = 0.9, step_overhead_s: float = 0.0) -> CostParams:
+        """GPU-like defaults (A100/H100 class, NVLink TP, InfiniBand p2p and dp) from FLOPs."""
+        if not (device_flops > 0 and 0 < mfu <= 1):
+            raise ConfigError(f"device_flops={device_flops!r} must be > 0 and mfu={mfu!r} in "
+                              "(0, 1]")
+        rate = device_flops * mfu
+        # 2 FLOPs per multiply-add; causal attention does QK^T and AV over l^2 / 2 pairs.
+        return cls(
+            c=layer_overhead_s,
+            alpha=2.0 * model.layer_param_count() / rate,
+            beta=2.0 * model.d_model / rate,
+            head_alpha=(2.0 * model.vocab_size * model.d_model + 5.0 * model.vocab_size) / rate,
+            embed_alpha=0.0,
+            tick_overhead=tick_overhead_s,
+            p2p_bandwidth=network_bandwidth, p2p_latency=network_latency,
+            tp_bandwidth=nvlink_bandwidth, tp_latency=nvlink_latency,
+            dp_bandwidth=network_bandwidth, dp_latency=network_latency,
+            tp_efficiency=tp_efficiency, step_overhead=step_overhead_s)

@@ -1,0 +1,63 @@
+"""Linear features of a simulated step: for a fixed critical path, the step time is
+`units @ (c, alpha, beta, head_alpha, tick_overhead, step_overhead)`, which is what lets
+`fit.py` learn the coefficients by least squares. Healthy devices and free communication are
+assumed (the fitted coefficients fold communication in).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.perfmodel.simulator import StepSim
+from resihp_jax.perfmodel.work import GroupData
+
+PATH_FEATURES = ("c", "alpha", "beta", "head_alpha", "tick_overhead", "step_overhead")
+TOTAL_FEATURES = ("total_c", "total_alpha", "total_beta")
+
+
+def bwd_multiplier(bwd_ratio: float, remat: bool) -> float:
+    return bwd_ratio + (1.0 if remat else 0.0)
+
+
+def path_units(sim: StepSim, plan: Plan, tokens_N: np.ndarray, sum_l2_N: np.ndarray,
+               bwd_ratio: float, remat: bool, schedule: str) -> np.ndarray:
+    """[6] coefficient multipliers summed along the simulated critical path."""
+    work = [n for n in sim.critical_path if n[0] in ("F", "B")]
+    units = np.zeros(len(PATH_FEATURES))
+    units[5] = 1.0
+    if not work:
+        return units
+    kind_K = np.array([n[0] == "B" for n in work])
+    stage_K = np.array([n[2] for n in work])
+    mb_K = np.array([n[3] for n in work])
+    valid_K = mb_K >= 0
+    safe_K = np.where(valid_K, mb_K, 0)
+    mult_K = np.where(kind_K, bwd_multiplier(bwd_ratio, remat), 1.0) * valid_K / plan.tp
+    layers_K = np.asarray(plan.layers_per_stage, dtype=np.float64)[stage_K]
+    tok_K, l2_K = tokens_N[safe_K], sum_l2_N[safe_K]
+    units[0] = np.sum(mult_K * layers_K)
+    units[1] = np.sum(mult_K * layers_K * tok_K)
+    units[2] = np.sum(mult_K * layers_K * l2_K)
+    units[3] = np.sum(mult_K * tok_K * (stage_K == plan.pp - 1))
+    units[4] = len(work) if schedule == "gpipe" else float(valid_K.sum())
+    return units
+
+
+def stage_units(plan: Plan, data: GroupData, bwd_ratio: float, remat: bool) -> np.ndarray:
+    """[dp * pp, 6] multipliers of each stage's busy time (StepSim.stage_busy_s, flattened)."""
+    mult = (1.0 + bwd_multiplier(bwd_ratio, remat)) / plan.tp
+    layers_S = np.asarray(plan.layers_per_stage, dtype=np.float64)
+    per_group = np.stack([data.valid_GxM.sum(1), data.tokens_GxM.sum(1),
+                          data.sum_l2_GxM.sum(1)], axis=1)  # [G, 3]
+    units = np.zeros((plan.dp, plan.pp, len(PATH_FEATURES)))
+    units[:, :, :3] = mult * layers_S[None, :, None] * per_group[:, None, :]
+    units[:, -1, 3] = mult * per_group[:, 1]
+    return units.reshape(plan.dp * plan.pp, len(PATH_FEATURES))
+
+
+def total_units(plan: Plan, tokens_N: np.ndarray, sum_l2_N: np.ndarray) -> np.ndarray:
+    """[3] work summed over every device: what a host that runs all devices on shared cores
+    (fake CPU devices) pays, on top of the pipeline's critical path."""
+    layers = float(plan.n_layers)
+    return np.array([layers * len(tokens_N), layers * tokens_N.sum(), layers * sum_l2_N.sum()])

@@ -1,0 +1,231 @@
+"""OnlineCostModel: learns CostParams from observed healthy steps, starting from nothing.
+
+For a fixed critical path the simulated step time is linear in the coefficients, so each
+refit simulates every observation with the current estimate to get its features along its
+critical path, solves a robust relative least squares on a sliding window, and repeats until
+the estimate settles. A second, 'contention' model adds work summed over all devices (what a
+host running many fake devices on few cores pays); it is used only when it fits much better.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from resihp_jax.errors import ConfigError
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model.config import ModelConfig
+from resihp_jax.perfmodel import features
+from resihp_jax.perfmodel.costs import CostParams
+from resihp_jax.perfmodel.health import Health
+from resihp_jax.perfmodel.robust import RobustFit, robust_relative_fit
+from resihp_jax.perfmodel.simulator import check_schedule, simulate_step
+from resihp_jax.perfmodel.work import GroupData, group_data
+
+MODES = ("auto", "pipeline", "contention")
+N_PATH = len(features.PATH_FEATURES)
+# critical paths are re-derived when the estimate moves predictions by more than this
+PATH_RECHECK = 2e-3
+
+
+@dataclass
+class _Obs:
+    plan: Plan
+    tokens_N: np.ndarray
+    sum_l2_N: np.ndarray
+    mb_slots: int | None
+    step_time_s: float
+    stage_x: np.ndarray | None  # [dp * pp, 6] busy-time features, with...
+    stage_y: np.ndarray | None  # ... the observed busy times
+    total_x: np.ndarray
+    path_x: np.ndarray = field(default_factory=lambda: np.zeros(N_PATH))
+    path_version: int = -1
+
+
+class OnlineCostModel:
+    def __init__(self, model: ModelConfig | None = None, *, schedule: str = "gpipe",
+                 remat: bool = False, bwd_ratio: float = 2.0, window: int = 256,
+                 min_steps: int = 8, refit_every: int = 4, mode: str = "auto") -> None:
+        check_schedule(schedule)
+        if mode not in MODES:
+            raise ConfigError(f"OnlineCostModel mode={mode!r}: valid are {', '.join(MODES)}")
+        if not (window >= min_steps >= 2 and refit_every >= 1):
+            raise ConfigError(f"OnlineCostModel: need window={window} >= min_steps={min_steps} "
+                              f">= 2 and refit_every={refit_every} >= 1")
+        if not (math.isfinite(bwd_ratio) and bwd_ratio > 0):
+            raise ConfigError(f"OnlineCostModel bwd_ratio={bwd_ratio!r}: must be > 0")
+        self.model, self.schedule, self.remat, self.bwd_ratio = model, schedule, remat, bwd_ratio
+        self.mode, self.min_steps, self.refit_every = mode, min_steps, refit_every
+        self._obs: deque[_Obs] = deque(maxlen=window)
+        self._since_fit = 0
+        self._version = 0
+        self._theta: np.ndarray | None = None  # pipeline-only coefficients [6]
+        self._fit: RobustFit | None = None  # the model used for predictions
+        self._uses_contention = False
+
+    # ---- public API ----------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._fit is not None and len(self._obs) >= self.min_steps
+
+    @property
+    def params(self) -> CostParams:
+        """The pipeline-model coefficients (communication folded into them)."""
+        self._require_fit()
+        return self._costs(self._theta)  # type: ignore[arg-type]
+
+    @property
+    def noise(self) -> float:
+        """Robust sigma of the relative prediction error on the window."""
+        self._require_fit()
+        return self._fit.scale  # type: ignore[union-attr]
+
+    @property
+    def uses_contention(self) -> bool:
+        return self._uses_contention
+
+    def observations_of(self, plan: Plan) -> int:
+        """Steps in the window run under this plan's mesh and splits (trust a prediction for
+        a plan never seen only as far as its features were identifiable elsewhere)."""
+        return sum(o.plan == plan for o in self._obs)
+
+    def observe(self, plan: Plan, mb_tokens: np.ndarray | None, mb_sum_l2: np.ndarray | None,
+                step_time_s: float, stage_times_s: np.ndarray | None = None, *,
+                mb_slots: int | None = None) -> None:
+        """Record one healthy step; refits every `refit_every` steps once `min_steps` seen."""
+        try:
+            step_s = float(step_time_s)
+        except (TypeError, ValueError):
+            step_s = math.nan
+        if not (math.isfinite(step_s) and step_s > 0):
+            raise ConfigError(f"step_time_s={step_time_s!r}: must be a finite time > 0")
+        data = group_data(plan, mb_tokens, mb_sum_l2, mb_slots)
+        tok_N, l2_N = _global(data.tokens_GxM, data), _global(data.sum_l2_GxM, data)
+        stage_x, stage_y = self._stage_rows(plan, data, stage_times_s)
+        self._obs.append(_Obs(plan, tok_N, l2_N, mb_slots, step_s, stage_x, stage_y,
+                              features.total_units(plan, tok_N, l2_N)))
+        self._since_fit += 1
+        if len(self._obs) >= self.min_steps and (self._fit is None
+                                                 or self._since_fit >= self.refit_every):
+            self.refit()
+
+    def predict(self, plan: Plan, mb_tokens: np.ndarray | None, mb_sum_l2: np.ndarray | None,
+                health: Health | None = None, *, mb_slots: int | None = None) -> float:
+        """Predicted step time of this exact batch under this plan (and health)."""
+        self._require_fit()
+        coef = self._fit.coef  # type: ignore[union-attr]
+        sim = simulate_step(plan, self._model_for(plan), self._costs(coef[:N_PATH]),
+                            mb_tokens=mb_tokens, mb_sum_l2=mb_sum_l2, health=health,
+                            schedule=self.schedule, remat=self.remat, mb_slots=mb_slots,
+                            trace=False)
+        if not self._uses_contention:
+            return sim.step_time_s
+        data = group_data(plan, mb_tokens, mb_sum_l2, mb_slots)
+        tok_N, l2_N = _global(data.tokens_GxM, data), _global(data.sum_l2_GxM, data)
+        return sim.step_time_s + float(features.total_units(plan, tok_N, l2_N) @ coef[N_PATH:])
+
+    def refit(self) -> None:
+        """Re-estimate from the window: alternate critical paths and robust least squares."""
+        self._since_fit = 0
+        if not self._obs:
+            return
+        if self._theta is None:
+            self._theta = self._initial_theta()
+        for _ in range(6):
+            self._update_paths()
+            x_path, y = self._design(with_total=False)
+            pipe = robust_relative_fit(x_path, y)
+            moved = _relative_move(x_path, y, self._theta, pipe.coef)
+            self._theta = pipe.coef if pipe.coef.any() else self._theta
+            if moved < PATH_RECHECK:
+                break
+            self._version += 1
+        self._choose_model(pipe)
+
+    # ---- internals -----------------------------------------------------------------------
+    def _choose_model(self, pipe: RobustFit) -> None:
+        self._fit, self._uses_contention = pipe, self.mode == "contention"
+        if self.mode == "pipeline":
+            return
+        x_all, y = self._design(with_total=True)
+        both = robust_relative_fit(x_all, y)
+        if self.mode == "contention" or both.scale < 0.7 * pipe.scale:
+            self._fit, self._uses_contention = both, True
+        else:
+            self._fit = RobustFit(np.concatenate([pipe.coef, np.zeros(3)]),
+                                  np.concatenate([pipe.active, np.zeros(3, dtype=bool)]),
+                                  pipe.scale, pipe.weights)
+
+    def _require_fit(self) -> None:
+        if self._fit is None or self._theta is None:
+            raise ConfigError(f"OnlineCostModel has no fit yet: it needs {self.min_steps} "
+                              f"observed steps (has {len(self._obs)}); check .ready first")
+
+    def _costs(self, theta: np.ndarray) -> CostParams:
+        c, alpha, beta, head, tick, step = (float(v) for v in theta)
+        return CostParams(c=c, alpha=alpha, beta=beta, bwd_ratio=self.bwd_ratio,
+                          head_alpha=head, tick_overhead=tick, step_overhead=step)
+
+    def _model_for(self, plan: Plan) -> ModelConfig:
+        if self.model is not None and self.model.n_layers == plan.n_layers:
+            return self.model
+        return ModelConfig(n_layers=plan.n_layers)  # communication is folded: sizes unused
+
+    def _initial_theta(self) -> np.ndarray:
+        """Equal share for the fixed, per-token and attention terms: just to pick paths."""
+        tok = np.mean([o.tokens_N.mean() for o in self._obs])
+        l2 = np.mean([o.sum_l2_N.mean() for o in self._obs])
+        return np.array([1.0, 1.0 / max(tok, 1.0), 1.0 / max(l2, 1.0), 0.0, 0.0, 0.0])
+
+    def _update_paths(self) -> None:
+        costs = self._costs(self._theta)  # type: ignore[arg-type]
+        for obs in self._obs:
+            if obs.path_version == self._version:
+                continue
+            sim = simulate_step(obs.plan, self._model_for(obs.plan), costs,
+                                mb_tokens=obs.tokens_N, mb_sum_l2=obs.sum_l2_N,
+                                schedule=self.schedule, remat=self.remat, mb_slots=obs.mb_slots)
+            obs.path_x = features.path_units(sim, obs.plan, obs.tokens_N, obs.sum_l2_N,
+                                             self.bwd_ratio, self.remat, self.schedule)
+            obs.path_version = self._version
+
+    def _design(self, with_total: bool) -> tuple[np.ndarray, np.ndarray]:
+        n_total = len(features.TOTAL_FEATURES) if with_total else 0
+        rows, ys = [], []
+        for obs in self._obs:
+            extra = obs.total_x if with_total else np.zeros(0)
+            rows.append(np.concatenate([obs.path_x, extra]))
+            ys.append(obs.step_time_s)
+            if obs.stage_x is not None:
+                rows.extend(np.concatenate([obs.stage_x, np.zeros((len(obs.stage_x), n_total))],
+                                           axis=1))
+                ys.extend(obs.stage_y)  # type: ignore[arg-type]
+        return np.asarray(rows), np.asarray(ys)
+
+    def _stage_rows(self, plan: Plan, data: GroupData, stage_times_s: object
+                    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        if stage_times_s is None:
+            return None, None
+        times = np.asarray(stage_times_s, dtype=np.float64)
+        if times.shape == (plan.pp,) and plan.dp == 1:
+            times = times[None, :]
+        if times.shape != (plan.dp, plan.pp):
+            raise ConfigError(f"stage_times_s has shape {times.shape}; (dp, pp) = "
+                              f"({plan.dp}, {plan.pp}) is needed")
+        if not (np.isfinite(times).all() and (times > 0).all()):
+            raise ConfigError(f"stage_times_s={times.tolist()}: must be finite and > 0")
+        x = features.stage_units(plan, data, self.bwd_ratio, self.remat)
+        return x, times.reshape(-1)
+
+
+def _global(values_GxM: np.ndarray, data: GroupData) -> np.ndarray:
+    """Back from per-group slots to the global micro-batch order."""
+    return values_GxM[data.valid_GxM > 0]
+
+
+def _relative_move(x_NxF: np.ndarray, y_N: np.ndarray, old: np.ndarray, new: np.ndarray
+                   ) -> float:
+    return float(np.median(np.abs(x_NxF @ (new - old)) / y_N))

@@ -1,0 +1,53 @@
+"""TrainConfig: optimizer and step-compilation settings, frozen and self-validating."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import optax
+
+from resihp_jax.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    learning_rate: float = 3e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    remat: bool = False  # recompute each stage's forward in the backward pass (less memory)
+    layer_slots: int | None = None  # layer slots per stage; None: even share + headroom
+    microbatch_slots: int | None = None  # micro-batch slots per DP group; None: likewise
+
+    def __post_init__(self) -> None:
+        for name in ("learning_rate", "grad_clip"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"TrainConfig.{name}={value!r}: must be a finite number > 0")
+        if not (0 <= self.weight_decay < 1):
+            raise ConfigError(f"TrainConfig.weight_decay={self.weight_decay!r}: valid is [0, 1)")
+        for name in ("b1", "b2"):
+            if not (0 <= getattr(self, name) < 1):
+                raise ConfigError(f"TrainConfig.{name}={getattr(self, name)!r}: valid is [0, 1)")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"TrainConfig.warmup_steps={self.warmup_steps}: must be >= 0")
+        for name in ("layer_slots", "microbatch_slots"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"TrainConfig.{name}={value!r}: must be None or an int >= 1")
+
+    def replace(self, **changes: object) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def optimizer(self) -> optax.GradientTransformation:
+        """AdamW after global-norm clipping; elementwise, so identical for every plan."""
+        schedule = optax.linear_schedule(self.learning_rate / max(1, self.warmup_steps),
+                                         self.learning_rate, max(1, self.warmup_steps))
+        return optax.chain(
+            optax.clip_by_global_norm(self.grad_clip),
+            optax.adamw(schedule, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay),
+        )

@@ -1,0 +1,120 @@
+"""The per-device body of the train step: a GPipe pipeline over 'pp' inside `shard_map`.
+
+Schedule: a `lax.scan` over ticks t = 0 .. mb_slots + pp - 2. At tick t stage s runs
+micro-batch t - s (if its DP group has that many), then every stage passes its activation to
+the next with one collective permute. Reverse-mode autodiff of the scan gives the backward
+ticks in reverse order (all forwards, then all backwards: GPipe). Stages skip empty layer
+slots and missing micro-batches with `lax.cond`, so the uneven splits are runtime arrays and
+skipped work costs no compute.
+
+Every collective (TP all-reduces, the permute) runs unconditionally, outside any `cond`:
+XLA:CPU deadlocks when only some devices reach a collective, and GPUs need every member of
+a group to join anyway. The conds wrap only collective-free compute and yield zeros when
+idle, so an idle slot still joins its TP all-reduce with a zero contribution.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from resihp_jax import vma
+from resihp_jax.model import layers
+from resihp_jax.model.config import ModelConfig
+
+STEP_AXES = ("dp", "pp")  # activations differ across these; 'tp' devices hold equal copies
+ALL_AXES = ("dp", "pp", "tp")
+
+
+def _when(active: jax.Array, compute: Callable[[], Any], like: Any,
+          axes: tuple[str, ...] = ALL_AXES) -> Any:
+    """compute() if active, else zeros shaped like `like`; collective-free on both sides."""
+    zeros = lambda: vma.vary(jax.tree.map(jnp.zeros_like, like), axes)  # noqa: E731
+    return jax.lax.cond(active, lambda: vma.vary(compute(), axes), zeros)
+
+
+def run_stage(layer_params: dict[str, jax.Array], active: jax.Array, n_layers: jax.Array,
+              x_BxSxD: jax.Array, seg_BxS: jax.Array, pos_BxS: jax.Array,
+              cfg: ModelConfig) -> jax.Array:
+    """Apply this stage's first `n_layers` slots when `active`; other slots are skipped."""
+    slot_ids = jnp.arange(jax.tree.leaves(layer_params)[0].shape[0])
+
+    def one_slot(x: jax.Array, slot: tuple[jax.Array, dict[str, jax.Array]]):
+        i, p = slot
+        on = active & (i < n_layers)
+        attn = _when(on, lambda: layers.attention_partial(p, x, seg_BxS, pos_BxS, cfg), x)
+        x = x + jax.lax.psum(attn, "tp")
+        mlp = _when(on, lambda: layers.mlp_partial(p, x, cfg), x)
+        return x + jax.lax.psum(mlp, "tp"), None  # idle: both sums are zero, x passes through
+
+    return jax.lax.scan(one_slot, x_BxSxD, (slot_ids, layer_params))[0]
+
+
+def _tick_loss(params: dict[str, Any], on_head: jax.Array, x_BxSxD: jax.Array,
+               tok_BxS: jax.Array, seg_BxS: jax.Array, cfg: ModelConfig) -> jax.Array:
+    targets_BxS, weights_BxS = layers.next_token_targets(tok_BxS, seg_BxS)
+    w_DxV = params["head"]["w"]
+    offset = layers.vocab_offset(w_DxV.shape[-1], "tp")
+
+    def partials() -> layers.LossPartials:
+        logits_BxSxV = layers.logits(params["head"]["norm"], w_DxV, x_BxSxD, cfg)
+        return layers.loss_partials(logits_BxSxV, targets_BxS, offset)
+
+    like = layers.LossPartials(*(jnp.zeros(tok_BxS.shape, jnp.float32),) * 3)
+    parts = layers.reduce_loss_partials(_when(on_head, partials, like), "tp")
+    return jax.lax.cond(on_head, lambda: vma.vary(layers.nll_sum(parts, weights_BxS), STEP_AXES),
+                        lambda: vma.vary(jnp.zeros((), jnp.float32), STEP_AXES))
+
+
+def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
+                      pos: jax.Array, n_layers_P: jax.Array, n_mb_D: jax.Array, *,
+                      cfg: ModelConfig, pp: int, remat: bool,
+                      delay_fn: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+    """Sum of token losses over all DP groups' micro-batches (same value on every device).
+
+    Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...].
+    `delay_fn`, when given, is applied to each busy tick's input (fault injection hook).
+    """
+    # Mark every weight device-varying here, once: otherwise autodiff reduces each weight's
+    # gradient over dp/pp/tp inside every backward tick (one all-reduce per tick instead of
+    # one per step), and those all-reduces race the pipeline permute into a deadlock.
+    params = vma.vary(params, ALL_AXES)
+    stage = jax.lax.axis_index("pp")
+    my_layers = n_layers_P[stage]
+    my_microbatches = n_mb_D[jax.lax.axis_index("dp")]
+    layer_params = jax.tree.map(lambda a: a[0], params["layers"])
+    tokens_MxBxS, seg_MxBxS, pos_MxBxS = tokens[0], seg[0], pos[0]
+    mb_slots, batch, seq = tokens_MxBxS.shape
+    table_VxD = params["embed"]["table"]
+    offset = layers.vocab_offset(table_VxD.shape[0], "tp")
+    x_like = jnp.zeros((batch, seq, cfg.d_model), cfg.dtype)
+
+    def work(x_recv: jax.Array, m: jax.Array, busy: jax.Array):
+        tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
+        first = busy & (stage == 0)
+        emb = _when(first, lambda: layers.embed_partial(table_VxD, tok_BxS, offset, cfg.dtype),
+                    x_like)
+        x_BxSxD = jnp.where(stage == 0, jax.lax.psum(emb, "tp"), x_recv)
+        if delay_fn is not None:
+            x_BxSxD = delay_fn(x_BxSxD, busy)
+        x_BxSxD = run_stage(layer_params, busy, my_layers, x_BxSxD, seg_BxS, pos_BxS, cfg)
+        loss = _tick_loss(params, busy & (stage == pp - 1), x_BxSxD, tok_BxS, seg_BxS, cfg)
+        return x_BxSxD, loss
+
+    if remat:
+        work = jax.checkpoint(work)
+
+    def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array):
+        x_recv, loss_acc = carry
+        m = t - stage
+        busy = (m >= 0) & (m < my_microbatches)
+        x_out, loss = work(x_recv, jnp.clip(m, 0, mb_slots - 1), busy)
+        if pp > 1:
+            x_out = jax.lax.ppermute(x_out, "pp", [(s, s + 1) for s in range(pp - 1)])
+        return (x_out, loss_acc + loss), None
+
+    carry0 = vma.vary((x_like, jnp.zeros((), jnp.float32)), STEP_AXES)
+    (_, loss_sum), _ = jax.lax.scan(tick, carry0, jnp.arange(mb_slots + pp - 1))
+    return jax.lax.psum(loss_sum, STEP_AXES)

@@ -1,0 +1,49 @@
+"""Move a training state from one plan's program to another's, in memory.
+
+Layers travel through the canonical layout `[n_layers, ...]`: gather out of the old stage
+layout on the old mesh, `jax.device_put` onto the new mesh (works across device sets,
+including onto fewer devices), scatter into the new stage layout there. One jitted call
+cannot span two device sets, hence three steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from resihp_jax.meshes import layout
+from resihp_jax.meshes.rules import state_shardings
+from resihp_jax.train.step import StepProgram, TrainState
+
+
+def to_canonical(state: TrainState, program: StepProgram) -> TrainState:
+    """The state with every layer leaf in canonical order `[n_layers, ...]` (same mesh)."""
+    positions_L = jnp.asarray(layout.canonical_index(program.stage_index()))
+    shapes = jax.eval_shape(layout.to_canonical_layout, state, positions_L)
+    out = state_shardings(shapes, program.mesh, stage_layout=False)
+    return jax.jit(layout.to_canonical_layout, out_shardings=out)(state, positions_L)
+
+
+def from_canonical(canonical: TrainState, program: StepProgram) -> TrainState:
+    """Place a canonical state (on any devices) into `program`'s stage layout and shardings."""
+    shapes = jax.eval_shape(lambda s: s, canonical)
+    target = state_shardings(shapes, program.mesh, stage_layout=False)
+    on_mesh = jax.device_put(canonical, target)
+    index_PxL = jnp.asarray(program.stage_index())
+    return jax.jit(layout.to_stage_layout, out_shardings=program.state_shardings)(on_mesh,
+                                                                                 index_PxL)
+
+
+def move_state(state: TrainState, src: StepProgram, dst: StepProgram) -> TrainState:
+    """`state` laid out for `src`'s plan, re-laid out and re-sharded for `dst`'s plan."""
+    same_layout = (src.plan == dst.plan and src.layer_slots == dst.layer_slots)
+    if same_layout and src.mesh.devices.tolist() == dst.mesh.devices.tolist():
+        return state
+    return from_canonical(to_canonical(state, src), dst)
+
+
+def state_bytes(state: Any) -> int:
+    """Total bytes of a state's arrays (what a reshard moves at most)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))

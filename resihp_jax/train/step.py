@@ -1,0 +1,181 @@
+"""Build the jitted train step of a Plan: shard_map pipeline + TP + token-weighted DP, AdamW.
+
+`StepProgram` owns one compiled program per mesh. The uneven layer and micro-batch splits
+are runtime inputs (`Splits`), so re-balancing reuses the same executable; only a new mesh
+shape, device set or slot count builds a new program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from resihp_jax.meshes import layout
+from resihp_jax.meshes.mesh import make_mesh
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.meshes.rules import state_shardings, state_specs
+from resihp_jax.model import decoder, layers
+from resihp_jax.model.config import ModelConfig
+from resihp_jax.train.config import TrainConfig
+from resihp_jax.train.pipeline import pipeline_loss_sum
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: dict[str, Any]  # stage layout: layer leaves [pp, slots, ...]
+    opt_state: Any
+
+
+class Batch(NamedTuple):
+    """A global batch routed to DP groups: each [dp, mb_slots, microbatch_size, seq_len]."""
+    tokens: jax.Array
+    segment_ids: jax.Array
+    positions: jax.Array
+
+
+class Splits(NamedTuple):
+    """Runtime split of the work: layers per stage [pp], micro-batches per DP group [dp]."""
+    layers_per_stage: jax.Array
+    microbatches_per_group: jax.Array
+
+
+def route_microbatches(array_MxBxS: np.ndarray, plan: Plan, mb_slots: int) -> np.ndarray:
+    """Global micro-batches [M, B, S] -> per-group slots [dp, mb_slots, B, S] (zero padded)."""
+    if array_MxBxS.shape[0] != plan.n_microbatches:
+        raise ValueError(f"batch has {array_MxBxS.shape[0]} micro-batches; the plan takes "
+                         f"{plan.n_microbatches}")
+    out = np.zeros((plan.dp, mb_slots) + array_MxBxS.shape[1:], array_MxBxS.dtype)
+    for group, (start, count) in enumerate(zip(plan.microbatch_offsets(),
+                                               plan.microbatches_per_group)):
+        out[group, :count] = array_MxBxS[start:start + count]
+    return out
+
+
+def token_count(segment_ids: jax.Array) -> jax.Array:
+    """Trained tokens in a batch of any leading shape (the loss's denominator)."""
+    seg_NxS = segment_ids.reshape(-1, segment_ids.shape[-1])
+    return jnp.sum(layers.next_token_targets(seg_NxS, seg_NxS)[1])
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    """Everything compiled for one mesh; `plan` may change splits without rebuilding."""
+    model: ModelConfig
+    train: TrainConfig
+    plan: Plan
+    mesh: jax.sharding.Mesh
+    layer_slots: int
+    mb_slots: int
+    optimizer: optax.GradientTransformation
+    state_shardings: Any
+    batch_sharding: NamedSharding
+    replicated: NamedSharding
+    step_fn: Callable[..., Any]
+    loss_and_grads_fn: Callable[..., Any]
+
+    def with_plan(self, plan: Plan) -> StepProgram:
+        """Same program for a plan that only changes the layer or micro-batch split."""
+        if not self.plan.same_mesh(plan):
+            raise ValueError("with_plan needs the same mesh; build a new program instead")
+        layout.layer_slots_for(plan, self.layer_slots)
+        layout.microbatch_slots_for(plan, self.mb_slots)
+        return dataclasses.replace(self, plan=plan)
+
+    def splits(self) -> Splits:
+        put = functools.partial(jax.device_put, device=self.replicated)
+        return Splits(put(np.asarray(self.plan.layers_per_stage, np.int32)),
+                      put(np.asarray(self.plan.microbatches_per_group, np.int32)))
+
+    def stage_index(self) -> np.ndarray:
+        return layout.stage_index(self.plan.layers_per_stage, self.layer_slots)
+
+    def shard_batch(self, tokens_MxBxS: np.ndarray, segment_ids_MxBxS: np.ndarray,
+                    positions_MxBxS: np.ndarray) -> Batch:
+        arrays = (route_microbatches(np.asarray(a, np.int32), self.plan, self.mb_slots)
+                  for a in (tokens_MxBxS, segment_ids_MxBxS, positions_MxBxS))
+        return Batch(*(jax.device_put(a, self.batch_sharding) for a in arrays))
+
+    def init_state(self, seed: int) -> TrainState:
+        """Fresh state built directly in its shardings (never materialized whole)."""
+        index_PxL = jnp.asarray(self.stage_index())
+
+        def init(index: jax.Array) -> TrainState:
+            params = layout.to_stage_layout(decoder.init_params(self.model, seed), index)
+            return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+        return jax.jit(init, out_shardings=self.state_shardings)(index_PxL)
+
+    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        return self.step_fn(state, batch, self.splits())
+
+    def loss_and_grads(self, params: dict[str, Any], batch: Batch) -> tuple[jax.Array, Any]:
+        return self.loss_and_grads_fn(params, batch, self.splits())
+
+
+def abstract_state(model: ModelConfig, optimizer: optax.GradientTransformation, plan: Plan,
+                   layer_slots: int) -> TrainState:
+    index_PxL = jnp.asarray(layout.stage_index(plan.layers_per_stage, layer_slots))
+
+    def init() -> TrainState:
+        params = layout.to_stage_layout(decoder.init_params(model, 0), index_PxL)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+    return jax.eval_shape(init)
+
+
+def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
+               devices: Sequence[jax.Device],
+               delay_fn: Callable[[jax.Array], jax.Array] | None = None) -> StepProgram:
+    """Compile-ready program for `plan` on `devices` (looked up by the plan's device ids)."""
+    plan.check(model, [int(d.id) for d in devices])
+    mesh = make_mesh(plan, devices)
+    layer_slots = layout.layer_slots_for(plan, train.layer_slots)
+    mb_slots = layout.microbatch_slots_for(plan, train.microbatch_slots)
+    optimizer = train.optimizer()
+    shapes = abstract_state(model, optimizer, plan, layer_slots)
+    shardings = state_shardings(shapes, mesh)
+    batch_spec, replicated = P("dp"), NamedSharding(mesh, P())
+    batch_sharding = NamedSharding(mesh, batch_spec)
+
+    sharded_loss = jax.shard_map(
+        functools.partial(pipeline_loss_sum, cfg=model, pp=plan.pp, remat=train.remat,
+                          delay_fn=delay_fn),
+        mesh=mesh,
+        in_specs=(state_specs(shapes.params), batch_spec, batch_spec, batch_spec, P(), P()),
+        out_specs=P())
+
+    def loss_and_grads(params: dict[str, Any], batch: Batch, splits: Splits):
+        count = jnp.maximum(token_count(batch.segment_ids), 1.0)
+
+        def mean_loss(p: dict[str, Any]) -> jax.Array:
+            total = sharded_loss(p, batch.tokens, batch.segment_ids, batch.positions,
+                                 splits.layers_per_stage, splits.microbatches_per_group)
+            return total / count
+
+        loss, grads = jax.value_and_grad(mean_loss)(params)
+        return loss, grads, count
+
+    def train_step(state: TrainState, batch: Batch, splits: Splits):
+        loss, grads, count = loss_and_grads(state.params, batch, splits)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "tokens": count, "grad_norm": optax.global_norm(grads)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    batch_shardings = Batch(batch_sharding, batch_sharding, batch_sharding)
+    split_shardings = Splits(replicated, replicated)
+    step_fn = jax.jit(train_step, in_shardings=(shardings, batch_shardings, split_shardings),
+                      out_shardings=(shardings, replicated), donate_argnums=0)
+    grads_fn = jax.jit(lambda p, b, s: loss_and_grads(p, b, s)[:2],
+                       in_shardings=(shardings.params, batch_shardings, split_shardings),
+                       out_shardings=(replicated, shardings.params))
+    return StepProgram(model, train, plan, mesh, layer_slots, mb_slots, optimizer, shardings,
+                       batch_sharding, replicated, step_fn, grads_fn)

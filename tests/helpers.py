@@ -1,0 +1,47 @@
+"""Shared test fixtures: a packed batch with known documents and the single-device reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from resihp_jax.data import BatchIterator, GlobalBatch
+from resihp_jax.meshes import layout
+from resihp_jax.model import decoder
+from resihp_jax.model.config import ModelConfig
+from resihp_jax.train.step import StepProgram
+
+
+def make_batches(n_microbatches: int, microbatch_size: int = 2, seq_len: int = 64,
+                 n_batches: int = 1, seed: int = 0) -> list[GlobalBatch]:
+    it = BatchIterator("synthetic:lognormal", n_microbatches=n_microbatches,
+                       microbatch_size=microbatch_size, seq_len=seq_len, seed=seed)
+    return [it.next_batch() for _ in range(n_batches)]
+
+
+def reference_loss_and_grads(cfg: ModelConfig, params: Any, batch: GlobalBatch):
+    """Token-weighted mean loss over all micro-batches on whole weights, and its gradients."""
+    def mean_loss(p: Any) -> jax.Array:
+        total, count = 0.0, 0.0
+        for m in range(batch.shape[0]):
+            loss, n = decoder.loss_sum_and_count(p, batch.tokens_MxBxS[m],
+                                                 batch.segment_ids_MxBxS[m],
+                                                 batch.positions_MxBxS[m], cfg)
+            total, count = total + loss, count + n
+        return total / count
+    return jax.jit(jax.value_and_grad(mean_loss))(params)
+
+
+def canonical_grads(program: StepProgram, grads: Any) -> Any:
+    positions_L = jnp.asarray(layout.canonical_index(program.stage_index()))
+    return jax.device_get(layout.to_canonical_layout(grads, positions_L))
+
+
+def max_relative_error(tree: Any, reference: Any) -> float:
+    errs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))
+                                           / (np.max(np.abs(np.asarray(b))) + 1e-12)),
+                        tree, reference)
+    return max(jax.tree.leaves(errs))

@@ -36,7 +36,7 @@ LOGICAL_AXES: dict[str, dict[str, tuple[str, ...]]] = {
 
 def _param(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
     # Sharding is applied by the train step from these names, never eagerly at creation.
-    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:

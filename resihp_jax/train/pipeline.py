@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from resihp_jax import vma
 from resihp_jax.model import layers
 from resihp_jax.model.config import ModelConfig
+from resihp_jax.train.instrument import Instrument
 
 STEP_AXES = ("dp", "pp")  # activations differ across these; 'tp' devices hold equal copies
 ALL_AXES = ("dp", "pp", "tp")
@@ -69,13 +70,14 @@ def _tick_loss(params: dict[str, Any], on_head: jax.Array, x_BxSxD: jax.Array,
 
 
 def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
-                      pos: jax.Array, n_layers_P: jax.Array, n_mb_D: jax.Array, *,
-                      cfg: ModelConfig, pp: int, remat: bool,
-                      delay_fn: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+                      pos: jax.Array, n_layers_P: jax.Array, n_mb_D: jax.Array,
+                      knob: jax.Array, *, cfg: ModelConfig, pp: int, remat: bool,
+                      instrument: Instrument | None = None) -> jax.Array:
     """Sum of token losses over all DP groups' micro-batches (same value on every device).
 
-    Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...].
-    `delay_fn`, when given, is applied to each busy tick's input (fault injection hook).
+    Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...]; knob
+    [1, 1, 1], this device's runtime value handed to `instrument`'s host callbacks, which
+    (when given) bracket each tick's stage work, forward and backward.
     """
     # Mark every weight device-varying here, once: otherwise autodiff reduces each weight's
     # gradient over dp/pp/tp inside every backward tick (one all-reduce per tick instead of
@@ -91,15 +93,18 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
     offset = layers.vocab_offset(table_VxD.shape[0], "tp")
     x_like = jnp.zeros((batch, seq, cfg.d_model), cfg.dtype)
 
-    def work(x_recv: jax.Array, m: jax.Array, busy: jax.Array):
+    def work(x_recv: jax.Array, m: jax.Array, busy: jax.Array, t: jax.Array):
         tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
         first = busy & (stage == 0)
         emb = _when(first, lambda: layers.embed_partial(table_VxD, tok_BxS, offset, cfg.dtype),
                     x_like)
         x_BxSxD = jnp.where(stage == 0, jax.lax.psum(emb, "tp"), x_recv)
-        if delay_fn is not None:
-            x_BxSxD = delay_fn(x_BxSxD, busy)
+        if instrument is not None:
+            coords = instrument.coords(knob.reshape(()), busy, t)
+            x_BxSxD = instrument.enter(x_BxSxD, coords)
         x_BxSxD = run_stage(layer_params, busy, my_layers, x_BxSxD, seg_BxS, pos_BxS, cfg)
+        if instrument is not None:
+            x_BxSxD = instrument.exit(x_BxSxD, coords)
         loss = _tick_loss(params, busy & (stage == pp - 1), x_BxSxD, tok_BxS, seg_BxS, cfg)
         return x_BxSxD, loss
 
@@ -110,7 +115,7 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
         x_recv, loss_acc = carry
         m = t - stage
         busy = (m >= 0) & (m < my_microbatches)
-        x_out, loss = work(x_recv, jnp.clip(m, 0, mb_slots - 1), busy)
+        x_out, loss = work(x_recv, jnp.clip(m, 0, mb_slots - 1), busy, t)
         if pp > 1:
             x_out = jax.lax.ppermute(x_out, "pp", [(s, s + 1) for s in range(pp - 1)])
         return (x_out, loss_acc + loss), None

@@ -25,6 +25,7 @@ from resihp_jax.meshes.rules import state_shardings, state_specs
 from resihp_jax.model import decoder, layers
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.train.config import TrainConfig
+from resihp_jax.train.instrument import Instrument
 from resihp_jax.train.pipeline import pipeline_loss_sum
 
 
@@ -42,9 +43,14 @@ class Batch(NamedTuple):
 
 
 class Splits(NamedTuple):
-    """Runtime split of the work: layers per stage [pp], micro-batches per DP group [dp]."""
+    """Runtime inputs that never recompile: layers per stage [pp], micro-batches per DP
+    group [dp], and one float per device [dp, pp, tp] for the instrument (default 1)."""
     layers_per_stage: jax.Array
     microbatches_per_group: jax.Array
+    knobs: jax.Array
+
+
+KNOB_SPEC = P("dp", "pp", "tp")
 
 
 def route_microbatches(array_MxBxS: np.ndarray, plan: Plan, mb_slots: int) -> np.ndarray:
@@ -89,10 +95,14 @@ class StepProgram:
         layout.microbatch_slots_for(plan, self.mb_slots)
         return dataclasses.replace(self, plan=plan)
 
-    def splits(self) -> Splits:
+    def splits(self, knobs_DxPxT: np.ndarray | None = None) -> Splits:
         put = functools.partial(jax.device_put, device=self.replicated)
+        if knobs_DxPxT is None:
+            knobs_DxPxT = np.ones((self.plan.dp, self.plan.pp, self.plan.tp), np.float32)
         return Splits(put(np.asarray(self.plan.layers_per_stage, np.int32)),
-                      put(np.asarray(self.plan.microbatches_per_group, np.int32)))
+                      put(np.asarray(self.plan.microbatches_per_group, np.int32)),
+                      jax.device_put(np.asarray(knobs_DxPxT, np.float32),
+                                     NamedSharding(self.mesh, KNOB_SPEC)))
 
     def stage_index(self) -> np.ndarray:
         return layout.stage_index(self.plan.layers_per_stage, self.layer_slots)
@@ -113,8 +123,9 @@ class StepProgram:
 
         return jax.jit(init, out_shardings=self.state_shardings)(index_PxL)
 
-    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        return self.step_fn(state, batch, self.splits())
+    def step(self, state: TrainState, batch: Batch, knobs_DxPxT: np.ndarray | None = None
+             ) -> tuple[TrainState, dict[str, jax.Array]]:
+        return self.step_fn(state, batch, self.splits(knobs_DxPxT))
 
     def loss_and_grads(self, params: dict[str, Any], batch: Batch) -> tuple[jax.Array, Any]:
         return self.loss_and_grads_fn(params, batch, self.splits())
@@ -133,8 +144,12 @@ def abstract_state(model: ModelConfig, optimizer: optax.GradientTransformation, 
 
 def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
                devices: Sequence[jax.Device],
-               delay_fn: Callable[[jax.Array], jax.Array] | None = None) -> StepProgram:
-    """Compile-ready program for `plan` on `devices` (looked up by the plan's device ids)."""
+               instrument: Instrument | None = None) -> StepProgram:
+    """Compile-ready program for `plan` on `devices` (looked up by the plan's device ids).
+
+    `instrument` (optional) brackets each device's stage work with host callbacks; the
+    per-device `knobs` input of the step is handed to them (e.g. a slowdown factor).
+    """
     plan.check(model, [int(d.id) for d in devices])
     mesh = make_mesh(plan, devices)
     layer_slots = layout.layer_slots_for(plan, train.layer_slots)
@@ -147,9 +162,10 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
 
     sharded_loss = jax.shard_map(
         functools.partial(pipeline_loss_sum, cfg=model, pp=plan.pp, remat=train.remat,
-                          delay_fn=delay_fn),
+                          instrument=instrument),
         mesh=mesh,
-        in_specs=(state_specs(shapes.params), batch_spec, batch_spec, batch_spec, P(), P()),
+        in_specs=(state_specs(shapes.params), batch_spec, batch_spec, batch_spec, P(), P(),
+                  KNOB_SPEC),
         out_specs=P())
 
     def loss_and_grads(params: dict[str, Any], batch: Batch, splits: Splits):
@@ -157,7 +173,8 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
 
         def mean_loss(p: dict[str, Any]) -> jax.Array:
             total = sharded_loss(p, batch.tokens, batch.segment_ids, batch.positions,
-                                 splits.layers_per_stage, splits.microbatches_per_group)
+                                 splits.layers_per_stage, splits.microbatches_per_group,
+                                 splits.knobs)
             return total / count
 
         loss, grads = jax.value_and_grad(mean_loss)(params)
@@ -167,11 +184,11 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
         loss, grads, count = loss_and_grads(state.params, batch, splits)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "tokens": count, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     batch_shardings = Batch(batch_sharding, batch_sharding, batch_sharding)
-    split_shardings = Splits(replicated, replicated)
+    split_shardings = Splits(replicated, replicated, NamedSharding(mesh, KNOB_SPEC))
     step_fn = jax.jit(train_step, in_shardings=(shardings, batch_shardings, split_shardings),
                       out_shardings=(shardings, replicated), donate_argnums=0)
     grads_fn = jax.jit(lambda p, b, s: loss_and_grads(p, b, s)[:2],

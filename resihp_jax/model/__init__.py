@@ -1,7 +1,6 @@
-"""The decoder: config presets, NNX modules, and the pure math the train step shards."""
+"""The decoder: config presets (importable without JAX), NNX modules in `decoder`, and the
+pure math the train step shards in `layers`."""
 
 from resihp_jax.model.config import PRESETS, ModelConfig, get_model_config
-from resihp_jax.model.decoder import LOGICAL_AXES, Decoder, init_params
 
-__all__ = ["PRESETS", "LOGICAL_AXES", "Decoder", "ModelConfig", "get_model_config",
-           "init_params"]
+__all__ = ["PRESETS", "ModelConfig", "get_model_config"]

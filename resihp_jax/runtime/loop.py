@@ -1,0 +1,55 @@
+"""A plain training loop over a StepProgram: data in plan order, one metrics record a step."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+
+from resihp_jax.data import BatchIterator, GlobalBatch
+from resihp_jax.train.step import StepProgram, TrainState
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    loss: float
+    step_time_s: float
+    tokens: int  # tokens processed (the whole global batch, padding included)
+    loss_tokens: int  # tokens the loss averages over
+    tokens_per_s: float
+    grad_norm: float
+    plan: dict[str, Any]
+    sum_sq_lengths: list[float]
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def run_step(program: StepProgram, state: TrainState, batch: GlobalBatch,
+             knobs_DxPxT: np.ndarray | None = None,
+             clock: Callable[[], float] = time.perf_counter) -> tuple[TrainState, StepRecord]:
+    """One step, timed from dispatch to the loss on the host (which waits for the step)."""
+    arrays = program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
+                                 batch.positions_MxBxS)
+    start = clock()
+    state, metrics = program.step(state, arrays, knobs_DxPxT)
+    metrics = jax.device_get(metrics)
+    elapsed = clock() - start
+    tokens = program.plan.tokens_per_step
+    record = StepRecord(int(state.step), float(metrics["loss"]), elapsed, tokens,
+                        int(metrics["tokens"]), tokens / elapsed if elapsed > 0 else 0.0,
+                        float(metrics["grad_norm"]), program.plan.to_dict(),
+                        [float(x) for x in batch.sum_sq_lengths()])
+    return state, record
+
+
+def train(program: StepProgram, state: TrainState, data: BatchIterator, steps: int,
+          ) -> Iterator[tuple[TrainState, StepRecord]]:
+    """Yield (state, record) after each of `steps` steps."""
+    for _ in range(steps):
+        state, record = run_step(program, state, data.next_batch())
+        yield state, record

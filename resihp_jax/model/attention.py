@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from resihp_jax import vma
 from resihp_jax.errors import ConfigError
 
 _F32 = jnp.float32
@@ -88,23 +89,13 @@ def computed_block_pairs(segment_ids_BxS: np.ndarray, block_size: int) -> int:
 # ----------------------------------------------------------------------------- vma helpers
 
 
-def _varying_axes(x) -> frozenset:
-    """Mesh axes x varies over inside shard_map (empty outside)."""
-    aval = jax.typeof(x)
-    if hasattr(aval, "vma"):  # the attribute's name in jax releases that have it
-        return frozenset(aval.vma)
-    mat = getattr(aval, "mat", None)  # jax 0.10 keeps it in the manual-axis type
-    return frozenset(getattr(mat, "varying", ()))
-
-
 def _vma(*xs) -> frozenset:
-    return frozenset().union(*(_varying_axes(x) for x in xs))
+    return frozenset().union(*(vma.varying_axes(x) for x in xs))
 
 
 def _to_varying(x, axes: frozenset):
     """Make x vary over `axes` so scan carries and cond branches agree inside shard_map."""
-    missing = tuple(sorted(axes - _varying_axes(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
+    return vma.vary(x, axes)
 
 
 def _full(shape, value: float, dtype, axes: frozenset):

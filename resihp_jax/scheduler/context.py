@@ -1,0 +1,74 @@
+"""What every policy plans against: the model, its costs, memory, devices, switch costs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from resihp_jax.errors import ConfigError
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model.config import ModelConfig
+from resihp_jax.perfmodel import CostParams
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class SwitchCosts:
+    """What moving to a new plan costs, and how long the new plan is expected to last."""
+
+    recompile_s: float = 60.0  # a new mesh recompiles (persistent cache and AOT help)
+    reshard_bytes_per_s: float = 25e9  # per receiving device, in-memory device_put
+    state_bytes_per_param: float = 16.0  # bf16 param + fp32 master + two fp32 Adam moments
+    device_mtbf_hours: float = 50_000.0  # ~3 h job MTBF at 16k GPUs, as large fleets report
+    horizon_s: float | None = None  # expected seconds to the next failure; None: from MTBF
+
+    def __post_init__(self) -> None:
+        for name in ("recompile_s", "reshard_bytes_per_s", "state_bytes_per_param",
+                     "device_mtbf_hours"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"SwitchCosts.{name}={getattr(self, name)!r}: must be >= 0")
+        if self.horizon_s is not None and not self.horizon_s > 0:
+            raise ConfigError(f"SwitchCosts.horizon_s={self.horizon_s!r}: must be > 0")
+
+    def expected_horizon_s(self, n_devices: int) -> float:
+        """Seconds until the next failure of `n_devices` with independent failures."""
+        if self.horizon_s is not None:
+            return self.horizon_s
+        return self.device_mtbf_hours * 3600.0 / max(1, n_devices)
+
+
+@dataclass(frozen=True)
+class PlanningContext:
+    """Everything a policy needs besides the current plan and the health map."""
+
+    model: ModelConfig
+    costs: CostParams
+    device_memory_bytes: float
+    pool: tuple[int, ...]  # every device the job may use; capacity is measured over these
+    schedule: str = "gpipe"
+    remat: bool = True
+    switch: SwitchCosts = field(default_factory=SwitchCosts)
+    simulate_top: int = 6  # candidates (beyond the current mesh's) scored by the simulator
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pool", tuple(int(d) for d in self.pool))
+        if not self.pool or len(set(self.pool)) != len(self.pool) or min(self.pool) < 0:
+            raise ConfigError(f"PlanningContext.pool={self.pool[:8]}...: needs distinct "
+                              "device ids >= 0")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"PlanningContext.schedule={self.schedule!r}: valid are "
+                              f"{', '.join(SCHEDULES)}")
+        if not self.device_memory_bytes > 0:
+            raise ConfigError(f"PlanningContext.device_memory_bytes="
+                              f"{self.device_memory_bytes!r}: must be > 0")
+        if self.simulate_top < 1:
+            raise ConfigError(f"PlanningContext.simulate_top={self.simulate_top}: must be >= 1")
+
+    @classmethod
+    def for_plan(cls, plan: Plan, model: ModelConfig, costs: CostParams,
+                 device_memory_bytes: float, pool: Sequence[int] | None = None,
+                 **options: object) -> PlanningContext:
+        """Context whose pool defaults to the plan's own devices."""
+        ids = plan.device_ids if pool is None else tuple(pool)
+        return cls(model, costs, device_memory_bytes, tuple(ids), **options)  # type: ignore[arg-type]

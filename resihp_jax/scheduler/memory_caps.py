@@ -1,0 +1,78 @@
+"""How many layers per stage and micro-batches per group a mesh shape can hold in memory.
+
+The compiled step pads every stage to the largest layer count and every group to the largest
+micro-batch count, so memory is set by two maxima (layer slots, micro-batch slots) and both
+caps are single numbers per shape. Memory grows with each, so binary search finds them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model.config import ModelConfig
+from resihp_jax.perfmodel import fits_memory
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    """Everything besides the shape that decides whether a plan fits a device."""
+
+    model: ModelConfig
+    device_memory_bytes: float
+    microbatch_size: int
+    seq_len: int
+    schedule: str
+    remat: bool
+
+
+@functools.lru_cache(maxsize=65536)
+def fits(limits: MemoryLimits, dp: int, pp: int, tp: int, layer_slots: int,
+         mb_slots: int) -> bool:
+    """True when the shape fits with these padded layer and micro-batch counts."""
+    return _fits_one_group(limits, pp, tp, layer_slots, mb_slots)
+
+
+@functools.lru_cache(maxsize=65536)
+def _fits_one_group(limits: MemoryLimits, pp: int, tp: int, layer_slots: int,
+                    mb_slots: int) -> bool:
+    # A device's bytes depend on its stage's layers, its TP width and the micro-batches in
+    # flight, not on how many DP replicas exist (no optimizer sharding over dp), so a one-group
+    # probe answers for every dp without building 16k-device plans (tests pin this down).
+    probe = Plan(1, pp, tp, tuple(range(pp * tp)), (1,) * pp, (1,),
+                 limits.microbatch_size, limits.seq_len)
+    return fits_memory(probe, limits.model, limits.device_memory_bytes,
+                       schedule=limits.schedule, remat=limits.remat, layer_slots=layer_slots,
+                       mb_slots=mb_slots)
+
+
+def layer_cap(limits: MemoryLimits, dp: int, pp: int, tp: int, mb_slots: int) -> int:
+    """Largest layers per stage that fit with `mb_slots` micro-batches (0: not even one)."""
+    return _largest(lambda n: fits(limits, dp, pp, tp, n, mb_slots), limits.model.n_layers)
+
+
+def microbatch_cap(limits: MemoryLimits, dp: int, pp: int, tp: int, layer_slots: int,
+                   n_microbatches: int) -> int:
+    """Largest micro-batches per group that fit with `layer_slots` layers (0: not one)."""
+    return _largest(lambda m: fits(limits, dp, pp, tp, layer_slots, m), n_microbatches)
+
+
+def _largest(ok: Callable[[int], bool], upper: int) -> int:
+    """Largest n in [1, upper] with ok(n) for a monotone predicate; 0 if ok(1) is false."""
+    if not ok(1):
+        return 0
+    lo, hi = 1, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def clear_cache() -> None:
+    fits.cache_clear()
+    _fits_one_group.cache_clear()

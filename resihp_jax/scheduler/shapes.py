@@ -1,0 +1,60 @@
+"""Candidate mesh shapes (dp, pp, tp) for a number of usable devices.
+
+tp must be a power of two dividing the heads, KV heads, MLP width and vocabulary (the Plan's
+own check); pp at most the layer count; dp at most the micro-batch count (every DP group
+needs one). For each (pp, tp) the widest dp is the natural choice; narrower dps are kept only
+when they let the slowest devices sit out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from resihp_jax.model.config import ModelConfig
+
+Shape = tuple[int, int, int]  # (dp, pp, tp)
+
+
+def tp_degrees(model: ModelConfig) -> list[int]:
+    """Powers of two that divide every tensor-parallel-sharded dimension of `model`."""
+    out, tp = [], 1
+    while tp <= model.n_kv_heads:
+        dims = (model.n_heads, model.n_kv_heads, model.d_ff, model.vocab_size)
+        if all(d % tp == 0 for d in dims):
+            out.append(tp)
+        tp *= 2
+    return out
+
+
+@dataclass(frozen=True)
+class ShapeSpace:
+    """What bounds the shapes: usable devices, slow devices among them, layers, micro-batches."""
+
+    n_usable: int
+    n_slow: int
+    n_layers: int
+    n_microbatches: int
+    max_exclusions: int = 2  # extra narrower dps tried, each leaving out more slow devices
+
+
+def mesh_shapes(model: ModelConfig, space: ShapeSpace) -> list[Shape]:
+    """Every (dp, pp, tp) worth considering, widest first within a (pp, tp)."""
+    shapes: list[Shape] = []
+    for tp in tp_degrees(model):
+        for pp in range(1, min(space.n_layers, space.n_usable // tp) + 1):
+            shapes.extend((dp, pp, tp) for dp in _dp_options(pp * tp, space))
+    return shapes
+
+
+def _dp_options(stage_devices: int, space: ShapeSpace) -> list[int]:
+    dp_max = min(space.n_usable // stage_devices, space.n_microbatches)
+    if dp_max < 1:
+        return []
+    options = [dp_max]
+    # Narrower dp leaves out the slowest devices first; worth it only while slow ones remain in.
+    for drop in range(1, space.max_exclusions + 1):
+        left_out_before = space.n_usable - (dp_max - drop + 1) * stage_devices
+        if dp_max - drop < 1 or left_out_before >= space.n_slow:
+            break
+        options.append(dp_max - drop)
+    return options

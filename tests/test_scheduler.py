@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import itertools
 import json
+import math
 import subprocess
 import sys
 import time
@@ -32,7 +33,10 @@ from resihp_jax.scheduler import (
     parse_slowdowns,
     run_policy,
 )
+from resihp_jax.scheduler.candidates import layouts
+from resihp_jax.scheduler.exhaustive import exhaustive_best
 from resihp_jax.scheduler.placement import DevicePool, place
+from resihp_jax.scheduler.scoring import simulate
 from resihp_jax.scheduler.splits import bottleneck, min_max_split
 from resihp_jax.scheduler.switching import reshard_seconds, switch_seconds
 
@@ -228,6 +232,75 @@ def test_split_only_changes_need_no_recompile(eight) -> None:
     new_mesh = Plan.uniform(4, 1, 2, n_layers=8, n_microbatches=16, microbatch_size=1,
                             seq_len=4096)
     assert switch_seconds(current, new_mesh, ctx.model, costs) >= costs.recompile_s
+
+
+# ---- the search finds the best plan of small plan spaces -----------------------------------
+LLAMA2_7B_WIDE = {"name": "llama2-7b", "d_model": 4096, "n_heads": 32, "n_kv_heads": 32,
+                  "d_ff": 11_008}
+
+
+def _small_setup(shape: tuple[int, int, int], wide_70b: bool, n_microbatches: int,
+                 n_layers: int = 8, **ctx_options: object) -> tuple[Plan, PlanningContext]:
+    model = get_model_config("llama2-70b", n_layers=n_layers)
+    model = model if wide_70b else model.replace(**LLAMA2_7B_WIDE)
+    plan = Plan.uniform(*shape, n_layers=n_layers, n_microbatches=n_microbatches,
+                        microbatch_size=1, seq_len=4096)
+    return plan, PlanningContext.for_plan(plan, model, CostParams.for_model(model), 80e9,
+                                          **ctx_options)
+
+
+@pytest.mark.parametrize("shape, wide_70b, n_mb, schedule, health", [
+    # 70B-wide layers: only tp >= 2 fits; a dead device leaves dp=3 x tp=2 as the best
+    ((2, 2, 2), True, 16, "gpipe", Health(dead={5})),
+    ((2, 2, 2), True, 16, "gpipe", Health(compute={6: 0.5}, dead={2})),
+    # the slow TP group belongs on the last stage, whose head a short layer split offsets
+    ((1, 4, 2), True, 16, "1f1b", Health(compute={2: 2 / 3})),
+    # 7B-wide layers fit at tp=1: dp=7 over every survivor is in the space
+    ((2, 2, 2), False, 8, "gpipe", Health(dead={1})),
+    ((4, 2, 1), False, 8, "gpipe", Health(compute={4: 0.5}, dead={2})),
+    # a slow link: its TP group should keep the last stage and fewer layers
+    ((4, 2, 1), False, 8, "gpipe", Health(link={7: 0.25})),
+])
+def test_search_matches_exhaustive_optimum(shape, wide_70b: bool, n_mb: int, schedule: str,
+                                           health: Health) -> None:
+    current, ctx = _small_setup(shape, wide_70b, n_mb, schedule=schedule)
+    best = exhaustive_best(current, health, ctx)
+    ours = run_policy(OURS, current, health, ctx)
+    # ours may trade a few parts per million of speed for a cheaper switch
+    assert ours.step_time_s <= best.step_time_s * (1 + 1e-4), (ours.plan.describe(),
+                                                                best.plan.describe())
+
+
+def test_exhaustive_search_symmetries_are_exact() -> None:
+    # Against a naive enumeration of every device permutation and every split.
+    current, ctx = _small_setup((1, 2, 2), False, 4, n_layers=4)
+    health = Health(compute={1: 0.5})
+    best = exhaustive_best(current, health, ctx)
+    naive = math.inf
+    for tp in (1, 2, 4):
+        for pp in range(1, 4 // tp + 1):
+            for dp in range(1, 4 // (pp * tp) + 1):
+                for ids in itertools.permutations(range(4), dp * pp * tp):
+                    for layers in _all_splits(4, pp):
+                        for counts in _all_splits(4, dp):
+                            plan = Plan(dp, pp, tp, ids, layers, counts, 1, 4096)
+                            if fits_memory(plan, ctx.model, 80e9, remat=True):
+                                naive = min(naive, simulate(plan, health, ctx).step_time_s)
+    assert best.step_time_s == pytest.approx(naive, rel=1e-12)
+
+
+def _all_splits(total: int, parts: int) -> list[tuple[int, ...]]:
+    return [c for c in itertools.product(range(1, total + 1), repeat=parts) if sum(c) == total]
+
+
+def test_layouts_try_the_slow_stage_first_and_last() -> None:
+    current = Plan.uniform(1, 4, 2, n_layers=8, n_microbatches=8, microbatch_size=1,
+                           seq_len=64)
+    health = Health(compute={2: 0.5})  # on stage 1
+    pool = DevicePool(list(current.device_ids), lambda d: 1.0 - health.speed(d), current)
+    stages = {int(np.argwhere(layout.grid_DxPxT == 2)[0][1])
+              for layout in layouts((1, 4, 2), pool, current)}
+    assert stages == {0, 1, 3}
 
 
 # ---- building blocks ------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 
 from resihp_jax.errors import PlanError
 from resihp_jax.meshes.plan import Plan, even_split
-from resihp_jax.scheduler.placement import DevicePool, base_grid, place
+from resihp_jax.scheduler.placement import DevicePool, base_grid, place, to_stage
 from resihp_jax.scheduler.shapes import Shape
 from resihp_jax.scheduler.splits import min_max_split
 from resihp_jax.scheduler.stagecost import StageCosts, proxy_step_s, split_microbatches
@@ -46,16 +46,31 @@ class Split:
 
 
 def layouts(shape: Shape, pool: DevicePool, current: Plan) -> list[Layout]:
-    """The shape's least slow devices, as placed now and with slow devices packed."""
+    """The shape's least slow devices, as placed now and with slow devices packed, each also
+    with the slowest device's stage moved to the first and to the last stage index; layouts
+    that only reorder healthy devices or DP groups of another are left out."""
     dp, pp, tp = shape
     base = base_grid(pool.choose(dp * pp * tp), dp, pp, tp, current)
-    out = [Layout(base, "keep")]
-    if pool.n_slow and np.isin(pool.slowest_first, base).any():
-        for name in ("pack_dp", "pack_stage"):
-            grid = place(base, name, pool.slowest_first)
-            if not any(np.array_equal(grid, o.grid_DxPxT) for o in out):
-                out.append(Layout(grid, name))
-    return out
+    out = {_pattern(base, pool): Layout(base, "keep")}
+    if not (pool.n_slow and np.isin(pool.slowest_first, base).any()):
+        return list(out.values())
+    for name in ("pack_dp", "pack_stage"):
+        grid = place(base, name, pool.slowest_first)
+        out.setdefault(_pattern(grid, pool), Layout(grid, name))
+    for packed in list(out.values()) if pp > 1 else []:
+        for stage, where in ((0, "first"), (pp - 1, "last")):
+            grid = to_stage(packed.grid_DxPxT, stage, pool.slowest_first)
+            out.setdefault(_pattern(grid, pool),
+                           Layout(grid, f"{packed.placement}, slow on the {where} stage"))
+    return list(out.values())
+
+
+def _pattern(grid_DxPxT: np.ndarray, pool: DevicePool) -> tuple:
+    """Which TP groups hold which slow devices, up to the order of DP groups: layouts with
+    equal patterns compute equally fast (healthy devices are interchangeable; TP ranks only
+    reorder the gradient all-reduce rings), so the search keeps the first of them."""
+    slow = np.sort(np.where(np.isin(grid_DxPxT, pool.slowest_first), grid_DxPxT, -1), axis=2)
+    return tuple(sorted(tuple(row.ravel().tolist()) for row in slow))
 
 
 def layer_options(costs: StageCosts, n_layers: int, cap: int | None,

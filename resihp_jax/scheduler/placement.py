@@ -5,7 +5,9 @@ runs every stage of a DP group at its slowest stage's pace. So slow devices cost
 packed together: into one TP group first, then either into one DP group (that group then
 gets fewer micro-batches) or into one stage index across DP groups (that stage then gets
 fewer layers). Both packings are built by swaps from a base grid so healthy devices mostly
-stay where they were (less state to move).
+stay where they were (less state to move). Which stage index the slow devices take matters
+too: the first and last stages carry the embedding and the head, so a layer split balances
+differently around a slow stage there; `to_stage` moves them by swapping two stage indices.
 """
 
 from __future__ import annotations
@@ -80,6 +82,17 @@ def place(grid_DxPxT: Grid, strategy: str, slowest_first: np.ndarray) -> Grid:
     g, s, _ = (int(c[0]) for c in np.nonzero(grid_DxPxT == slow[0]))
     slots = _slot_order(grid_DxPxT.shape, g, s, by_dp=(strategy == "pack_dp"), n=slow.size)
     return _swap_into(grid_DxPxT, slow.tolist(), slots)
+
+
+def to_stage(grid_DxPxT: Grid, stage: int, slowest_first: np.ndarray) -> Grid:
+    """Grid with the stage index of its slowest device swapped with `stage` in every group."""
+    slow = slowest_first[np.isin(slowest_first, grid_DxPxT)]
+    if slow.size == 0:
+        return grid_DxPxT
+    now = int(np.argwhere(grid_DxPxT == slow[0])[0][1])
+    order = np.arange(grid_DxPxT.shape[1])
+    order[[now, stage]] = order[[stage, now]]
+    return grid_DxPxT[:, order, :]
 
 
 def _slot_order(shape: tuple[int, ...], g: int, s: int, by_dp: bool, n: int) -> list[int]:

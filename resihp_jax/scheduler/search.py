@@ -69,10 +69,12 @@ def search_plans(current: Plan, health: Health, ctx: PlanningContext) -> list[Ca
     n_screen = SCREEN_FACTOR * ctx.simulate_top
     ranked = rank_layouts(current, health, ctx, pool, limits, n_screen)
     screened = screen(ranked[:n_screen], current, health, ctx, limits)
-    chosen = [layout for _, layout in screened[:ctx.simulate_top]]
-    chosen += [r.layout for r in ranked if r.layout.shape == (current.dp, current.pp, current.tp)
-               and not any(r.layout is c for c in chosen)]
-    out = [c for layout in chosen for c in simulate_layout(layout, current, health, ctx, limits)]
+    chosen = screened[:ctx.simulate_top]
+    chosen += [(r.layout, None) for r in ranked
+               if r.layout.shape == (current.dp, current.pp, current.tp)
+               and not any(r.layout is layout for layout, _ in chosen)]
+    out = [c for layout, costs in chosen
+           for c in simulate_layout(layout, current, health, ctx, limits, costs)]
     return sorted(out, key=lambda c: c.step_time_s)
 
 
@@ -135,16 +137,26 @@ def _rank_shape(shape: Shape, current: Plan, health: Health, ctx: PlanningContex
 
 
 def screen(ranked: list[Ranked], current: Plan, health: Health, ctx: PlanningContext,
-           limits: MemoryLimits) -> list[tuple[float, Layout]]:
-    """Re-rank the proxy's favourites by one simulation each of their best capped split; the
-    simulator sees what the proxy ignores (links, transfers, all-reduce, the real schedule)."""
+           limits: MemoryLimits) -> list[tuple[Layout, StageCosts]]:
+    """Re-rank the proxy's favourites by one simulation each of their best capped split under
+    exact stage costs; the simulator sees what the proxy ignores (slow links, transfers,
+    all-reduce, the real schedule). Returns layouts with those costs, best first."""
     out = []
     for r in ranked:
-        splits, _ = capped_splits(r.layout, r.costs, current, ctx, limits)
+        costs = _exact_costs(r.layout, current, health, ctx)
+        splits, _ = capped_splits(r.layout, costs, current, ctx, limits)
         if splits:
             plan = build_plan(r.layout, splits[0], current)
-            out.append((simulate(plan, health, ctx).step_time_s, r.layout))
-    return sorted(out, key=lambda item: item[0])
+            out.append((simulate(plan, health, ctx).step_time_s, r.layout, costs))
+    out.sort(key=lambda item: item[0])
+    return [(layout, costs) for _, layout, costs in out]
+
+
+def _exact_costs(layout: Layout, current: Plan, health: Health,
+                 ctx: PlanningContext) -> StageCosts:
+    return probe_stage_costs(layout.grid_DxPxT, ctx.model, ctx.costs,
+                             microbatch_size=current.microbatch_size, seq_len=current.seq_len,
+                             remat=ctx.remat, health=health)
 
 
 def capped_splits(layout: Layout, costs: StageCosts, current: Plan, ctx: PlanningContext,
@@ -166,19 +178,17 @@ def capped_splits(layout: Layout, costs: StageCosts, current: Plan, ctx: Plannin
 
 
 def simulate_layout(layout: Layout, current: Plan, health: Health, ctx: PlanningContext,
-                    limits: MemoryLimits) -> list[Candidate]:
+                    limits: MemoryLimits, costs: StageCosts | None = None) -> list[Candidate]:
     """Simulated plans of one layout: exact stage costs, best splits in memory, refined."""
     dp, pp, tp = layout.shape
-    costs = probe_stage_costs(layout.grid_DxPxT, ctx.model, ctx.costs,
-                              microbatch_size=current.microbatch_size, seq_len=current.seq_len,
-                              remat=ctx.remat, health=health)
+    costs = _exact_costs(layout, current, health, ctx) if costs is None else costs
     splits, mb_cap_of = capped_splits(layout, costs, current, ctx, limits)
     on_current_mesh = layout.shape == (current.dp, current.pp, current.tp)
     out = []
     for split in splits if on_current_mesh else splits[:SPLITS_SIMULATED]:
         plan = build_plan(layout, split, current)
         plan, step_s = refine_microbatches(plan, health, ctx, mb_cap_of(max(split.layers_S)))
-        label = (f"dp={dp},pp={pp},tp={tp} ({layout.placement} placement, {split.name} "
+        label = (f"dp={dp},pp={pp},tp={tp} (placement: {layout.placement}; {split.name} "
                  "layers)")
         out.append(Candidate(plan, step_s, label))
     return out

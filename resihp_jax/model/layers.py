@@ -131,7 +131,7 @@ def reduce_loss_partials(parts: LossPartials, tp_axis: str | None) -> LossPartia
     """Combine the vocabulary slices (the only collectives of the loss)."""
     if tp_axis is None:
         return parts
-    shift_BxS = jax.lax.stop_gradient(jax.lax.pmax(parts.shift_BxS, tp_axis))
+    shift_BxS = jax.lax.pmax(jax.lax.stop_gradient(parts.shift_BxS), tp_axis)
     rescaled_BxS = parts.sum_exp_BxS * jnp.exp(parts.shift_BxS - shift_BxS)
     return LossPartials(shift_BxS, jax.lax.psum(rescaled_BxS, tp_axis),
                         jax.lax.psum(parts.target_logit_BxS, tp_axis))

@@ -36,6 +36,40 @@ def _when(active: jax.Array, compute: Callable[[], Any], like: Any,
     return jax.lax.cond(active, lambda: vma.vary(compute(), axes), zeros)
 
 
+def _gated(fn: Callable[..., Any], on: jax.Array, diff: tuple[Any, ...],
+           aux: tuple[Any, ...]) -> Any:
+    """fn(*diff, *aux) if `on`, else zeros; reverse mode is gated the same way.
+
+    A plain `cond` under autodiff returns its residuals as fresh outputs, so every layer's
+    weights get copied into per-slot, per-tick residual buffers (weight-sized traffic on
+    every tick). Here the saved residuals are the inputs themselves, which the enclosing
+    scans recognise as loop-invariant weights and never copy; the backward re-derives what
+    it needs inside its own cond. `diff` must already vary over every mesh axis, so no
+    reduction (a collective) is ever needed inside either cond.
+    """
+    like = jax.eval_shape(fn, *diff, *aux)
+
+    @jax.custom_vjp
+    def run(diff: tuple[Any, ...], aux: tuple[Any, ...]) -> Any:
+        return _when(aux[0], lambda: fn(*diff, *aux[1:]), like)
+
+    def run_fwd(diff: tuple[Any, ...], aux: tuple[Any, ...]):
+        return run(diff, aux), (diff, aux)
+
+    def run_bwd(res: tuple[Any, ...], g: Any):
+        diff, aux = res
+
+        def grads() -> tuple[Any, ...]:
+            _, pullback = jax.vjp(lambda *d: fn(*d, *aux[1:]), *diff)
+            return pullback(g)
+
+        d_diff = _when(aux[0], grads, diff)
+        return d_diff, jax.tree.map(lambda _: None, aux)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(tuple(vma.vary(d, ALL_AXES) for d in diff), (on, *aux))
+
+
 def run_stage(layer_params: dict[str, jax.Array], active: jax.Array, n_layers: jax.Array,
               x_BxSxD: jax.Array, seg_BxS: jax.Array, pos_BxS: jax.Array,
               cfg: ModelConfig) -> jax.Array:
@@ -45,9 +79,10 @@ def run_stage(layer_params: dict[str, jax.Array], active: jax.Array, n_layers: j
     def one_slot(x: jax.Array, slot: tuple[jax.Array, dict[str, jax.Array]]):
         i, p = slot
         on = active & (i < n_layers)
-        attn = _when(on, lambda: layers.attention_partial(p, x, seg_BxS, pos_BxS, cfg), x)
+        attn = _gated(lambda p_, x_, s_, q_: layers.attention_partial(p_, x_, s_, q_, cfg),
+                      on, (p, x), (seg_BxS, pos_BxS))
         x = x + jax.lax.psum(attn, "tp")
-        mlp = _when(on, lambda: layers.mlp_partial(p, x, cfg), x)
+        mlp = _gated(lambda p_, x_: layers.mlp_partial(p_, x_, cfg), on, (p, x), ())
         return x + jax.lax.psum(mlp, "tp"), None  # idle: both sums are zero, x passes through
 
     return jax.lax.scan(one_slot, x_BxSxD, (slot_ids, layer_params))[0]
@@ -59,12 +94,13 @@ def _tick_loss(params: dict[str, Any], on_head: jax.Array, x_BxSxD: jax.Array,
     w_DxV = params["head"]["w"]
     offset = layers.vocab_offset(w_DxV.shape[-1], "tp")
 
-    def partials() -> layers.LossPartials:
-        logits_BxSxV = layers.logits(params["head"]["norm"], w_DxV, x_BxSxD, cfg)
-        return layers.loss_partials(logits_BxSxV, targets_BxS, offset)
+    def partials(norm_D: jax.Array, w: jax.Array, x: jax.Array, targets: jax.Array,
+                 off: jax.Array) -> layers.LossPartials:
+        return layers.loss_partials(layers.logits(norm_D, w, x, cfg), targets, off)
 
-    like = layers.LossPartials(*(jnp.zeros(tok_BxS.shape, jnp.float32),) * 3)
-    parts = layers.reduce_loss_partials(_when(on_head, partials, like), "tp")
+    local = _gated(partials, on_head, (params["head"]["norm"], w_DxV, x_BxSxD),
+                   (targets_BxS, offset))
+    parts = layers.reduce_loss_partials(local, "tp")
     return jax.lax.cond(on_head, lambda: vma.vary(layers.nll_sum(parts, weights_BxS), STEP_AXES),
                         lambda: vma.vary(jnp.zeros((), jnp.float32), STEP_AXES))
 

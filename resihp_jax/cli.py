@@ -14,6 +14,7 @@ from resihp_jax.errors import ResihpError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("resihp_jax.runtime.train_cli", "train a model on fake or real devices"),
     "plan": ("resihp_jax.scheduler.plan_cli", "choose the next Plan for a health map"),
+    "demo": ("resihp_jax.runtime.demo_cli", "a resilient run with an injected fault, end to end"),
 }
 
 

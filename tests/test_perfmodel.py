@@ -221,7 +221,8 @@ def test_slow_device_slows_its_tp_group_and_dp_group_only() -> None:
     grid = plan.device_grid()  # [dp, pp, tp]
     results = []
     for rank in range(2):
-        sim = simulate_step(plan, MODEL8, costs, health=Health(compute={int(grid[1, 0, rank]): 0.5}))
+        slow = Health(compute={int(grid[1, 0, rank]): 0.5})
+        sim = simulate_step(plan, MODEL8, costs, health=slow)
         results.append(sim.step_time_s)
         assert sim.stage_busy_s[1, 0] == pytest.approx(2 * base.stage_busy_s[1, 0])
         assert np.allclose(sim.stage_busy_s[0], base.stage_busy_s[0])

@@ -29,7 +29,8 @@ def _factor_map(name: str, values: Mapping[int, float]) -> Mapping[int, float]:
         try:
             f = float(factor)
         except (TypeError, ValueError):
-            raise ConfigError(f"Health.{name}[{dev}]={factor!r}: must be a number in (0, 1]")
+            raise ConfigError(
+                f"Health.{name}[{dev}]={factor!r}: must be a number in (0, 1]") from None
         if not math.isfinite(f) or f <= 0.0 or f > 1.0:
             raise ConfigError(f"Health.{name}[{dev}]={factor!r}: speed factors must be in "
                               "(0, 1]; mark a stopped device in Health.dead instead")

@@ -1,0 +1,93 @@
+"""The detector interface shared by ours and the baselines: observe a step, maybe suspect,
+validate the suspicion with probes, emit a verdict. Registry by name.
+
+Every alarm (suspicion) stalls training for a probe, so `alarms` counts them whether or not
+the probe finds a culprit. Time is injected (`clock`), so is the probe (`prober(step)`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from resihp_jax.detector.probes import ProbeResult, localize
+from resihp_jax.detector.verdict import StepObservation, Verdict
+from resihp_jax.errors import ConfigError
+
+ProbeFn = Callable[[int], ProbeResult]
+
+
+class Detector:
+    """Subclasses implement `_suspect(obs) -> bool` and may use `_cleared(obs)`."""
+
+    name = "base"
+
+    def __init__(self, prober: ProbeFn | None = None, *,
+                 clock: Callable[[], float] = time.perf_counter, margin: float = 0.12) -> None:
+        self.prober, self.clock, self.margin = prober, clock, margin
+        self.alarms = 0
+        self.cost_s = 0.0  # time spent deciding (probes excluded)
+        self.probe_s = 0.0  # time stalled in probes
+        self.steps = 0
+        self.last_prediction_s: float | None = None  # what the step was compared against
+
+    def observe(self, obs: StepObservation) -> Verdict | None:
+        if not isinstance(obs, StepObservation):
+            raise ConfigError(f"observe() takes a StepObservation, got {type(obs).__name__}")
+        t0 = self.clock()
+        suspicious = self._suspect(obs)
+        self.cost_s += self.clock() - t0
+        self.steps += 1
+        if not suspicious:
+            return None
+        self.alarms += 1
+        verdict = self.validate(obs.step)
+        if verdict is None:
+            self._cleared(obs)
+        return verdict
+
+    def validate(self, step: int) -> Verdict | None:
+        """Run the probes now and turn them into a verdict (None: nobody stands out)."""
+        if self.prober is None:
+            raise ConfigError(f"detector {self.name!r} suspects step {step} but has no prober "
+                              "to localize the fault")
+        t0 = self.clock()
+        result = self.prober(step)
+        found = localize(result, self.margin)
+        if found is None or len(found.devices) > 1:
+            # ambiguous on a noisy host: probe again, keep each device's fastest time
+            again = self.prober(step)
+            result = ProbeResult(_fastest(result.compute_s, again.compute_s),
+                                 _fastest(result.link_s, again.link_s),
+                                 result.wall_s + again.wall_s)
+            found = localize(result, self.margin)
+        self.probe_s += self.clock() - t0
+        if found is None:
+            return None
+        return Verdict(step, found.devices, found.kind, found.slowdown, found.confidence,
+                       self.name)
+
+    def _suspect(self, obs: StepObservation) -> bool:
+        raise NotImplementedError
+
+    def _cleared(self, obs: StepObservation) -> None:
+        """The probes found nothing: the suspicion was a false alarm."""
+
+
+def _fastest(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
+    return {d: min(a[d], b.get(d, a[d])) for d in a}
+
+
+DETECTORS: dict[str, type[Detector]] = {}
+
+
+def register(cls: type[Detector]) -> type[Detector]:
+    DETECTORS[cls.name] = cls
+    return cls
+
+
+def make_detector(name: str, **kwargs: object) -> Detector:
+    """The detector registered as `name` ('resihp', 'greyhound', 'mad')."""
+    if name not in DETECTORS:
+        raise ConfigError(f"unknown detector {name!r}; valid: {', '.join(sorted(DETECTORS))}")
+    return DETECTORS[name](**kwargs)  # type: ignore[arg-type]

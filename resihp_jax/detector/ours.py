@@ -1,0 +1,132 @@
+"""ResiHP's detector: judge each step against the predicted healthy time of that exact batch.
+
+The OnlineCostModel (fitted online from steps judged healthy) predicts what this batch's
+sequence lengths should cost under this plan; a slowly tracked scale absorbs machine-wide
+drift. A step is in excess when log(observed / predicted) is above `k` robust sigmas of the
+model's own error (and at least `min_excess`); only `persist` excess steps in a row raise a
+suspicion, which the probes then confirm and localize.
+
+When per-stage busy times come with the steps, a second, load-robust signal watches each
+stage's share of the busy time against the share its layers and its DP group's batch predict
+(and its own healthy baseline): a machine-wide slowdown moves every stage together, a slow
+device moves only its own stage. A persistent stage excess is also a suspicion.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from resihp_jax.detector.base import Detector, register
+from resihp_jax.detector.verdict import StepObservation
+from resihp_jax.model.config import ModelConfig
+from resihp_jax.perfmodel.fit import OnlineCostModel
+from resihp_jax.perfmodel.work import group_data
+
+
+@register
+class ResiHPDetector(Detector):
+    name = "resihp"
+
+    def __init__(self, model: ModelConfig | None = None, *,
+                 cost_model: OnlineCostModel | None = None, warmup: int = 16, k: float = 3.0,
+                 min_excess: float = 0.05, persist: int = 3, drift: float = 0.05,
+                 use_stage_times: bool = True, stage_min_excess: float = 0.08,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cost = cost_model if cost_model is not None else OnlineCostModel(
+            model, window=128, refit_every=16)
+        self.warmup, self.k, self.min_excess = warmup, k, min_excess
+        self.persist, self.drift, self.use_stage_times = persist, drift, use_stage_times
+        self.scale = 1.0  # machine-wide drift of healthy steps against the model
+        self._learned = 0
+        self._excess: list[float] = []  # log excesses of the current run of excess steps
+        self.last_excess = 0.0
+        self.stage_min_excess = stage_min_excess
+        self._stage_base: np.ndarray | None = None  # healthy log-share of each stage
+        self._stage_spread = 0.0  # robust sigma of a stage's deviation from its baseline
+        self._stage_seen = 0
+        self._stage_streak = 0
+
+    @property
+    def threshold(self) -> float:
+        return max(self.min_excess, self.k * self.cost.noise)
+
+    def predict(self, obs: StepObservation) -> float:
+        """Healthy time of this batch under this plan (cost model times drift)."""
+        return self.scale * self.cost.predict(obs.plan, obs.mb_tokens, obs.mb_sum_l2)
+
+    def _suspect(self, obs: StepObservation) -> bool:
+        if not self.cost.ready or self._learned < self.warmup:
+            self._learn(obs)
+            return False
+        predicted = self.predict(obs)
+        self.last_prediction_s = predicted
+        excess = math.log(obs.step_time_s / predicted)
+        self.last_excess = excess
+        stage_dev = self._stage_deviation(obs)
+        stage_hot = self._stage_hot(stage_dev)
+        step_hot = excess > self.threshold
+        if step_hot:
+            self._excess.append(excess)
+        else:
+            self._excess.clear()
+        if self._stage_streak >= self.persist or len(self._excess) >= self.persist:
+            return True
+        if stage_hot or step_hot:
+            return False  # pending: a suspect step teaches neither the model nor the baseline
+        self._update_stage_base(stage_dev)
+        self.scale *= math.exp(self.drift * excess)
+        self._learn(obs)
+        return False
+
+    def _cleared(self, obs: StepObservation) -> None:
+        # the probes found every device equally fast: the excess was the machine, not a device
+        if self._excess:
+            self.scale *= math.exp(float(np.median(self._excess)))
+        self._excess.clear()
+        self._stage_streak = 0
+
+    # ---- per-stage shares ----------------------------------------------------------------
+    def _stage_deviation(self, obs: StepObservation) -> np.ndarray | None:
+        """log(stage busy / expected) minus its median and its healthy baseline, [dp, pp]."""
+        times = obs.stage_times_s
+        if not self.use_stage_times or times is None or not np.all(np.asarray(times) > 0):
+            return None
+        p = self.cost.params
+        data = group_data(obs.plan, obs.mb_tokens, obs.mb_sum_l2)
+        work_G = (p.c * data.valid_GxM + p.alpha * data.tokens_GxM
+                  + p.beta * data.sum_l2_GxM).sum(axis=1)
+        if not np.all(work_G > 0):
+            work_G = data.tokens_GxM.sum(axis=1)
+        expected = work_G[:, None] * np.asarray(obs.plan.layers_per_stage, float)[None, :]
+        log_share = np.log(np.asarray(times, float) / expected)
+        log_share -= np.median(log_share)
+        if self._stage_base is None or self._stage_base.shape != log_share.shape:
+            self._stage_base, self._stage_seen = log_share, 0
+        return log_share - self._stage_base
+
+    def _stage_hot(self, dev: np.ndarray | None) -> bool:
+        """Is some stage's share in excess now? (counts the run of such steps)"""
+        if dev is None or self._stage_seen < self.warmup:
+            return False
+        hot = float(dev.max()) > max(self.stage_min_excess, self.k * self._stage_spread)
+        self._stage_streak = self._stage_streak + 1 if hot else 0
+        return hot
+
+    def _update_stage_base(self, dev: np.ndarray | None) -> None:
+        if dev is None:
+            return
+        rate = max(self.drift, 1.0 / (self._stage_seen + 1))
+        self._stage_base = self._stage_base + rate * dev  # type: ignore[operator]
+        spread = 1.4826 * float(np.median(np.abs(dev)))
+        self._stage_spread += rate * (spread - self._stage_spread)
+        self._stage_seen += 1
+
+    def _learn(self, obs: StepObservation) -> None:
+        stages = obs.stage_times_s if self.use_stage_times else None
+        self.cost.observe(obs.plan, obs.mb_tokens, obs.mb_sum_l2, obs.step_time_s / self.scale,
+                          stages)
+        self._learned += 1

@@ -1,0 +1,183 @@
+"""Validation probes: time a compute kernel on each device and point-to-point transfers between
+pipeline neighbours, then localize the slow device(s).
+
+The probe is a small shard_map program on the plan's mesh. Its rounds run one device's kernel
+at a time (a psum after each round is the barrier), so on shared host cores every device is
+timed alone. Kernel and transfers are bracketed by the same Instrument markers as the train
+step, so an injected fail-slow delay slows the probe exactly as it slows training.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from resihp_jax.errors import ConfigError
+from resihp_jax.meshes.mesh import AXES, make_mesh
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.train.instrument import FWD_END, FWD_START, Instrument
+
+LINK_TICK = 1 << 20  # ticks at or above this mark transfer rounds
+_SPEC = P(*AXES)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    compute_s: dict[int, float]  # device id -> fastest kernel time over the repeats
+    link_s: dict[int, float]  # device id -> fastest neighbour-transfer time
+    wall_s: float = 0.0  # how long the probe stalled training
+
+
+@dataclass(frozen=True)
+class Localization:
+    devices: tuple[int, ...]
+    kind: str  # 'compute' or 'link'
+    slowdown: float
+    confidence: float
+
+
+def _outliers(times: dict[int, float], margin: float) -> tuple[list[int], float, float]:
+    """Devices slower than the median by more than `margin` (relative), their factor, z."""
+    ids = sorted(times)
+    t = np.array([times[d] for d in ids])
+    med = float(np.median(t))
+    if med <= 0:
+        return [], 1.0, 0.0
+    ratio = t / med
+    slow = [d for d, r in zip(ids, ratio) if r > 1.0 + margin]
+    if not slow:
+        return [], 1.0, 0.0
+    # keep the ones near the worst: timing noise on shared cores adds small, spurious excesses
+    top = float(ratio.max())
+    slow = [d for d, r in zip(ids, ratio) if d in slow and r - 1.0 >= 0.6 * (top - 1.0)]
+    rest = np.array([r for d, r in zip(ids, ratio) if d not in slow])
+    spread = 1.4826 * float(np.median(np.abs(rest - np.median(rest)))) if rest.size else 0.0
+    factor = float(np.median([times[d] for d in slow]) / np.median(rest * med)) \
+        if rest.size else float(ratio.max())
+    z = (factor - 1.0) / max(spread, 0.02)
+    return slow, factor, z
+
+
+def localize(result: ProbeResult, margin: float = 0.12) -> Localization | None:
+    """Compute outliers first (they also slow their transfers); else link outliers."""
+    if not result.compute_s:
+        raise ConfigError("ProbeResult.compute_s is empty: the probe timed no device")
+    for kind, times in (("compute", result.compute_s), ("link", result.link_s)):
+        if not times:
+            continue
+        slow, factor, z = _outliers(times, margin)
+        if slow and len(slow) <= len(times) // 2:
+            confidence = float(1.0 - math.exp(-max(z, 0.0) / 3.0))
+            return Localization(tuple(slow), kind, factor, round(confidence, 4))
+    return None
+
+
+class _ProbeTimer:
+    """Host function recording each device's busy interval per round."""
+
+    def __init__(self, grid_DxPxT: np.ndarray) -> None:
+        self.grid = grid_DxPxT
+        self.start: dict[tuple[int, int, int, int], float] = {}
+        self.samples: dict[tuple[int, int, int, int], float] = {}
+
+    def __call__(self, event: int, dp: int, pp: int, tp: int, knob: float, busy: bool,
+                 tick: int) -> None:
+        if not busy:
+            return
+        key = (dp, pp, tp, tick)
+        if event == FWD_START:
+            self.start[key] = time.perf_counter()
+        elif event == FWD_END and key in self.start:
+            self.samples[key] = time.perf_counter() - self.start[key]
+
+    def collect(self) -> tuple[dict[int, float], dict[int, float]]:
+        comp: dict[int, list[float]] = {}
+        link: dict[int, list[float]] = {}
+        for (dp, pp, tp, tick), dt in self.samples.items():
+            dev = int(self.grid[dp, pp, tp])
+            (link if tick >= LINK_TICK else comp).setdefault(dev, []).append(dt)
+        # the fastest repeat: time-sharing with other work only ever adds time
+        fastest = lambda d: {k: float(np.min(v)) for k, v in d.items()}  # noqa: E731
+        return fastest(comp), fastest(link)
+
+
+class Prober:
+    """Compiled probe for one plan's mesh. `run(knobs_DxPxT)` -> ProbeResult."""
+
+    def __init__(self, plan: Plan, devices: Sequence[jax.Device],
+                 host: Callable[..., None] | None = None, *, size: int = 128,
+                 iters: int = 8, repeats: int = 5, link_bytes: int = 1 << 18) -> None:
+        self.plan, self.repeats = plan, repeats
+        self.mesh = make_mesh(plan, devices)
+        self._timer = _ProbeTimer(plan.device_grid())
+        timer = self._timer
+
+        def both(*args: object) -> None:  # the fault host first: its delay is timed
+            if host is not None:
+                host(*args)
+            timer(*args)
+
+        inst = Instrument(both)
+        n_dev, pp = plan.n_devices, plan.pp
+        n_link = max(link_bytes // 4, 1)
+
+        def body(x_NxN, buf_L, knob):
+            x_NxN, buf_L, knob = x_NxN[0, 0, 0], buf_L[0, 0, 0], knob.reshape(())
+            me = (jax.lax.axis_index("dp") * pp + jax.lax.axis_index("pp")) \
+                * plan.tp + jax.lax.axis_index("tp")
+
+            def kernel(y):
+                return jax.lax.fori_loop(0, iters, lambda _, a: jnp.tanh(a @ a) * 0.5, y)
+
+            def round_(carry, r):
+                y, buf = carry
+                busy = me == (r % n_dev)
+                coords = inst.coords(knob, busy, r)
+                y = inst.exit(jax.lax.cond(busy, kernel, lambda a: a,
+                                           inst.enter(y, coords)), coords)
+                barrier = jax.lax.psum(y[0, 0] * 0.0, AXES)
+                return (y + barrier, buf), None
+
+            def link_round(carry, r):
+                y, buf = carry
+                coords = inst.coords(knob, jnp.bool_(True), LINK_TICK + r)
+                sent = inst.enter(buf, coords)
+                if pp > 1:  # a ring over the pipeline: every device sends and receives once
+                    sent = jax.lax.ppermute(sent, "pp", [(s, (s + 1) % pp) for s in range(pp)])
+                buf = inst.exit(sent, coords)
+                return (y + jax.lax.psum(buf[0] * 0.0, AXES), buf), None
+
+            carry = (x_NxN, buf_L)
+            carry, _ = jax.lax.scan(round_, carry, jnp.arange(n_dev * repeats))
+            carry, _ = jax.lax.scan(link_round, carry, jnp.arange(repeats))
+            return carry[0][None, None, None, :1, :1]
+
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(_SPEC, _SPEC, _SPEC),
+                           out_specs=_SPEC, check_vma=False)
+        self._fn = jax.jit(fn)
+        shard = NamedSharding(self.mesh, _SPEC)
+        shape = (plan.dp, plan.pp, plan.tp)
+        rng = np.random.default_rng(0)
+        self._x = jax.device_put(rng.standard_normal(shape + (size, size), np.float32)
+                                 / math.sqrt(size), shard)
+        self._buf = jax.device_put(np.ones(shape + (n_link,), np.float32), shard)
+        self._shard = shard
+
+    def run(self, knobs_DxPxT: np.ndarray | None = None) -> ProbeResult:
+        if knobs_DxPxT is None:
+            knobs_DxPxT = np.ones((self.plan.dp, self.plan.pp, self.plan.tp), np.float32)
+        knobs = jax.device_put(np.asarray(knobs_DxPxT, np.float32), self._shard)
+        self._timer.start.clear()
+        self._timer.samples.clear()
+        t0 = time.perf_counter()
+        jax.block_until_ready(self._fn(self._x, self._buf, knobs))
+        wall = time.perf_counter() - t0
+        comp, link = self._timer.collect()
+        return ProbeResult(comp, link, wall)

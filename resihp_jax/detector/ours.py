@@ -73,9 +73,24 @@ class ResiHPDetector(Detector):
         """Healthy time of this batch under this plan (cost model times drift)."""
         return self.scale * self.cost.predict(obs.plan, obs.mb_tokens, obs.mb_sum_l2)
 
+    def rebaseline(self, steps: int = 3) -> None:
+        """After a re-plan, the known-degraded cluster is the new normal: re-measure the
+        drift scale over the next `steps` steps (not learned by the cost model, never
+        suspected), and re-learn each stage's share, so only a new fault raises a suspicion."""
+        self._rebase_left, self._rebase_ratios = steps, []
+        self._excess.clear()
+        self._stage_streak, self._stage_base, self._stage_seen = 0, None, 0
+
     def _suspect(self, obs: StepObservation) -> bool:
         if not self.cost.ready or self._learned < self.warmup:
             self._learn(obs)
+            return False
+        if getattr(self, "_rebase_left", 0) > 0:
+            raw = self.cost.predict(obs.plan, obs.mb_tokens, obs.mb_sum_l2)
+            self._rebase_ratios.append(obs.step_time_s / raw)
+            self._rebase_left -= 1
+            if self._rebase_left == 0:
+                self.scale = float(np.median(self._rebase_ratios))
             return False
         predicted = self.predict(obs)
         self.last_prediction_s = predicted

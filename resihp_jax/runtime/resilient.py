@@ -179,6 +179,7 @@ class ResilientTrainer:
             self._mesh, self.plan = mesh, new
         elif data_before is not None:
             self.data.restore(data_before)
+        self.detector.rebaseline()
         replan = Replan(verdict.step, verdict, old, new, outcome.reason, self.clock() - start,
                         restored)
         self.replans.append(replan)

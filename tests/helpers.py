@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from resihp_jax.data import BatchIterator, GlobalBatch
@@ -36,8 +35,7 @@ def reference_loss_and_grads(cfg: ModelConfig, params: Any, batch: GlobalBatch):
 
 
 def canonical_grads(program: StepProgram, grads: Any) -> Any:
-    positions_L = jnp.asarray(layout.canonical_index(program.stage_index()))
-    return jax.device_get(layout.to_canonical_layout(grads, positions_L))
+    return jax.device_get(layout.to_canonical_layout(grads, program.canonical_positions()))
 
 
 def max_relative_error(tree: Any, reference: Any) -> float:

@@ -19,15 +19,18 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.meshes.rules import is_layer_leaf
 
 
-def default_layer_slots(n_layers: int, pp: int) -> int:
+def _slots_with_headroom(total: int, parts: int) -> int:
     """Even share plus ~25% headroom (at least one), capped by what any valid split needs."""
-    share = math.ceil(n_layers / pp)
-    return min(n_layers - pp + 1, share + max(1, share // 4))
+    share = math.ceil(total / parts)
+    return min(total - parts + 1, share + max(1, share // 4))
+
+
+def default_layer_slots(n_layers: int, pp: int) -> int:
+    return _slots_with_headroom(n_layers, pp)
 
 
 def default_microbatch_slots(n_microbatches: int, dp: int) -> int:
-    share = math.ceil(n_microbatches / dp)
-    return min(n_microbatches - dp + 1, share + max(1, share // 4))
+    return _slots_with_headroom(n_microbatches, dp)
 
 
 def layer_slots_for(plan: Plan, requested: int | None = None) -> int:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from resihp_jax.errors import CheckpointError
@@ -91,12 +90,9 @@ class Checkpointer:
 def _canonical_target(program: StepProgram) -> TrainState:
     """Shapes, dtypes and shardings of a canonical state on `program`'s mesh."""
     shapes = abstract_state(program.model, program.optimizer, program.plan, program.layer_slots)
-    canonical = jax.eval_shape(lambda s: _drop_slots(s, program), shapes)
+    positions_L = program.canonical_positions()
+    canonical = jax.eval_shape(lambda s: layout.to_canonical_layout(s, positions_L), shapes)
     shardings = state_shardings(canonical, program.mesh, stage_layout=False)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         canonical, shardings)
 
-
-def _drop_slots(state: TrainState, program: StepProgram) -> TrainState:
-    positions_L = jnp.asarray(layout.canonical_index(program.stage_index()))
-    return layout.to_canonical_layout(state, positions_L)

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from resihp_jax.data import BatchIterator, GlobalBatch
+from resihp_jax.meshes.plan import Plan
 from resihp_jax.train.step import StepProgram, TrainState
 
 
@@ -28,6 +29,15 @@ class StepRecord:
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    @classmethod
+    def of(cls, step: int, plan: Plan, metrics: dict[str, Any], elapsed: float,
+           batch: GlobalBatch) -> StepRecord:
+        """The record of one finished step from its host-side metrics and wall time."""
+        tokens = plan.tokens_per_step
+        return cls(step, float(metrics["loss"]), elapsed, tokens, int(metrics["tokens"]),
+                   tokens / elapsed if elapsed > 0 else 0.0, float(metrics["grad_norm"]),
+                   plan.to_dict(), [float(x) for x in batch.sum_sq_lengths()])
+
 
 def run_step(program: StepProgram, state: TrainState, batch: GlobalBatch,
              knobs_DxPxT: np.ndarray | None = None,
@@ -39,12 +49,7 @@ def run_step(program: StepProgram, state: TrainState, batch: GlobalBatch,
     state, metrics = program.step(state, arrays, knobs_DxPxT)
     metrics = jax.device_get(metrics)
     elapsed = clock() - start
-    tokens = program.plan.tokens_per_step
-    record = StepRecord(int(state.step), float(metrics["loss"]), elapsed, tokens,
-                        int(metrics["tokens"]), tokens / elapsed if elapsed > 0 else 0.0,
-                        float(metrics["grad_norm"]), program.plan.to_dict(),
-                        [float(x) for x in batch.sum_sq_lengths()])
-    return state, record
+    return state, StepRecord.of(int(state.step), program.plan, metrics, elapsed, batch)
 
 
 def train(program: StepProgram, state: TrainState, data: BatchIterator, steps: int,

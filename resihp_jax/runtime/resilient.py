@@ -142,11 +142,8 @@ class ResilientTrainer:
         self.state, metrics, timing = run_guarded(run_once, step, self.config.step_timeout_s,
                                                   in_flight=self._in_flight)
         self._last_timing = timing
-        tokens = self.plan.tokens_per_step
-        return StepRecord(int(self.state.step), float(metrics["loss"]), timing.step_time_s,
-                          tokens, int(metrics["tokens"]), tokens / timing.step_time_s,
-                          float(metrics["grad_norm"]), self.plan.to_dict(),
-                          [float(x) for x in batch.sum_sq_lengths()])
+        return StepRecord.of(int(self.state.step), self.plan, jax.device_get(metrics),
+                             timing.step_time_s, batch)
 
     def _in_flight(self) -> tuple[int, ...]:
         grid = self.plan.device_grid()

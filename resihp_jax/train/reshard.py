@@ -20,7 +20,7 @@ from resihp_jax.train.step import StepProgram, TrainState
 
 def to_canonical(state: TrainState, program: StepProgram) -> TrainState:
     """The state with every layer leaf in canonical order `[n_layers, ...]` (same mesh)."""
-    positions_L = jnp.asarray(layout.canonical_index(program.stage_index()))
+    positions_L = program.canonical_positions()
     shapes = jax.eval_shape(layout.to_canonical_layout, state, positions_L)
     out = state_shardings(shapes, program.mesh, stage_layout=False)
     return jax.jit(layout.to_canonical_layout, out_shardings=out)(state, positions_L)

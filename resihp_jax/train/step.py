@@ -107,6 +107,10 @@ class StepProgram:
     def stage_index(self) -> np.ndarray:
         return layout.stage_index(self.plan.layers_per_stage, self.layer_slots)
 
+    def canonical_positions(self) -> jax.Array:
+        """[n_layers]: where each canonical layer sits in the flattened stage layout."""
+        return jnp.asarray(layout.canonical_index(self.stage_index()))
+
     def shard_batch(self, tokens_MxBxS: np.ndarray, segment_ids_MxBxS: np.ndarray,
                     positions_MxBxS: np.ndarray) -> Batch:
         arrays = (route_microbatches(np.asarray(a, np.int32), self.plan, self.mb_slots)

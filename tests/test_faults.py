@@ -13,6 +13,7 @@ from resihp_jax.detector import Prober
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
+from resihp_jax.perfmodel.work import TIMED_SLOT
 from resihp_jax.runtime.faults import DeviceStoppedError, FaultInjector, chain_hosts
 from resihp_jax.runtime.timing import StageTimer, timed_step
 from resihp_jax.train.config import TrainConfig
@@ -70,22 +71,31 @@ def test_knobs_schedule_recovery_and_death() -> None:
         inj.slow(1, 2.0, start_step=4, end_step=4)
 
 
-def test_stage_timer_accumulates_busy_work_and_reports_in_flight() -> None:
+def test_stage_timer_times_the_timed_forward_only_and_reports_in_flight() -> None:
     clock = FakeClock()
-    timer = StageTimer((2, 2, 2), clock=clock)
+    timer = StageTimer((1, 2, 2), clock=clock)
     timer.begin()
-    timer(FWD_START, 0, 1, 0, 1.0, True, 0)
-    clock.now += 0.25
-    timer(FWD_END, 0, 1, 0, 1.0, True, 0)
-    timer(BWD_START, 0, 1, 0, 1.0, True, 0)
+    timed = 1 + TIMED_SLOT  # stage 1 reaches the timed micro-batch at this tick
+    for tp, seconds in ((0, 0.25), (1, 0.125)):
+        timer(FWD_START, 0, 1, tp, 1.0, True, timed)
+        clock.now += seconds
+        timer(FWD_END, 0, 1, tp, 1.0, True, timed)
+    timer(BWD_START, 0, 1, 0, 4.0, True, timed)  # a slowed device's other events: ignored
     clock.now += 0.5
-    timer(BWD_END, 0, 1, 0, 1.0, True, 0)
-    timer(FWD_START, 1, 1, 1, 1.0, True, 0)
+    timer(BWD_END, 0, 1, 0, 4.0, True, timed)
+    timer(FWD_START, 0, 1, 0, 4.0, True, timed + 1)
+    clock.now += 0.5
+    timer(FWD_END, 0, 1, 0, 4.0, True, timed + 1)
+    assert timer.end().stage_DxP is None  # stage 0 was never timed
+    timer(FWD_START, 0, 0, 0, 1.0, True, TIMED_SLOT)
+    clock.now += 0.0625
+    timer(FWD_END, 0, 0, 0, 1.0, True, TIMED_SLOT)
+    timer(FWD_START, 0, 0, 1, 1.0, True, TIMED_SLOT)
     timing = timer.end()
     assert timing.fwd_DxPxT[0, 1, 0] == pytest.approx(0.25)
-    assert timing.stage_DxP[0, 1] == pytest.approx(0.75)
-    assert timing.step_time_s == pytest.approx(0.75)
-    assert timer.in_flight() == [(1, 1, 1)]
+    assert timing.stage_DxP[0].tolist() == pytest.approx([0.0625, 0.25])  # slowest tp member
+    assert timing.step_time_s == pytest.approx(1.4375)
+    assert timer.in_flight() == [(0, 0, 1)]
 
 
 def test_slowdown_reaches_forward_backward_and_probe_of_one_device() -> None:
@@ -115,6 +125,9 @@ def test_slowdown_reaches_forward_backward_and_probe_of_one_device() -> None:
     inj.slow(slow_dev, 4.0, start_step=1)
     state, metrics, _ = timed_step(program, state, batch, inj.knobs(0), None)
     assert not slept and {k for _, _, k, _ in seen} == {1.0}  # healthy before the onset
+    # healthy devices call the host only around their one timed forward region
+    assert sorted(e for e, _, _, _ in seen) == sorted([FWD_START, FWD_END] * PLAN.n_devices)
+    assert all(busy for *_, busy in seen)
     seen.clear()
     state, metrics, _ = timed_step(program, state, batch, inj.knobs(1), None)
     assert np.isfinite(float(metrics["loss"]))

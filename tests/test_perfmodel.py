@@ -383,7 +383,7 @@ def test_fit_stage_times_and_bad_inputs() -> None:
     for _ in range(12):
         tok, l2 = random_batch(plan, rng)
         sim = simulate_step(plan, MODEL8, TRUE, mb_tokens=tok, mb_sum_l2=l2)
-        fit.observe(plan, tok, l2, sim.step_time_s, stage_times_s=sim.stage_busy_s)
+        fit.observe(plan, tok, l2, sim.step_time_s, stage_times_s=sim.timed_fwd_s)
     assert fit.params.alpha == pytest.approx(TRUE.alpha, rel=0.05)
     with pytest.raises(ConfigError, match="step_time_s=nan"):
         fit.observe(plan, None, None, math.nan)

@@ -26,7 +26,7 @@ from resihp_jax.detector.base import Detector, register
 from resihp_jax.detector.verdict import StepObservation
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel.fit import OnlineCostModel
-from resihp_jax.perfmodel.work import group_data
+from resihp_jax.perfmodel.work import TIMED_SLOT, group_data
 
 
 @register
@@ -128,10 +128,11 @@ class ResiHPDetector(Detector):
             return None
         p = self.cost.params
         data = group_data(obs.plan, obs.mb_tokens, obs.mb_sum_l2)
-        work_G = (p.c * data.valid_GxM + p.alpha * data.tokens_GxM
-                  + p.beta * data.sum_l2_GxM).sum(axis=1)
+        timed = slice(TIMED_SLOT, TIMED_SLOT + 1)  # the micro-batch the stage times are of
+        work_G = (p.c * data.valid_GxM[:, timed] + p.alpha * data.tokens_GxM[:, timed]
+                  + p.beta * data.sum_l2_GxM[:, timed]).sum(axis=1)
         if not np.all(work_G > 0):
-            work_G = data.tokens_GxM.sum(axis=1)
+            work_G = data.tokens_GxM[:, timed].sum(axis=1)
         expected = work_G[:, None] * np.asarray(obs.plan.layers_per_stage, float)[None, :]
         log_share = np.log(np.asarray(times, float) / expected)
         log_share -= np.median(log_share)

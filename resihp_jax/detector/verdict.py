@@ -21,7 +21,9 @@ class StepObservation:
     mb_tokens: np.ndarray  # [M] tokens of each global micro-batch
     mb_sum_l2: np.ndarray  # [M] sum of l_i^2 of each global micro-batch
     step_time_s: float
-    stage_times_s: np.ndarray | None = None  # [dp, pp] busy time per stage, when measured
+    # [dp, pp] when measured: forward time of each group's first micro-batch through each
+    # stage's layers (what the train step's Instrument times; StepSim.timed_fwd_s)
+    stage_times_s: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         t = self.step_time_s

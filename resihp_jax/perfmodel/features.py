@@ -10,7 +10,7 @@ import numpy as np
 
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel.simulator import StepSim
-from resihp_jax.perfmodel.work import GroupData
+from resihp_jax.perfmodel.work import TIMED_SLOT, GroupData
 
 PATH_FEATURES = ("c", "alpha", "beta", "head_alpha", "tick_overhead", "step_overhead")
 TOTAL_FEATURES = ("total_c", "total_alpha", "total_beta")
@@ -44,15 +44,14 @@ def path_units(sim: StepSim, plan: Plan, tokens_N: np.ndarray, sum_l2_N: np.ndar
     return units
 
 
-def stage_units(plan: Plan, data: GroupData, bwd_ratio: float, remat: bool) -> np.ndarray:
-    """[dp * pp, 6] multipliers of each stage's busy time (StepSim.stage_busy_s, flattened)."""
-    mult = (1.0 + bwd_multiplier(bwd_ratio, remat)) / plan.tp
+def stage_units(plan: Plan, data: GroupData) -> np.ndarray:
+    """[dp * pp, 6] multipliers of each stage's timed forward (StepSim.timed_fwd_s,
+    flattened): slot TIMED_SLOT of each group through the stage's layers."""
     layers_S = np.asarray(plan.layers_per_stage, dtype=np.float64)
-    per_group = np.stack([data.valid_GxM.sum(1), data.tokens_GxM.sum(1),
-                          data.sum_l2_GxM.sum(1)], axis=1)  # [G, 3]
+    timed_Gx3 = np.stack([data.valid_GxM[:, TIMED_SLOT], data.tokens_GxM[:, TIMED_SLOT],
+                          data.sum_l2_GxM[:, TIMED_SLOT]], axis=1)
     units = np.zeros((plan.dp, plan.pp, len(PATH_FEATURES)))
-    units[:, :, :3] = mult * layers_S[None, :, None] * per_group[:, None, :]
-    units[:, -1, 3] = mult * per_group[:, 1]
+    units[:, :, :3] = layers_S[None, :, None] * timed_Gx3[:, None, :] / plan.tp
     return units.reshape(plan.dp * plan.pp, len(PATH_FEATURES))
 
 

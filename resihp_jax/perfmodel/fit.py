@@ -38,8 +38,8 @@ class _Obs:
     sum_l2_N: np.ndarray
     mb_slots: int | None
     step_time_s: float
-    stage_x: np.ndarray | None  # [dp * pp, 6] busy-time features, with...
-    stage_y: np.ndarray | None  # ... the observed busy times
+    stage_x: np.ndarray | None  # [dp * pp, 6] timed-forward features, with...
+    stage_y: np.ndarray | None  # ... the observed timed forwards
     total_x: np.ndarray
     path_x: np.ndarray = field(default_factory=lambda: np.zeros(N_PATH))
     path_version: int = -1
@@ -217,7 +217,7 @@ class OnlineCostModel:
                               f"({plan.dp}, {plan.pp}) is needed")
         if not (np.isfinite(times).all() and (times > 0).all()):
             raise ConfigError(f"stage_times_s={times.tolist()}: must be finite and > 0")
-        x = features.stage_units(plan, data, self.bwd_ratio, self.remat)
+        x = features.stage_units(plan, data)
         return x, times.reshape(-1)
 
 

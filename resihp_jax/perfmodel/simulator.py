@@ -39,6 +39,9 @@ class StepSim:
     bubble_fraction: float  # idle share of the slowest group's stages
     allreduce_s: float = 0.0
     slowest_group: int = 0
+    # [dp, pp] forward of each group's micro-batch slot TIMED_SLOT through each stage's
+    # layers: what the train step's Instrument measures (StepTiming.stage_DxP)
+    timed_fwd_s: np.ndarray | None = None
 
 
 def check_schedule(schedule: str) -> str:
@@ -73,7 +76,7 @@ def simulate_step(plan: Plan, model: ModelConfig, costs: CostParams, *,
     if trace and work.dp_allreduce_s > 0.0:
         path.append(("allreduce", int(rep_U[slow_u]), -1, -1))
     return StepSim(step, group_times, busy_UxS[inverse_G], tuple(path), max(bubble, 0.0),
-                   work.dp_allreduce_s, int(rep_U[slow_u]))
+                   work.dp_allreduce_s, int(rep_U[slow_u]), work.timed_fwd_GxS[inverse_G])
 
 
 def tokens_per_second(plan: Plan, model: ModelConfig, costs: CostParams, *,

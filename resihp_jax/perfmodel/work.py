@@ -17,6 +17,11 @@ from resihp_jax.perfmodel.costs import CostParams, dtype_bytes
 from resihp_jax.perfmodel.health import Health
 
 
+# The micro-batch slot whose forward the train step times on every stage (one timed region
+# per device and step keeps the host callbacks, and their cost, to a minimum).
+TIMED_SLOT = 0
+
+
 @dataclass(frozen=True)
 class GroupData:
     """Micro-batch sizes routed to each DP group, zero-padded to `mb_slots`."""
@@ -120,6 +125,7 @@ class StageWork:
     bwd_GxSxM: np.ndarray  # backward (+ recomputed forward with remat)
     p2p_GxS: np.ndarray  # activation transfer between stage s and s+1 (last column 0)
     dp_allreduce_s: float
+    timed_fwd_GxS: np.ndarray  # layers' forward of slot TIMED_SLOT: what the step times
 
 
 def stage_work(plan: Plan, model: ModelConfig, costs: CostParams, data: GroupData,
@@ -129,6 +135,7 @@ def stage_work(plan: Plan, model: ModelConfig, costs: CostParams, data: GroupDat
                 + costs.beta * data.sum_l2_GxM)
     scale_GxS = factors.inv_speed_GxS / (plan.tp * costs.tp_efficiency)
     compute = layers_S[None, :, None] * base_GxM[:, None, :]
+    timed = compute[:, :, TIMED_SLOT] * scale_GxS  # layers only: head and embedding excluded
     compute[:, -1, :] += costs.head_alpha * data.tokens_GxM
     compute[:, 0, :] += costs.embed_alpha * data.tokens_GxM
     compute *= scale_GxS[:, :, None]
@@ -136,11 +143,12 @@ def stage_work(plan: Plan, model: ModelConfig, costs: CostParams, data: GroupDat
     tp_ar_GxS = _allreduce_s(act, plan.tp, costs.tp_bandwidth, costs.tp_latency, factors.link_GxS)
     tp_fwd = (2.0 * layers_S[None, :] * tp_ar_GxS)[:, :, None] * data.valid_GxM[:, None, :]
     fwd = compute + tp_fwd
+    timed = timed + tp_fwd[:, :, TIMED_SLOT]
     bwd = costs.bwd_ratio * compute + tp_fwd
     if remat:
         bwd += fwd
     return StageWork(fwd, bwd, _p2p_times(plan, costs, factors, act),
-                     _dp_allreduce(plan, model, costs, factors))
+                     _dp_allreduce(plan, model, costs, factors), timed)
 
 
 def _p2p_times(plan: Plan, costs: CostParams, factors: Factors, act: float) -> np.ndarray:

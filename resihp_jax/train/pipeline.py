@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from resihp_jax import vma
 from resihp_jax.model import layers
 from resihp_jax.model.config import ModelConfig
+from resihp_jax.perfmodel.work import TIMED_SLOT
 from resihp_jax.train.instrument import Instrument
 
 STEP_AXES = ("dp", "pp")  # activations differ across these; 'tp' devices hold equal copies
@@ -136,7 +137,7 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
                     x_like)
         x_BxSxD = jnp.where(stage == 0, jax.lax.psum(emb, "tp"), x_recv)
         if instrument is not None:
-            coords = instrument.coords(knob.reshape(()), busy, t)
+            coords = instrument.coords(knob.reshape(()), busy, t, timed=m == TIMED_SLOT)
             x_BxSxD = instrument.enter(x_BxSxD, coords)
         x_BxSxD = run_stage(layer_params, busy, my_layers, x_BxSxD, seg_BxS, pos_BxS, cfg)
         if instrument is not None:

@@ -96,6 +96,28 @@ def test_slowdown_is_detected_and_localized(device: int, factor: float) -> None:
     assert v.slowdown == pytest.approx(factor, rel=0.1) and v.confidence > 0.5
 
 
+def test_a_transient_spike_in_one_probe_run_does_not_name_a_healthy_device() -> None:
+    """Each probe run, another healthy device is hit by other work on the host (3x);
+    device 5 is 1.5x slow in every run. Keeping each device's fastest run names device 5."""
+    healthy = [d for d in PLAN.device_ids if d != 5]
+    runs: list[int] = []
+
+    def spiky(step: int) -> ProbeResult:
+        victim = healthy[len(runs) % len(healthy)]
+        comp = {d: 0.01 * (1.5 if d == 5 else 3.0 if d == victim else 1.0)
+                for d in PLAN.device_ids}
+        runs.append(victim)
+        return ProbeResult(comp, {d: 0.002 for d in PLAN.device_ids})
+
+    assert localize(spiky(0)).devices == (runs[0],)  # one run alone is fooled
+    det = make_detector("mad", prober=spiky)
+    verdict = det.validate(3)
+    assert verdict is not None and verdict.devices == (5,)
+    assert verdict.slowdown == pytest.approx(1.5)
+    with pytest.raises(ConfigError, match="probe_runs=0"):
+        make_detector("mad", probe_runs=0)
+
+
 def test_prediction_error_small_on_noise_free_stream() -> None:
     det = make_detector("resihp", model=CFG, prober=fake_prober({}, 0))
     errors = []

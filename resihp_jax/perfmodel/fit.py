@@ -79,9 +79,13 @@ class OnlineCostModel:
 
     @property
     def noise(self) -> float:
-        """Robust sigma of the relative prediction error on the window."""
+        """Robust sigma of the relative prediction error on the window, corrected for the
+        degrees of freedom the fit used (residuals of p coefficients fitted on n rows are
+        smaller than the errors on new steps; early on, with n near p, by a lot)."""
         self._require_fit()
-        return self._fit.scale  # type: ignore[union-attr]
+        fit = self._fit
+        n, p = len(fit.weights), int(fit.active.sum())  # type: ignore[union-attr]
+        return fit.scale * math.sqrt(n / max(n - p, 1))  # type: ignore[union-attr]
 
     @property
     def uses_contention(self) -> bool:

@@ -25,11 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", default="4,4", help="micro-batches per DP group")
     parser.add_argument("--model", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--data", default="synthetic:lognormal")
-    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=56)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--microbatch-size", type=int, default=2)
-    parser.add_argument("--slow", default="5=3.0@24",
+    parser.add_argument("--slow", default="5=3.0@32",
                         help="DEVICE=FACTOR@STEP: the device runs FACTOR times slower from STEP"
                              " ('none' for a healthy run)")
     parser.add_argument("--kill", default=None, help="DEVICE@STEP: the device stops at STEP")
@@ -45,7 +45,7 @@ def parse_slow(text: str | None) -> tuple[int, float, int] | None:
     match = re.fullmatch(r"(\d+)=([\d.]+)@(\d+)", text)
     if not match or float(match.group(2)) < 1:
         raise ConfigError(f"--slow={text!r}: expected DEVICE=FACTOR@STEP with FACTOR >= 1, "
-                          "e.g. 5=3.0@24")
+                          "e.g. 5=3.0@32")
     return int(match.group(1)), float(match.group(2)), int(match.group(3))
 
 

@@ -6,7 +6,9 @@ error, rate `drift`) absorbs machine-wide drift such as other jobs sharing the h
 few steps. A step is in excess when log(observed / predicted) is above `k` robust sigmas
 (the larger of the cost model's fit noise and this detector's own recent healthy errors) and
 at least `min_excess`; only `persist` excess steps in a row raise a suspicion, which the probes
-then confirm and localize.
+then confirm and localize; two in a row suffice when both exceed `strong` thresholds (healthy
+streams never showed two consecutive steps above even one threshold; a 1.5x device shows
+several thresholds on every step).
 
 When per-stage times come with the steps (the forward of one micro-batch per stage), a
 second, load-robust signal watches each stage's share of them against the share its layers
@@ -28,6 +30,7 @@ import numpy as np
 
 from resihp_jax.detector.base import Detector, register
 from resihp_jax.detector.verdict import StepObservation
+from resihp_jax.errors import ConfigError
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel.fit import OnlineCostModel
 from resihp_jax.perfmodel.work import TIMED_SLOT, group_data
@@ -39,13 +42,17 @@ class ResiHPDetector(Detector):
 
     def __init__(self, model: ModelConfig | None = None, *,
                  cost_model: OnlineCostModel | None = None, warmup: int = 24, k: float = 3.0,
-                 min_excess: float = 0.05, persist: int = 3, drift: float = 0.2,
+                 min_excess: float = 0.05, persist: int = 3, strong: float = 2.0,
+                 drift: float = 0.2,
                  use_stage_times: bool = True, stage_min_excess: float = 0.08,
                  fit_stage_times: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if not (isinstance(persist, int) and persist >= 2 and strong >= 1.0):
+            raise ConfigError(f"resihp: persist={persist!r} must be an integer >= 2 and "
+                              f"strong={strong!r} >= 1")
         self.cost = cost_model if cost_model is not None else OnlineCostModel(
             model, window=128, refit_every=16)
-        self.warmup, self.k, self.min_excess = warmup, k, min_excess
+        self.warmup, self.k, self.min_excess, self.strong = warmup, k, min_excess, strong
         self.persist, self.drift, self.use_stage_times = persist, drift, use_stage_times
         self.fit_stage_times = fit_stage_times
         self.scale = 1.0  # machine-wide drift of healthy steps against the model
@@ -108,7 +115,7 @@ class ResiHPDetector(Detector):
             self._excess.append(excess)
         else:
             self._excess.clear()
-        if self._stage_streak >= self.persist or len(self._excess) >= self.persist:
+        if self._stage_streak >= self.persist or self._step_persistent():
             return True
         if stage_hot or step_hot:
             return False  # pending: a suspect step teaches neither the model nor the baseline
@@ -117,6 +124,11 @@ class ResiHPDetector(Detector):
         self.scale *= math.exp(self.drift * excess)
         self._learn(obs)
         return False
+
+    def _step_persistent(self) -> bool:
+        run = self._excess
+        return len(run) >= self.persist or (
+            len(run) >= 2 and min(run[-2:]) > self.strong * self.threshold)
 
     def _cleared(self, obs: StepObservation) -> None:
         # the probes found every device equally fast: the excess was the machine, not a device

@@ -33,7 +33,8 @@ from resihp_jax.detector.verdict import StepObservation
 from resihp_jax.errors import ConfigError
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel.fit import OnlineCostModel
-from resihp_jax.perfmodel.work import TIMED_SLOT, group_data
+from resihp_jax.perfmodel import features
+from resihp_jax.perfmodel.work import group_data
 
 
 @register
@@ -145,12 +146,11 @@ class ResiHPDetector(Detector):
             return None
         p = self.cost.params
         data = group_data(obs.plan, obs.mb_tokens, obs.mb_sum_l2)
-        timed = slice(TIMED_SLOT, TIMED_SLOT + 1)  # the micro-batch the stage times are of
-        work_G = (p.c * data.valid_GxM[:, timed] + p.alpha * data.tokens_GxM[:, timed]
-                  + p.beta * data.sum_l2_GxM[:, timed]).sum(axis=1)
-        if not np.all(work_G > 0):
-            work_G = data.tokens_GxM[:, timed].sum(axis=1)
-        expected = work_G[:, None] * np.asarray(obs.plan.layers_per_stage, float)[None, :]
+        units = features.stage_units(obs.plan, data)  # what the timed region's work is made of
+        expected = units[:, :3] @ np.array([p.c, p.alpha, p.beta])
+        if not np.all(expected > 0):
+            expected = units[:, 1]  # no fit of the fixed/attention terms yet: tokens alone
+        expected = expected.reshape(obs.plan.dp, obs.plan.pp)
         log_share = np.log(np.asarray(times, float) / expected)
         log_share -= np.median(log_share)
         if self._stage_base is None or self._stage_base.shape != log_share.shape:

@@ -13,7 +13,7 @@ from resihp_jax.detector import Prober
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
-from resihp_jax.perfmodel.work import TIMED_SLOT
+from resihp_jax.meshes.plan import TIMED_SLOT
 from resihp_jax.runtime.faults import DeviceStoppedError, FaultInjector, chain_hosts
 from resihp_jax.runtime.timing import StageTimer, timed_step
 from resihp_jax.train.config import TrainConfig

@@ -8,7 +8,8 @@ import pytest
 from resihp_jax.errors import PlanError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.mesh import make_mesh
-from resihp_jax.meshes.plan import Plan, parse_int_list, parse_mesh
+from resihp_jax.cli_args import parse_int_list, parse_mesh
+from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
 
 TINY = get_model_config("tiny")

@@ -7,7 +7,6 @@ Every part of the system speaks Plans. `device_ids` lists the physical device at
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -16,6 +15,10 @@ import numpy as np
 
 from resihp_jax.errors import PlanError
 from resihp_jax.model.config import ModelConfig
+
+# The micro-batch slot of every DP group whose forward the train step times on each device.
+# It lives here, below both train/ (which times it) and perfmodel/ (which predicts it).
+TIMED_SLOT = 0
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -186,35 +189,3 @@ class Plan:
         if missing:
             raise PlanError(f"Plan is missing field(s) {sorted(missing)}")
         return cls(**data)
-
-
-_MESH_RE = re.compile(r"^\s*(dp|pp|tp)\s*=\s*(\d+)\s*$")
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """'dp=2,pp=2,tp=2' (any order; missing axes default to 1) -> {'dp': 2, 'pp': 2, 'tp': 2}."""
-    out = {"dp": 1, "pp": 1, "tp": 1}
-    seen: set[str] = set()
-    for part in text.split(","):
-        match = _MESH_RE.match(part)
-        if not match:
-            raise PlanError(f"bad mesh term {part!r} in {text!r}: expected e.g. dp=2,pp=2,tp=2")
-        axis, value = match.group(1), int(match.group(2))
-        if axis in seen:
-            raise PlanError(f"mesh axis {axis} given twice in {text!r}")
-        if value < 1:
-            raise PlanError(f"mesh axis {axis}={value} in {text!r}: must be >= 1")
-        seen.add(axis)
-        out[axis] = value
-    return out
-
-
-def parse_int_list(text: str, what: str) -> tuple[int, ...]:
-    """'1,3' -> (1, 3), with an error naming `what` on bad input."""
-    try:
-        values = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise PlanError(f"{what}={text!r}: expected comma-separated integers like 1,3") from None
-    if any(v < 1 for v in values):
-        raise PlanError(f"{what}={text!r}: every entry must be >= 1")
-    return values

@@ -10,7 +10,8 @@ import numpy as np
 
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel.simulator import StepSim
-from resihp_jax.perfmodel.work import TIMED_SLOT, GroupData
+from resihp_jax.meshes.plan import TIMED_SLOT
+from resihp_jax.perfmodel.work import GroupData
 
 PATH_FEATURES = ("c", "alpha", "beta", "head_alpha", "tick_overhead", "step_overhead")
 TOTAL_FEATURES = ("total_c", "total_alpha", "total_beta")

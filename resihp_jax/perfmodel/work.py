@@ -11,15 +11,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from resihp_jax.errors import ConfigError, PlanError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.meshes.plan import TIMED_SLOT, Plan
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel.costs import CostParams, dtype_bytes
 from resihp_jax.perfmodel.health import Health
-
-
-# The micro-batch slot whose forward the train step times on every stage (one timed region
-# per device and step keeps the host callbacks, and their cost, to a minimum).
-TIMED_SLOT = 0
 
 
 @dataclass(frozen=True)

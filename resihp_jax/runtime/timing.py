@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from resihp_jax.perfmodel.work import TIMED_SLOT
+from resihp_jax.meshes.plan import TIMED_SLOT
 from resihp_jax.train.instrument import FWD_END, FWD_START
 
 

@@ -8,7 +8,8 @@ import sys
 from typing import TextIO
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan, parse_int_list, parse_mesh
+from resihp_jax.cli_args import parse_int_list, parse_mesh
+from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import PRESETS, get_model_config
 from resihp_jax.runtime.devices import request_host_devices, select_devices
 

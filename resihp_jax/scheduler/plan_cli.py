@@ -12,7 +12,8 @@ import json
 from typing import Any
 
 from resihp_jax.errors import PlanError
-from resihp_jax.meshes.plan import Plan, parse_mesh
+from resihp_jax.cli_args import parse_mesh
+from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig, get_model_config
 from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.scheduler.context import PlanningContext, SwitchCosts

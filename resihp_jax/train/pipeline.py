@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from resihp_jax import vma
 from resihp_jax.model import layers
 from resihp_jax.model.config import ModelConfig
-from resihp_jax.perfmodel.work import TIMED_SLOT
+from resihp_jax.meshes.plan import TIMED_SLOT
 from resihp_jax.train.instrument import Instrument
 
 STEP_AXES = ("dp", "pp")  # activations differ across these; 'tp' devices hold equal copies

@@ -37,7 +37,7 @@ def _resilient_run(tmp_path: Path | None, steps: int) -> tuple[list, list]:
     config = ResilienceConfig(checkpoint_dir=str(tmp_path) if tmp_path else None,
                               checkpoint_interval=2)
     trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(), config,
-                               injector=injector)
+                               fault_hook=injector)
     items = list(trainer.run(steps))
     return ([i for i in items if isinstance(i, StepRecord)],
             [i for i in items if isinstance(i, Replan)])

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     trainer = ResilientTrainer(model, TrainConfig(), plan, devices, data,
                                ResilienceConfig(checkpoint_dir=args.checkpoint_dir,
                                                 checkpoint_interval=8),
-                               injector=injector)
+                               fault_hook=injector)
     print(f"resihp demo: {model.name} on {args.devices} {devices[0].platform} devices, plan "
           f"{plan.describe()}; fault: {_fault_text(slow, kill)}", file=out)
     records, events = [], []

@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -128,6 +128,19 @@ class FaultInjector:
         if device_id not in self.plan.device_ids:
             raise ConfigError(f"device {device_id!r} is not in the plan's devices "
                               f"{sorted(self.plan.device_ids)}")
+
+
+class FaultHook(Protocol):
+    """What the trainer needs from a fault source: an Instrument host function, per-device
+    knobs for a step (raising `DeviceStoppedError` for a dead device), and a view of the same
+    faults through another plan's mesh."""
+
+    def __call__(self, event: int, dp: int, pp: int, tp: int, knob: float, busy: bool,
+                 tick: int) -> None: ...
+
+    def knobs(self, step: int) -> np.ndarray: ...
+
+    def with_plan(self, plan: Plan) -> FaultHook: ...
 
 
 def chain_hosts(*hosts: Callable[..., None] | None) -> Callable[..., None]:

@@ -24,7 +24,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.runtime.checkpoint import Checkpointer
-from resihp_jax.runtime.faults import FaultInjector, chain_hosts
+from resihp_jax.runtime.faults import FaultHook, chain_hosts
 from resihp_jax.runtime.loop import StepRecord
 from resihp_jax.runtime.timing import StageTimer, timed_step
 from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
@@ -62,7 +62,7 @@ class Replan:
 class _Mesh:
     """Everything bound to the current plan."""
     program: StepProgram
-    injector: FaultInjector
+    hook: FaultHook | None
     timer: StageTimer
     prober: Prober
 
@@ -75,13 +75,12 @@ class ResilientTrainer:
     devices: Sequence[jax.Device]
     data: BatchIterator
     config: ResilienceConfig = field(default_factory=ResilienceConfig)
-    injector: FaultInjector | None = None
+    fault_hook: FaultHook | None = None  # tests, benchmarks and the demo inject faults here
     clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:
         self.health = Health.healthy()
-        self.injector = self.injector or FaultInjector(self.plan)
-        self._mesh = self._bind(self.plan, self.injector)
+        self._mesh = self._bind(self.plan)
         extra = {"model": self.model} if self.config.detector == "resihp" else {}
         self.detector = make_detector(self.config.detector, prober=self._probe,
                                       clock=self.clock, **extra)
@@ -95,16 +94,20 @@ class ResilientTrainer:
     def program(self) -> StepProgram:
         return self._mesh.program
 
-    def _bind(self, plan: Plan, injector: FaultInjector) -> _Mesh:
-        injector = injector.with_plan(plan)
+    def _bind(self, plan: Plan) -> _Mesh:
+        hook = self.fault_hook.with_plan(plan) if self.fault_hook is not None else None
         timer = StageTimer((plan.dp, plan.pp, plan.tp))
         train_cfg = self.train_cfg.replace(microbatch_slots=max(plan.microbatches_per_group))
         program = build_step(self.model, train_cfg, plan, self.devices,
-                             instrument=Instrument(chain_hosts(injector, timer)))
-        return _Mesh(program, injector, timer, Prober(plan, self.devices, host=injector))
+                             instrument=Instrument(chain_hosts(hook, timer)))
+        return _Mesh(program, hook, timer, Prober(plan, self.devices, host=hook))
+
+    def _knobs(self, step: int) -> np.ndarray | None:
+        """The hook's per-device knobs for this step (None: healthy); it may raise a stop."""
+        return self._mesh.hook.knobs(step) if self._mesh.hook is not None else None
 
     def _probe(self, step: int):  # noqa: ANN202 - a ProbeResult
-        return self._mesh.prober.run(self._mesh.injector.knobs(step))
+        return self._mesh.prober.run(self._knobs(step))
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self, steps: int, seed: int = 0) -> Iterator[StepRecord | Replan]:
@@ -136,7 +139,7 @@ class ResilientTrainer:
                                           batch.positions_MxBxS)
 
         def run_once() -> tuple[TrainState, dict[str, Any], Any]:
-            return timed_step(mesh.program, self.state, arrays, mesh.injector.knobs(step),
+            return timed_step(mesh.program, self.state, arrays, self._knobs(step),
                               mesh.timer)
 
         self.state, metrics, timing = run_guarded(run_once, step, self.config.step_timeout_s,
@@ -163,7 +166,7 @@ class ResilientTrainer:
         new = outcome.plan if outcome.plan is not None else old
         restored = None
         if new != old:
-            mesh = self._bind(new, self._mesh.injector)
+            mesh = self._bind(new)
             if verdict.kind == "stopped" and self.checkpointer and \
                     self.checkpointer.latest_step() is not None:
                 got = self.checkpointer.restore(mesh.program)

@@ -102,8 +102,7 @@ class Run:
 
 
 def replay_healthy(run: Run, record: list[StepObservation], tallies: dict[str, Tally]) -> dict:
-    detectors = {n: make_detector(n, prober=run.probe) if n != "resihp" else
-                 make_detector(n, model=run.cfg, prober=run.probe) for n in NAMES}
+    detectors = {n: make_detector(n, model=run.cfg, prober=run.probe) for n in NAMES}
     for obs in record:
         for name, det in detectors.items():
             det.observe(obs)

@@ -65,7 +65,7 @@ def fake_prober(slow: dict[int, float], onset: int, seed: int = 1):
 
 def run(name: str, steps: list[StepObservation], prober) -> tuple[object, list]:  # noqa: ANN001
     """Feed steps until the first verdict (the runtime would re-plan there)."""
-    det = make_detector(name, prober=prober, **({"model": CFG} if name == "resihp" else {}))
+    det = make_detector(name, prober=prober, model=CFG)
     for obs in steps:
         verdict = det.observe(obs)
         if verdict is not None:

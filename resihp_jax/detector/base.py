@@ -13,6 +13,8 @@ from typing import Callable
 from resihp_jax.detector.probes import ProbeResult, localize
 from resihp_jax.detector.verdict import StepObservation, Verdict
 from resihp_jax.errors import ConfigError
+from resihp_jax.model.config import ModelConfig
+from resihp_jax.perfmodel.costs import CostParams
 
 ProbeFn = Callable[[int], ProbeResult]
 
@@ -22,12 +24,12 @@ class Detector:
 
     name = "base"
 
-    def __init__(self, prober: ProbeFn | None = None, *,
+    def __init__(self, prober: ProbeFn | None = None, *, model: ModelConfig | None = None,
                  clock: Callable[[], float] = time.perf_counter, margin: float = 0.12,
                  probe_runs: int = 2) -> None:
         if isinstance(probe_runs, bool) or not isinstance(probe_runs, int) or probe_runs < 1:
             raise ConfigError(f"probe_runs={probe_runs!r}: must be an integer >= 1")
-        self.prober, self.clock, self.margin = prober, clock, margin
+        self.prober, self.model, self.clock, self.margin = prober, model, clock, margin
         self.probe_runs = probe_runs
         self.alarms = 0
         self.cost_s = 0.0  # time spent deciding (probes excluded)
@@ -73,6 +75,11 @@ class Detector:
         return Verdict(step, found.devices, found.kind, found.slowdown, found.confidence,
                        self.name)
 
+    def cost_params(self) -> CostParams | None:
+        """The healthy cost model this detector has fitted, if any (the scheduler plans with
+        it); None: the caller falls back to the model's analytic costs."""
+        return None
+
     def rebaseline(self, steps: int = 3) -> None:
         """The cluster changed on purpose (a re-plan): judge later steps against it."""
 
@@ -101,7 +108,8 @@ def register(cls: type[Detector]) -> type[Detector]:
 
 
 def make_detector(name: str, **kwargs: object) -> Detector:
-    """The detector registered as `name` ('resihp', 'greyhound', 'mad')."""
+    """The detector registered as `name` ('resihp', 'greyhound', 'mad'); every one takes the
+    same common arguments (prober, model, clock, margin, probe_runs) plus its own."""
     if name not in DETECTORS:
         raise ConfigError(f"unknown detector {name!r}; valid: {', '.join(sorted(DETECTORS))}")
     return DETECTORS[name](**kwargs)  # type: ignore[arg-type]

@@ -32,6 +32,7 @@ from resihp_jax.detector.base import Detector, register
 from resihp_jax.detector.verdict import StepObservation
 from resihp_jax.errors import ConfigError
 from resihp_jax.model.config import ModelConfig
+from resihp_jax.perfmodel.costs import CostParams
 from resihp_jax.perfmodel.fit import OnlineCostModel
 from resihp_jax.perfmodel import features
 from resihp_jax.perfmodel.work import group_data
@@ -47,7 +48,7 @@ class ResiHPDetector(Detector):
                  drift: float = 0.2,
                  use_stage_times: bool = True, stage_min_excess: float = 0.08,
                  fit_stage_times: bool = False, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(model=model, **kwargs)
         if not (isinstance(persist, int) and persist >= 2 and strong >= 1.0):
             raise ConfigError(f"resihp: persist={persist!r} must be an integer >= 2 and "
                               f"strong={strong!r} >= 1")
@@ -66,6 +67,8 @@ class ResiHPDetector(Detector):
         self._stage_spread = 0.0  # robust sigma of a stage's deviation from its baseline
         self._stage_seen = 0
         self._stage_streak = 0
+        self._rebase_left = 0  # steps left in which to re-measure `scale` after a re-plan
+        self._rebase_ratios: list[float] = []  # observed / raw prediction over those steps
 
     @property
     def noise(self) -> float:
@@ -86,6 +89,9 @@ class ResiHPDetector(Detector):
         """Healthy time of this batch under this plan (cost model times drift)."""
         return self.scale * self.cost.predict(obs.plan, obs.mb_tokens, obs.mb_sum_l2)
 
+    def cost_params(self) -> CostParams | None:
+        return self.cost.params if self.cost.ready else None
+
     def rebaseline(self, steps: int = 3) -> None:
         """After a re-plan, the known-degraded cluster is the new normal: re-measure the
         drift scale over the next `steps` steps (not learned by the cost model, never
@@ -98,7 +104,7 @@ class ResiHPDetector(Detector):
         if not self.cost.ready or self._learned < self.warmup:
             self._learn(obs)
             return False
-        if getattr(self, "_rebase_left", 0) > 0:
+        if self._rebase_left > 0:
             raw = self.cost.predict(obs.plan, obs.mb_tokens, obs.mb_sum_l2)
             self._rebase_ratios.append(obs.step_time_s / raw)
             self._rebase_left -= 1

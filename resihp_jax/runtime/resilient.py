@@ -81,9 +81,8 @@ class ResilientTrainer:
     def __post_init__(self) -> None:
         self.health = Health.healthy()
         self._mesh = self._bind(self.plan)
-        extra = {"model": self.model} if self.config.detector == "resihp" else {}
         self.detector = make_detector(self.config.detector, prober=self._probe,
-                                      clock=self.clock, **extra)
+                                      model=self.model, clock=self.clock)
         self.checkpointer = (Checkpointer(self.config.checkpoint_dir,
                                           interval=self.config.checkpoint_interval)
                              if self.config.checkpoint_dir else None)
@@ -186,9 +185,7 @@ class ResilientTrainer:
         return replan
 
     def _context(self) -> PlanningContext:
-        cost = getattr(self.detector, "cost", None)
-        costs = cost.params if cost is not None and cost.ready else CostParams.for_model(
-            self.model)
+        costs = self.detector.cost_params() or CostParams.for_model(self.model)
         return PlanningContext(
             self.model, costs, self.config.device_memory_gb * 2**30,
             tuple(int(d.id) for d in self.devices), schedule="gpipe",

@@ -41,6 +41,7 @@ class Detector:
         if not isinstance(obs, StepObservation):
             raise ConfigError(f"observe() takes a StepObservation, got {type(obs).__name__}")
         t0 = self.clock()
+        self.last_prediction_s = None  # set by `_suspect` when it judges this step
         suspicious = self._suspect(obs)
         self.cost_s += self.clock() - t0
         self.steps += 1

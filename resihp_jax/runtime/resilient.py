@@ -123,10 +123,11 @@ class ResilientTrainer:
                 yield self._react(failed.verdict, data_before)
                 continue  # the data iterator was rewound: the same batch runs again
             done = record.step
-            yield record
             if self.checkpointer:
                 self.checkpointer.save(done, self.state, self.program, self.data.state())
+            # judged before it is yielded, so the caller sees this step's prediction
             verdict = self.detector.observe(self._observation(record, batch))
+            yield record
             if verdict is not None:
                 yield self._react(verdict, None)
         if self.checkpointer:

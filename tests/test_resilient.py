@@ -1,4 +1,5 @@
-"""ResilientTrainer: a stopped device is re-planned around with nothing lost or repeated."""
+"""ResilientTrainer: a stopped device is re-planned around with nothing lost or repeated, and a
+switch compiles only what was not prepared."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _resilient_run(tmp_path: Path | None, steps: int) -> tuple[list, list]:
     injector = FaultInjector(PLAN)
     injector.kill(6, at_step=3)
     config = ResilienceConfig(checkpoint_dir=str(tmp_path) if tmp_path else None,
-                              checkpoint_interval=2)
+                              checkpoint_interval=2, precompile=0, compile_cache_dir=None)
     trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(), config,
                                fault_hook=injector)
     items = list(trainer.run(steps))
@@ -58,4 +59,29 @@ def test_stopped_device_restores_from_checkpoint(tmp_path: Path) -> None:
     records, replans = _resilient_run(tmp_path / "ckpt", 4)
     assert replans[0].restored_from_step == 2
     assert [r.step for r in records] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r.loss for r in records], _reference_losses(4), rtol=2e-5)
+
+
+def test_switches_compile_only_what_was_not_prepared() -> None:
+    """Split-only: the program is reused; a prepared mesh: compiled ahead in the background;
+    only an unforeseen mesh compiles on the training thread. Losses stay the reference's."""
+    trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(),
+                               ResilienceConfig(precompile=0, compile_cache_dir=None))
+    split = PLAN.replace(layers_per_stage=(1, 3))
+    warm = Plan.uniform(2, 1, 2, n_layers=4, n_microbatches=6, microbatch_size=2,
+                        seq_len=64).replace(device_ids=(0, 1, 2, 4))
+    cold = Plan.uniform(1, 2, 2, n_layers=4, n_microbatches=6, microbatch_size=2,
+                        seq_len=64).replace(device_ids=(4, 5, 6, 7))
+    trainer.precompiler.prepare([warm])
+    trainer.precompiler.wait()
+    records, switches = [], []
+    for step, plan in enumerate((split, warm, cold), start=1):
+        records += list(trainer.run(step))
+        switches.append(trainer.switch_to(plan))
+        assert trainer.plan == plan
+    records += list(trainer.run(4))
+    trainer.close()
+    assert [s.kind for s in switches] == ["split_only", "mesh_warm", "mesh_cold"]
+    assert [s.compiles for s in switches[:2]] == [0, 0]
+    assert switches[2].compiles >= 1  # the counter sees a compile when there is one
     np.testing.assert_allclose([r.loss for r in records], _reference_losses(4), rtol=2e-5)

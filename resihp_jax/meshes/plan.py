@@ -141,10 +141,13 @@ class Plan:
         """Index of each DP group's first micro-batch in the global batch."""
         return tuple(int(x) for x in np.cumsum((0,) + self.microbatches_per_group[:-1]))
 
+    def mesh_key(self) -> tuple[Any, ...]:
+        """What a compiled step depends on: mesh shape, placement and row shape (not splits)."""
+        return (self.dp, self.pp, self.tp, self.device_ids, self.microbatch_size, self.seq_len)
+
     def same_mesh(self, other: Plan) -> bool:
         """True when only the layer or micro-batch split differs (no recompilation needed)."""
-        keys = ("dp", "pp", "tp", "device_ids", "microbatch_size", "seq_len")
-        return all(getattr(self, k) == getattr(other, k) for k in keys)
+        return self.mesh_key() == other.mesh_key()
 
     # ---- validation against a model and a device pool -----------------------------------
     def check(self, model: ModelConfig, available_devices: Sequence[int] | None = None) -> Plan:

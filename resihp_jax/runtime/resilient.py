@@ -6,10 +6,16 @@ plan; if it differs, the state moves onto it (in memory, or from the latest chec
 a device stopped and a checkpoint exists) and training continues from the same data
 position. A step that failed is re-run on the new plan with the same batch, so no data is
 skipped or repeated.
+
+Switches are as cheap as the new plan allows (see `Replan.kind`): a new split of the same
+mesh reuses the compiled program; a new mesh whose program the background `Precompiler`
+prepared (the scheduler's picks for any one device slow or dead) compiles nothing; only an
+unforeseen mesh compiles on the spot. The scheduler is charged these measured costs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -20,18 +26,26 @@ import numpy as np
 from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.detector import (Prober, StepFailed, StepObservation, Verdict, make_detector,
                                  run_guarded)
+from resihp_jax.errors import ConfigError
+from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.runtime.checkpoint import Checkpointer
-from resihp_jax.runtime.faults import FaultHook, chain_hosts
+from resihp_jax.runtime.compile_cache import default_cache_dir, enable_compilation_cache
+from resihp_jax.runtime.compiles import counting
+from resihp_jax.runtime.faults import FaultHook
 from resihp_jax.runtime.loop import StepRecord
+from resihp_jax.runtime.precompile import Precompiler
 from resihp_jax.runtime.timing import StageTimer, timed_step
 from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
+from resihp_jax.train.aot import compile_program
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.instrument import Instrument
 from resihp_jax.train.reshard import move_state
 from resihp_jax.train.step import StepProgram, TrainState, build_step
+
+LIKELY_SLOWDOWN = 2.0  # the fail-slow factor the precompiler plans for
 
 
 @dataclass(frozen=True)
@@ -40,10 +54,34 @@ class ResilienceConfig:
     policy: str = "resihp"
     step_timeout_s: float = 120.0  # a hung step counts as stopped after this long
     device_memory_gb: float = 4.0
-    recompile_s: float = 10.0  # what the scheduler charges a new mesh
+    recompile_s: float = 10.0  # charged for a new mesh until a compile has been measured
     horizon_s: float = 3600.0  # expected seconds to the next failure
     checkpoint_dir: str | None = None
     checkpoint_interval: int = 10
+    precompile: int = 4  # programs of likely next plans compiled in the background (0: off)
+    # JAX's persistent compilation cache (None: off). It holds every program without host
+    # callbacks (state moves, the step when no instrument is attached): JAX never persists
+    # an executable that calls back into Python.
+    compile_cache_dir: str | None = field(default_factory=default_cache_dir)
+
+    def __post_init__(self) -> None:
+        for name in ("step_timeout_s", "device_memory_gb", "horizon_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"ResilienceConfig.{name}={getattr(self, name)!r}: must be > 0")
+        if not self.recompile_s >= 0 or self.checkpoint_interval < 1 or self.precompile < 0:
+            raise ConfigError(f"ResilienceConfig: recompile_s={self.recompile_s!r} must be >= 0, "
+                              f"checkpoint_interval={self.checkpoint_interval!r} >= 1 and "
+                              f"precompile={self.precompile!r} >= 0")
+
+
+@dataclass(frozen=True)
+class Switch:
+    """How the trainer moved onto a new plan."""
+    kind: str  # split_only | mesh_warm | mesh_cold
+    compile_s: float  # having the new program ready (0 when reused)
+    move_s: float  # moving (or restoring) the state onto it
+    compiles: int  # executables built on the training thread meanwhile
+    restored_from_step: int | None = None  # set when the state came from a checkpoint
 
 
 @dataclass(frozen=True)
@@ -54,17 +92,29 @@ class Replan:
     old_plan: Plan
     new_plan: Plan
     reason: str
-    switch_s: float  # wall time to move the state and build the new program
+    switch_s: float  # wall time from the verdict to the state ready on the new plan
     restored_from_step: int | None = None  # set when the state came from a checkpoint
+    kind: str = "none"  # none | split_only | mesh_warm | mesh_cold
+    plan_s: float = 0.0  # the scheduler's decision
+    compile_s: float = 0.0  # having the new program ready (0 when reused)
+    move_s: float = 0.0  # moving (or restoring) the state onto it
+    compiles: int = 0  # executables built on the training thread during the switch
 
 
-@dataclass
-class _Mesh:
-    """Everything bound to the current plan."""
-    program: StepProgram
-    hook: FaultHook | None
-    timer: StageTimer
-    prober: Prober
+class _Host:
+    """The one Instrument host every program of this trainer calls: it forwards to the
+    current plan's fault hook and stage timer, so programs compiled ahead of time need no
+    rebuild when the plan they serve becomes current."""
+
+    def __init__(self) -> None:
+        self.hook: FaultHook | None = None
+        self.timer: StageTimer | None = None
+
+    def __call__(self, *event: Any) -> None:
+        if self.hook is not None:
+            self.hook(*event)  # first: its injected delay belongs in the timed region
+        if self.timer is not None:
+            self.timer(*event)
 
 
 @dataclass
@@ -79,34 +129,70 @@ class ResilientTrainer:
     clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:
+        enable_compilation_cache(self.config.compile_cache_dir)
         self.health = Health.healthy()
-        self._mesh = self._bind(self.plan)
+        self._host = _Host()
+        self._instrument = Instrument(self._host)
+        self._compile_s: float | None = None  # measured cost of a mesh compiled on the spot
+        self._warm_s = 0.0  # measured cost of taking a prepared program
+        self._install(self._compiled(self.plan), self.plan)
         self.detector = make_detector(self.config.detector, prober=self._probe,
                                       model=self.model, clock=self.clock)
         self.checkpointer = (Checkpointer(self.config.checkpoint_dir,
                                           interval=self.config.checkpoint_interval)
                              if self.config.checkpoint_dir else None)
+        self.precompiler = Precompiler(self._compiled)
         self.state: TrainState | None = None
         self.replans: list[Replan] = []
+        self._prepare_next()
 
-    @property
-    def program(self) -> StepProgram:
-        return self._mesh.program
+    # ---- programs ------------------------------------------------------------------------
+    def _compiled(self, plan: Plan) -> StepProgram:
+        """`plan`'s program, built and compiled now (any thread)."""
+        slots = max(self.train_cfg.microbatch_slots or layout.default_microbatch_slots(
+            plan.n_microbatches, plan.dp), max(plan.microbatches_per_group))
+        program = build_step(self.model, self.train_cfg.replace(microbatch_slots=slots), plan,
+                             self.devices, instrument=self._instrument)
+        return compile_program(program)
 
-    def _bind(self, plan: Plan) -> _Mesh:
-        hook = self.fault_hook.with_plan(plan) if self.fault_hook is not None else None
-        timer = StageTimer((plan.dp, plan.pp, plan.tp))
-        train_cfg = self.train_cfg.replace(microbatch_slots=max(plan.microbatches_per_group))
-        program = build_step(self.model, train_cfg, plan, self.devices,
-                             instrument=Instrument(chain_hosts(hook, timer)))
-        return _Mesh(program, hook, timer, Prober(plan, self.devices, host=hook))
+    def _install(self, program: StepProgram, plan: Plan) -> None:
+        self.program, self.plan = program, plan
+        self._host.hook = self.fault_hook.with_plan(plan) if self.fault_hook else None
+        self._host.timer = StageTimer((plan.dp, plan.pp, plan.tp))
+        self._prober: Prober | None = None  # compiled at the first alarm on this plan
 
-    def _knobs(self, step: int) -> np.ndarray | None:
-        """The hook's per-device knobs for this step (None: healthy); it may raise a stop."""
-        return self._mesh.hook.knobs(step) if self._mesh.hook is not None else None
+    def _program_for(self, plan: Plan) -> tuple[StepProgram, str]:
+        """The program to run `plan` with, and how it was had."""
+        if self.program.accepts(plan):
+            return self.program.with_plan(plan), "split_only"
+        prepared = self.precompiler.take(plan)
+        if prepared is not None:
+            return prepared, "mesh_warm"
+        return self._compiled(plan), "mesh_cold"
 
-    def _probe(self, step: int):  # noqa: ANN202 - a ProbeResult
-        return self._mesh.prober.run(self._knobs(step))
+    def _prepare_next(self) -> None:
+        if self.config.precompile > 0:
+            # a snapshot: the background thread must not see a switch half-way
+            args = (self.program, self.health, self._context())
+            self.precompiler.prepare_later(lambda: self.likely_next_plans(*args))
+
+    def likely_next_plans(self, program: StepProgram, health: Health,
+                          context: PlanningContext) -> list[Plan]:
+        """The scheduler's picks for any one more device slow, then any one dead, that need a
+        program other than `program`: at most `config.precompile` of them. Slow devices come
+        first: a fail-slow is handled in place, while on a real cluster a dead device takes
+        its process down and the job restarts anyway."""
+        out: dict[tuple, Plan] = {}
+        ids = program.plan.device_ids
+        faults = [health.with_changes(compute={d: 1 / LIKELY_SLOWDOWN}) for d in ids] + \
+            [health.with_changes(dead=(d,)) for d in ids]
+        for what in faults:
+            plan = run_policy(self.config.policy, program.plan, what, context).plan
+            if plan is not None and not program.accepts(plan):
+                out.setdefault(plan.mesh_key(), plan)
+            if len(out) >= self.config.precompile:
+                break
+        return list(out.values())
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self, steps: int, seed: int = 0) -> Iterator[StepRecord | Replan]:
@@ -120,7 +206,7 @@ class ResilientTrainer:
             try:
                 record = self._step(done + 1, batch)
             except StepFailed as failed:
-                yield self._react(failed.verdict, data_before)
+                yield self.react(failed.verdict, data_before)
                 continue  # the data iterator was rewound: the same batch runs again
             done = record.step
             if self.checkpointer:
@@ -129,18 +215,29 @@ class ResilientTrainer:
             verdict = self.detector.observe(self._observation(record, batch))
             yield record
             if verdict is not None:
-                yield self._react(verdict, None)
+                yield self.react(verdict, None)
         if self.checkpointer:
             self.checkpointer.wait()
 
+    def close(self) -> None:
+        self.precompiler.close()
+
+    def _knobs(self, step: int) -> np.ndarray | None:
+        """The hook's per-device knobs for this step (None: healthy); it may raise a stop."""
+        return self._host.hook.knobs(step) if self._host.hook is not None else None
+
+    def _probe(self, step: int):  # noqa: ANN202 - a ProbeResult
+        if self._prober is None:
+            self._prober = Prober(self.plan, self.devices, host=self._host.hook)
+        return self._prober.run(self._knobs(step))
+
     def _step(self, step: int, batch: GlobalBatch) -> StepRecord:
-        mesh = self._mesh
-        arrays = mesh.program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
-                                          batch.positions_MxBxS)
+        program, timer = self.program, self._host.timer
+        arrays = program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
+                                     batch.positions_MxBxS)
 
         def run_once() -> tuple[TrainState, dict[str, Any], Any]:
-            return timed_step(mesh.program, self.state, arrays, self._knobs(step),
-                              mesh.timer)
+            return timed_step(program, self.state, arrays, self._knobs(step), timer)
 
         self.state, metrics, timing = run_guarded(run_once, step, self.config.step_timeout_s,
                                                   in_flight=self._in_flight)
@@ -150,7 +247,7 @@ class ResilientTrainer:
 
     def _in_flight(self) -> tuple[int, ...]:
         grid = self.plan.device_grid()
-        return tuple(int(grid[c]) for c in self._mesh.timer.in_flight())
+        return tuple(int(grid[c]) for c in self._host.timer.in_flight())
 
     def _observation(self, record: StepRecord, batch: GlobalBatch) -> StepObservation:
         mb_tokens = np.full(self.plan.n_microbatches, self.plan.microbatch_size
@@ -159,40 +256,68 @@ class ResilientTrainer:
                                record.step_time_s, self._last_timing.stage_DxP)
 
     # ---- reacting to a verdict -------------------------------------------------------------
-    def _react(self, verdict: Verdict, data_before: dict[str, Any] | None) -> Replan:
+    def react(self, verdict: Verdict, data_before: dict[str, Any] | None = None) -> Replan:
+        """Update the health map from `verdict`, re-plan, and switch if the plan changes.
+        `data_before`: the data position to rewind to (the failed step's batch re-runs)."""
+        start = self.clock()
         self.health = _updated_health(self.health, verdict)
         outcome = run_policy(self.config.policy, self.plan, self.health, self._context())
-        old, start = self.plan, self.clock()
+        plan_s = self.clock() - start
+        old = self.plan
         new = outcome.plan if outcome.plan is not None else old
-        restored = None
+        fields: dict[str, Any] = {}
         if new != old:
-            mesh = self._bind(new)
-            if verdict.kind == "stopped" and self.checkpointer and \
-                    self.checkpointer.latest_step() is not None:
-                got = self.checkpointer.restore(mesh.program)
-                self.state, restored = got.state, got.step
-                self.data.restore(got.data_state)
-            else:
-                self.state = move_state(self.state, self._mesh.program, mesh.program)
-                if data_before is not None:
-                    self.data.restore(data_before)
-            self._mesh, self.plan = mesh, new
+            fields = dataclasses.asdict(self.switch_to(
+                new, from_checkpoint=verdict.kind == "stopped", data_before=data_before))
         elif data_before is not None:
             self.data.restore(data_before)
         self.detector.rebaseline()
         replan = Replan(verdict.step, verdict, old, new, outcome.reason, self.clock() - start,
-                        restored)
+                        plan_s=plan_s, **fields)
         self.replans.append(replan)
         return replan
 
+    def switch_to(self, new: Plan, *, from_checkpoint: bool = False,
+                  data_before: dict[str, Any] | None = None) -> Switch:
+        """Run `new` from now on: its program (reused, prepared or compiled now) and the state
+        moved onto it, or restored from the newest checkpoint when `from_checkpoint` and one
+        exists (the data position then comes from the checkpoint, else `data_before`)."""
+        with counting() as count:
+            t0 = self.clock()
+            program, kind = self._program_for(new)
+            t1 = self.clock()
+            restored = None
+            if from_checkpoint and self.checkpointer and \
+                    self.checkpointer.latest_step() is not None:
+                got = self.checkpointer.restore(program)
+                state, restored = got.state, got.step
+                self.data.restore(got.data_state)
+            else:
+                state = move_state(self.state, self.program, program)
+                if data_before is not None:
+                    self.data.restore(data_before)
+            self.state = jax.block_until_ready(state)
+            t2 = self.clock()
+        if kind == "mesh_cold":
+            self._compile_s = t1 - t0
+        elif kind == "mesh_warm":
+            self._warm_s = t1 - t0
+        self._install(program, new)
+        self._prepare_next()
+        return Switch(kind, t1 - t0, t2 - t1, count.compiles, restored)
+
     def _context(self) -> PlanningContext:
-        costs = self.detector.cost_params() or CostParams.for_model(self.model)
+        costs = self.detector.cost_params()
+        ready = self.precompiler.ready()
+        measured = self._compile_s if self._compile_s is not None else self.config.recompile_s
+        switch = SwitchCosts(recompile_s=measured, warm_s=self._warm_s, prepared=ready,
+                             layer_slots=self.program.layer_slots,
+                             microbatch_slots=self.program.mb_slots,
+                             horizon_s=self.config.horizon_s)
         return PlanningContext(
-            self.model, costs, self.config.device_memory_gb * 2**30,
-            tuple(int(d.id) for d in self.devices), schedule="gpipe",
-            remat=self.train_cfg.remat,
-            switch=SwitchCosts(recompile_s=self.config.recompile_s,
-                               horizon_s=self.config.horizon_s))
+            self.model, costs or CostParams.for_model(self.model),
+            self.config.device_memory_gb * 2**30, tuple(int(d.id) for d in self.devices),
+            schedule="gpipe", remat=self.train_cfg.remat, switch=switch)
 
 
 def _updated_health(health: Health, verdict: Verdict) -> Health:

@@ -17,14 +17,18 @@ SCHEDULES = ("gpipe", "1f1b")
 class SwitchCosts:
     """What moving to a new plan costs, and how long the new plan is expected to last."""
 
-    recompile_s: float = 60.0  # a new mesh recompiles (persistent cache and AOT help)
+    recompile_s: float = 60.0  # a new mesh compiled on the spot (the runtime measures it)
+    warm_s: float = 0.0  # a new mesh whose program was compiled ahead of time
+    prepared: frozenset[tuple] = frozenset()  # Plan.mesh_key() of the meshes compiled ahead
+    layer_slots: int | None = None  # the current program's slots: splits within them are
+    microbatch_slots: int | None = None  # free; None: any split of the same mesh is free
     reshard_bytes_per_s: float = 25e9  # per receiving device, in-memory device_put
     state_bytes_per_param: float = 16.0  # bf16 param + fp32 master + two fp32 Adam moments
     device_mtbf_hours: float = 50_000.0  # ~3 h job MTBF at 16k GPUs, as large fleets report
     horizon_s: float | None = None  # expected seconds to the next failure; None: from MTBF
 
     def __post_init__(self) -> None:
-        for name in ("recompile_s", "reshard_bytes_per_s", "state_bytes_per_param",
+        for name in ("recompile_s", "warm_s", "reshard_bytes_per_s", "state_bytes_per_param",
                      "device_mtbf_hours"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"SwitchCosts.{name}={getattr(self, name)!r}: must be >= 0")

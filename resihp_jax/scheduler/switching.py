@@ -64,10 +64,22 @@ def _layer_ranges(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     return end_S - np.asarray(plan.layers_per_stage), end_S
 
 
+def compile_seconds(old: Plan, new: Plan, costs: SwitchCosts) -> float:
+    """Nothing for a new split within the current program's slots, the warm cost for a mesh
+    compiled ahead of time, the full recompile otherwise."""
+    if old.same_mesh(new) and _within(new.layers_per_stage, costs.layer_slots) and \
+            _within(new.microbatches_per_group, costs.microbatch_slots):
+        return 0.0
+    return costs.warm_s if new.mesh_key() in costs.prepared else costs.recompile_s
+
+
+def _within(split: tuple[int, ...], slots: int | None) -> bool:
+    return slots is None or max(split) <= slots
+
+
 def switch_seconds(old: Plan, new: Plan, model: ModelConfig, costs: SwitchCosts) -> float:
-    """Reshard time, plus a recompile unless only the layer or micro-batch split changed."""
-    recompile = 0.0 if old.same_mesh(new) else costs.recompile_s
-    return reshard_seconds(old, new, model, costs) + recompile
+    """Reshard time plus what the new program costs to have ready (`compile_seconds`)."""
+    return reshard_seconds(old, new, model, costs) + compile_seconds(old, new, costs)
 
 
 def choose(stay: Option | None, options: list[Option], horizon_s: float) -> tuple[Option, str]:

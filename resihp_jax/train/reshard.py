@@ -3,7 +3,9 @@
 Layers travel through the canonical layout `[n_layers, ...]`: gather out of the old stage
 layout on the old mesh, `jax.device_put` onto the new mesh (works across device sets,
 including onto fewer devices), scatter into the new stage layout there. One jitted call
-cannot span two device sets, hence three steps.
+cannot span two device sets, hence three steps. Both layout programs belong to their
+StepProgram and take the split as an input, so a program compiled ahead of time moves state
+without compiling anything.
 """
 
 from __future__ import annotations
@@ -11,29 +13,19 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from resihp_jax.meshes import layout
-from resihp_jax.meshes.rules import state_shardings
 from resihp_jax.train.step import StepProgram, TrainState
 
 
 def to_canonical(state: TrainState, program: StepProgram) -> TrainState:
     """The state with every layer leaf in canonical order `[n_layers, ...]` (same mesh)."""
-    positions_L = program.canonical_positions()
-    shapes = jax.eval_shape(layout.to_canonical_layout, state, positions_L)
-    out = state_shardings(shapes, program.mesh, stage_layout=False)
-    return jax.jit(layout.to_canonical_layout, out_shardings=out)(state, positions_L)
+    return program.to_canonical_fn(state, program.canonical_positions())
 
 
 def from_canonical(canonical: TrainState, program: StepProgram) -> TrainState:
     """Place a canonical state (on any devices) into `program`'s stage layout and shardings."""
-    shapes = jax.eval_shape(lambda s: s, canonical)
-    target = state_shardings(shapes, program.mesh, stage_layout=False)
-    on_mesh = jax.device_put(canonical, target)
-    index_PxL = jnp.asarray(program.stage_index())
-    return jax.jit(layout.to_stage_layout, out_shardings=program.state_shardings)(on_mesh,
-                                                                                 index_PxL)
+    on_mesh = jax.device_put(canonical, program.canonical_shardings)
+    return program.to_stage_fn(on_mesh, program.stage_index_array())
 
 
 def move_state(state: TrainState, src: StepProgram, dst: StepProgram) -> TrainState:

@@ -86,14 +86,26 @@ class StepProgram:
     replicated: NamedSharding
     step_fn: Callable[..., Any]
     loss_and_grads_fn: Callable[..., Any]
+    canonical_shardings: Any  # the state with layers `[n_layers, ...]`, on this mesh
+    to_canonical_fn: Callable[..., Any]  # (state, positions_L) -> canonical state
+    to_stage_fn: Callable[..., Any]  # (canonical state, index_PxL) -> state
+
+    def accepts(self, plan: Plan) -> bool:
+        """Can this program run `plan` as it is (same mesh, splits within its slots)?"""
+        return (self.plan.same_mesh(plan) and max(plan.layers_per_stage) <= self.layer_slots
+                and max(plan.microbatches_per_group) <= self.mb_slots)
 
     def with_plan(self, plan: Plan) -> StepProgram:
-        """Same program for a plan that only changes the layer or micro-batch split."""
+        """Same program (compiled executables included) for a plan that only changes the
+        layer or micro-batch split."""
         if not self.plan.same_mesh(plan):
             raise ValueError("with_plan needs the same mesh; build a new program instead")
         layout.layer_slots_for(plan, self.layer_slots)
         layout.microbatch_slots_for(plan, self.mb_slots)
         return dataclasses.replace(self, plan=plan)
+
+    def stage_index_array(self) -> jax.Array:
+        return jax.device_put(self.stage_index(), self.replicated)
 
     def splits(self, knobs_DxPxT: np.ndarray | None = None) -> Splits:
         put = functools.partial(jax.device_put, device=self.replicated)
@@ -109,7 +121,7 @@ class StepProgram:
 
     def canonical_positions(self) -> jax.Array:
         """[n_layers]: where each canonical layer sits in the flattened stage layout."""
-        return jnp.asarray(layout.canonical_index(self.stage_index()))
+        return jax.device_put(layout.canonical_index(self.stage_index()), self.replicated)
 
     def shard_batch(self, tokens_MxBxS: np.ndarray, segment_ids_MxBxS: np.ndarray,
                     positions_MxBxS: np.ndarray) -> Batch:
@@ -198,5 +210,20 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
     grads_fn = jax.jit(lambda p, b, s: loss_and_grads(p, b, s)[:2],
                        in_shardings=(shardings.params, batch_shardings, split_shardings),
                        out_shardings=(replicated, shardings.params))
+    # The layout programs a re-plan runs; the split is an input, so one pair serves every
+    # split of this mesh.
+    canonical = canonical_state_shapes(shapes, model.n_layers)
+    canonical_sh = state_shardings(canonical, mesh, stage_layout=False)
+    to_canonical_fn = jax.jit(layout.to_canonical_layout, in_shardings=(shardings, replicated),
+                              out_shardings=canonical_sh)
+    to_stage_fn = jax.jit(layout.to_stage_layout, in_shardings=(canonical_sh, replicated),
+                          out_shardings=shardings)
     return StepProgram(model, train, plan, mesh, layer_slots, mb_slots, optimizer, shardings,
-                       batch_sharding, replicated, step_fn, grads_fn)
+                       batch_sharding, replicated, step_fn, grads_fn, canonical_sh,
+                       to_canonical_fn, to_stage_fn)
+
+
+def canonical_state_shapes(stage_shapes: TrainState, n_layers: int) -> TrainState:
+    """Shapes of a state whose layer leaves are in canonical order `[n_layers, ...]`."""
+    positions = jax.ShapeDtypeStruct((n_layers,), jnp.int32)
+    return jax.eval_shape(layout.to_canonical_layout, stage_shapes, positions)

@@ -1,0 +1,85 @@
+"""Compile, in one background thread while training runs, the programs of the plans the
+scheduler would pick next, so that a verdict is followed by a switch that compiles nothing.
+
+Programs are keyed by `Plan.mesh_key()`: a prepared program serves any split of its mesh
+that fits its slots. A switch that needs a program still being compiled waits for it (less
+than compiling again); one still queued is cancelled and compiled on the spot.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from typing import Callable, Iterable
+
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.train.step import StepProgram
+
+Build = Callable[[Plan], StepProgram]  # a plan -> its program, compiled
+
+
+class Precompiler:
+    def __init__(self, build: Build) -> None:
+        self._build = build
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resihp-aot")
+        self._futures: dict[tuple, Future[StepProgram]] = {}
+        self._proposals: list[Future[None]] = []
+        self._lock = threading.Lock()
+        self.compile_s: list[float] = []  # wall time of each background compile
+
+    def prepare(self, plans: Iterable[Plan]) -> None:
+        """Queue the programs of `plans` not already prepared (or being prepared)."""
+        with self._lock:
+            for plan in plans:
+                if plan.mesh_key() not in self._futures:
+                    self._futures[plan.mesh_key()] = self._pool.submit(self._timed_build, plan)
+
+    def prepare_later(self, propose: Callable[[], list[Plan]]) -> Future[None]:
+        """Run `propose` (e.g. the scheduler over likely faults) in the background too, then
+        prepare what it returns."""
+        future = self._pool.submit(lambda: self.prepare(propose()))
+        with self._lock:
+            self._proposals.append(future)
+        return future
+
+    def ready(self) -> frozenset[tuple]:
+        """Mesh keys whose program is compiled and can be taken now."""
+        with self._lock:
+            return frozenset(k for k, f in self._futures.items()
+                             if f.done() and not f.cancelled() and f.exception() is None)
+
+    def take(self, plan: Plan) -> StepProgram | None:
+        """The prepared program for `plan` (waiting if it is compiling now), or None."""
+        with self._lock:
+            future = self._futures.get(plan.mesh_key())
+            if future is None or (not future.running() and future.cancel()):
+                return None
+        try:
+            program = future.result()
+        except (CancelledError, Exception):  # noqa: BLE001 - a failed prepare: compile anew
+            return None
+        return program.with_plan(plan) if program.accepts(plan) else None
+
+    def wait(self) -> None:
+        """Block until everything queued so far is compiled (benchmarks and tests)."""
+        while True:
+            with self._lock:
+                pending = [f for f in (*self._proposals, *self._futures.values())
+                           if not f.done()]
+            if not pending:
+                return
+            for f in pending:
+                try:
+                    f.result()
+                except Exception:  # noqa: BLE001 - a failed prepare only loses the head start
+                    pass
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _timed_build(self, plan: Plan) -> StepProgram:
+        start = time.perf_counter()
+        program = self._build(plan)
+        self.compile_s.append(time.perf_counter() - start)
+        return program

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import time
 
 import numpy as np
 import pytest
@@ -394,14 +393,13 @@ def test_fit_stage_times_and_bad_inputs() -> None:
 
 
 # ---- scale --------------------------------------------------------------------------------
-def test_large_plan_simulates_fast() -> None:
+def test_large_plan_simulates_with_the_slow_device_in_the_slowest_group() -> None:
+    # its speed at this scale is measured by benchmarks/replan_quality.py (planning time)
     plan = Plan.uniform(256, 16, 4, n_layers=80, n_microbatches=256 * 64, microbatch_size=1,
                         seq_len=4096)
     costs = CostParams.for_model(LLAMA)
     health = Health(compute={7: 0.5, 5000: 0.8}, link={9000: 0.5})
-    simulate_step(plan, LLAMA, costs, health=health)
-    start = time.perf_counter()
-    for _ in range(5):
-        sim = simulate_step(plan, LLAMA, costs, health=health)
-    assert (time.perf_counter() - start) / 5 < 0.05
+    sim = simulate_step(plan, LLAMA, costs, health=health)
     assert sim.slowest_group == 0 and sim.group_times_s.shape == (256,)
+    healthy = simulate_step(plan, LLAMA, costs)
+    assert sim.step_time_s > healthy.step_time_s

@@ -38,8 +38,11 @@ def devices_in_error(error: BaseException) -> tuple[int, ...]:
 
 
 def run_guarded(step_fn: Callable[[], Any], step: int, timeout_s: float, *,
-                in_flight: Callable[[], list[int]] | None = None) -> Any:
-    """step_fn() or StepFailed (with a 'stopped' verdict) if it raises or times out."""
+                in_flight: Callable[[], list[int]] | None = None,
+                wait: Callable[[threading.Thread, float], None] = threading.Thread.join) -> Any:
+    """step_fn() or StepFailed (with a 'stopped' verdict) if it raises or times out.
+
+    `wait(worker, timeout_s)` waits for the step's thread (injected so tests need not wait)."""
     if not timeout_s > 0:
         raise ConfigError(f"timeout_s={timeout_s!r}: must be > 0")
     box: dict[str, Any] = {}
@@ -52,7 +55,7 @@ def run_guarded(step_fn: Callable[[], Any], step: int, timeout_s: float, *,
 
     worker = threading.Thread(target=work, daemon=True)
     worker.start()
-    worker.join(timeout_s)
+    wait(worker, timeout_s)
     if worker.is_alive():
         devices = tuple(sorted(in_flight())) if in_flight is not None else ()
         raise StepFailed(Verdict(step, devices, "stopped", math_inf(), 0.9 if devices else 0.5,

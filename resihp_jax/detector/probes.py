@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.mesh import AXES, make_mesh
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.train.instrument import FWD_END, FWD_START, Instrument
+from resihp_jax.train.instrument import FWD_END, FWD_START, Instrument, RegionTimer
 
 LINK_TICK = 1 << 20  # ticks at or above this mark transfer rounds
 _SPEC = P(*AXES)
@@ -84,7 +84,7 @@ class _ProbeTimer:
 
     def __init__(self, grid_DxPxT: np.ndarray) -> None:
         self.grid = grid_DxPxT
-        self.start: dict[tuple[int, int, int, int], float] = {}
+        self.regions = RegionTimer()
         self.samples: dict[tuple[int, int, int, int], float] = {}
 
     def __call__(self, event: int, dp: int, pp: int, tp: int, knob: float, busy: bool,
@@ -93,9 +93,11 @@ class _ProbeTimer:
             return
         key = (dp, pp, tp, tick)
         if event == FWD_START:
-            self.start[key] = time.perf_counter()
-        elif event == FWD_END and key in self.start:
-            self.samples[key] = time.perf_counter() - self.start[key]
+            self.regions.start(key)
+        elif event == FWD_END:
+            elapsed = self.regions.stop(key)
+            if elapsed is not None:
+                self.samples[key] = elapsed
 
     def collect(self) -> tuple[dict[int, float], dict[int, float]]:
         comp: dict[int, list[float]] = {}
@@ -174,7 +176,7 @@ class Prober:
         if knobs_DxPxT is None:
             knobs_DxPxT = np.ones((self.plan.dp, self.plan.pp, self.plan.tp), np.float32)
         knobs = jax.device_put(np.asarray(knobs_DxPxT, np.float32), self._shard)
-        self._timer.start.clear()
+        self._timer.regions.clear()
         self._timer.samples.clear()
         t0 = time.perf_counter()
         jax.block_until_ready(self._fn(self._x, self._buf, knobs))

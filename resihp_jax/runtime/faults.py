@@ -21,7 +21,7 @@ import numpy as np
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.train.instrument import BWD_END, BWD_START, FWD_END, FWD_START
+from resihp_jax.train.instrument import BWD_END, BWD_START, FWD_END, FWD_START, RegionTimer
 
 _STARTS = (FWD_START, BWD_START)
 _ENDS = (FWD_END, BWD_END)
@@ -57,7 +57,7 @@ class FaultInjector:
         self._sleep, self._clock = sleep, clock
         self._slow: list[SlowFault] = []
         self._dead: dict[int, int] = {}  # device id -> first step it is dead
-        self._start: dict[tuple[int, int, int], float] = {}
+        self._regions = RegionTimer(clock)
         self._lock = threading.Lock()
         self.injected_s = 0.0  # total sleep added, for reporting
 
@@ -117,9 +117,12 @@ class FaultInjector:
             return
         key = (dp, pp, tp)
         if event in _STARTS:
-            self._start[key] = self._clock()  # one writer per key: the device's own thread
-        elif event in _ENDS and key in self._start:
-            delay = (knob - 1.0) * (self._clock() - self._start.pop(key))
+            self._regions.start(key)
+        elif event in _ENDS:
+            elapsed = self._regions.stop(key)
+            if elapsed is None:
+                return
+            delay = (knob - 1.0) * elapsed
             self._sleep(delay)
             with self._lock:
                 self.injected_s += delay

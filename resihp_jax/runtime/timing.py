@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from resihp_jax.meshes.plan import TIMED_SLOT
-from resihp_jax.train.instrument import FWD_END, FWD_START
+from resihp_jax.train.instrument import FWD_END, FWD_START, RegionTimer
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,8 @@ class StageTimer:
     def __init__(self, shape_DxPxT: tuple[int, int, int],
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.shape = tuple(shape_DxPxT)
-        self._clock = clock
-        self._start = np.zeros(self.shape)
+        self._regions = RegionTimer(clock)
         self._fwd = np.zeros(self.shape)
-        self._open = np.zeros(self.shape, dtype=bool)  # inside a busy region now
         self._t0 = 0.0
 
     def __call__(self, event: int, dp: int, pp: int, tp: int, knob: float, busy: bool,
@@ -51,36 +49,32 @@ class StageTimer:
             return
         key = (dp, pp, tp)
         if event == FWD_START:
-            self._start[key] = self._clock()
-            self._open[key] = True
+            self._regions.start(key)
         elif event == FWD_END:
-            self._fwd[key] = self._clock() - self._start[key]
-            self._open[key] = False
+            elapsed = self._regions.stop(key)
+            if elapsed is not None:
+                self._fwd[key] = elapsed
 
     def begin(self) -> None:
         self._fwd[:] = 0.0
-        self._open[:] = False
-        self._t0 = self._clock()
+        self._regions.clear()
+        self._t0 = self._regions.clock()
 
     def end(self) -> StepTiming:
-        return StepTiming(self._clock() - self._t0, self._fwd.copy())
+        return StepTiming(self._regions.clock() - self._t0, self._fwd.copy())
 
     def in_flight(self) -> list[tuple[int, int, int]]:
         """Coordinates that started their timed work and never finished it (a hung device)."""
-        return [tuple(int(c) for c in idx) for idx in zip(*np.nonzero(self._open))]
+        return sorted(self._regions.open_keys())  # type: ignore[arg-type]
 
 
 def timed_step(program: Any, state: Any, batch: Any, knobs_DxPxT: np.ndarray | None,
                timer: StageTimer | None = None) -> tuple[Any, dict[str, Any], StepTiming]:
-    """Run one step to completion and time it (per-stage times when `timer` is the program's
-    Instrument host, or part of it)."""
-    if timer is not None:
-        timer.begin()
-    t0 = time.perf_counter()
+    """Run one step to completion and time it with `timer` (per-stage times too when it is
+    the program's Instrument host, or part of it; a fresh one times the step alone)."""
+    if timer is None:
+        timer = StageTimer((program.plan.dp, program.plan.pp, program.plan.tp))
+    timer.begin()
     state, metrics = program.step(state, batch, knobs_DxPxT)
     jax.block_until_ready(metrics)
-    step_s = time.perf_counter() - t0
-    if timer is None:
-        shape = (program.plan.dp, program.plan.pp, program.plan.tp)
-        return state, metrics, StepTiming(step_s, np.zeros(shape))
-    return state, metrics, StepTiming(step_s, timer.end().fwd_DxPxT)
+    return state, metrics, timer.end()

@@ -21,7 +21,8 @@ its (zero) result is added to the output, so XLA can neither drop nor reorder it
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol
+import time
+from typing import Callable, Hashable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -103,3 +104,29 @@ class Instrument:
                timed: jax.Array | bool = True) -> Coords:
         axes = tuple(jax.lax.axis_index(a) for a in ("dp", "pp", "tp"))
         return Coords(*axes, jax.lax.stop_gradient(knob), busy, tick, jnp.asarray(timed))
+
+
+class RegionTimer:
+    """The host side of the markers: when each open region (keyed, e.g. by device
+    coordinates) started, and how long it lasted when it closes. Every host function that
+    times marked work (stage timing, fault injection, probes) uses this one timer. Each key
+    has one writer, its device's own callback thread, so no lock is needed."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self._open: dict[Hashable, float] = {}
+
+    def start(self, key: Hashable) -> None:
+        self._open[key] = self.clock()
+
+    def stop(self, key: Hashable) -> float | None:
+        """Seconds since `start(key)`, or None if the region was never opened."""
+        began = self._open.pop(key, None)
+        return None if began is None else self.clock() - began
+
+    def open_keys(self) -> list[Hashable]:
+        """Regions started and not stopped (work still running, or hung)."""
+        return list(self._open)
+
+    def clear(self) -> None:
+        self._open.clear()

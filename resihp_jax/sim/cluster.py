@@ -21,7 +21,8 @@ from resihp_jax.model.config import ModelConfig, get_model_config
 from resihp_jax.perfmodel import CostParams, Health, fits_memory
 from resihp_jax.scheduler.context import PlanningContext
 from resihp_jax.scheduler.scoring import simulate
-from resihp_jax.scheduler.search import search_plans
+from resihp_jax.scheduler.memory_caps import layer_cap
+from resihp_jax.scheduler.search import memory_limits, search_plans
 from resihp_jax.scheduler.shapes import tp_degrees
 
 MIN_GPUS = 64
@@ -114,6 +115,13 @@ class ClusterModel:
             return False
         return fits_memory(self._uniform(dp, pp, tp), self.model, DEVICE_MEMORY,
                            schedule="gpipe", remat=True)
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019
+    def layer_cap(self, dp: int, pp: int, tp: int) -> int:
+        """Most layers a stage of this shape can hold in memory (moving layers off a slow
+        stage stops there)."""
+        limits = memory_limits(self._uniform(dp, pp, tp), self.ctx)
+        return layer_cap(limits, dp, pp, tp, math.ceil(self.n_microbatches / dp))
 
     def _uniform(self, dp: int, pp: int, tp: int) -> Plan:
         return Plan.uniform(dp, pp, tp, n_layers=self.model.n_layers,

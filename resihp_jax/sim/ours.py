@@ -131,27 +131,29 @@ class Ours(SimPolicy):
         cm = self.cm
         unusable = excluded | self.live.dead | option.left_out
         kept = [(d, i) for d, i in self.known.items() if d not in unusable]
-        slow = [self._mitigated(d, i, option.pp) for d, i in kept]
         if option.hetero:
             groups = (cm.n_gpus // cm.node_size) * (cm.node_size // option.tp)
-            slow += self._thin_hosts(unusable, option)
         else:
             groups = usable_groups(unusable, option.tp, cm.n_gpus, cm.node_size)
         dp = min(groups // option.pp, cm.n_microbatches)
         if dp < 1 or not cm.fits(dp, option.pp, option.tp):
             return 0.0
+        cap = cm.layer_cap(dp, option.pp, option.tp)
+        slow = [self._mitigated(d, i, option.pp, cap) for d, i in kept]
+        if option.hetero:
+            slow += self._thin_hosts(unusable, option, cap)
         cost = cm.cost(option.pp, option.tp)
         slow_K = np.sort(np.asarray(slow, dtype=np.float64))[::-1]
         step = rebalanced_step_s(cost, cm.n_microbatches, dp, slow_K, self.unknown_gate(unusable))
         return cm.tokens_per_step / step / cm.ref_tokens_per_s
 
-    def _mitigated(self, device: int, info: tuple[float, int], pp: int) -> float:
+    def _mitigated(self, device: int, info: tuple[float, int], pp: int, cap: int) -> float:
         seen = self.slowdown(device, info)
         if info[1] != COMPUTE:
             return seen  # moving layers does not speed up a slow link
-        return layer_rebalanced(round(seen, 2), pp, self.cm.model.n_layers)
+        return layer_rebalanced(round(seen, 2), pp, self.cm.model.n_layers, cap)
 
-    def _thin_hosts(self, lost: set[int], option: Option) -> list[float]:
+    def _thin_hosts(self, lost: set[int], option: Option, cap: int) -> list[float]:
         """Slowdowns of the replicas whose TP group runs short-handed."""
         per_group: dict[int, int] = {}
         for d in lost:
@@ -160,7 +162,8 @@ class Ours(SimPolicy):
         for count in per_group.values():
             if count < option.tp:
                 factor = option.tp / (option.tp - count)
-                out.append(layer_rebalanced(round(factor, 3), option.pp, self.cm.model.n_layers))
+                out.append(layer_rebalanced(round(factor, 3), option.pp, self.cm.model.n_layers,
+                                            cap))
             else:
                 out.append(np.inf)  # a whole group gone: its replica cannot run
         return out

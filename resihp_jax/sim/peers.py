@@ -133,8 +133,9 @@ class Malleus(CheckpointRestart):
         slow = sorted((self.slowdown(d, i), i[1]) for d, i in self.known.items())[::-1]
         dp = cm.base_dp - (1 if leave_out and slow else 0)
         slow = slow[1:] if leave_out else slow
-        mitigated = [layer_rebalanced(round(s, 2), pp, cm.model.n_layers) if kind == COMPUTE
-                     else s for s, kind in slow]
+        cap = cm.layer_cap(dp, pp, tp)
+        mitigated = [layer_rebalanced(round(s, 2), pp, cm.model.n_layers, cap)
+                     if kind == COMPUTE else s for s, kind in slow]
         step = rebalanced_step_s(cm.cost(pp, tp), cm.n_microbatches, dp, np.asarray(mitigated),
                                  self.unknown_gate(frozenset()))
         return self._of_ref(step) * self.overhead_factor()
@@ -227,7 +228,8 @@ class ReCycle(SimPolicy):
             k = len(replicas)
             if k >= dp:
                 return 0.0
-            added = max(added, per_group * k / (dp - k) - (pp - 1))
+            # whole micro-batches: the busiest peer takes the rounded-up share
+            added = max(added, math.ceil(math.ceil(per_group) * k / (dp - k)) - (pp - 1))
         ticks = math.ceil(per_group) + pp - 1 + max(added, 0.0)
         step = cost.tick_s * ticks * self.unknown_gate(frozenset()) + cost.fixed_s
         return cm.tokens_per_step / step / cm.ref_tokens_per_s * self.overhead_factor()

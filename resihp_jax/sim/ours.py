@@ -72,8 +72,9 @@ class Ours(SimPolicy):
     def on_replace(self, device: int) -> float:
         if device not in self.excluded:
             return 0.0
-        now = self.rate()
-        with_it = self._evaluate(self.option, self.excluded - {device})
+        now = self._evaluate(self.option, self.excluded)
+        option, _ = self._best(free=True, excluded=self.excluded - {device})
+        with_it = self._evaluate(option, self.excluded - {device})
         if (with_it - now) * self.horizon_s <= with_it * self.restart_s:
             return 0.0
         self.excluded = set(self.live.dead)
@@ -105,13 +106,14 @@ class Ours(SimPolicy):
             out += [Option(*self.cm.base, lo, True) for lo in leave]
         return out
 
-    def _best(self, free: bool) -> tuple[Option, float]:
+    def _best(self, free: bool, excluded: set[int] | None = None) -> tuple[Option, float]:
         """The option training the most before the next failure (free: switching is part of
         a relaunch already paid for)."""
+        excluded = self.excluded if excluded is None else excluded
         scored = []
         for option in self._options():
             switch = 0.0 if free or option == self.option else self._switch_s(option)
-            steps = self._evaluate(option, self.excluded) * max(self.horizon_s - switch, 0.0)
+            steps = self._evaluate(option, excluded) * max(self.horizon_s - switch, 0.0)
             scored.append((steps, -switch, option))
         steps, neg_switch, option = max(scored, key=lambda s: (s[0], s[1]))
         return option, -neg_switch

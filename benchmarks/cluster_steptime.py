@@ -1,0 +1,108 @@
+"""Step-time check for `benchmarks/cluster.py`: the simulator's predictions against real runs.
+
+Real train steps of the `tiny` model on 8 fake CPU devices (synthetic lognormal documents):
+the cost model is fitted the way our detector fits it (`OnlineCostModel` on healthy steps of
+the starting plan, with per-stage times), then asked for the step time of each exact batch
+under (a) the starting plan, (b) the plan our scheduler picks when a device is dead (a new
+mesh the model never saw), (c) the starting plan with one device injected 3x slower
+(`FaultInjector`, the sleep detection.py uses), (d) the re-plan again once the model has
+seen 4 steps of it, as the detector keeps fitting. Error: mean predicted / mean measured - 1.
+Must run in a process whose JAX sees 8 host devices (cluster.py sets XLA_FLAGS first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+DEAD, SLOW, FACTOR = 5, 5, 3.0
+ADAPT = 4  # steps observed on the new plan before the 'after' row
+
+
+def _runner(plan: Any, cfg: Any, injector: Any, seed: int) -> Any:
+    import jax
+
+    from resihp_jax.runtime.faults import chain_hosts
+    from resihp_jax.runtime.timing import StageTimer
+    from resihp_jax.train.config import TrainConfig
+    from resihp_jax.train.instrument import Instrument
+    from resihp_jax.train.step import build_step
+
+    devices = [d for d in jax.devices() if d.id in plan.device_ids]
+    devices = sorted(devices, key=lambda d: plan.device_ids.index(d.id))
+    timer = StageTimer((plan.dp, plan.pp, plan.tp))
+    program = build_step(cfg, TrainConfig(), plan, devices,
+                         Instrument(chain_hosts(injector, timer)))
+    return program, timer, program.init_state(seed)
+
+
+def _steps(plan: Any, cfg: Any, injector: Any, n: int, seed: int) -> list[Any]:
+    """n timed steps (after 2 warm-up steps) as StepObservations."""
+    from resihp_jax.data import BatchIterator
+    from resihp_jax.detector import StepObservation
+    from resihp_jax.detector.attention_work import mb_block_pair_l2
+    from resihp_jax.runtime.timing import timed_step
+
+    program, timer, state = _runner(plan, cfg, injector, seed)
+    data = BatchIterator("synthetic:lognormal", n_microbatches=plan.n_microbatches,
+                         microbatch_size=plan.microbatch_size, seq_len=plan.seq_len, seed=seed)
+    out = []
+    for step in range(n + 2):
+        batch = data.next_batch()
+        sharded = program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
+                                      batch.positions_MxBxS)
+        state, _, timing = timed_step(program, state, sharded, injector.knobs(step), timer)
+        tokens = (batch.segment_ids_MxBxS > 0).sum(axis=(1, 2)).astype(np.float64)
+        attn = mb_block_pair_l2(batch.segment_ids_MxBxS, cfg.attn_block)
+        if step >= 2:
+            out.append(StepObservation(step, plan, tokens, attn, timing.step_time_s,
+                                       timing.stage_DxP))
+    return out
+
+
+def step_time_check(fit_steps: int, test_steps: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Rows of (case, plan, measured ms, predicted ms, error)."""
+    from resihp_jax.meshes.plan import Plan
+    from resihp_jax.model.config import get_model_config
+    from resihp_jax.perfmodel import Health, OnlineCostModel
+    from resihp_jax.runtime.faults import FaultInjector
+    from resihp_jax.scheduler.context import PlanningContext
+    from resihp_jax.scheduler.ours import resihp
+
+    cfg = get_model_config("tiny")
+    start = Plan.uniform(2, 2, 2, n_layers=cfg.n_layers, n_microbatches=4, microbatch_size=1,
+                         seq_len=512)
+    model = OnlineCostModel(cfg, window=128)
+    fit = _steps(start, cfg, FaultInjector(start), fit_steps + test_steps, seed)
+    for obs in fit[:fit_steps]:
+        model.observe(obs.plan, obs.mb_tokens, obs.mb_sum_l2, obs.step_time_s,
+                      obs.stage_times_s)
+    model.refit()
+    ctx = PlanningContext.for_plan(start, cfg, model.params, 80e9, pool=range(8))
+    replan = resihp(start, Health(dead={DEAD}), ctx).plan
+    slow = FaultInjector(start)
+    slow.slow(SLOW, FACTOR, 0)
+    replan_obs = _steps(replan, cfg, FaultInjector(replan), test_steps + ADAPT, seed + 1)
+    cases = [("healthy", start, fit[fit_steps:], None),
+             (f"re-plan, device {DEAD} dead (unseen mesh)", replan, replan_obs[ADAPT:], None),
+             (f"device {SLOW} {FACTOR:g}x slow", start, _steps(start, cfg, slow, test_steps,
+                                                               seed + 2),
+              Health(compute={SLOW: 1.0 / FACTOR}))]
+    rows = [_row(model, *case) for case in cases]
+    for obs in replan_obs[:ADAPT]:  # the detector keeps fitting after a re-plan
+        model.observe(obs.plan, obs.mb_tokens, obs.mb_sum_l2, obs.step_time_s,
+                      obs.stage_times_s)
+    model.refit()
+    rows.append(_row(model, f"re-plan, after {ADAPT} steps on it", replan,
+                     replan_obs[ADAPT:], None))
+    return rows
+
+
+def _row(model: Any, name: str, plan: Any, observed: list[Any], health: Any) -> dict[str, Any]:
+    pred = [model.predict(plan, o.mb_tokens, o.mb_sum_l2, health) for o in observed]
+    meas = [o.step_time_s for o in observed]
+    return {"case": name, "plan": plan.describe().split(" layers")[0],
+            "measured_ms": round(1e3 * float(np.mean(meas)), 1),
+            "predicted_ms": round(1e3 * float(np.mean(pred)), 1),
+            "error": round(float(np.mean(pred) / np.mean(meas) - 1.0), 4)}

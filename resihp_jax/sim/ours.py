@@ -1,0 +1,176 @@
+"""Ours, as the code does it, at cluster scale; and ours with heterogeneous TP degrees.
+
+- Fail-slow: our detector's measured delay (2 steps for >= 1.5x, 1.2x half the time, 0 false
+  alarms in 500 healthy steps); then our scheduler's choice among plans: every top healthy
+  mesh shape over the usable GPUs, keeping the detected slow GPUs (layers moved off their
+  stage, micro-batches split by speed) or leaving the worst k out. The option that trains the
+  most tokens before the next expected failure wins (`scheduler/switching.choose`; the
+  horizon is the job's fail-stop MTBF, or the scheduler's 50,000 h per GPU without one):
+  a split-only change costs planning + `split_only`, a new mesh planning + reshard (state
+  over 25 GB/s) + a warm compile.
+- Fail-stop: the incarnation ends; relaunch on the survivors, restore from the surviving
+  replicas (0 steps lost), costs in `measured.RestartCosts`. Replaced GPUs rejoin at the next
+  relaunch, or at once when the capacity they add pays for a relaunch within the horizon.
+- Cache: plan choices are made on a health signature (usable GPUs per host, detected slow
+  factors), not by the full search per event; `benchmarks/cluster.py` checks the rates
+  against the real scheduler's plans at 256 GPUs.
+The hetero-TP variant also keeps a host that lost GPUs in its replica at a smaller TP degree
+(tp - lost; NTP and the ResiHP paper do this; our code does not yet): that stage is slowed
+tp / (tp - lost), layers are moved off it, the replica gets fewer micro-batches. Assumed to
+fit memory (the stage's shards grow by tp / (tp - lost)).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from resihp_jax.sim.measured import OUR_RESTART, RECOVERY_S, planning_s
+from resihp_jax.sim.policy import SimPolicy
+from resihp_jax.sim.rates import layer_rebalanced, rebalanced_step_s, usable_groups
+from resihp_jax.sim.traces import COMPUTE
+
+RESHARD_BYTES_PER_S = 25e9
+
+
+@dataclass(frozen=True)
+class Option:
+    pp: int
+    tp: int
+    left_out: frozenset[int]  # detected slow GPUs left out
+    hetero: bool = False
+
+
+class Ours(SimPolicy):
+    name = "resihp"
+    detector = "resihp"
+    hetero = False
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.excluded: set[int] = set()  # GPUs not in this incarnation
+        self.option = Option(*self.cm.base, frozenset())
+        self.restart_s = OUR_RESTART.seconds(self.cm.n_gpus, self.cm.params_per_device,
+                                             self.cm.ref_step_s)
+
+    @property
+    def horizon_s(self) -> float:
+        """Expected time to the next failure: the operator's MTBF for this job, else the
+        scheduler's default (a 50,000 h per-GPU MTBF)."""
+        if math.isfinite(self.mtbf_s):
+            return self.mtbf_s
+        return self.cm.ctx.switch.expected_horizon_s(self.cm.n_gpus)
+
+    def on_stop(self, device: int, replace_at_s: float, now_s: float) -> float:
+        self.known.pop(device, None)
+        self.excluded = set(self.live.dead)  # relaunch on survivors; replaced GPUs rejoin
+        self.option = self._best(free=True)[0]
+        return self.restart_s
+
+    def on_replace(self, device: int) -> float:
+        if device not in self.excluded:
+            return 0.0
+        now = self._evaluate(self.option, self.excluded)
+        option, _ = self._best(free=True, excluded=self.excluded - {device})
+        with_it = self._evaluate(option, self.excluded - {device})
+        if (with_it - now) * self.horizon_s <= with_it * self.restart_s:
+            return 0.0
+        self.excluded = set(self.live.dead)
+        self.option = self._best(free=True)[0]
+        return self.restart_s
+
+    def on_detect(self, device: int) -> float:
+        super().on_detect(device)
+        return self._replan()
+
+    def on_clear(self, device: int) -> float:
+        super().on_clear(device)
+        return self._replan()
+
+    def rate(self) -> float:
+        return self._evaluate(self.option, self.excluded) * self.overhead_factor()
+
+    # ---- planning ------------------------------------------------------------------------
+    def _replan(self) -> float:
+        option, switch_s = self._best(free=False)
+        self.option = option
+        return switch_s
+
+    def _options(self) -> list[Option]:
+        worst = sorted(self.known, key=lambda d: -self.slowdown(d, self.known[d]))
+        leave = [frozenset(worst[:k]) for k in range(len(worst) + 1)]
+        out = [Option(pp, tp, lo) for pp, tp in self.cm.shapes for lo in leave]
+        if self.hetero:
+            out += [Option(*self.cm.base, lo, True) for lo in leave]
+        return out
+
+    def _best(self, free: bool, excluded: set[int] | None = None) -> tuple[Option, float]:
+        """The option training the most before the next failure (free: switching is part of
+        a relaunch already paid for)."""
+        excluded = self.excluded if excluded is None else excluded
+        scored = []
+        for option in self._options():
+            switch = 0.0 if free or option == self.option else self._switch_s(option)
+            steps = self._evaluate(option, excluded) * max(self.horizon_s - switch, 0.0)
+            scored.append((steps, -switch, option))
+        steps, neg_switch, option = max(scored, key=lambda s: (s[0], s[1]))
+        return option, -neg_switch
+
+    def _switch_s(self, option: Option) -> float:
+        plan_s = planning_s(self.cm.n_gpus)
+        same_mesh = (option.pp, option.tp, option.left_out) == (
+            self.option.pp, self.option.tp, self.option.left_out)
+        if same_mesh:
+            return plan_s + RECOVERY_S["split_only"]
+        reshard = (self.cm.params_per_device * OUR_RESTART.state_bytes_per_param
+                   / RESHARD_BYTES_PER_S)
+        return plan_s + reshard + OUR_RESTART.compile_warm_s
+
+    def _evaluate(self, option: Option, excluded: set[int]) -> float:
+        """Fraction of the reference rate this option reaches on the live cluster."""
+        cm = self.cm
+        unusable = excluded | self.live.dead | option.left_out
+        kept = [(d, i) for d, i in self.known.items() if d not in unusable]
+        if option.hetero:
+            groups = (cm.n_gpus // cm.node_size) * (cm.node_size // option.tp)
+        else:
+            groups = usable_groups(unusable, option.tp, cm.n_gpus, cm.node_size)
+        dp = min(groups // option.pp, cm.n_microbatches)
+        if dp < 1 or not cm.fits(dp, option.pp, option.tp):
+            return 0.0
+        cap = cm.layer_cap(dp, option.pp, option.tp)
+        slow = [self._mitigated(d, i, option.pp, cap) for d, i in kept]
+        if option.hetero:
+            slow += self._thin_hosts(unusable, option, cap)
+        cost = cm.cost(option.pp, option.tp)
+        slow_K = np.sort(np.asarray(slow, dtype=np.float64))[::-1]
+        step = rebalanced_step_s(cost, cm.n_microbatches, dp, slow_K, self.unknown_gate(unusable))
+        return cm.tokens_per_step / step / cm.ref_tokens_per_s
+
+    def _mitigated(self, device: int, info: tuple[float, int], pp: int, cap: int) -> float:
+        seen = self.slowdown(device, info)
+        if info[1] != COMPUTE:
+            return seen  # moving layers does not speed up a slow link
+        return layer_rebalanced(round(seen, 2), pp, self.cm.model.n_layers, cap)
+
+    def _thin_hosts(self, lost: set[int], option: Option, cap: int) -> list[float]:
+        """Slowdowns of the replicas whose TP group runs short-handed."""
+        per_group: dict[int, int] = {}
+        for d in lost:
+            per_group[d // option.tp] = per_group.get(d // option.tp, 0) + 1
+        out = []
+        for count in per_group.values():
+            if count < option.tp:
+                factor = option.tp / (option.tp - count)
+                out.append(layer_rebalanced(round(factor, 3), option.pp, self.cm.model.n_layers,
+                                            cap))
+            else:
+                out.append(np.inf)  # a whole group gone: its replica cannot run
+        return out
+
+
+class OursHeteroTP(Ours):
+    name = "resihp_hetero_tp"
+    hetero = True

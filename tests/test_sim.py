@@ -1,0 +1,144 @@
+"""Cluster-scale simulation: traces, policies, engine and the `resihp simulate` command."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from resihp_jax import cli
+from resihp_jax.errors import ConfigError
+from resihp_jax.sim.cluster import get_cluster
+from resihp_jax.sim.engine import OURS, POLICIES, simulate
+from resihp_jax.sim.policy import Live
+from resihp_jax.sim.rates import layer_rebalanced, usable_groups
+from resihp_jax.sim.study import StudyConfig, run_study
+from resihp_jax.sim.traces import Scenario, get_scenario, make_trace
+
+N = 256
+WEEK = 7 * 86400.0
+
+
+@pytest.fixture(scope="module")
+def cm():  # noqa: ANN201
+    return get_cluster(N)
+
+
+def _run_all(cm, scenario: Scenario, seed: int = 0) -> dict[str, float]:  # noqa: ANN001
+    trace = make_trace(scenario, N, WEEK, seed)
+    return {p: simulate(p, cm, trace, scenario.stop_rate_per_s(N), seed).goodput
+            for p in POLICIES}
+
+
+def test_no_failures_every_policy_reaches_failure_free_throughput(cm) -> None:  # noqa: ANN001
+    quiet = Scenario("quiet")
+    goodput = _run_all(cm, quiet)
+    for name, value in goodput.items():
+        # the best healthy plan's rate, less only the policy's own steady costs (periodic
+        # checkpoint copies, false-alarm probes)
+        policy = POLICIES[name](cm, Live())
+        assert value == pytest.approx(policy.overhead_factor(), rel=1e-9), name
+        assert 0.98 <= value <= 1.0, (name, value)
+    assert cm.ref_tokens_per_s >= cm.best_plan.tokens_per_step / cm.ref_step_s - 1e-6
+
+
+def test_more_failures_never_raise_goodput(cm) -> None:  # noqa: ANN001
+    rates = [Scenario("s", stop_interval_s=s) for s in (40_000.0, 8_000.0, 1_800.0)]
+    rates.append(Scenario("slow", stop_interval_s=1_800.0, slow_interval_s=1_800.0))
+    results = [_run_all(cm, sc, seed=3) for sc in rates]
+    for name in POLICIES:
+        series = [r[name] for r in results]
+        assert all(a >= b - 1e-9 for a, b in zip(series, series[1:])), (name, series)
+        assert series[-1] < series[0], (name, series)
+
+
+def test_same_seed_same_result_and_seeds_differ(cm) -> None:  # noqa: ANN001
+    sc = get_scenario("mixed")
+    a, b = make_trace(sc, N, WEEK, 5), make_trace(sc, N, WEEK, 5)
+    assert np.array_equal(a.stop_t_F, b.stop_t_F) and np.array_equal(a.slow_dev_E, b.slow_dev_E)
+    assert not np.array_equal(a.slow_t_E, make_trace(sc, N, WEEK, 6).slow_t_E)
+    for name in (OURS, "greyhound"):
+        r1, r2 = (simulate(name, cm, t, sc.stop_rate_per_s(N), 5) for t in (a, b))
+        assert r1.goodput == r2.goodput and r1.switch_stall_s == r2.switch_stall_s
+
+
+def test_trace_rates_follow_the_scenario() -> None:
+    harsh = make_trace(get_scenario("harsh"), 1024, WEEK, 0)
+    assert 290 < harsh.n_stops < 390  # one every 30 minutes: 336 expected
+    llama = make_trace(get_scenario("llama3"), 16_384, WEEK, 0)
+    assert 30 < llama.n_stops < 80  # 419 in 54 days at 16,384 GPUs: 54 a week
+    slow = make_trace(get_scenario("failslow"), 1024, WEEK, 0)
+    assert slow.n_stops == 0 and (slow.slow_factor_E >= 1.1).all()
+    assert (slow.slow_factor_E <= 5.0).all() and (slow.slow_end_E > slow.slow_t_E).all()
+
+
+def test_ours_mitigates_a_slow_gpu_that_unaware_policies_suffer(cm) -> None:  # noqa: ANN001
+    sc = get_scenario("failslow")
+    trace = make_trace(sc, N, WEEK, 1)
+    ours = simulate(OURS, cm, trace, 0.0, 1)
+    sync = simulate("checkpoint_restart", cm, trace, 0.0, 1)
+    assert ours.goodput > sync.goodput + 0.02
+    assert math.isnan(ours.stall_s_per_failure) and ours.n_failures == 0
+
+
+def test_rate_helpers() -> None:
+    assert layer_rebalanced(1.0, 4, 80) == 1.0
+    assert layer_rebalanced(2.0, 1, 80) == 2.0
+    assert 1.0 < layer_rebalanced(2.0, 4, 80) < 1.2  # 3 healthy stages take most layers
+    assert usable_groups(set(), 8, 256, 8) == 32
+    assert usable_groups({0, 1}, 8, 256, 8) == 31  # one host, one TP group of 8 lost
+    assert usable_groups({0}, 4, 256, 8) == 63  # the host keeps its other group of 4
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n_gpus=8, scenario="llama3"), "gpus=8"),
+    (dict(n_gpus=256, scenario="nope"), "unknown scenario"),
+    (dict(n_gpus=256, scenario="harsh", days=0), "days=0"),
+    (dict(n_gpus=256, scenario="harsh", seeds=0), "seeds=0"),
+    (dict(n_gpus=256, scenario="harsh", policies=("ours",)), "valid are"),
+])
+def test_bad_config_is_a_clear_error(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        StudyConfig(**kwargs)
+
+
+def test_cli_bad_arguments_exit_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["simulate", "--gpus", "10", "--scenario", "harsh"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("resihp simulate: error: gpus=10")
+    assert cli.main(["simulate", "--gpus", "256", "--scenario", "harsh", "--plot",
+                     "/nonexistent-dir/x.png"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["simulate", "--gpus", "256", "--scenario", "weekly"])
+    assert exc.value.code == 2
+
+
+def test_cli_json_and_plot(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    png = tmp_path / "t.png"
+    assert cli.main(["simulate", "--gpus", "256", "--days", "1", "--scenario", "mixed",
+                     "--seeds", "2", "--policies", "resihp,ft_hsdp", "--json",
+                     "--plot", str(png), "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["policies"]) == {"resihp", "ft_hsdp"}
+    assert 0 < out["policies"]["resihp"]["goodput"] <= 1.0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_study_averages_seeds(cm) -> None:  # noqa: ANN001
+    study = run_study(StudyConfig(N, "harsh", days=1, seeds=2, policies=(OURS, "recycle")))
+    assert len(study.runs[OURS]) == 2
+    values = [r.goodput for r in study.runs[OURS]]
+    assert study.mean(OURS, "goodput") == pytest.approx(np.mean(values))
+
+
+def test_simulate_command_does_not_load_jax() -> None:
+    code = ("import sys, resihp_jax.cli as c; c.main(['simulate', '--gpus', '256', '--days', "
+            "'0.2', '--scenario', 'harsh', '--seeds', '1', '--json']); "
+            "sys.exit('jax' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], check=False,
+                          capture_output=True).returncode == 0

@@ -213,3 +213,15 @@ def test_noisier_healthy_steps_raise_the_threshold() -> None:
         assert det.alarms == 0
         thresholds.append(det.threshold)
     assert thresholds[1] > 1.5 * thresholds[0]
+
+
+def test_healthy_time_is_predicted_only_after_warmup() -> None:
+    det = make_detector("resihp", model=CFG, prober=lambda step: None, warmup=8)
+    obs = stream(40, seed=5)
+    assert det.healthy_time_s(PLAN, obs[0].mb_tokens, obs[0].mb_sum_l2) is None
+    for o in obs[:-1]:
+        det.observe(o)
+    last = obs[-1]
+    predicted = det.healthy_time_s(PLAN, last.mb_tokens, last.mb_sum_l2)
+    assert predicted is not None and abs(predicted / last.step_time_s - 1) < 0.1
+    assert make_detector("mad").healthy_time_s(PLAN, last.mb_tokens, last.mb_sum_l2) is None

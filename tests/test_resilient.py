@@ -85,3 +85,26 @@ def test_switches_compile_only_what_was_not_prepared() -> None:
     assert [s.compiles for s in switches[:2]] == [0, 0]
     assert switches[2].compiles >= 1  # the counter sees a compile when there is one
     np.testing.assert_allclose([r.loss for r in records], _reference_losses(4), rtol=2e-5)
+
+
+class _Predicts:
+    """A detector stand-in that predicts a fixed healthy step time (or nothing)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+
+    def healthy_time_s(self, *_: object) -> float | None:
+        return self.seconds
+
+
+def test_hang_deadline_follows_the_predicted_time_of_the_batch() -> None:
+    config = ResilienceConfig(precompile=0, compile_cache_dir=None, step_timeout_s=120.0,
+                              hang_factor=3.0, hang_floor_s=10.0)
+    trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(), config)
+    batch = _data().next_batch()
+    deadlines = []
+    for seconds in (None, 2.0, 5.0):
+        trainer.detector = _Predicts(seconds)  # type: ignore[assignment]
+        deadlines.append(trainer.deadline_s(batch))
+    trainer.close()
+    assert deadlines == [120.0, 10.0, 15.0]  # no prediction yet, the floor, 3x the prediction

@@ -12,7 +12,10 @@ from typing import Callable
 
 from resihp_jax.detector.probes import ProbeResult, localize
 from resihp_jax.detector.verdict import StepObservation, Verdict
+import numpy as np
+
 from resihp_jax.errors import ConfigError
+from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel.costs import CostParams
 
@@ -75,6 +78,12 @@ class Detector:
             return None
         return Verdict(step, found.devices, found.kind, found.slowdown, found.confidence,
                        self.name)
+
+    def healthy_time_s(self, plan: Plan, mb_tokens: np.ndarray,
+                       mb_sum_l2: np.ndarray) -> float | None:
+        """What this batch should take on healthy devices, once this detector can say (the
+        runtime derives its hang deadline from it); None: no prediction yet."""
+        return None
 
     def cost_params(self) -> CostParams | None:
         """The healthy cost model this detector has fitted, if any (the scheduler plans with

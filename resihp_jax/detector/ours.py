@@ -31,6 +31,7 @@ import numpy as np
 from resihp_jax.detector.base import Detector, register
 from resihp_jax.detector.verdict import StepObservation
 from resihp_jax.errors import ConfigError
+from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel.costs import CostParams
 from resihp_jax.perfmodel.fit import OnlineCostModel
@@ -88,6 +89,12 @@ class ResiHPDetector(Detector):
     def predict(self, obs: StepObservation) -> float:
         """Healthy time of this batch under this plan (cost model times drift)."""
         return self.scale * self.cost.predict(obs.plan, obs.mb_tokens, obs.mb_sum_l2)
+
+    def healthy_time_s(self, plan: Plan, mb_tokens: np.ndarray,
+                       mb_sum_l2: np.ndarray) -> float | None:
+        if not self.cost.ready or self._learned < self.warmup:
+            return None
+        return self.scale * self.cost.predict(plan, mb_tokens, mb_sum_l2)
 
     def cost_params(self) -> CostParams | None:
         return self.cost.params if self.cost.ready else None

@@ -52,7 +52,12 @@ LIKELY_SLOWDOWN = 2.0  # the fail-slow factor the precompiler plans for
 class ResilienceConfig:
     detector: str = "resihp"
     policy: str = "resihp"
-    step_timeout_s: float = 120.0  # a hung step counts as stopped after this long
+    # A step with no result by its deadline counts as hung (its busy devices stopped): the
+    # deadline is `hang_factor` times the predicted healthy time of that very batch, at
+    # least `hang_floor_s`; `step_timeout_s` until the cost model can predict.
+    step_timeout_s: float = 120.0
+    hang_factor: float = 3.0
+    hang_floor_s: float = 10.0
     device_memory_gb: float = 4.0
     recompile_s: float = 10.0  # charged for a new mesh until a compile has been measured
     horizon_s: float = 3600.0  # expected seconds to the next failure
@@ -65,9 +70,12 @@ class ResilienceConfig:
     compile_cache_dir: str | None = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:
-        for name in ("step_timeout_s", "device_memory_gb", "horizon_s"):
+        for name in ("step_timeout_s", "hang_floor_s", "device_memory_gb", "horizon_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"ResilienceConfig.{name}={getattr(self, name)!r}: must be > 0")
+        if not self.hang_factor > 1:
+            raise ConfigError(f"ResilienceConfig.hang_factor={self.hang_factor!r}: must be > 1 "
+                              "(a step slower than predicted is not yet hung)")
         if not self.recompile_s >= 0 or self.checkpoint_interval < 1 or self.precompile < 0:
             raise ConfigError(f"ResilienceConfig: recompile_s={self.recompile_s!r} must be >= 0, "
                               f"checkpoint_interval={self.checkpoint_interval!r} >= 1 and "
@@ -239,20 +247,30 @@ class ResilientTrainer:
         def run_once() -> tuple[TrainState, dict[str, Any], Any]:
             return timed_step(program, self.state, arrays, self._knobs(step), timer)
 
-        self.state, metrics, timing = run_guarded(run_once, step, self.config.step_timeout_s,
+        self.state, metrics, timing = run_guarded(run_once, step, self.deadline_s(batch),
                                                   in_flight=self._in_flight)
         self._last_timing = timing
         return StepRecord.of(int(self.state.step), self.plan, jax.device_get(metrics),
                              timing.step_time_s, batch)
+
+    def deadline_s(self, batch: GlobalBatch) -> float:
+        """How long this batch's step may take before it counts as hung."""
+        predicted = self.detector.healthy_time_s(self.plan, self._mb_tokens(),
+                                                 batch.sum_sq_lengths())
+        if predicted is None:
+            return self.config.step_timeout_s
+        return max(self.config.hang_floor_s, self.config.hang_factor * predicted)
+
+    def _mb_tokens(self) -> np.ndarray:
+        return np.full(self.plan.n_microbatches, self.plan.microbatch_size * self.plan.seq_len,
+                       np.float64)
 
     def _in_flight(self) -> tuple[int, ...]:
         grid = self.plan.device_grid()
         return tuple(int(grid[c]) for c in self._host.timer.in_flight())
 
     def _observation(self, record: StepRecord, batch: GlobalBatch) -> StepObservation:
-        mb_tokens = np.full(self.plan.n_microbatches, self.plan.microbatch_size
-                            * self.plan.seq_len, np.float64)
-        return StepObservation(record.step, self.plan, mb_tokens, batch.sum_sq_lengths(),
+        return StepObservation(record.step, self.plan, self._mb_tokens(), batch.sum_sq_lengths(),
                                record.step_time_s, self._last_timing.stage_DxP)
 
     # ---- reacting to a verdict -------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.mesh import AXES, make_mesh
+from resihp_jax.meshes.mesh import AXES, make_mesh, put_global
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.train.instrument import FWD_END, FWD_START, Instrument, RegionTimer
 
@@ -167,15 +167,15 @@ class Prober:
         shard = NamedSharding(self.mesh, _SPEC)
         shape = (plan.dp, plan.pp, plan.tp)
         rng = np.random.default_rng(0)
-        self._x = jax.device_put(rng.standard_normal(shape + (size, size), np.float32)
+        self._x = put_global(rng.standard_normal(shape + (size, size), np.float32)
                                  / math.sqrt(size), shard)
-        self._buf = jax.device_put(np.ones(shape + (n_link,), np.float32), shard)
+        self._buf = put_global(np.ones(shape + (n_link,), np.float32), shard)
         self._shard = shard
 
     def run(self, knobs_DxPxT: np.ndarray | None = None) -> ProbeResult:
         if knobs_DxPxT is None:
             knobs_DxPxT = np.ones((self.plan.dp, self.plan.pp, self.plan.tp), np.float32)
-        knobs = jax.device_put(np.asarray(knobs_DxPxT, np.float32), self._shard)
+        knobs = put_global(np.asarray(knobs_DxPxT, np.float32), self._shard)
         self._timer.regions.clear()
         self._timer.samples.clear()
         t0 = time.perf_counter()

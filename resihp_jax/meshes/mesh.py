@@ -25,3 +25,10 @@ def make_mesh(plan: Plan, devices: Sequence[jax.Device]) -> Mesh:
         grid[coord] = by_id[int(device_id)]
     # Auto axes on every JAX version: make_mesh's default changed to Explicit in 0.12.
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def put_global(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A host array that every process holds whole, placed with `sharding`: each process
+    transfers only the slices its own devices hold (one process or many alike)."""
+    array = np.asarray(array)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])

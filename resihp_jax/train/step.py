@@ -19,7 +19,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resihp_jax.meshes import layout
-from resihp_jax.meshes.mesh import make_mesh
+from resihp_jax.meshes.mesh import make_mesh, put_global
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.meshes.rules import state_shardings, state_specs
 from resihp_jax.model import decoder, layers
@@ -105,29 +105,29 @@ class StepProgram:
         return dataclasses.replace(self, plan=plan)
 
     def stage_index_array(self) -> jax.Array:
-        return jax.device_put(self.stage_index(), self.replicated)
+        return put_global(self.stage_index(), self.replicated)
 
     def splits(self, knobs_DxPxT: np.ndarray | None = None) -> Splits:
-        put = functools.partial(jax.device_put, device=self.replicated)
+        put = functools.partial(put_global, sharding=self.replicated)
         if knobs_DxPxT is None:
             knobs_DxPxT = np.ones((self.plan.dp, self.plan.pp, self.plan.tp), np.float32)
         return Splits(put(np.asarray(self.plan.layers_per_stage, np.int32)),
                       put(np.asarray(self.plan.microbatches_per_group, np.int32)),
-                      jax.device_put(np.asarray(knobs_DxPxT, np.float32),
-                                     NamedSharding(self.mesh, KNOB_SPEC)))
+                      put_global(np.asarray(knobs_DxPxT, np.float32),
+                                 NamedSharding(self.mesh, KNOB_SPEC)))
 
     def stage_index(self) -> np.ndarray:
         return layout.stage_index(self.plan.layers_per_stage, self.layer_slots)
 
     def canonical_positions(self) -> jax.Array:
         """[n_layers]: where each canonical layer sits in the flattened stage layout."""
-        return jax.device_put(layout.canonical_index(self.stage_index()), self.replicated)
+        return put_global(layout.canonical_index(self.stage_index()), self.replicated)
 
     def shard_batch(self, tokens_MxBxS: np.ndarray, segment_ids_MxBxS: np.ndarray,
                     positions_MxBxS: np.ndarray) -> Batch:
         arrays = (route_microbatches(np.asarray(a, np.int32), self.plan, self.mb_slots)
                   for a in (tokens_MxBxS, segment_ids_MxBxS, positions_MxBxS))
-        return Batch(*(jax.device_put(a, self.batch_sharding) for a in arrays))
+        return Batch(*(put_global(a, self.batch_sharding) for a in arrays))
 
     def init_state(self, seed: int) -> TrainState:
         """Fresh state built directly in its shardings (never materialized whole)."""

@@ -1,0 +1,77 @@
+"""A process's heartbeat file: its last completed step, the deadline of the step in flight,
+and its plan, rewritten by a background thread every `interval_s`.
+
+A supervisor reads these to see progress (the job's step), to inject faults at a step, and
+to tell a frozen process from one that waits in a collective: a frozen process (stopped, or
+stuck with the interpreter blocked) stops rewriting its file, a waiting one does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ENV_VAR = "RESIHP_HEARTBEAT_DIR"
+
+
+@dataclass(frozen=True)
+class Beat:
+    pid: int
+    step: int  # last completed step
+    deadline_s: float  # how long the step in flight may take before it counts as hung
+    plan: str
+    time: float  # wall clock (time.time()) of the write
+    phases: dict[str, float] = field(default_factory=dict)  # start-up breakdown, seconds
+
+
+class Heartbeat:
+    def __init__(self, directory: str | Path, host: str, interval_s: float = 0.5) -> None:
+        self.path = Path(directory) / f"{host}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.interval_s = interval_s
+        self._state: dict = {"step": 0, "deadline_s": 0.0, "plan": "", "phases": {}}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="resihp-heartbeat")
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls, host: str) -> Heartbeat | None:
+        directory = os.environ.get(ENV_VAR)
+        return cls(directory, host) if directory else None
+
+    def update(self, step: int, deadline_s: float, plan: str,
+               phases: dict[str, float] | None = None) -> None:
+        self._state = {"step": int(step), "deadline_s": float(deadline_s), "plan": plan,
+                       "phases": dict(phases or self._state["phases"])}
+        self._write()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._write()
+
+    def _write(self) -> None:
+        beat = Beat(os.getpid(), time=time.time(), **self._state)  # type: ignore[arg-type]
+        tmp = self.path.with_suffix(f".tmp{threading.get_ident()}")
+        try:
+            tmp.write_text(json.dumps(asdict(beat)))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a missed beat looks like a late one; the supervisor allows for that
+
+
+def read(directory: str | Path) -> dict[str, Beat]:
+    """Every host's last beat in `directory` (hosts whose file is unreadable are skipped)."""
+    out = {}
+    for path in Path(directory).glob("*.json"):
+        try:
+            out[path.stem] = Beat(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+    return out

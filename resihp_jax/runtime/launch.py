@@ -1,0 +1,289 @@
+"""The local supervisor behind `resihp launch`: start N processes of one multi-controller
+job, watch them, and do for a local job what a cluster's restart policy does for a real one.
+
+A process that exits is seen at the next poll. A hung one (alive, no progress) is caught
+when the job's step has not advanced within the deadline its processes publish (a multiple
+of the predicted healthy time of the step in flight, with a floor); the culprit is the
+process whose heartbeat went stale (frozen), the others being merely blocked in collectives.
+Either way every process is ended, the culprit's host is recorded as excluded in the job's
+health record, and the job is relaunched on the survivors, which restore the newest
+checkpoint into the plan the scheduler picks for them.
+
+Faults for testing (`Fault`): kill (SIGKILL), hang (SIGSTOP), slow (a CPU quota from
+outside, see `Throttle`), each when the job reaches a step. Time is injected (`clock`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, TextIO
+
+from resihp_jax.errors import ConfigError
+from resihp_jax.runtime import health_record, heartbeat
+from resihp_jax.runtime.throttle import Throttle
+
+USER_ERROR = 2  # the exit code of a bad argument: nothing to restart
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # kill | hang | slow
+    process: int  # index in the first incarnation (host id f"p{process}")
+    step: int
+    factor: float = 1.0  # slow only
+
+    @property
+    def host(self) -> str:
+        return f"p{self.process}"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    procs: int
+    devices_per_proc: int
+    checkpoint_dir: Path
+    train_args: tuple[str, ...]
+    faults: tuple[Fault, ...] = ()
+    max_restarts: int = 8
+    hang_floor_s: float = 10.0  # the least a step may take before it counts as hung
+    startup_s: float = 600.0  # initialization, restore and first compile of an incarnation
+    stale_s: float = 2.0  # a heartbeat older than this: the process is frozen
+    poll_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.procs < 1 or self.devices_per_proc < 1:
+            raise ConfigError(f"--procs={self.procs} and --devices-per-proc="
+                              f"{self.devices_per_proc}: both must be >= 1")
+        for fault in self.faults:
+            if not 0 <= fault.process < self.procs:
+                raise ConfigError(f"--{fault.kind} names process {fault.process}; valid: 0.."
+                                  f"{self.procs - 1}")
+
+
+@dataclass
+class Failure:
+    kind: str  # died | hung
+    host: str | None  # the culprit, when known
+    step: int  # the job's last completed step when it was seen
+    detect_s: float | None  # from the injected fault to detection (None: not injected)
+    detail: str
+
+
+@dataclass
+class Summary:
+    restarts: int = 0
+    steps_lost: int = 0
+    recovery_s: list[float] = field(default_factory=list)
+    detect_s: list[float] = field(default_factory=list)
+    final_step: int = 0
+    plans: list[str] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    phases: list[dict] = field(default_factory=list)  # each relaunch's first-step breakdown
+
+    def to_json(self) -> dict:
+        return {"restarts": self.restarts, "steps_lost": self.steps_lost,
+                "recovery_s": [round(x, 3) for x in self.recovery_s],
+                "detect_s": [round(x, 3) for x in self.detect_s],
+                "final_step": self.final_step, "plans": self.plans}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Supervisor:
+    def __init__(self, config: LaunchConfig, out: TextIO = sys.stderr,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.out, self.clock = config, out, clock
+        self.summary = Summary()
+        self._fired: set[Fault] = set()
+        self._fault_time: dict[str, float] = {}  # host -> when its fault was injected
+        self._throttles: list[Throttle] = []
+        self._incarnation = 0
+
+    # ---- one incarnation -----------------------------------------------------------------
+    def _spawn(self, hosts: list[str], beat_dir: Path) -> dict[str, subprocess.Popen]:
+        cfg, port = self.config, free_port()
+        logs = cfg.checkpoint_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={cfg.devices_per_proc}",
+                   **{heartbeat.ENV_VAR: str(beat_dir)})
+        procs = {}
+        for index, host in enumerate(hosts):
+            cmd = [sys.executable, "-m", "resihp_jax.cli", "train", *cfg.train_args,
+                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(len(hosts)),
+                   "--process-id", str(index), "--host-id", host,
+                   "--checkpoint-dir", str(cfg.checkpoint_dir), "--resume", "--no-progress"]
+            log = open(logs / f"incarnation{self._incarnation}-{host}.log", "w")  # noqa: SIM115
+            procs[host] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, env=env,
+                                           start_new_session=True)
+            log.close()
+        return procs
+
+    def _inject(self, procs: dict[str, subprocess.Popen], step: int) -> None:
+        for fault in self.config.faults:
+            if fault in self._fired or fault.host not in procs or step < fault.step:
+                continue
+            self._fired.add(fault)
+            pid = procs[fault.host].pid
+            self._fault_time[fault.host] = self.clock()
+            print(f"launch: step {step}: {fault.kind} process {fault.host}"
+                  + (f" x{fault.factor:g}" if fault.kind == "slow" else ""), file=self.out)
+            if fault.kind == "kill":
+                _signal_group(pid, signal.SIGKILL)
+            elif fault.kind == "hang":
+                _signal_group(pid, signal.SIGSTOP)
+            else:
+                self._throttles.append(Throttle(pid, fault.factor))
+
+    def _watch(self, procs: dict[str, subprocess.Popen], beat_dir: Path,
+               start_step: int) -> tuple[Failure | None, int, dict[str, heartbeat.Beat]]:
+        """Until every process exits 0 (None) or one fails; also the job's last step."""
+        cfg = self.config
+        step, advanced_at, started = start_step, self.clock(), False
+        beats: dict[str, heartbeat.Beat] = {}
+        while True:
+            time.sleep(cfg.poll_s)
+            exited = {h: p.returncode for h, p in procs.items() if p.poll() is not None}
+            failed = {h: c for h, c in exited.items() if c != 0}
+            beats = heartbeat.read(beat_dir)
+            now_step = max((b.step for b in beats.values()), default=step)
+            if now_step > step:
+                if not started:
+                    self._first_progress_at = self.clock()
+                step, advanced_at, started = now_step, self.clock(), True
+            if failed:
+                host = min(failed, key=lambda h: (failed[h] >= 0, h))  # a signal first
+                return Failure("died", host, step, self._since_fault(host),
+                               f"process {host} exited with {_exit_text(failed[host])}"), step, \
+                    beats
+            if len(exited) == len(procs):
+                return None, step, beats
+            self._inject(procs, step)
+            limit = cfg.startup_s if not started else max(
+                cfg.hang_floor_s, max((b.deadline_s for b in beats.values()), default=0.0))
+            if self.clock() - advanced_at > limit:
+                return self._hung(beats, step, limit), step, beats
+
+    def _hung(self, beats: dict[str, heartbeat.Beat], step: int, limit: float) -> Failure:
+        now = time.time()
+        stale = sorted(h for h, b in beats.items() if now - b.time > self.config.stale_s)
+        host = stale[0] if len(stale) == 1 else None
+        return Failure("hung", host, step, self._since_fault(host) if host else None,
+                       f"no progress for {limit:.1f} s after step {step}; "
+                       f"frozen: {stale or 'none'}")
+
+    def _since_fault(self, host: str | None) -> float | None:
+        at = self._fault_time.pop(host, None) if host else None
+        return None if at is None else self.clock() - at
+
+    # ---- the job -------------------------------------------------------------------------
+    def run(self) -> Summary:
+        cfg = self.config
+        hosts = [f"p{i}" for i in range(cfg.procs)]
+        restart_at: float | None = None
+        lost_from: int | None = None  # the job's step when the last failure was seen
+        while True:
+            record = health_record.load(cfg.checkpoint_dir)
+            live = record.usable(hosts)
+            if not live:
+                raise ConfigError("every process of the job has been excluded; see "
+                                  f"{health_record.path_in(cfg.checkpoint_dir)}")
+            beat_dir = cfg.checkpoint_dir / "heartbeat" / f"incarnation{self._incarnation}"
+            procs = self._spawn(live, beat_dir)
+            first = self._first_beat(procs, beat_dir)
+            if lost_from is not None:
+                self.summary.steps_lost += max(0, lost_from - first)
+            self._first_progress_at: float | None = None
+            failure, step, beats = self._watch(procs, beat_dir, first)
+            self._end(procs)
+            self._record_incarnation(beats, restart_at)
+            if restart_at is not None and self._first_progress_at is not None:
+                self.summary.recovery_s.append(self._first_progress_at - restart_at)
+            if failure is None:
+                self.summary.final_step = step
+                return self.summary
+            restart_at, lost_from = self._failed(failure, record, step), step
+
+    def _first_beat(self, procs: dict[str, subprocess.Popen], beat_dir: Path) -> int:
+        """The step this incarnation restored from (its processes' first beats)."""
+        deadline = self.clock() + self.config.startup_s
+        while self.clock() < deadline:
+            beats = heartbeat.read(beat_dir)
+            if beats or any(p.poll() is not None for p in procs.values()):
+                return min((b.step for b in beats.values()), default=0)
+            time.sleep(self.config.poll_s)
+        return 0
+
+    def _record_incarnation(self, beats: dict[str, heartbeat.Beat],
+                            restart_at: float | None) -> None:
+        plan = next((b.plan for h, b in sorted(beats.items()) if b.plan), "")
+        if plan:
+            self.summary.plans.append(plan)
+        phases = next((b.phases for b in beats.values() if b.phases), None)
+        if restart_at is not None and phases:
+            self.summary.phases.append(phases)
+
+    def _failed(self, failure: Failure, record: health_record.HealthRecord,
+                step: int) -> float:
+        cfg, summary = self.config, self.summary
+        print(f"launch: {failure.kind}: {failure.detail}", file=self.out)
+        summary.failures.append(failure)
+        if failure.kind == "died" and failure.host is not None and \
+                self._log_says_user_error(failure.host):
+            raise ConfigError(f"process {failure.host} refused its arguments; see "
+                              f"{cfg.checkpoint_dir / 'logs'}")
+        if failure.detect_s is not None:
+            summary.detect_s.append(failure.detect_s)
+        if failure.host is not None:
+            record.exclude(failure.host, failure.detail, step)
+        record.incarnations += 1
+        health_record.save(record, cfg.checkpoint_dir)
+        summary.restarts += 1
+        if summary.restarts > cfg.max_restarts:
+            raise ConfigError(f"the job failed {summary.restarts} times (--max-restarts="
+                              f"{cfg.max_restarts}); last: {failure.detail}")
+        self._incarnation += 1
+        return self.clock()
+
+    def _log_says_user_error(self, host: str) -> bool:
+        proc_log = self.config.checkpoint_dir / "logs" / \
+            f"incarnation{self._incarnation}-{host}.log"
+        try:
+            return "resihp train: error:" in proc_log.read_text()
+        except OSError:
+            return False
+
+    def _end(self, procs: dict[str, subprocess.Popen]) -> None:
+        for throttle in self._throttles:
+            throttle.stop()
+        self._throttles.clear()
+        for proc in procs.values():
+            if proc.poll() is None:
+                _signal_group(proc.pid, signal.SIGKILL)  # also ends a stopped process
+        for proc in procs.values():
+            proc.wait()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return f"code {code}"

@@ -14,6 +14,9 @@ from jax.extend import core as jex_core
 
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
+from resihp_jax.perfmodel import memory_bytes_per_device
+from resihp_jax.perfmodel.memory import static_bytes_S
+from resihp_jax.perfmodel.work import stage_param_counts
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.step import build_step
 from tests.helpers import make_batches
@@ -88,3 +91,17 @@ def test_every_matmul_of_the_step_runs_in_the_compute_dtype(runs, dtype: str) ->
         run["state"].params, run["batch"], run["program"].splits())
     operands = set(_dot_operand_dtypes(jaxpr.jaxpr))
     assert operands == {(dtype, dtype)}
+
+
+def test_memory_model_keeps_float32_state_under_bf16_compute() -> None:
+    """bf16 halves activations but not the state: masters, grads and both Adam moments stay
+    float32 (16 bytes a parameter), plus the step's bf16 copy of layer and head weights."""
+    plan = Plan.uniform(2, 2, 2, n_layers=32, n_microbatches=8, microbatch_size=1,
+                        seq_len=4096)
+    f32, bf16 = (get_model_config("llama2-7b", dtype=d) for d in ("float32", "bfloat16"))
+    params_S = stage_param_counts(plan, f32) / plan.tp
+    np.testing.assert_allclose(static_bytes_S(plan, f32, None, None), 16 * params_S)
+    copy_S = static_bytes_S(plan, bf16, None, None) - static_bytes_S(plan, f32, None, None)
+    embed = bf16.vocab_size * bf16.d_model / plan.tp
+    np.testing.assert_allclose(copy_S, 2 * (params_S - np.array([embed, 0.0])))
+    assert (memory_bytes_per_device(plan, bf16) < memory_bytes_per_device(plan, f32)).all()

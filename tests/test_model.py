@@ -71,8 +71,8 @@ def test_bf16_forward_keeps_float32_masters_and_returns_float32_logits() -> None
     got = decoder.forward_logits(params, tokens, seg, pos, bf16)
     want = decoder.forward_logits(params, tokens, seg, pos, CFG)
     assert got.dtype == jnp.float32  # the softmax and loss never see bf16 logits
-    # Logits are O(1) here; a handful of bf16 roundings (2**-9 each) through two layers.
-    np.testing.assert_allclose(got, want, atol=5e-2)
+    # A few bf16 roundings (2**-9 relative each) through the layers: 2% of the largest logit.
+    np.testing.assert_allclose(got, want, atol=2e-2 * float(np.abs(want).max()))
     assert not np.array_equal(got, want)  # computed in bf16, not silently in float32
 
 

@@ -59,12 +59,22 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+# `dtype` is the compute dtype; parameters and optimizer state are float32 in every preset.
+# Presets that run on CPU in tests compute in float32; GPU-sized ones in bfloat16.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
     "tiny-gqa": ModelConfig(name="tiny-gqa", n_heads=8, n_kv_heads=2, d_model=64),
     # ~14M parameters: big enough that compute dominates dispatch on CPU.
     "small": ModelConfig(name="small", d_model=384, n_layers=8, n_heads=8, n_kv_heads=8,
                          d_ff=1024, attn_block=64),
+    # ~1.1B parameters (TinyLlama-1.1B sizes): one GPU, or a small multi-GPU test bed.
+    "llama-1b": ModelConfig(name="llama-1b", vocab_size=32_000, d_model=2048, n_layers=22,
+                            n_heads=32, n_kv_heads=4, d_ff=5632, attn_block=128,
+                            dtype="bfloat16"),
+    # Llama-2-7B sizes.
+    "llama2-7b": ModelConfig(name="llama2-7b", vocab_size=32_000, d_model=4096, n_layers=32,
+                             n_heads=32, n_kv_heads=32, d_ff=11_008, attn_block=128,
+                             dtype="bfloat16"),
     # Llama-2-70B sizes, used by the planner and the cluster simulator (never run on CPU).
     "llama2-70b": ModelConfig(name="llama2-70b", vocab_size=32_000, d_model=8192, n_layers=80,
                               n_heads=64, n_kv_heads=8, d_ff=28_672, attn_block=128,

@@ -102,13 +102,18 @@ def init_params(cfg: ModelConfig, seed: int) -> dict[str, Any]:
 
 def forward_logits(params: dict[str, Any], tokens_BxS: jax.Array, seg_BxS: jax.Array,
                    pos_BxS: jax.Array, cfg: ModelConfig) -> jax.Array:
+    # Layers and head compute in cfg.dtype from a copy of the float32 masters; autodiff
+    # through the cast hands the gradients back in float32. The embedding gathers float32
+    # rows and casts only those.
     x_BxSxD = layers.embed(params["embed"]["table"], tokens_BxS, dtype=cfg.dtype)
+    layer_weights = layers.compute_weights(params["layers"], cfg.dtype)
+    head = layers.compute_weights(params["head"], cfg.dtype)
 
     def one_layer(x: jax.Array, p_layer: dict[str, jax.Array]) -> tuple[jax.Array, None]:
         return layers.block(p_layer, x, seg_BxS, pos_BxS, cfg), None
 
-    x_BxSxD, _ = jax.lax.scan(one_layer, x_BxSxD, params["layers"])
-    return layers.logits(params["head"]["norm"], params["head"]["w"], x_BxSxD, cfg)
+    x_BxSxD, _ = jax.lax.scan(one_layer, x_BxSxD, layer_weights)
+    return layers.logits(head["norm"], head["w"], x_BxSxD, cfg)
 
 
 def loss_sum_and_count(params: dict[str, Any], tokens_BxS: jax.Array, seg_BxS: jax.Array,

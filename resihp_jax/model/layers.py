@@ -23,10 +23,17 @@ def _psum(x: jax.Array, axis: str | None) -> jax.Array:
     return x if axis is None else jax.lax.psum(x, axis)
 
 
+def compute_weights(weights: Params | jax.Array, dtype: str) -> Params | jax.Array:
+    """The weights cast to the compute dtype (the float32 masters stay as they are)."""
+    return jax.tree.map(lambda w: w.astype(dtype), weights)
+
+
 def rms_norm(x_BxSxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+    """Statistics and scaling in float32 (a bf16 mean of squares loses the small terms);
+    the result comes back in the activations' dtype."""
     x32 = x_BxSxD.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * inv).astype(x_BxSxD.dtype) * scale_D
+    return (x32 * inv * scale_D.astype(jnp.float32)).astype(x_BxSxD.dtype)
 
 
 def rotary(x_BxSxHxK: jax.Array, pos_BxS: jax.Array, theta: float) -> jax.Array:
@@ -85,8 +92,8 @@ def embed_partial(table_VxD: jax.Array, tokens_BxS: jax.Array, offset: jax.Array
                   dtype: str) -> jax.Array:
     """Embeddings of the tokens whose rows this device holds, zeros elsewhere."""
     ids_BxS, mine_BxS = _local_ids(tokens_BxS, offset, table_VxD.shape[0])
-    rows_BxSxD = jnp.take(table_VxD, ids_BxS, axis=0)
-    return jnp.where(mine_BxS[..., None], rows_BxSxD, 0).astype(dtype)
+    rows_BxSxD = jnp.take(table_VxD, ids_BxS, axis=0).astype(dtype)
+    return jnp.where(mine_BxS[..., None], rows_BxSxD, jnp.zeros((), dtype))
 
 
 def embed(table_VxD: jax.Array, tokens_BxS: jax.Array, tp_axis: str | None = None,
@@ -96,11 +103,36 @@ def embed(table_VxD: jax.Array, tokens_BxS: jax.Array, tp_axis: str | None = Non
     return _psum(embed_partial(table_VxD, tokens_BxS, offset, dtype), tp_axis)
 
 
+@jax.custom_vjp
+def _logits_f32(h_BxSxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
+    """h @ w accumulated and returned in float32, whatever the operands' dtype.
+
+    Plain autodiff would multiply the float32 cotangent with the bf16 operands, promoting
+    both backward matmuls (the largest of the head) to float32; here the cotangent is cast
+    to the operands' dtype first, so they run in bf16 like every other matmul."""
+    return jnp.einsum("bsd,dv->bsv", h_BxSxD, w_DxV, preferred_element_type=jnp.float32)
+
+
+def _logits_f32_fwd(h_BxSxD: jax.Array, w_DxV: jax.Array):
+    return _logits_f32(h_BxSxD, w_DxV), (h_BxSxD, w_DxV)
+
+
+def _logits_f32_bwd(res: tuple[jax.Array, jax.Array], g_BxSxV: jax.Array):
+    h_BxSxD, w_DxV = res
+    g_BxSxV = g_BxSxV.astype(h_BxSxD.dtype)
+    dh_BxSxD = jnp.einsum("bsv,dv->bsd", g_BxSxV, w_DxV, preferred_element_type=jnp.float32)
+    dw_DxV = jnp.einsum("bsd,bsv->dv", h_BxSxD, g_BxSxV, preferred_element_type=jnp.float32)
+    return dh_BxSxD.astype(h_BxSxD.dtype), dw_DxV.astype(w_DxV.dtype)
+
+
+_logits_f32.defvjp(_logits_f32_fwd, _logits_f32_bwd)
+
+
 def logits(norm_D: jax.Array, w_DxV: jax.Array, x_BxSxD: jax.Array,
            cfg: ModelConfig) -> jax.Array:
-    """This device's slice of the vocabulary logits, float32."""
-    h_BxSxD = rms_norm(x_BxSxD, norm_D, cfg.norm_eps)
-    return jnp.einsum("bsd,dv->bsv", h_BxSxD, w_DxV).astype(jnp.float32)
+    """This device's slice of the vocabulary logits, float32 whatever the compute dtype, so
+    the softmax and the loss never see bf16 rounding."""
+    return _logits_f32(rms_norm(x_BxSxD, norm_D, cfg.norm_eps), w_DxV)
 
 
 def next_token_targets(tokens_BxS: jax.Array, seg_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:

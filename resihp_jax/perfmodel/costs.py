@@ -21,6 +21,11 @@ _NON_NEGATIVE = ("c", "alpha", "beta", "head_alpha", "embed_alpha", "tick_overhe
                  "step_overhead", "p2p_latency", "tp_latency", "dp_latency")
 
 
+# Parameters, their gradients and the optimizer moments are float32 whatever the compute
+# dtype (`ModelConfig.dtype`, which sets activations and the per-step weight copy).
+MASTER_BYTES = 4
+
+
 def dtype_bytes(dtype: str) -> int:
     return 2 if dtype == "bfloat16" else 4
 

@@ -14,7 +14,7 @@ import numpy as np
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig
-from resihp_jax.perfmodel.costs import dtype_bytes
+from resihp_jax.perfmodel.costs import MASTER_BYTES, dtype_bytes
 from resihp_jax.perfmodel.simulator import check_schedule
 from resihp_jax.perfmodel.work import stage_param_counts
 
@@ -31,10 +31,16 @@ def layer_activation_elements(model: ModelConfig, tp: int) -> float:
 
 def static_bytes_S(plan: Plan, model: ModelConfig, layer_slots: int | None,
                    optimizer_bytes_per_param: float | None) -> np.ndarray:
-    """[S] parameters + gradients + optimizer state per device of each stage."""
+    """[S] parameters + gradients + optimizer state per device of each stage, all float32,
+    plus the step's copy of the layer and head weights in a narrower compute dtype."""
+    opt = 2.0 * MASTER_BYTES if optimizer_bytes_per_param is None else optimizer_bytes_per_param
+    params_S = stage_param_counts(plan, model, layer_slots)
+    static_S = params_S * (2.0 * MASTER_BYTES + opt)
     width = dtype_bytes(model.dtype)
-    opt = 2.0 * width if optimizer_bytes_per_param is None else optimizer_bytes_per_param
-    return stage_param_counts(plan, model, layer_slots) / plan.tp * (2.0 * width + opt)
+    if width < MASTER_BYTES:  # the embedding gathers float32 rows: no copy of its table
+        copied_S = params_S - np.eye(plan.pp)[0] * model.vocab_size * model.d_model
+        static_S = static_S + copied_S * width
+    return static_S / plan.tp
 
 
 def _slots(name: str, value: int | None, minimum: int) -> int:
@@ -49,8 +55,8 @@ def memory_bytes_per_device(plan: Plan, model: ModelConfig, *, schedule: str = "
                             remat: bool = False, layer_slots: int | None = None,
                             mb_slots: int | None = None,
                             optimizer_bytes_per_param: float | None = None) -> np.ndarray:
-    """[dp, pp, tp] bytes per device. Optimizer state defaults to Adam's two moments in the
-    model dtype."""
+    """[dp, pp, tp] bytes per device. Optimizer state defaults to Adam's two float32
+    moments; activations are in the model's compute dtype."""
     check_schedule(schedule)
     layers = _slots("layer_slots", layer_slots, max(plan.layers_per_stage))
     slots = _slots("mb_slots", mb_slots, max(plan.microbatches_per_group))

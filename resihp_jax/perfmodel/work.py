@@ -13,7 +13,7 @@ import numpy as np
 from resihp_jax.errors import ConfigError, PlanError
 from resihp_jax.meshes.plan import TIMED_SLOT, Plan
 from resihp_jax.model.config import ModelConfig
-from resihp_jax.perfmodel.costs import CostParams, dtype_bytes
+from resihp_jax.perfmodel.costs import MASTER_BYTES, CostParams, dtype_bytes
 from resihp_jax.perfmodel.health import Health
 
 
@@ -157,7 +157,7 @@ def _p2p_times(plan: Plan, costs: CostParams, factors: Factors, act: float) -> n
 def _dp_allreduce(plan: Plan, model: ModelConfig, costs: CostParams, factors: Factors) -> float:
     if plan.dp == 1:
         return 0.0
-    grad_bytes_S = stage_param_counts(plan, model) / plan.tp * dtype_bytes(model.dtype)
+    grad_bytes_S = stage_param_counts(plan, model) / plan.tp * MASTER_BYTES  # float32 grads
     times = _allreduce_s(grad_bytes_S[:, None], plan.dp, costs.dp_bandwidth, costs.dp_latency,
                          factors.link_SxT)
     return float(np.max(times))

@@ -37,70 +37,83 @@ def _when(active: jax.Array, compute: Callable[[], Any], like: Any,
     return jax.lax.cond(active, lambda: vma.vary(compute(), axes), zeros)
 
 
-def _gated(fn: Callable[..., Any], on: jax.Array, diff: tuple[Any, ...],
-           aux: tuple[Any, ...]) -> Any:
-    """fn(*diff, *aux) if `on`, else zeros; reverse mode is gated the same way.
+def _gated(fn: Callable[..., Any], on: jax.Array, masters: Any, compute: Any,
+           acts: tuple[Any, ...], aux: tuple[Any, ...]) -> Any:
+    """fn(compute, *acts, *aux) if `on`, else zeros; reverse mode is gated the same way.
+
+    `compute` is `masters` cast to the compute dtype once per step, outside the tick scan.
+    The gradient of `compute` is returned as the cotangent of `masters`, cast to their dtype
+    (float32): the tick and slot scans then accumulate weight gradients over micro-batches in
+    float32, never in bf16, and `compute` itself gets no cotangent.
 
     A plain `cond` under autodiff returns its residuals as fresh outputs, so every layer's
     weights get copied into per-slot, per-tick residual buffers (weight-sized traffic on
     every tick). Here the saved residuals are the inputs themselves, which the enclosing
     scans recognise as loop-invariant weights and never copy; the backward re-derives what
-    it needs inside its own cond. `diff` must already vary over every mesh axis, so no
+    it needs inside its own cond. The inputs must already vary over every mesh axis, so no
     reduction (a collective) is ever needed inside either cond.
     """
-    like = jax.eval_shape(fn, *diff, *aux)
+    like = jax.eval_shape(fn, compute, *acts, *aux)
 
     @jax.custom_vjp
-    def run(diff: tuple[Any, ...], aux: tuple[Any, ...]) -> Any:
-        return _when(aux[0], lambda: fn(*diff, *aux[1:]), like)
+    def run(masters: Any, acts: tuple[Any, ...], fixed: tuple[Any, ...]) -> Any:
+        on_, compute_, aux_ = fixed
+        return _when(on_, lambda: fn(compute_, *acts, *aux_), like)
 
-    def run_fwd(diff: tuple[Any, ...], aux: tuple[Any, ...]):
-        return run(diff, aux), (diff, aux)
+    def run_fwd(masters: Any, acts: tuple[Any, ...], fixed: tuple[Any, ...]):
+        return run(masters, acts, fixed), (masters, acts, fixed)
 
     def run_bwd(res: tuple[Any, ...], g: Any):
-        diff, aux = res
+        masters, acts, (on_, compute_, aux_) = res
 
         def grads() -> tuple[Any, ...]:
-            _, pullback = jax.vjp(lambda *d: fn(*d, *aux[1:]), *diff)
-            return pullback(g)
+            _, pullback = jax.vjp(lambda c, *a: fn(c, *a, *aux_), compute_, *acts)
+            d_compute, *d_acts = pullback(g)
+            d_masters = jax.tree.map(lambda d, m: d.astype(m.dtype), d_compute, masters)
+            return d_masters, tuple(d_acts)
 
-        d_diff = _when(aux[0], grads, diff)
-        return d_diff, jax.tree.map(lambda _: None, aux)
+        d_masters, d_acts = _when(on_, grads, (masters, acts))
+        return d_masters, d_acts, jax.tree.map(lambda _: None, (on_, compute_, aux_))
 
     run.defvjp(run_fwd, run_bwd)
-    return run(tuple(vma.vary(d, ALL_AXES) for d in diff), (on, *aux))
+    masters, compute, acts = vma.vary((masters, compute, acts), ALL_AXES)
+    return run(masters, acts, (on, compute, aux))
 
 
-def run_stage(layer_params: dict[str, jax.Array], active: jax.Array, n_layers: jax.Array,
-              x_BxSxD: jax.Array, seg_BxS: jax.Array, pos_BxS: jax.Array,
-              cfg: ModelConfig) -> jax.Array:
-    """Apply this stage's first `n_layers` slots when `active`; other slots are skipped."""
-    slot_ids = jnp.arange(jax.tree.leaves(layer_params)[0].shape[0])
+def run_stage(masters: dict[str, jax.Array], compute: dict[str, jax.Array],
+              active: jax.Array, n_layers: jax.Array, x_BxSxD: jax.Array, seg_BxS: jax.Array,
+              pos_BxS: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Apply this stage's first `n_layers` slots when `active`; other slots are skipped.
 
-    def one_slot(x: jax.Array, slot: tuple[jax.Array, dict[str, jax.Array]]):
-        i, p = slot
+    `masters` are the stage's layer weights [slots, ...], `compute` the same cast to the
+    compute dtype (what the layers run with)."""
+    slot_ids = jnp.arange(jax.tree.leaves(masters)[0].shape[0])
+
+    def one_slot(x: jax.Array, slot: tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array]]):
+        i, p, c = slot
         on = active & (i < n_layers)
-        attn = _gated(lambda p_, x_, s_, q_: layers.attention_partial(p_, x_, s_, q_, cfg),
-                      on, (p, x), (seg_BxS, pos_BxS))
+        attn = _gated(lambda c_, x_, s_, q_: layers.attention_partial(c_, x_, s_, q_, cfg),
+                      on, p, c, (x,), (seg_BxS, pos_BxS))
         x = x + jax.lax.psum(attn, "tp")
-        mlp = _gated(lambda p_, x_: layers.mlp_partial(p_, x_, cfg), on, (p, x), ())
+        mlp = _gated(lambda c_, x_: layers.mlp_partial(c_, x_, cfg), on, p, c, (x,), ())
         return x + jax.lax.psum(mlp, "tp"), None  # idle: both sums are zero, x passes through
 
-    return jax.lax.scan(one_slot, x_BxSxD, (slot_ids, layer_params))[0]
+    return jax.lax.scan(one_slot, x_BxSxD, (slot_ids, masters, compute))[0]
 
 
-def _tick_loss(params: dict[str, Any], on_head: jax.Array, x_BxSxD: jax.Array,
-               tok_BxS: jax.Array, seg_BxS: jax.Array, cfg: ModelConfig) -> jax.Array:
+def _tick_loss(params: dict[str, Any], head: dict[str, jax.Array], on_head: jax.Array,
+               x_BxSxD: jax.Array, tok_BxS: jax.Array, seg_BxS: jax.Array,
+               cfg: ModelConfig) -> jax.Array:
+    """Loss sum of one micro-batch on the last stage; `head` is params["head"] cast to the
+    compute dtype. Logits, softmax statistics and the loss are float32."""
     targets_BxS, weights_BxS = layers.next_token_targets(tok_BxS, seg_BxS)
-    w_DxV = params["head"]["w"]
-    offset = layers.vocab_offset(w_DxV.shape[-1], "tp")
+    offset = layers.vocab_offset(head["w"].shape[-1], "tp")
 
-    def partials(norm_D: jax.Array, w: jax.Array, x: jax.Array, targets: jax.Array,
+    def partials(h: dict[str, jax.Array], x: jax.Array, targets: jax.Array,
                  off: jax.Array) -> layers.LossPartials:
-        return layers.loss_partials(layers.logits(norm_D, w, x, cfg), targets, off)
+        return layers.loss_partials(layers.logits(h["norm"], h["w"], x, cfg), targets, off)
 
-    local = _gated(partials, on_head, (params["head"]["norm"], w_DxV, x_BxSxD),
-                   (targets_BxS, offset))
+    local = _gated(partials, on_head, params["head"], head, (x_BxSxD,), (targets_BxS, offset))
     parts = layers.reduce_loss_partials(local, "tp")
     return jax.lax.cond(on_head, lambda: vma.vary(layers.nll_sum(parts, weights_BxS), STEP_AXES),
                         lambda: vma.vary(jnp.zeros((), jnp.float32), STEP_AXES))
@@ -120,10 +133,17 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
     # gradient over dp/pp/tp inside every backward tick (one all-reduce per tick instead of
     # one per step), and those all-reduces race the pipeline permute into a deadlock.
     params = vma.vary(params, ALL_AXES)
+    # The float32 masters are cast to the compute dtype here, once per step, outside the
+    # tick scan: every tick reuses the same loop-invariant copy. Gradients reach the masters
+    # through `_gated`, never through this cast, so the copy carries no tangent (else the
+    # scans would hold zero cotangent buffers for it, two more weight-sized arrays).
+    compute = jax.lax.stop_gradient(layers.compute_weights(
+        {"layers": params["layers"], "head": params["head"]}, cfg.dtype))
     stage = jax.lax.axis_index("pp")
     my_layers = n_layers_P[stage]
     my_microbatches = n_mb_D[jax.lax.axis_index("dp")]
-    layer_params = jax.tree.map(lambda a: a[0], params["layers"])
+    masters, layer_compute = (jax.tree.map(lambda a: a[0], p)
+                              for p in (params["layers"], compute["layers"]))
     tokens_MxBxS, seg_MxBxS, pos_MxBxS = tokens[0], seg[0], pos[0]
     mb_slots, batch, seq = tokens_MxBxS.shape
     table_VxD = params["embed"]["table"]
@@ -139,10 +159,12 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
         if instrument is not None:
             coords = instrument.coords(knob.reshape(()), busy, t, timed=m == TIMED_SLOT)
             x_BxSxD = instrument.enter(x_BxSxD, coords)
-        x_BxSxD = run_stage(layer_params, busy, my_layers, x_BxSxD, seg_BxS, pos_BxS, cfg)
+        x_BxSxD = run_stage(masters, layer_compute, busy, my_layers, x_BxSxD, seg_BxS,
+                            pos_BxS, cfg)
         if instrument is not None:
             x_BxSxD = instrument.exit(x_BxSxD, coords)
-        loss = _tick_loss(params, busy & (stage == pp - 1), x_BxSxD, tok_BxS, seg_BxS, cfg)
+        loss = _tick_loss(params, compute["head"], busy & (stage == pp - 1), x_BxSxD,
+                          tok_BxS, seg_BxS, cfg)
         return x_BxSxD, loss
 
     if remat:

@@ -179,8 +179,8 @@ def test_another_runs_checkpoint_is_refused_naming_both_values(tmp_path: Path) -
     ckpt.save(1, program.init_state(0), program, data.state())
     ckpt.wait()
     theirs = run_identity(CFG, TrainConfig(learning_rate=1e-3), _data(seed=5).state())
-    with pytest.raises(CheckpointError, match=r"data\.seed=0 in the checkpoint, 5 in this run.*"
-                                              r"optimizer\.learning_rate=0\.003 in the "
-                                              r"checkpoint, 0\.001 in this run"):
+    with pytest.raises(CheckpointError, match=r"optimizer\.learning_rate=0\.003 in the "
+                                              r"checkpoint, 0\.001 in this run.*"
+                                              r"data\.seed=0 in the checkpoint, 5 in this run"):
         Checkpointer(tmp_path / "c", identity=theirs).restore(program)
     assert Checkpointer(tmp_path / "c", identity=ours).restore(program).step == 1

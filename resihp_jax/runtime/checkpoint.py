@@ -57,8 +57,13 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint interval={interval} and keep={keep} must be >= 1")
         self.directory = Path(directory).absolute()
         self.identity = identity
+        policies = ocp.checkpoint_managers
+        # every `interval` steps (and at a preemption), without orbax's default extra save
+        # of the first step: `--checkpoint-every 3` writes steps 3, 6, ...
+        saving = policies.AnySavePolicy([policies.FixedIntervalPolicy(interval),
+                                         policies.PreemptionCheckpointingPolicy()])
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=interval, max_to_keep=keep, create=True,
+            save_decision_policy=saving, max_to_keep=keep, create=True,
             enable_async_checkpointing=asynchronous)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_names=("state", "meta"))

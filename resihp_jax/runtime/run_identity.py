@@ -49,9 +49,10 @@ def identity_differences(saved: Mapping[str, Any] | None, current: Mapping[str, 
     if saved is None:
         return ["run identity: none saved (written by another program or an older version)"]
     old, new = _flatten(saved), _flatten(current)
+    keys = [*new, *(key for key in old if key not in new)]  # model.name first
     return [f"{key}={old.get(key, '<absent>')!r} in the checkpoint, "
             f"{new.get(key, '<absent>')!r} in this run"
-            for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+            for key in keys if old.get(key) != new.get(key)]
 
 
 def check_identity(saved: Mapping[str, Any] | None, current: Mapping[str, Any],

@@ -8,6 +8,7 @@ ConfigError naming the flag, instead of surfacing minutes later as a traceback.
 from __future__ import annotations
 
 import argparse
+import math
 
 from resihp_jax.cli_args import check_output_dir, check_output_file
 from resihp_jax.errors import ConfigError
@@ -21,6 +22,8 @@ def check_train_args(args: argparse.Namespace) -> None:
     for name in ("steps", "microbatch_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ConfigError(f"--lr={args.lr}: must be a finite number > 0")
     _check_checkpoint_flags(args)
     check_output_file(args.metrics, "--metrics")
     if args.checkpoint_dir is None:

@@ -77,7 +77,8 @@ def plan_from_args(args: argparse.Namespace, n_layers: int) -> Plan:
     return plan.replace(**changes)
 
 
-def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout  # looked up per call, so a redirected stdout is honoured
     check_train_args(args)
     mesh = parse_mesh(args.plan)
     needed = mesh["dp"] * mesh["pp"] * mesh["tp"]

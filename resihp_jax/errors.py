@@ -15,3 +15,11 @@ class PlanError(ResihpError):
 
 class CheckpointError(ResihpError):
     """A checkpoint is missing, incomplete, or does not match the state it is restored into."""
+
+
+class TrainingDiverged(ResihpError):
+    """A step produced a non-finite loss or gradient (e.g. a learning rate far too high)."""
+
+
+class CheckpointFallbackWarning(UserWarning):
+    """The newest checkpoint was unreadable or corrupt; an older good one is used instead."""

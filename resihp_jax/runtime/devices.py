@@ -30,6 +30,18 @@ def request_host_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={n}".strip()
 
 
+def devices_to_request(requested: int | None, needed: int, plan_text: str) -> int:
+    """How many devices to start: `requested`, or by default exactly what the plan needs."""
+    if requested is None:
+        return needed
+    if requested < 1:
+        raise ConfigError(f"--devices={requested}: must be >= 1")
+    if requested < needed:
+        raise ConfigError(f"--plan {plan_text} needs dp*pp*tp={needed} devices; "
+                          f"--devices={requested} is fewer")
+    return requested
+
+
 def select_devices(n: int) -> list:
     """The first `n` devices of the default backend, with a clear error if there are fewer."""
     import jax

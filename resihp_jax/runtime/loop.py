@@ -1,17 +1,27 @@
-"""A plain training loop over a StepProgram: data in plan order, one metrics record a step."""
+"""A plain training loop over a StepProgram: data in plan order, one metrics record a step.
+
+Each step's loss and gradient norm are checked on the host (they are fetched for the record
+anyway): a non-finite one stops training before that step is checkpointed, so the newest
+checkpoint always holds a finite state.
+"""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import jax
 import numpy as np
 
 from resihp_jax.data import BatchIterator, GlobalBatch
+from resihp_jax.errors import TrainingDiverged
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.train.step import StepProgram, TrainState
+
+if TYPE_CHECKING:  # loop users without checkpoints never import orbax
+    from resihp_jax.runtime.checkpoint import Checkpointer
 
 
 @dataclass(frozen=True)
@@ -52,9 +62,36 @@ def run_step(program: StepProgram, state: TrainState, batch: GlobalBatch,
     return state, StepRecord.of(int(state.step), program.plan, metrics, elapsed, batch)
 
 
+def diverged(record: StepRecord, checkpointer: Checkpointer | None) -> TrainingDiverged:
+    """The error for a non-finite step, naming the newest checkpoint (after pending saves)."""
+    if checkpointer is None:
+        newest = "no checkpoint directory was given"
+    else:
+        checkpointer.wait()
+        step = checkpointer.latest_step()
+        newest = (f"newest checkpoint: step {step} in {checkpointer.directory}" if step
+                  is not None else f"no checkpoint was saved in {checkpointer.directory}")
+    return TrainingDiverged(
+        f"step {record.step}: loss={record.loss} grad_norm={record.grad_norm} is not finite; "
+        f"training stopped and step {record.step} was not saved ({newest}). A learning rate "
+        "far too high is the usual cause")
+
+
 def train(program: StepProgram, state: TrainState, data: BatchIterator, steps: int,
+          checkpointer: Checkpointer | None = None,
           ) -> Iterator[tuple[TrainState, StepRecord]]:
-    """Yield (state, record) after each of `steps` steps."""
+    """Yield (state, record) after each of `steps` steps, saving when `checkpointer` is due
+    and after the last step.
+
+    TrainingDiverged on a non-finite loss or gradient norm; that step is neither saved
+    nor yielded.
+    """
     for _ in range(steps):
         state, record = run_step(program, state, data.next_batch())
+        if not (math.isfinite(record.loss) and math.isfinite(record.grad_norm)):
+            raise diverged(record, checkpointer)
+        if checkpointer is not None:
+            checkpointer.save(record.step, state, program, data.state())
         yield state, record
+    if checkpointer is not None and steps > 0:  # a later run resumes where this one ended
+        checkpointer.save(record.step, state, program, data.state(), force=True)

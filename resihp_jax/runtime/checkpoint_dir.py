@@ -1,0 +1,23 @@
+"""What a checkpoint directory holds, read from names only (no JAX, no orbax import).
+
+Commands use it before JAX starts to refuse a directory that already holds another run's
+steps. Orbax names a committed step by its number (`12`) and a step being written
+`12.orbax-checkpoint-tmp-<id>`; both count as "holds checkpoints".
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_STEP_RE = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*)?$")
+
+
+def steps_on_disk(directory: str | Path) -> list[int]:
+    """Step numbers with a (possibly unfinished) step directory under `directory`, sorted."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    steps = {int(m.group(1)) for p in root.iterdir()
+             if p.is_dir() and (m := _STEP_RE.match(p.name))}
+    return sorted(steps)

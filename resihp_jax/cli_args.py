@@ -73,7 +73,7 @@ def check_output_dir(path: str | None, flag: str) -> None:
                           f"({str(existing)!r} is not a writable directory)")
     try:  # some filesystems (/proc, read-only mounts) say writable and still refuse
         target.mkdir(parents=True, exist_ok=True)
-        probe = target / ".resihp-write-check"
+        probe = target / f".resihp-write-check-{os.getpid()}"  # unique: hosts share dirs
         probe.write_text("")
         probe.unlink()
     except OSError as err:

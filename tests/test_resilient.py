@@ -7,8 +7,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from resihp_jax.data import BatchIterator
+from resihp_jax.errors import TrainingDiverged
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
 from resihp_jax.runtime.faults import FaultInjector
@@ -108,3 +110,16 @@ def test_hang_deadline_follows_the_predicted_time_of_the_batch() -> None:
         deadlines.append(trainer.deadline_s(batch))
     trainer.close()
     assert deadlines == [120.0, 10.0, 15.0]  # no prediction yet, the floor, 3x the prediction
+
+
+def test_a_non_finite_step_stops_the_trainer_unsaved(tmp_path: Path) -> None:
+    config = ResilienceConfig(precompile=0, compile_cache_dir=None,
+                              checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=1)
+    trainer = ResilientTrainer(CFG, TrainConfig(microbatch_slots=3, learning_rate=1e30,
+                                                warmup_steps=0), PLAN, jax.devices(),
+                               _data(), config)
+    with pytest.raises(TrainingDiverged, match=r"step (\d+).*not finite.*newest checkpoint"):
+        list(trainer.run(6))
+    trainer.close()
+    assert trainer.checkpointer.latest_step() is not None
+    assert trainer.checkpointer.latest_step() < int(trainer.state.step)

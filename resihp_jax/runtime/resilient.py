@@ -16,6 +16,7 @@ unforeseen mesh compiles on the spot. The scheduler is charged these measured co
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -35,8 +36,9 @@ from resihp_jax.runtime.checkpoint import Checkpointer
 from resihp_jax.runtime.compile_cache import default_cache_dir, enable_compilation_cache
 from resihp_jax.runtime.compiles import counting
 from resihp_jax.runtime.faults import FaultHook
-from resihp_jax.runtime.loop import StepRecord
+from resihp_jax.runtime.loop import StepRecord, diverged
 from resihp_jax.runtime.precompile import Precompiler
+from resihp_jax.runtime.run_identity import run_identity
 from resihp_jax.runtime.timing import StageTimer, timed_step
 from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
 from resihp_jax.train.aot import compile_program
@@ -146,9 +148,13 @@ class ResilientTrainer:
         self._install(self._compiled(self.plan), self.plan)
         self.detector = make_detector(self.config.detector, prober=self._probe,
                                       model=self.model, clock=self.clock)
-        self.checkpointer = (Checkpointer(self.config.checkpoint_dir,
-                                          interval=self.config.checkpoint_interval)
-                             if self.config.checkpoint_dir else None)
+        # asynchronous: orbax copies the state to host before `save` returns, so the
+        # donation of the next step cannot touch what is being written
+        self.checkpointer = (Checkpointer(
+            self.config.checkpoint_dir, interval=self.config.checkpoint_interval,
+            asynchronous=True, identity=run_identity(self.model, self.train_cfg,
+                                                     self.data.state()))
+            if self.config.checkpoint_dir else None)
         self.precompiler = Precompiler(self._compiled)
         self.state: TrainState | None = None
         self.replans: list[Replan] = []
@@ -216,6 +222,8 @@ class ResilientTrainer:
             except StepFailed as failed:
                 yield self.react(failed.verdict, data_before)
                 continue  # the data iterator was rewound: the same batch runs again
+            if not (math.isfinite(record.loss) and math.isfinite(record.grad_norm)):
+                raise diverged(record, self.checkpointer)  # that step is never saved
             done = record.step
             if self.checkpointer:
                 self.checkpointer.save(done, self.state, self.program, self.data.state())

@@ -37,14 +37,17 @@ from resihp_jax.perfmodel.fit import OnlineCostModel
 from resihp_jax.perfmodel import features
 from resihp_jax.perfmodel.work import group_data
 
+# Steps learned as healthy before any step is judged (callers scheduling faults need it).
+WARMUP_STEPS = 24
+
 
 @register
 class ResiHPDetector(Detector):
     name = "resihp"
 
     def __init__(self, model: ModelConfig | None = None, *,
-                 cost_model: OnlineCostModel | None = None, warmup: int = 24, k: float = 3.0,
-                 min_excess: float = 0.05, persist: int = 3, strong: float = 2.0,
+                 cost_model: OnlineCostModel | None = None, warmup: int = WARMUP_STEPS,
+                 k: float = 3.0, min_excess: float = 0.05, persist: int = 3, strong: float = 2.0,
                  drift: float = 0.2,
                  use_stage_times: bool = True, stage_min_excess: float = 0.08,
                  fit_stage_times: bool = False, **kwargs: Any) -> None:

@@ -77,6 +77,8 @@ def test_a_stop_that_leaves_no_plan_is_refused() -> None:
     (["--metrics", "{tmp}"], "is a directory"),
     (["--plot", "{tmp}/t.xyz"], "must end in .png"),
     (["--checkpoint-dir", "/proc/x"], "--checkpoint-dir='/proc/x'"),
+    (["--checkpoint-dir", "{tmp}"], "is not empty"),
+    (["--plot", "{tmp}/a.png", "--metrics", "{tmp}/a.png"], "give two files"),
     (["--plan", "dp=2,pp=2,tp=2", "--devices", "4"], "needs dp\\*pp\\*tp=8"),
     (["--microbatches", "4,4,4"], "3 group\\(s\\) given"),
     (["--plan", "dp=1,pp=1,tp=1", "--slow", "none", "--kill", "0@30"], "no plan survives"),
@@ -85,6 +87,7 @@ def test_a_stop_that_leaves_no_plan_is_refused() -> None:
 ])
 def test_bad_flags_get_one_clear_error(argv: list[str], message: str, tmp_path: Path,
                                        capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "earlier-run").write_text("")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(["demo", "--no-progress", "--plot", "none", *argv]) == 2
     err = capsys.readouterr().err.strip()

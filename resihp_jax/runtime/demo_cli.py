@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 from resihp_jax.cli_args import check_output_dir, check_output_file, parse_int_list, parse_mesh
@@ -95,7 +96,14 @@ def check_args(args: argparse.Namespace) -> Setup:
                           f"{', '.join(PLOT_SUFFIXES)} (or give 'none')")
     for flag, path in (("--plot", plot), ("--metrics", args.metrics)):
         check_output_file(path, flag)
+    if plot is not None and args.metrics is not None and \
+            Path(plot).absolute() == Path(args.metrics).absolute():
+        raise ConfigError(f"--plot and --metrics are both {plot!r}: give two files")
     check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
+    if args.checkpoint_dir is not None and any(Path(args.checkpoint_dir).iterdir()):
+        # the trainer would restore a stop from whatever newest step it finds there
+        raise ConfigError(f"--checkpoint-dir={args.checkpoint_dir!r} is not empty; the demo "
+                          "starts from scratch: give a new or empty directory")
     model = get_model_config(args.model, dtype=args.dtype) if args.dtype else \
         get_model_config(args.model)
     plan = demo_plan(args, model)

@@ -77,6 +77,7 @@ class ResiHPDetector(Detector):
         self._level_base: np.ndarray | None = None  # healthy log(time / expected) per stage
         self._level = 0.0  # this step's machine-wide stage level against its baseline
         self._level_dev = np.zeros(0)
+        self._level_spread = 0.0  # robust sigma of `_level` on healthy steps
         self._stage_spread = 0.0  # robust sigma of a stage's deviation from its baseline
         self._stage_seen = 0
         self._stage_streak = 0
@@ -112,7 +113,7 @@ class ResiHPDetector(Detector):
         self._rebase_left, self._rebase_ratios = steps, []
         self._excess.clear()
         self._stage_streak, self._stage_base, self._stage_seen = 0, None, 0
-        self._level_base = None
+        self._level_base, self._level_spread = None, 0.0
 
     def _suspect(self, obs: StepObservation) -> bool:
         if not self.cost.ready or self._learned < self.warmup:
@@ -133,7 +134,7 @@ class ResiHPDetector(Detector):
         self.last_excess = excess
         stage_dev = self._stage_deviation(obs)
         stage_hot = self._stage_hot(stage_dev)
-        unexplained = excess - max(self._level, 0.0)  # what the whole machine does not share
+        unexplained = excess - self._shared_level()  # what the whole machine does not share
         step_hot = unexplained > self.threshold
         if step_hot:
             self._excess.append(unexplained)
@@ -148,6 +149,14 @@ class ResiHPDetector(Detector):
         self.scale *= math.exp(self.drift * excess)
         self._learn(obs)
         return False
+
+    def _shared_level(self) -> float:
+        """The stages' common slowdown when it stands out of their noise, else 0: a noisy
+        level subtracted on every step would blunt the step signal on a quiet host."""
+        if self._stage_seen < self.warmup // 2:
+            return 0.0
+        floor = max(self.min_excess, self.k * self._level_spread)
+        return self._level if self._level > floor else 0.0
 
     def _step_persistent(self) -> bool:
         run = self._excess
@@ -200,6 +209,9 @@ class ResiHPDetector(Detector):
         rate = max(self.drift, 1.0 / (self._stage_seen + 1))
         self._stage_base = self._stage_base + rate * dev  # type: ignore[operator]
         self._level_base = self._level_base + rate * self._level_dev  # type: ignore[operator]
+        if not self._shared_level():  # noise only: a real shared slowdown would inflate it
+            # mean |level| x 1.2533 is sigma for normal noise
+            self._level_spread += rate * (1.2533 * abs(self._level) - self._level_spread)
         spread = 1.4826 * float(np.median(np.abs(dev)))
         self._stage_spread += rate * (spread - self._stage_spread)
         self._stage_seen += 1

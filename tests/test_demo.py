@@ -223,3 +223,15 @@ def test_demo_detects_replans_and_writes_its_figure(tmp_path: Path,
     assert ("WARNING" in out) == (slow["status"] == "missed")
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 34))
     assert "== summary ==" in out and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_stop_no_plan_can_fix_ends_with_a_clear_error() -> None:
+    from resihp_jax.errors import PlanError
+    from resihp_jax.runtime.demo_loop import _refuse_stuck
+
+    with pytest.raises(PlanError, match="failed without naming a device"):
+        _refuse_stuck([_replan(0, 1, "stopped", (), A, A)])
+    stuck = [_replan(9, 10, "stopped", (2,), A, A)]
+    _refuse_stuck(stuck)  # once: the trainer may still find a way
+    with pytest.raises(PlanError, match="no plan without them"):
+        _refuse_stuck(stuck * 2)

@@ -120,6 +120,10 @@ def replan_text(r: ReplanPoint, reason: str) -> str:
 def _refuse_stuck(replans: list[ReplanPoint]) -> None:
     """A stop the scheduler could not plan around repeats forever: end with a clear error."""
     last = replans[-1]
+    if last.kind == "stopped" and not last.devices:
+        raise PlanError(f"step {last.step} failed without naming a device: the step itself "
+                        "raised (no injected fault does that), so no re-plan can help; check "
+                        "the model, --dtype and the data with `resihp train`")
     if last.kind == "stopped" and not last.changed and len(replans) >= 2 and \
             replans[-2].kind == "stopped" and replans[-2].step == last.step:
         raise PlanError(f"device(s) {list(last.devices)} stopped at step {last.step} and no "

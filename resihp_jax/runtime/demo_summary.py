@@ -214,4 +214,5 @@ def _wrong_text(wrong: list[ReplanPoint]) -> str:
     if not wrong:
         return ""
     return "; verdicts naming no injected fault: " + ", ".join(
-        f"step {r.step} {list(r.devices)} {r.kind} {r.slowdown:.2f}x" for r in wrong)
+        f"step {r.step} {list(r.devices)} {r.kind}"
+        + ("" if r.kind == "stopped" else f" {r.slowdown:.2f}x") for r in wrong)

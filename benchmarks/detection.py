@@ -10,6 +10,10 @@ Per plan: a healthy run is recorded once and replayed through all three detector
 alarms, predictor MAPE, cost); then, from detectors warmed on it, one real run per fault trial
 (one random device slowed by 1.2x/1.5x/2x/5x from a random step) is fed live to all three,
 each running the real probes when it suspects. Prints a table and one JSON line.
+
+Host load: the same detectors, warmed the same way, while another process keeps one core
+busy (a Python busy loop) for part of a healthy stretch, and from a few steps before a
+1.5x/2x fault on: false alarms under load and detection delay under load are their own rows.
 Usage: python benchmarks/detection.py [--quick] [--data SOURCE] [--seed S]
 """
 
@@ -22,6 +26,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import argparse  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
@@ -47,6 +53,8 @@ MODEL = "tiny"
 # MLP costs, so healthy step times swing with the batch's lengths (CV about 19% on
 # lognormal; 768-token rows give about 16%, which --quick uses to stay within 2 minutes).
 PLANS = ((1, 4, 2, 4, 1, 1024), (2, 2, 2, 4, 1, 1024))
+LOAD_FACTORS = (1.5, 2.0)
+BUSY_LOOP = "while True: pass"
 QUICK_PLAN = (1, 4, 2, 4, 1, 768)
 
 
@@ -101,6 +109,53 @@ class Run:
         return obs
 
 
+class HostLoad:
+    """Another process keeping one core busy while on (what other jobs on a host do)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+
+    def on(self) -> None:
+        if self._proc is None:
+            self._proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
+
+    def off(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+
+def _copies(warmed: dict) -> dict:
+    """Independent copies of warmed detectors sharing the (un-copyable) prober."""
+    out = {}
+    for name, det in warmed.items():
+        prober, det.prober = det.prober, None
+        out[name] = copy.deepcopy(det)
+        det.prober = out[name].prober = prober
+    return out
+
+
+def loaded_healthy(run: Run, warmed: dict, tallies: dict[str, Tally], load: HostLoad,
+                   before: int, during: int, after: int) -> str:
+    """Healthy steps with the load switched on for `during` of them: every alarm is false."""
+    detectors = _copies(warmed)
+    try:
+        for i in range(before + during + after):
+            load.on() if before <= i < before + during else load.off()
+            obs = run.run_step()
+            for det in detectors.values():
+                det.observe(obs)
+    finally:
+        load.off()
+    for name, det in detectors.items():
+        tallies[name].false_alarms += det.alarms
+        tallies[name].healthy_steps += before + during + after
+    return "  host load on for steps {}..{} of a healthy stretch: ".format(
+        run.step - during - after, run.step - after - 1) + ", ".join(
+        f"{n}={d.alarms} alarm(s)" for n, d in detectors.items())
+
+
 def replay_healthy(run: Run, record: list[StepObservation], tallies: dict[str, Tally]) -> dict:
     detectors = {n: make_detector(n, model=run.cfg, prober=run.probe) for n in NAMES}
     for obs in record:
@@ -122,26 +177,39 @@ def replay_healthy(run: Run, record: list[StepObservation], tallies: dict[str, T
 
 
 def fault_trial(run: Run, warmed: dict, factor: float, rng: np.random.Generator,
-                tallies: dict[str, Tally], max_after: int) -> str:
-    detectors = {}
-    for name, det in warmed.items():
-        prober, det.prober = det.prober, None
-        detectors[name] = copy.deepcopy(det)
-        det.prober = detectors[name].prober = prober
+                tallies: dict[str, Tally], max_after: int, load: HostLoad | None = None
+                ) -> str:
+    """One slowdown from a random step; with `load`, the host is loaded from a few steps
+    before the onset to the end (alarms before the onset count as false alarms)."""
+    detectors = _copies(warmed)
     device = int(rng.choice(run.plan.device_ids))
-    onset = run.step + int(rng.integers(2, 6))
+    start = run.step
+    onset = start + int(rng.integers(2, 6) if load is None else rng.integers(4, 7))
     run.injector.clear()
     run.injector.slow(device, factor, onset)
     found: dict[str, tuple[int, tuple[int, ...]]] = {}
-    while run.step < onset + max_after and len(found) < len(detectors):
-        obs = run.run_step()
-        for name, det in detectors.items():
-            if name in found:
-                continue
-            verdict = det.observe(obs)
-            if verdict is not None and obs.step >= onset:
-                found[name] = (obs.step - onset + 1, verdict.devices)
+    early = {name: 0 for name in detectors}
+    if load is not None:
+        load.on()
+    try:
+        while run.step < onset + max_after and len(found) < len(detectors):
+            obs = run.run_step()
+            for name, det in detectors.items():
+                if name in found:
+                    continue
+                verdict = det.observe(obs)
+                if verdict is not None and obs.step >= onset:
+                    found[name] = (obs.step - onset + 1, verdict.devices)
+                if obs.step < onset:
+                    early[name] = det.alarms
+    finally:
+        if load is not None:
+            load.off()
     run.injector.clear()
+    if load is not None:  # the loaded steps before the onset are healthy ones
+        for name in detectors:
+            tallies[name].false_alarms += early[name]
+            tallies[name].healthy_steps += onset - start
     for name in detectors:
         t = tallies[name]
         hit = name in found
@@ -198,6 +266,27 @@ def summarize(tallies: dict[str, Tally]) -> dict:
     return out
 
 
+def summarize_load(tallies: dict[str, Tally]) -> dict:
+    return {name: {
+        "false_alarms": t.false_alarms,
+        "healthy_steps": t.healthy_steps,
+        "detection_rate": round(float(np.mean(t.detected)), 3) if t.detected else None,
+        "median_delay_steps": float(np.median(t.delays)) if t.delays else None,
+        "max_delay_steps": max(t.delays) if t.delays else None,
+        "localization_accuracy": round(float(np.mean(t.localized)), 3) if t.localized else None,
+    } for name, t in tallies.items()}
+
+
+def print_load(result: dict) -> None:
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    print(f"\nunder host load (a busy-loop process on one core)\n{'detector':<10} "
+          f"{'false_alarms':>12} {'steps':>6} {'detect':>7} {'delay':>6} {'max':>4} {'local':>6}")
+    for name, r in result.items():
+        print(f"{name:<10} {r['false_alarms']:>12} {r['healthy_steps']:>6} "
+              f"{fmt(r['detection_rate'], '.2f'):>7} {fmt(r['median_delay_steps'], '.1f'):>6} "
+              f"{fmt(r['max_delay_steps'], 'd'):>4} {fmt(r['localization_accuracy'], '.2f'):>6}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -210,11 +299,15 @@ def main() -> None:
     if args.quick:
         jobs = [(QUICK_PLAN, args.data or "synthetic:lognormal")]
         healthy, trials, max_after, overhead_steps = 36, 1, 7, 3
+        load_stretch, load_trials = (3, 10, 3), 1
     else:
         data = args.data or "synthetic:lognormal"
         jobs = [(p, data) for p in PLANS]
         healthy, trials, max_after, overhead_steps = 250, 2, 8, 8
+        load_stretch, load_trials = (5, 30, 5), 2
     tallies = {n: Tally() for n in NAMES}
+    load_tallies = {n: Tally() for n in NAMES}
+    load = HostLoad()
     cvs, weights = [], []
     print(f"faults: injected fail-slow delays (Instrument host callback sleeps (f-1) x busy time "
           f"on the chosen device; train step and probes alike); model {MODEL}")
@@ -232,8 +325,14 @@ def main() -> None:
         for factor in FACTORS:
             for _ in range(trials):
                 print(fault_trial(run, warmed, factor, rng, tallies, max_after))
+        print(loaded_healthy(run, warmed, load_tallies, load, *load_stretch))
+        for factor in LOAD_FACTORS:
+            for _ in range(load_trials):
+                print(fault_trial(run, warmed, factor, rng, load_tallies, max_after, load)
+                      + " (host loaded)")
     overhead, host_share = instrument_overhead(jobs[0][0], jobs[0][1], args.seed, overhead_steps)
     result = summarize(tallies)
+    loaded = summarize_load(load_tallies)
     cv = float(np.average(cvs, weights=weights))
     print(f"\n{'detector':<10} {'false_alarms':>12} {'MAPE%':>7} {'detect':>7} {'delay':>6} "
           f"{'local':>6} {'cost_ms':>8} {'cost%':>7}  by factor {FACTORS}")
@@ -243,6 +342,7 @@ def main() -> None:
               f"{fmt(r['detection_rate'], '.2f'):>7} {fmt(r['median_delay_steps'], '.1f'):>6} "
               f"{fmt(r['localization_accuracy'], '.2f'):>6} {r['cost_ms']:>8.3f} "
               f"{r['cost_pct']:>7.3f}  {list(r['detection_by_factor'].values())}")
+    print_load(loaded)
     fa_ratio = result["greyhound"]["false_alarms"] / max(result["resihp"]["false_alarms"], 1)
     print(f"healthy steps {tallies['resihp'].healthy_steps}, step-time CV {100 * cv:.1f}%; "
           f"greyhound/resihp false alarms {fa_ratio:.1f}x")
@@ -251,7 +351,8 @@ def main() -> None:
           f"wall {time.perf_counter() - t_start:.0f} s")
     print(json.dumps({"detectors": {n: {k: result[n][k] for k in (
         "false_alarms", "mape_pct", "detection_rate", "median_delay_steps",
-        "localization_accuracy", "cost_pct")} for n in NAMES}, "step_time_cv": round(cv, 4)}))
+        "localization_accuracy", "cost_pct")} for n in NAMES}, "step_time_cv": round(cv, 4),
+        "host_load": loaded}))
 
 
 if __name__ == "__main__":

@@ -225,3 +225,35 @@ def test_healthy_time_is_predicted_only_after_warmup() -> None:
     predicted = det.healthy_time_s(PLAN, last.mb_tokens, last.mb_sum_l2)
     assert predicted is not None and abs(predicted / last.step_time_s - 1) < 0.1
     assert make_detector("mad").healthy_time_s(PLAN, last.mb_tokens, last.mb_sum_l2) is None
+
+
+def loaded_stream(n: int, load: float, load_steps: range, slow: dict[int, float] | None = None,
+                  onset: int = 0, seed: int = 5) -> list[StepObservation]:
+    """Steps with stage times; over `load_steps` another process slows the whole host (every
+    stage and the step alike) by `load`, with the extra jitter load brings."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(n):
+        tokens, l2 = batch(rng)
+        health = Health(compute={d: 1 / f for d, f in (slow or {}).items()}) \
+            if slow and step >= onset else None
+        sim = simulate_step(PLAN, CFG, TRUTH, mb_tokens=tokens, mb_sum_l2=l2, health=health,
+                            trace=False)
+        host = load if step in load_steps else 1.0
+        jitter = 0.04 if step in load_steps else 0.02
+        stages = sim.timed_fwd_s * host * rng.lognormal(0, 3 * jitter, sim.timed_fwd_s.shape)
+        out.append(StepObservation(step, PLAN, tokens, l2,
+                                   sim.step_time_s * host * rng.lognormal(0, jitter), stages))
+    return out
+
+
+def test_host_load_raises_no_alarm_and_hides_no_slow_device() -> None:
+    # a load switched on abruptly (1.8x on every stage) moves the step far past the threshold;
+    # the stages' common level says the whole machine shares it
+    det, verdicts = run("resihp", loaded_stream(90, 1.8, range(40, 70)), fake_prober({}, 0))
+    assert verdicts == [] and det.alarms == 0
+    # under that load, a 1.5x device still stands out in its stage's share
+    steps = loaded_stream(70, 1.8, range(40, 70), slow={5: 1.5}, onset=50)
+    det, verdicts = run("resihp", steps, fake_prober({5: 1.5}, 50))
+    assert len(verdicts) == 1 and verdicts[0].devices == (5,)
+    assert 50 <= verdicts[0].step <= 54 and det.alarms == 1

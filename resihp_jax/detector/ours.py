@@ -14,10 +14,17 @@ When per-stage times come with the steps (the forward of one micro-batch per sta
 second, load-robust signal watches each stage's share of them against the share its layers
 and its DP group's micro-batch predict (and its own healthy baseline): a machine-wide
 slowdown moves every stage together, a slow device moves only its own stage. A persistent
-stage excess is also a suspicion. Stage times are not fitted as cost-model rows by default
-(`fit_stage_times`): on shared host cores one micro-batch's forward mostly measures what
-the other devices run at the same moment (an 18% robust sigma, against 2.3% for whole
-steps), and as rows they drowned the step rows the predictor is judged on (MAPE 5.4% vs 2.4%).
+stage excess is also a suspicion. The stages' common level (a low quantile of their times
+against their own healthy baselines, so one slow stage does not move it) tells how much of a
+step's excess the whole machine shares: other processes loading the host slow every stage
+alike, and that part of the excess is drift, not a fault (without it, a load switched on
+raised an alarm the probes then cleared). Stage baselines are learned from the first fit of
+the cost model on, so the stage signal is armed when the step signal is.
+
+Stage times are not fitted as cost-model rows by default (`fit_stage_times`): on shared
+host cores one micro-batch's forward mostly measures what the other devices run at the same
+moment (an 18% robust sigma, against 2.3% for whole steps), and as rows they drowned the
+step rows the predictor is judged on (MAPE 5.4% vs 2.4%).
 """
 
 from __future__ import annotations
@@ -38,14 +45,17 @@ from resihp_jax.perfmodel.fit import OnlineCostModel
 from resihp_jax.perfmodel import features
 from resihp_jax.perfmodel.work import group_data
 
+# Steps learned as healthy before any step is judged (callers scheduling faults need it).
+WARMUP_STEPS = 24
+
 
 @register
 class ResiHPDetector(Detector):
     name = "resihp"
 
     def __init__(self, model: ModelConfig | None = None, *,
-                 cost_model: OnlineCostModel | None = None, warmup: int = 24, k: float = 3.0,
-                 min_excess: float = 0.05, persist: int = 3, strong: float = 2.0,
+                 cost_model: OnlineCostModel | None = None, warmup: int = WARMUP_STEPS,
+                 k: float = 3.0, min_excess: float = 0.05, persist: int = 3, strong: float = 2.0,
                  drift: float = 0.2,
                  use_stage_times: bool = True, stage_min_excess: float = 0.08,
                  fit_stage_times: bool = False, **kwargs: Any) -> None:
@@ -65,6 +75,10 @@ class ResiHPDetector(Detector):
         self._resid: deque[float] = deque(maxlen=64)  # healthy steps' log(observed/predicted)
         self.stage_min_excess = stage_min_excess
         self._stage_base: np.ndarray | None = None  # healthy log-share of each stage
+        self._level_base: np.ndarray | None = None  # healthy log(time / expected) per stage
+        self._level = 0.0  # this step's machine-wide stage level against its baseline
+        self._level_dev = np.zeros(0)
+        self._level_spread = 0.0  # robust sigma of `_level` on healthy steps
         self._stage_spread = 0.0  # robust sigma of a stage's deviation from its baseline
         self._stage_seen = 0
         self._stage_streak = 0
@@ -106,9 +120,12 @@ class ResiHPDetector(Detector):
         self._rebase_left, self._rebase_ratios = steps, []
         self._excess.clear()
         self._stage_streak, self._stage_base, self._stage_seen = 0, None, 0
+        self._level_base, self._level_spread = None, 0.0
 
     def _suspect(self, obs: StepObservation) -> bool:
         if not self.cost.ready or self._learned < self.warmup:
+            if self.cost.ready:  # stage shares are judged against the fitted costs
+                self._update_stage_base(self._stage_deviation(obs))
             self._learn(obs)
             return False
         if self._rebase_left > 0:
@@ -124,9 +141,10 @@ class ResiHPDetector(Detector):
         self.last_excess = excess
         stage_dev = self._stage_deviation(obs)
         stage_hot = self._stage_hot(stage_dev)
-        step_hot = excess > self.threshold
+        unexplained = excess - self._shared_level()  # what the whole machine does not share
+        step_hot = unexplained > self.threshold
         if step_hot:
-            self._excess.append(excess)
+            self._excess.append(unexplained)
         else:
             self._excess.clear()
         if self._stage_streak >= self.persist or self._step_persistent():
@@ -138,6 +156,14 @@ class ResiHPDetector(Detector):
         self.scale *= math.exp(self.drift * excess)
         self._learn(obs)
         return False
+
+    def _shared_level(self) -> float:
+        """The stages' common slowdown when it stands out of their noise, else 0: a noisy
+        level subtracted on every step would blunt the step signal on a quiet host."""
+        if self._stage_seen < self.warmup // 2:
+            return 0.0
+        floor = max(self.min_excess, self.k * self._level_spread)
+        return self._level if self._level > floor else 0.0
 
     def _step_persistent(self) -> bool:
         run = self._excess
@@ -155,6 +181,7 @@ class ResiHPDetector(Detector):
     def _stage_deviation(self, obs: StepObservation) -> np.ndarray | None:
         """log(stage busy / expected) minus its median and its healthy baseline, [dp, pp]."""
         times = obs.stage_times_s
+        self._level = 0.0
         if not self.use_stage_times or times is None or not np.all(np.asarray(times) > 0):
             return None
         p = self.cost.params
@@ -164,15 +191,20 @@ class ResiHPDetector(Detector):
         if not np.all(expected > 0):
             expected = units[:, 1]  # no fit of the fixed/attention terms yet: tokens alone
         expected = expected.reshape(obs.plan.dp, obs.plan.pp)
-        log_share = np.log(np.asarray(times, float) / expected)
-        log_share -= np.median(log_share)
+        log_ratio = np.log(np.asarray(times, float) / expected)
+        log_share = log_ratio - np.median(log_ratio)
         if self._stage_base is None or self._stage_base.shape != log_share.shape:
             self._stage_base, self._stage_seen = log_share, 0
+            self._level_base = log_ratio
+        self._level_dev = log_ratio - self._level_base
+        # the second-lowest of 4 stages (lowest of 2): one slow stage never lifts it
+        self._level = float(np.sort(self._level_dev.ravel())[self._level_dev.size // 4])
         return log_share - self._stage_base
 
     def _stage_hot(self, dev: np.ndarray | None) -> bool:
         """Is some stage's share in excess now? (counts the run of such steps)"""
-        if dev is None or self._stage_seen < self.warmup:
+        # its EWMAs (rate >= drift) forget in ~5 steps: half the warm-up is plenty
+        if dev is None or self._stage_seen < self.warmup // 2:
             return False
         hot = float(dev.max()) > max(self.stage_min_excess, self.k * self._stage_spread)
         self._stage_streak = self._stage_streak + 1 if hot else 0
@@ -183,6 +215,10 @@ class ResiHPDetector(Detector):
             return
         rate = max(self.drift, 1.0 / (self._stage_seen + 1))
         self._stage_base = self._stage_base + rate * dev  # type: ignore[operator]
+        self._level_base = self._level_base + rate * self._level_dev  # type: ignore[operator]
+        if not self._shared_level():  # noise only: a real shared slowdown would inflate it
+            # mean |level| x 1.2533 is sigma for normal noise
+            self._level_spread += rate * (1.2533 * abs(self._level) - self._level_spread)
         spread = 1.4826 * float(np.median(np.abs(dev)))
         self._stage_spread += rate * (spread - self._stage_spread)
         self._stage_seen += 1

@@ -1,0 +1,137 @@
+"""`resihp demo` fault flags: parse `--slow`/`--kill` and check them against the run.
+
+Everything here is pure Python and numpy (the feasibility check asks the scheduler, which
+needs no JAX), so a fault the run cannot show is refused before any device starts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from resihp_jax.errors import ConfigError, PlanError
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model.config import ModelConfig
+
+# After a re-plan the detector re-measures the healthy step time over 3 steps; a slowdown
+# that starts inside that window becomes part of the new normal.
+REPLAN_SETTLE_STEPS = 4
+# benchmarks/detection.py: 1.5x and above are detected every time, 1.2x about half the time.
+RELIABLE_FACTOR = 1.5
+# Detection takes 1 to 5 steps after onset: fewer steps left than this and it may not finish.
+STEPS_TO_DETECT = 5
+
+
+@dataclass(frozen=True)
+class SlowSpec:
+    device: int
+    factor: float
+    step: int
+
+    def describe(self) -> str:
+        return f"{self.factor:g}x slowdown of device {self.device} from step {self.step}"
+
+
+@dataclass(frozen=True)
+class KillSpec:
+    device: int
+    step: int
+
+    def describe(self) -> str:
+        return f"fail-stop of device {self.device} at step {self.step}"
+
+
+Fault = SlowSpec | KillSpec
+
+_SLOW_RE = re.compile(r"(\d+)=([0-9.eE+]+)@(\d+)")
+_KILL_RE = re.compile(r"(\d+)@(\d+)")
+
+
+def parse_slow(text: str | None) -> SlowSpec | None:
+    """'5=3.0@32' -> SlowSpec(5, 3.0, 32); None or 'none' -> None."""
+    if text is None or text.strip().lower() == "none":
+        return None
+    match = _SLOW_RE.fullmatch(text.strip())
+    factor = _float(match.group(2)) if match else None
+    if factor is None or not math.isfinite(factor) or factor <= 1.0:
+        raise ConfigError(f"--slow={text!r}: expected DEVICE=FACTOR@STEP with a FACTOR > 1, "
+                          "e.g. 5=3.0@32, or 'none'")
+    return SlowSpec(int(match.group(1)), factor, int(match.group(3)))  # type: ignore[union-attr]
+
+
+def parse_kill(text: str | None) -> KillSpec | None:
+    """'2@48' -> KillSpec(2, 48); None or 'none' -> None."""
+    if text is None or text.strip().lower() == "none":
+        return None
+    match = _KILL_RE.fullmatch(text.strip())
+    if not match:
+        raise ConfigError(f"--kill={text!r}: expected DEVICE@STEP, e.g. 2@48, or 'none'")
+    return KillSpec(int(match.group(1)), int(match.group(2)))
+
+
+def _float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def check_faults(slow: SlowSpec | None, kill: KillSpec | None, *, steps: int,
+                 plan_devices: Sequence[int], warmup: int) -> list[str]:
+    """Raise ConfigError for a fault the run cannot show; return warnings for risky ones."""
+    for flag, fault in (("--slow", slow), ("--kill", kill)):
+        if fault is None:
+            continue
+        if fault.device not in plan_devices:
+            raise ConfigError(f"{flag}: device {fault.device} is not in the plan; the plan's "
+                              f"devices are {sorted(plan_devices)}")
+        if not 1 <= fault.step <= steps:
+            raise ConfigError(f"{flag}: step {fault.step} is outside the run; valid steps are "
+                              f"1..{steps} (--steps={steps})")
+    warnings: list[str] = []
+    if slow is not None:
+        warnings += _check_slow(slow, kill, steps, warmup)
+    return warnings
+
+
+def _check_slow(slow: SlowSpec, kill: KillSpec | None, steps: int, warmup: int) -> list[str]:
+    if slow.step <= warmup:
+        raise ConfigError(
+            f"--slow: step {slow.step} is inside the detector's warm-up: it learns healthy step "
+            f"times over steps 1..{warmup}, so a slowdown from step {slow.step} would be learned "
+            f"as normal and never detected; start it at step {warmup + 1} or later")
+    out = []
+    if slow.factor < RELIABLE_FACTOR:
+        out.append(f"a {slow.factor:g}x slowdown is below {RELIABLE_FACTOR:g}x, what the "
+                   "detector finds every time (benchmarks/detection.py); it may be missed")
+    if steps - slow.step + 1 < STEPS_TO_DETECT:
+        out.append(f"the slowdown leaves only {steps - slow.step + 1} step(s) before the end "
+                   f"(--steps={steps}); detection takes up to {STEPS_TO_DETECT}")
+    if kill is not None and kill.step <= slow.step < kill.step + REPLAN_SETTLE_STEPS:
+        out.append(f"the slowdown starts within {REPLAN_SETTLE_STEPS} steps of the fail-stop "
+                   f"at step {kill.step}: the re-plan measures those steps as the new normal, "
+                   "so it may be missed")
+    return out
+
+
+def check_kill_survivable(kill: KillSpec | None, plan: Plan, model: ModelConfig,
+                          pool: Sequence[int], device_memory_gb: float) -> None:
+    """Refuse a fail-stop that leaves no plan to continue on (asks the scheduler the trainer
+    will ask, on the health map that the stop leaves)."""
+    if kill is None:
+        return
+    from resihp_jax.perfmodel import CostParams, Health
+    from resihp_jax.scheduler import PlanningContext, run_policy
+
+    ctx = PlanningContext(model, CostParams.for_model(model), device_memory_gb * 2**30,
+                          tuple(int(d) for d in pool), schedule="gpipe")
+    try:
+        outcome = run_policy("resihp", plan, Health(dead=frozenset({kill.device})), ctx)
+    except PlanError as err:
+        raise ConfigError(f"--kill={kill.device}@{kill.step}: no plan survives it: {err}") \
+            from None
+    if outcome.plan is None or kill.device in outcome.plan.device_ids:
+        raise ConfigError(f"--kill={kill.device}@{kill.step}: no plan for the "
+                          f"{len(pool) - 1} devices left can run model {model.name!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from pathlib import Path
@@ -79,3 +80,25 @@ def check_output_dir(path: str | None, flag: str) -> None:
     except OSError as err:
         raise ConfigError(f"{flag}={path!r}: not usable as a directory ({err.strerror})") \
             from None
+
+
+def add_compile_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--compile-cache DIR` / `--no-compile-cache` (JAX's persistent compilation cache)."""
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="keep compiled programs here across runs (default: "
+                             "$RESIHP_COMPILE_CACHE, else ~/.cache/resihp_jax/xla)")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use the persistent compilation cache")
+
+
+def compile_cache_dir(args: argparse.Namespace) -> str | None:
+    """The cache directory the flags ask for (None: off); checked before JAX starts."""
+    if args.no_compile_cache:
+        if args.compile_cache is not None:
+            raise ConfigError("--compile-cache and --no-compile-cache contradict each other")
+        return None
+    from resihp_jax.runtime.compile_cache import default_cache_dir  # noqa: PLC0415
+
+    directory = args.compile_cache or default_cache_dir()
+    check_output_dir(directory, "--compile-cache")
+    return directory

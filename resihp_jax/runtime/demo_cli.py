@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from resihp_jax.cli_args import check_output_dir, check_output_file, parse_int_list, parse_mesh
+from resihp_jax.cli_args import (add_compile_cache_arguments, check_output_dir, check_output_file,
+                                 compile_cache_dir, parse_int_list, parse_mesh)
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import PRESETS, ModelConfig, get_model_config
@@ -66,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "resihp-demo.png; 'none': no figure)")
     add("--no-progress", action="store_true",
         help="no progress output (default: a bar on a terminal, else a line every few steps)")
+    add("--precompile", type=int, default=4, metavar="N",
+        help="compile, in the background while training, the programs of up to N plans the "
+             "scheduler would pick after a likely next fault, so switching to one compiles "
+             "nothing (default 4; 0: off)")
+    add_compile_cache_arguments(parser)
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ class Setup:
     slow: SlowSpec | None
     kill: KillSpec | None
     plot: str | None
+    compile_cache: str | None = None  # the persistent compilation cache (None: off)
 
     @property
     def faults(self) -> list[Fault]:
@@ -112,7 +119,10 @@ def check_args(args: argparse.Namespace) -> Setup:
         raise ConfigError(f"--devices={n_devices}: --plan {args.plan} needs "
                           f"dp*pp*tp={plan.n_devices} devices")
     plan.check(model, range(n_devices))
-    return Setup(model, plan, n_devices, parse_slow(args.slow), parse_kill(args.kill), plot)
+    if args.precompile < 0:
+        raise ConfigError(f"--precompile={args.precompile}: must be >= 0")
+    return Setup(model, plan, n_devices, parse_slow(args.slow), parse_kill(args.kill), plot,
+                 compile_cache_dir(args))
 
 
 def demo_plan(args: argparse.Namespace, model: ModelConfig) -> Plan:

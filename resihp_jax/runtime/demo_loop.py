@@ -44,7 +44,8 @@ def run_demo(setup: Setup, args: argparse.Namespace, data: BatchIterator, out: T
     if setup.kill is not None:
         injector.kill(setup.kill.device, at_step=setup.kill.step)
     config = ResilienceConfig(checkpoint_dir=args.checkpoint_dir,
-                              checkpoint_interval=CHECKPOINT_INTERVAL)
+                              checkpoint_interval=CHECKPOINT_INTERVAL,
+                              precompile=args.precompile, compile_cache_dir=setup.compile_cache)
     trainer = ResilientTrainer(setup.model, TrainConfig(), setup.plan, devices, data, config,
                                fault_hook=injector)
     faults = "; ".join(f.describe() for f in setup.faults) or "none (a healthy run)"

@@ -27,7 +27,7 @@ import numpy as np
 from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.detector import (Prober, StepFailed, StepObservation, Verdict, make_detector,
                                  run_guarded)
-from resihp_jax.errors import ConfigError
+from resihp_jax.errors import ConfigError, PlanError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig
@@ -109,6 +109,7 @@ class Replan:
     compile_s: float = 0.0  # having the new program ready (0 when reused)
     move_s: float = 0.0  # moving (or restoring) the state onto it
     compiles: int = 0  # executables built on the training thread during the switch
+    cause: str = ""  # why the step failed, when a failed step raised the verdict
 
 
 class _Host:
@@ -220,7 +221,7 @@ class ResilientTrainer:
             try:
                 record = self._step(done + 1, batch)
             except StepFailed as failed:
-                yield self.react(failed.verdict, data_before)
+                yield self.react(failed.verdict, data_before, cause=str(failed))
                 continue  # the data iterator was rewound: the same batch runs again
             if not (math.isfinite(record.loss) and math.isfinite(record.grad_norm)):
                 raise diverged(record, self.checkpointer)  # that step is never saved
@@ -282,15 +283,24 @@ class ResilientTrainer:
                                record.step_time_s, self._last_timing.stage_DxP)
 
     # ---- reacting to a verdict -------------------------------------------------------------
-    def react(self, verdict: Verdict, data_before: dict[str, Any] | None = None) -> Replan:
+    def react(self, verdict: Verdict, data_before: dict[str, Any] | None = None,
+              cause: str = "") -> Replan:
         """Update the health map from `verdict`, re-plan, and switch if the plan changes.
-        `data_before`: the data position to rewind to (the failed step's batch re-runs)."""
+        `data_before`: the data position to rewind to (the failed step's batch re-runs).
+        PlanError when a step failed and no plan avoids the cause (re-running it would
+        fail the same way forever)."""
+        if verdict.kind == "stopped" and not verdict.devices:
+            raise PlanError(f"step {verdict.step} failed without naming a device, so no plan "
+                            f"can avoid it: {cause or 'no cause given'}")
         start = self.clock()
         self.health = _updated_health(self.health, verdict)
         outcome = run_policy(self.config.policy, self.plan, self.health, self._context())
         plan_s = self.clock() - start
         old = self.plan
         new = outcome.plan if outcome.plan is not None else old
+        if verdict.kind == "stopped" and set(verdict.devices) & set(new.device_ids):
+            raise PlanError(f"device(s) {list(verdict.devices)} stopped at step {verdict.step} "
+                            f"and no plan without them exists: {outcome.reason}")
         fields: dict[str, Any] = {}
         if new != old:
             fields = dataclasses.asdict(self.switch_to(
@@ -299,7 +309,7 @@ class ResilientTrainer:
             self.data.restore(data_before)
         self.detector.rebaseline()
         replan = Replan(verdict.step, verdict, old, new, outcome.reason, self.clock() - start,
-                        plan_s=plan_s, **fields)
+                        plan_s=plan_s, cause=cause, **fields)
         self.replans.append(replan)
         return replan
 

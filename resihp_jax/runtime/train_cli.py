@@ -15,7 +15,8 @@ import sys
 import warnings
 from typing import Any, TextIO
 
-from resihp_jax.cli_args import parse_int_list, parse_mesh
+from resihp_jax.cli_args import (add_compile_cache_arguments, compile_cache_dir,
+                                 parse_int_list, parse_mesh)
 from resihp_jax.errors import CheckpointFallbackWarning
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import PRESETS, get_model_config
@@ -60,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(any plan; model, optimizer, data and batch shape must match); "
                              "with none there yet, start from step 0")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_compile_cache_arguments(parser)
 
 
 def plan_from_args(args: argparse.Namespace, n_layers: int) -> Plan:
@@ -80,6 +82,7 @@ def plan_from_args(args: argparse.Namespace, n_layers: int) -> Plan:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout  # looked up per call, so a redirected stdout is honoured
     check_train_args(args)
+    cache = compile_cache_dir(args)
     mesh = parse_mesh(args.plan)
     needed = mesh["dp"] * mesh["pp"] * mesh["tp"]
     request_host_devices(devices_to_request(args.devices, needed, args.plan))
@@ -94,11 +97,14 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     with orbax_read_noise_silenced(), warnings.catch_warnings():
         warnings.simplefilter("always", CheckpointFallbackWarning)
         warnings.showwarning = one_line  # catch_warnings puts the original back
-        return _train(args, needed, out)
+        return _train(args, needed, cache, out)
 
 
-def _train(args: argparse.Namespace, needed: int, out: TextIO) -> int:
+def _train(args: argparse.Namespace, needed: int, cache: str | None, out: TextIO) -> int:
     from resihp_jax.data import BatchIterator  # noqa: PLC0415 - after the device flag is set
+    from resihp_jax.runtime.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache(cache)
     from resihp_jax.runtime.checkpoint import Checkpointer
     from resihp_jax.runtime.loop import train
     from resihp_jax.runtime.run_identity import run_identity

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model import decoder
 from resihp_jax.model.config import get_model_config
@@ -93,12 +94,14 @@ def test_plan_trains_in_bfloat16_within_bf16_tolerance_of_float32(names, referen
                         microbatch_slots=max(max(p.microbatches_per_group) for p in plans))
     program = build_step(get_model_config("tiny", dtype="bfloat16"), train, plans[0],
                          jax.devices())
+    masters = decoder.init_params(CFG, 0)  # float32, as the reference's
     for plan in plans:
         replanned = program.with_plan(plan)  # same compiled program, new splits
+        params = jax.device_put(layout.to_stage_layout(masters, replanned.stage_index()),
+                                replanned.state_shardings.params)
         loss, grads = replanned.loss_and_grads(
-            replanned.init_state(0).params,
-            replanned.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
-                                  batch.positions_MxBxS))
+            params, replanned.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
+                                          batch.positions_MxBxS))
         np.testing.assert_allclose(float(loss), ref_loss, rtol=BF16_LOSS_RTOL)
         assert max_relative_error(canonical_grads(replanned, grads), ref_grads) < BF16_GRAD_TOL
 

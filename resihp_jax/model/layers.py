@@ -8,7 +8,7 @@ reduces over `tp_axis` where Megatron-style tensor parallelism needs it.
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ def _psum(x: jax.Array, axis: str | None) -> jax.Array:
     return x if axis is None else jax.lax.psum(x, axis)
 
 
-def compute_weights(weights: Params | jax.Array, dtype: str) -> Params | jax.Array:
+def compute_weights(weights: Any, dtype: str) -> Any:
     """The weights cast to the compute dtype (the float32 masters stay as they are)."""
     return jax.tree.map(lambda w: w.astype(dtype), weights)
 

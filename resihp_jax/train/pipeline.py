@@ -7,6 +7,10 @@ ticks in reverse order (all forwards, then all backwards: GPipe). Stages skip em
 slots and missing micro-batches with `lax.cond`, so the uneven splits are runtime arrays and
 skipped work costs no compute.
 
+Mixed precision: the float32 master weights are cast to `cfg.dtype` once per step; layers,
+TP all-reduces and the permute run in that dtype, while logits, softmax statistics, the loss
+and the weight gradients (accumulated over micro-batches) stay float32.
+
 Every collective (TP all-reduces, the permute) runs unconditionally, outside any `cond`:
 XLA:CPU deadlocks when only some devices reach a collective, and GPUs need every member of
 a group to join anyway. The conds wrap only collective-free compute and yield zeros when

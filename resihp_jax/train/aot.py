@@ -46,5 +46,6 @@ def compile_program(program: StepProgram) -> StepProgram:
                         program.canonical_shardings)
     index = jax.ShapeDtypeStruct((plan.pp, program.layer_slots), jnp.int32, sharding=rep)
     to_stage = program.to_stage_fn.lower(canonical, index).compile()
+    restage = program.restage_fn.lower(state, positions, index).compile()
     return dataclasses.replace(program, step_fn=step, to_canonical_fn=to_canonical,
-                               to_stage_fn=to_stage)
+                               to_stage_fn=to_stage, restage_fn=restage)

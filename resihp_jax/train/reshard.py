@@ -30,9 +30,12 @@ def from_canonical(canonical: TrainState, program: StepProgram) -> TrainState:
 
 def move_state(state: TrainState, src: StepProgram, dst: StepProgram) -> TrainState:
     """`state` laid out for `src`'s plan, re-laid out and re-sharded for `dst`'s plan."""
-    same_layout = (src.plan == dst.plan and src.layer_slots == dst.layer_slots)
-    if same_layout and src.mesh.devices.tolist() == dst.mesh.devices.tolist():
+    same_devices = src.mesh.devices.tolist() == dst.mesh.devices.tolist() and \
+        src.layer_slots == dst.layer_slots
+    if same_devices and src.plan.layers_per_stage == dst.plan.layers_per_stage:
         return state
+    if same_devices:  # a new split of the same mesh: one program, no canonical copy
+        return dst.restage_fn(state, src.canonical_positions(), dst.stage_index_array())
     return from_canonical(to_canonical(state, src), dst)
 
 

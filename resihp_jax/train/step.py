@@ -89,6 +89,7 @@ class StepProgram:
     canonical_shardings: Any  # the state with layers `[n_layers, ...]`, on this mesh
     to_canonical_fn: Callable[..., Any]  # (state, positions_L) -> canonical state
     to_stage_fn: Callable[..., Any]  # (canonical state, index_PxL) -> state
+    restage_fn: Callable[..., Any]  # (state, old positions_L, new index_PxL) -> state
 
     def accepts(self, plan: Plan) -> bool:
         """Can this program run `plan` as it is (same mesh, splits within its slots)?"""
@@ -214,13 +215,32 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
     # split of this mesh.
     canonical = canonical_state_shapes(shapes, model.n_layers)
     canonical_sh = state_shardings(canonical, mesh, stage_layout=False)
-    to_canonical_fn = jax.jit(layout.to_canonical_layout, in_shardings=(shardings, replicated),
+    gathered = jax.tree.map(lambda sh: NamedSharding(mesh, _without_pp(sh.spec)), shardings)
+
+    def canonical_of(state: TrainState, positions_L: jax.Array) -> TrainState:
+        # gather the stages first: a gather out of a pp-sharded operand becomes masked local
+        # gathers plus an all-reduce of the whole result, several times the traffic
+        state = jax.lax.with_sharding_constraint(state, gathered)
+        return layout.to_canonical_layout(state, positions_L)
+
+    to_canonical_fn = jax.jit(canonical_of, in_shardings=(shardings, replicated),
                               out_shardings=canonical_sh)
     to_stage_fn = jax.jit(layout.to_stage_layout, in_shardings=(canonical_sh, replicated),
                           out_shardings=shardings)
+
+    def restaged(state: TrainState, positions_L: jax.Array, index_PxL: jax.Array):
+        # a new split of the same mesh: each device builds only its own stage's slots
+        return layout.to_stage_layout(canonical_of(state, positions_L), index_PxL)
+
+    restage_fn = jax.jit(restaged, in_shardings=(shardings, replicated, replicated),
+                         out_shardings=shardings)
     return StepProgram(model, train, plan, mesh, layer_slots, mb_slots, optimizer, shardings,
                        batch_sharding, replicated, step_fn, grads_fn, canonical_sh,
-                       to_canonical_fn, to_stage_fn)
+                       to_canonical_fn, to_stage_fn, restage_fn)
+
+
+def _without_pp(spec: P) -> P:
+    return P(*(None if axis == "pp" else axis for axis in spec))
 
 
 def canonical_state_shapes(stage_shapes: TrainState, n_layers: int) -> TrainState:

@@ -111,7 +111,12 @@ class ResiHPDetector(Detector):
         return self.scale * self.cost.predict(plan, mb_tokens, mb_sum_l2)
 
     def cost_params(self) -> CostParams | None:
-        return self.cost.params if self.cost.ready else None
+        # only a fit over the whole warm-up, and one that prices tokens: an early fit can
+        # put every term at zero, and the scheduler cannot split work priced at nothing
+        if not self.cost.ready or self._learned < self.warmup:
+            return None
+        params = self.cost.params
+        return params if params.alpha > 0 or params.beta > 0 else None
 
     def rebaseline(self, steps: int = 3) -> None:
         """After a re-plan, the known-degraded cluster is the new normal: re-measure the

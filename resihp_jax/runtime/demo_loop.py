@@ -104,7 +104,13 @@ def replan_point(item: Any, at: int) -> ReplanPoint:
                        float(v.slowdown), plan_label(item.old_plan.describe(),
                                                      item.old_plan.device_ids),
                        plan_label(item.new_plan.describe(), item.new_plan.device_ids),
-                       item.restored_from_step, float(item.switch_s))
+                       item.restored_from_step, float(item.switch_s), item.kind,
+                       int(item.compiles))
+
+
+_PROGRAM_TEXT = {"split_only": "same compiled program (new split only)",
+                 "mesh_warm": "program compiled ahead of time in the background",
+                 "mesh_cold": "new mesh compiled on the spot"}
 
 
 def replan_text(r: ReplanPoint, reason: str) -> str:
@@ -112,8 +118,9 @@ def replan_text(r: ReplanPoint, reason: str) -> str:
     how = (f", restored from the checkpoint of step {r.restored_from_step} "
            f"({r.steps_lost} step(s) to run again)" if r.restored_from_step is not None
            else ", state moved in memory")
-    action = (f"re-plan {r.old_plan} -> {r.new_plan} in {r.switch_s:.1f} s{how}" if r.changed
-              else f"plan kept: {r.old_plan}")
+    program = _PROGRAM_TEXT.get(r.switch_kind, r.switch_kind)
+    action = (f"re-plan {r.old_plan} -> {r.new_plan} in {r.switch_s:.1f} s{how}; {program}"
+              if r.changed else f"plan kept: {r.old_plan}")
     return f"step {r.step}: {r.detector} verdict: device(s) {list(r.devices)} {what}\n" \
            f"    {action}\n    why: {reason}"
 

@@ -42,6 +42,8 @@ class ReplanPoint:
     new_plan: str
     restored_from_step: int | None
     switch_s: float
+    switch_kind: str = ""  # split_only | mesh_warm | mesh_cold (see Replan.kind)
+    compiles: int = 0  # executables built on the training thread by the switch
 
     @property
     def changed(self) -> bool:

@@ -47,7 +47,7 @@ from resihp_jax.train.instrument import Instrument
 from resihp_jax.train.reshard import move_state
 from resihp_jax.train.step import StepProgram, TrainState, build_step
 
-LIKELY_SLOWDOWN = 2.0  # the fail-slow factor the precompiler plans for
+LIKELY_SLOWDOWNS = (2.0, 4.0)  # the fail-slow factors the precompiler plans for
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,7 @@ class ResilientTrainer:
         self.precompiler = Precompiler(self._compiled)
         self.state: TrainState | None = None
         self.replans: list[Replan] = []
+        self._costs_fitted = False
         self._prepare_next()
 
     # ---- programs ------------------------------------------------------------------------
@@ -199,8 +200,8 @@ class ResilientTrainer:
         its process down and the job restarts anyway."""
         out: dict[tuple, Plan] = {}
         ids = program.plan.device_ids
-        faults = [health.with_changes(compute={d: 1 / LIKELY_SLOWDOWN}) for d in ids] + \
-            [health.with_changes(dead=(d,)) for d in ids]
+        faults = [health.with_changes(compute={d: 1 / f}) for f in LIKELY_SLOWDOWNS
+                  for d in ids] + [health.with_changes(dead=(d,)) for d in ids]
         for what in faults:
             plan = run_policy(self.config.policy, program.plan, what, context).plan
             if plan is not None and not program.accepts(plan):
@@ -226,6 +227,10 @@ class ResilientTrainer:
             if not (math.isfinite(record.loss) and math.isfinite(record.grad_norm)):
                 raise diverged(record, self.checkpointer)  # that step is never saved
             done = record.step
+            if not self._costs_fitted and self.detector.cost_params() is not None:
+                # the scheduler now plans with measured costs: its picks may change
+                self._costs_fitted = True
+                self._prepare_next()
             if self.checkpointer:
                 self.checkpointer.save(done, self.state, self.program, self.data.state())
             # judged before it is yielded, so the caller sees this step's prediction

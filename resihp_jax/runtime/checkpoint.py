@@ -22,13 +22,12 @@ import jax
 import orbax.checkpoint as ocp
 
 from resihp_jax.errors import CheckpointError, CheckpointFallbackWarning
-from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.meshes.rules import state_shardings
 from resihp_jax.runtime.checksum import leaf_shapes, state_checksums
 from resihp_jax.runtime.run_identity import check_identity
 from resihp_jax.train.reshard import from_canonical, to_canonical
-from resihp_jax.train.step import StepProgram, TrainState, abstract_state
+from resihp_jax.train.step import (StepProgram, TrainState, abstract_state,
+                                   canonical_state_shapes)
 
 
 @dataclass(frozen=True)
@@ -203,8 +202,6 @@ def _check_shapes(saved: Mapping[str, Any] | None, target: Mapping[str, Any], wh
 def _canonical_target(program: StepProgram) -> TrainState:
     """Shapes, dtypes and shardings of a canonical state on `program`'s mesh."""
     shapes = abstract_state(program.model, program.optimizer, program.plan, program.layer_slots)
-    positions_L = program.canonical_positions()
-    canonical = jax.eval_shape(lambda s: layout.to_canonical_layout(s, positions_L), shapes)
-    shardings = state_shardings(canonical, program.mesh, stage_layout=False)
+    canonical = canonical_state_shapes(shapes, program.plan.n_layers)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        canonical, shardings)
+                        canonical, program.canonical_shardings)

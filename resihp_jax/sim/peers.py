@@ -173,11 +173,14 @@ class FtHsdp(SimPolicy):
         return rate / self.cm.ref_tokens_per_s * self.overhead_factor()
 
 
-class Oobleck(SimPolicy):
-    name = "oobleck"
+class _InProcessReconfig(SimPolicy):
+    """A peer that reconfigures in the running job on every stop and every return: a
+    heartbeat to notice, its own reconfiguration time, half a step of lost work."""
+
+    reconfig_s = 0.0
 
     def _stall(self) -> float:
-        return HEARTBEAT_S + OOBLECK_RECONFIG_S + 0.5 * self.cm.ref_step_s
+        return HEARTBEAT_S + self.reconfig_s + 0.5 * self.cm.ref_step_s
 
     def on_stop(self, device: int, replace_at_s: float, now_s: float) -> float:
         self.known.pop(device, None)
@@ -185,6 +188,11 @@ class Oobleck(SimPolicy):
 
     def on_replace(self, device: int) -> float:
         return self._stall()
+
+
+class Oobleck(_InProcessReconfig):
+    name = "oobleck"
+    reconfig_s = OOBLECK_RECONFIG_S
 
     def rate(self) -> float:
         cm, (pp, tp) = self.cm, self.cm.base
@@ -203,18 +211,9 @@ class Oobleck(SimPolicy):
         return cm.tokens_per_step / step / cm.ref_tokens_per_s * self.overhead_factor()
 
 
-class ReCycle(SimPolicy):
+class ReCycle(_InProcessReconfig):
     name = "recycle"
-
-    def _stall(self) -> float:
-        return HEARTBEAT_S + RECYCLE_SWITCH_S + 0.5 * self.cm.ref_step_s
-
-    def on_stop(self, device: int, replace_at_s: float, now_s: float) -> float:
-        self.known.pop(device, None)
-        return self._stall()
-
-    def on_replace(self, device: int) -> float:
-        return self._stall()
+    reconfig_s = RECYCLE_SWITCH_S
 
     def rate(self) -> float:
         cm, (pp, tp) = self.cm, self.cm.base

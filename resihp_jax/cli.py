@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("resihp_jax.runtime.train_cli", "train a model on fake or real devices"),
     "plan": ("resihp_jax.scheduler.plan_cli", "choose the next Plan for a health map"),
     "demo": ("resihp_jax.runtime.demo_cli", "a resilient run with an injected fault, end to end"),
+    "launch": ("resihp_jax.runtime.launch_cli", "run a training job as N local processes, "
+               "relaunched on the survivors when one dies or hangs"),
     "simulate": ("resihp_jax.sim.cli", "week-long cluster failure simulation against peer policies"),  # noqa: E501
 }
 

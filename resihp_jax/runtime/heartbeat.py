@@ -34,6 +34,7 @@ class Heartbeat:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.interval_s = interval_s
         self._state: dict = {"step": 0, "deadline_s": 0.0, "plan": "", "phases": {}}
+        self._updated = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="resihp-heartbeat")
         self._thread.start()
@@ -47,6 +48,7 @@ class Heartbeat:
                phases: dict[str, float] | None = None) -> None:
         self._state = {"step": int(step), "deadline_s": float(deadline_s), "plan": plan,
                        "phases": dict(phases or self._state["phases"])}
+        self._updated = True
         self._write()
 
     def close(self) -> None:
@@ -54,7 +56,8 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self._write()
+            if self._updated:  # nothing to say before the process knows its step
+                self._write()
 
     def _write(self) -> None:
         beat = Beat(os.getpid(), time=time.time(), **self._state)  # type: ignore[arg-type]

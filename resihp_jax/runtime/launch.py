@@ -28,6 +28,7 @@ from typing import Callable, TextIO
 from resihp_jax.errors import ConfigError
 from resihp_jax.runtime import health_record, heartbeat
 from resihp_jax.runtime.throttle import Throttle
+from resihp_jax.runtime.watchdog import HUNG_EXIT
 
 USER_ERROR = 2  # the exit code of a bad argument: nothing to restart
 
@@ -164,10 +165,7 @@ class Supervisor:
                     self._first_progress_at = self.clock()
                 step, advanced_at, started = now_step, self.clock(), True
             if failed:
-                host = min(failed, key=lambda h: (failed[h] >= 0, h))  # a signal first
-                return Failure("died", host, step, self._since_fault(host),
-                               f"process {host} exited with {_exit_text(failed[host])}"), step, \
-                    beats
+                return self._died(failed, beats, step), step, beats
             if len(exited) == len(procs):
                 return None, step, beats
             self._inject(procs, step)
@@ -175,6 +173,22 @@ class Supervisor:
                 cfg.hang_floor_s, max((b.deadline_s for b in beats.values()), default=0.0))
             if self.clock() - advanced_at > limit:
                 return self._hung(beats, step, limit), step, beats
+
+    def _died(self, failed: dict[str, int], beats: dict[str, heartbeat.Beat],
+              step: int) -> Failure:
+        """The failure behind these exits. A process killed by a signal or failing on its
+        own is the culprit; processes that gave up waiting (their watchdog's HUNG_EXIT) are
+        victims, and the culprit is then the one whose heartbeat froze."""
+        culprits = {h: c for h, c in failed.items() if c != HUNG_EXIT}
+        if not culprits:
+            hung = self._hung(beats, step, 0.0)
+            gave_up = ", ".join(sorted(failed))
+            hung.detail = (f"{gave_up} gave up waiting at step {step}; frozen: "
+                           f"{hung.host or 'none found'}")
+            return hung
+        host = min(culprits, key=lambda h: (culprits[h] >= 0, h))  # a signal first
+        return Failure("died", host, step, self._since_fault(host),
+                       f"process {host} exited with {_exit_text(culprits[host])}")
 
     def _hung(self, beats: dict[str, heartbeat.Beat], step: int, limit: float) -> Failure:
         now = time.time()

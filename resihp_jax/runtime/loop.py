@@ -79,15 +79,20 @@ def diverged(record: StepRecord, checkpointer: Checkpointer | None) -> TrainingD
 
 def train(program: StepProgram, state: TrainState, data: BatchIterator, steps: int,
           checkpointer: Checkpointer | None = None,
+          before_step: Callable[[Plan, GlobalBatch], None] | None = None,
           ) -> Iterator[tuple[TrainState, StepRecord]]:
     """Yield (state, record) after each of `steps` steps, saving when `checkpointer` is due
-    and after the last step.
+    and after the last step. `before_step` sees each batch before its step starts (e.g. to
+    set that step's deadline).
 
     TrainingDiverged on a non-finite loss or gradient norm; that step is neither saved
     nor yielded.
     """
     for _ in range(steps):
-        state, record = run_step(program, state, data.next_batch())
+        batch = data.next_batch()
+        if before_step is not None:
+            before_step(program.plan, batch)
+        state, record = run_step(program, state, batch)
         if not (math.isfinite(record.loss) and math.isfinite(record.grad_norm)):
             raise diverged(record, checkpointer)
         if checkpointer is not None:

@@ -5,6 +5,13 @@
 with the same data position, onto any plan. `--steps` counts from the start of the run, so
 `--steps 6 --resume` after a run of 3 trains steps 4 to 6. `--resume` on a directory with no
 checkpoint yet starts from step 0 (a requeued cluster job runs the same command again).
+
+The same command is one process of a multi-controller job (see distributed.py): every
+process runs it, joins the job, reads the job's health record beside the checkpoints, and
+trains on the devices the record leaves usable, with the requested plan when they allow it
+and the scheduler's plan when they do not (a relaunch on the survivors). Each step runs
+under a deadline from the cost model (deadline.py); a step past it ends the process with
+exit code 75 so the job restarts instead of hanging.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from resihp_jax.cli_args import (add_compile_cache_arguments, compile_cache_dir,
 from resihp_jax.errors import CheckpointFallbackWarning
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import PRESETS, get_model_config
+from resihp_jax.errors import ConfigError
+from resihp_jax.runtime import distributed
+from resihp_jax.runtime.deadline import Ladder
 from resihp_jax.runtime.devices import devices_to_request, request_host_devices, select_devices
 from resihp_jax.runtime.quiet import orbax_read_noise_silenced
 from resihp_jax.runtime.train_checks import (DEFAULT_CHECKPOINT_EVERY, check_train_args,
@@ -61,7 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(any plan; model, optimizer, data and batch shape must match); "
                              "with none there yet, start from step 0")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--hang-floor-s", type=float, default=10.0,
+                        help="a step counts as hung after 3x its predicted healthy time, but "
+                             "never before this many seconds (default 10)")
+    parser.add_argument("--step-timeout-s", type=float, default=120.0,
+                        help="a step's deadline before the cost model can predict one, "
+                             "compilation included (default 120)")
     add_compile_cache_arguments(parser)
+    distributed.add_arguments(parser)
 
 
 def plan_from_args(args: argparse.Namespace, n_layers: int) -> Plan:
@@ -82,10 +99,16 @@ def plan_from_args(args: argparse.Namespace, n_layers: int) -> Plan:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout  # looked up per call, so a redirected stdout is honoured
     check_train_args(args)
+    spec = distributed.spec_from_args(args)
+    ladder = Ladder(floor_s=args.hang_floor_s, startup_s=args.step_timeout_s)
     cache = compile_cache_dir(args)
     mesh = parse_mesh(args.plan)
     needed = mesh["dp"] * mesh["pp"] * mesh["tp"]
-    request_host_devices(devices_to_request(args.devices, needed, args.plan))
+    if spec.single:
+        request_host_devices(devices_to_request(args.devices, needed, args.plan))
+    elif args.devices is not None:
+        raise ConfigError(f"--devices={args.devices}: in a job of several processes each "
+                          "process uses the devices it was given; remove --devices")
     original_showwarning = warnings.showwarning
 
     def one_line(message: Any, category: type, *rest: Any, **kw: Any) -> None:
@@ -97,22 +120,55 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     with orbax_read_noise_silenced(), warnings.catch_warnings():
         warnings.simplefilter("always", CheckpointFallbackWarning)
         warnings.showwarning = one_line  # catch_warnings puts the original back
-        return _train(args, needed, cache, out)
+        if spec.single:
+            return _train(args, spec, ladder, needed, cache, out)
+        return _as_job_process(lambda: _train(args, spec, ladder, needed, cache, out))
 
 
-def _train(args: argparse.Namespace, needed: int, cache: str | None, out: TextIO) -> int:
+def _as_job_process(body: Any) -> int:
+    """Run `body` as one process of a job: on any error, report it and leave at once.
+
+    A normal interpreter exit would wait on JAX's distributed shutdown barrier, which the
+    peers of a failed process never reach: the job would hang instead of restarting.
+    """
+    import os  # noqa: PLC0415
+    import traceback  # noqa: PLC0415
+
+    from resihp_jax.errors import ResihpError  # noqa: PLC0415
+
+    try:
+        return body()
+    except ResihpError as err:
+        print(f"resihp train: error: {err}", file=sys.stderr, flush=True)
+        code = 2
+    except BaseException:  # noqa: BLE001 - any crash must end the process, not hang it
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _train(args: argparse.Namespace, spec: distributed.JobSpec, ladder: Ladder, needed: int,
+           cache: str | None, out: TextIO) -> int:
+    import time  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    from resihp_jax.runtime.job import join  # noqa: PLC0415 - JAX starts here
+
+    job = join(spec, ladder, args.checkpoint_dir)
+    phases = {"init_s": time.perf_counter() - t0}
     from resihp_jax.data import BatchIterator  # noqa: PLC0415 - after the device flag is set
     from resihp_jax.runtime.compile_cache import enable_compilation_cache
 
     enable_compilation_cache(cache)
     from resihp_jax.runtime.checkpoint import Checkpointer
-    from resihp_jax.runtime.loop import train
     from resihp_jax.runtime.run_identity import run_identity
     from resihp_jax.train.config import TrainConfig
-    from resihp_jax.train.step import build_step
 
     model = get_model_config(args.model, **({"dtype": args.dtype} if args.dtype else {}))
-    plan = plan_from_args(args, model.n_layers)
+    t0 = time.perf_counter()
+    plan = _job_plan(args, job, model, needed, out)
+    phases["plan_s"] = time.perf_counter() - t0
     train_cfg = TrainConfig(learning_rate=args.lr, remat=args.remat,
                             microbatch_slots=max(plan.microbatches_per_group))
     data = BatchIterator(args.data, n_microbatches=plan.n_microbatches,
@@ -123,65 +179,43 @@ def _train(args: argparse.Namespace, needed: int, cache: str | None, out: TextIO
         ckpt = Checkpointer(args.checkpoint_dir, interval=checkpoint_interval(args),
                             asynchronous=True,
                             identity=run_identity(model, train_cfg, data.state()))
-    devices = select_devices(args.devices or needed)
-    if len(devices) > needed:
-        print(f"using the first {needed} of the {len(devices)} devices for plan {args.plan}",
-              file=out)
-    program = build_step(model, train_cfg, plan, devices[:needed])
+    from resihp_jax.runtime.train_run import TrainRun  # noqa: PLC0415
+
     print(f"model {model.name} ({model.param_count() / 1e6:.2f}M params, {model.dtype}), plan "
           f"{plan.describe()}, {plan.tokens_per_step} tokens/step, data {args.data}", file=out)
+    run = TrainRun(args, job, model, train_cfg, plan, data, ckpt, ladder, phases, out)
     try:
-        state, start = _initial_state(args, program, data, ckpt, out)
-        if start >= args.steps:
-            print(f"step {start} already reaches --steps {args.steps}: nothing to train",
-                  file=out)
-            return 0
-        records = _run_steps(args, program, state, data, ckpt, start, train)
+        records = run.run()
     finally:
-        if ckpt is not None:
-            ckpt.wait()  # a pending save completes (or reports its failure) before exit
-            ckpt.close()
-    _report(records, out)
+        run.close()
+    if records:
+        _report(records, out)
     return 0
 
 
-def _initial_state(args: argparse.Namespace, program: Any, data: Any, ckpt: Any,
-                   out: TextIO) -> tuple[Any, int]:
-    """(state, step): the newest good checkpoint's with `--resume`, else a fresh one."""
-    if args.resume and ckpt.latest_step() is not None:
-        restored = ckpt.restore(program)
-        data.restore(restored.data_state)
-        print(f"resumed from checkpoint step {restored.step} in {ckpt.directory} "
-              f"(written under plan {restored.plan.describe()})", file=out)
-        return restored.state, restored.step
-    if args.resume:
-        print(f"no checkpoint in {ckpt.directory} yet: starting from step 0", file=out)
-    return program.init_state(args.seed), 0
+def _job_plan(args: argparse.Namespace, job: Any, model: Any, needed: int, out: TextIO) -> Any:
+    """The requested plan on this job's usable devices, or the scheduler's plan for them."""
+    from resihp_jax.runtime.job_plan import cover_processes, plan_for_devices  # noqa: PLC0415
 
-
-def _run_steps(args: argparse.Namespace, program: Any, state: Any, data: Any, ckpt: Any,
-               start: int, train: Any) -> list:
-    """Train from step `start` to `--steps`, writing metrics (and checkpoints)."""
-    from tqdm import tqdm  # noqa: PLC0415
-
-    bar = tqdm(total=args.steps, initial=start, disable=args.no_progress, unit="step",
-               file=sys.stderr)
-    # a resumed run continues the metrics of the run it resumes
-    metrics_file = open(args.metrics, "a" if start else "w") if args.metrics else None  # noqa: SIM115
-    records = []
-    try:
-        for _, record in train(program, state, data, args.steps - start, ckpt):
-            records.append(record)
-            if metrics_file:
-                metrics_file.write(json.dumps(record.to_json()) + "\n")
-                metrics_file.flush()
-            bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}")
-            bar.update()
-    finally:
-        bar.close()
-        if metrics_file:
-            metrics_file.close()
-    return records
+    if job.spec.single:
+        devices = select_devices(args.devices or needed)
+        if len(devices) > needed:
+            print(f"using the first {needed} of the {len(devices)} devices for plan "
+                  f"{args.plan}", file=out)
+    else:
+        print(f"job: {job.spec.describe()}, {len(job.hosts)} process(es)", file=out)
+        for host in job.excluded_here():
+            print(f"job: host {host} is excluded by the health record "
+                  f"({job.record.excluded[host].reason})", file=out)
+        devices = job.usable_devices()
+    requested = plan_from_args(args, model.n_layers)
+    plan, why = plan_for_devices(requested, model, [int(d.id) for d in devices],
+                                 slow=job.slow_devices(), remat=args.remat)
+    if not job.spec.single:
+        plan = cover_processes(plan, {int(d.id): d.process_index for d in devices})
+    if why != "as requested":
+        print(f"plan: {why}", file=out)
+    return plan
 
 
 def _report(records: list, out: TextIO) -> None:

@@ -1,0 +1,91 @@
+"""Step deadlines from the cost model, and the ladder of time limits built on them.
+
+A step counts as hung once it has run `factor` times the predicted healthy time of its own
+batch (the cost model knows what this batch should cost: a step of long sequences may take
+longer than one of short ones), and never before `floor_s`. Until the online cost model has
+seen enough healthy steps to predict, the deadline is `startup_s`, which also covers the
+first step's compilation.
+
+The other limits of a job sit on the same ladder (`Ladder`): the coordination service's
+heartbeat timeout and the initialization timeout lie above every step deadline, so a hung
+step is caught by its deadline first and the culprit can be named, instead of the job being
+torn down by a generic timeout that names no one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from resihp_jax.errors import ConfigError
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model.config import ModelConfig
+from resihp_jax.perfmodel.fit import OnlineCostModel
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """Time limits of one job, lowest first: step deadline < heartbeat < initialization."""
+    floor_s: float = 10.0  # the least a step deadline can be
+    factor: float = 3.0  # deadline = factor x predicted healthy time of that step
+    startup_s: float = 120.0  # the deadline before the cost model predicts (compiles)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.floor_s) and self.floor_s > 0):
+            raise ConfigError(f"--hang-floor-s={self.floor_s!r}: must be a time > 0")
+        if not self.factor > 1:
+            raise ConfigError(f"hang factor={self.factor!r}: must be > 1 (a step slower than "
+                              "predicted is not yet hung)")
+        if not (math.isfinite(self.startup_s) and self.startup_s >= self.floor_s):
+            raise ConfigError(f"--step-timeout-s={self.startup_s!r}: must be >= --hang-floor-s="
+                              f"{self.floor_s}")
+
+    def deadline_s(self, predicted_s: float | None) -> float:
+        if predicted_s is None:
+            return self.startup_s
+        return max(self.floor_s, self.factor * predicted_s)
+
+    @property
+    def heartbeat_timeout_s(self) -> int:
+        """The coordination service declares a silent process dead only after twice the
+        longest step deadline it can see before predictions start."""
+        return int(math.ceil(2 * self.startup_s))
+
+    @property
+    def init_timeout_s(self) -> int:
+        """Joining the job waits for the slowest process's start-up: longer still."""
+        return int(math.ceil(max(300.0, 3 * self.startup_s)))
+
+
+class StepDeadline:
+    """The deadline of each step of a plain training loop, learned from its healthy steps."""
+
+    def __init__(self, model: ModelConfig, ladder: Ladder, *, remat: bool = False) -> None:
+        self.ladder = ladder
+        self.cost = OnlineCostModel(model, remat=remat, window=64, min_steps=6, refit_every=4)
+        self._seen = 0
+        self._slowest: float | None = None
+
+    def predicted_s(self, plan: Plan, mb_sum_l2: np.ndarray) -> float | None:
+        """This batch's healthy time by the cost model; until it can predict, the slowest
+        healthy step measured so far (None before any step but the compiling first)."""
+        if not self.cost.ready:
+            return self._slowest
+        return self.cost.predict(plan, _tokens(plan), np.asarray(mb_sum_l2, np.float64))
+
+    def deadline_s(self, plan: Plan, mb_sum_l2: np.ndarray) -> float:
+        return self.ladder.deadline_s(self.predicted_s(plan, mb_sum_l2))
+
+    def observe(self, plan: Plan, mb_sum_l2: np.ndarray, step_time_s: float) -> None:
+        """Learn from a finished step (the first one of a program includes compilation)."""
+        self._seen += 1
+        if self._seen > 1 and step_time_s > 0:
+            self._slowest = max(self._slowest or 0.0, step_time_s)
+            self.cost.observe(plan, _tokens(plan), np.asarray(mb_sum_l2, np.float64),
+                              step_time_s)
+
+
+def _tokens(plan: Plan) -> np.ndarray:
+    return np.full(plan.n_microbatches, plan.microbatch_size * plan.seq_len, np.float64)

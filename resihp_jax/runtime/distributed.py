@@ -1,0 +1,148 @@
+"""One process of a multi-controller job: who it is, and joining the job.
+
+A job is described by the coordinator address, the number of processes and this process's
+id, from flags (`--coordinator`, `--num-processes`, `--process-id`), from the matching
+environment variables (RESIHP_COORDINATOR, RESIHP_NUM_PROCESSES, RESIHP_PROCESS_ID), or,
+with none given, from the cluster's own environment through JAX's auto-detection (SLURM,
+Open MPI; Kubernetes needs the `kubernetes` package, so our Kubernetes example sets the
+variables instead). The host id is the stable name the job's health record uses for this
+process: its JAX process id is renumbered on every relaunch, its host is not.
+
+Everything here but `initialize` runs before JAX is imported, so a bad value is reported
+before any device starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Mapping
+
+from resihp_jax.errors import ConfigError
+
+ENV = {"coordinator": "RESIHP_COORDINATOR", "num_processes": "RESIHP_NUM_PROCESSES",
+       "process_id": "RESIHP_PROCESS_ID", "host_id": "RESIHP_HOST_ID"}
+# a cluster that JAX's `jax.distributed.initialize()` detects by itself, by its variables
+_CLUSTERS = {"SLURM": ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID"),
+             "Open MPI": ("OMPI_MCA_orte_hnp_uri",)}
+_LOCAL_RANK = ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK")
+_ADDRESS_RE = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """How this process joins its job (`single` when it is the whole job)."""
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    host_id: str = ""
+    cluster: str | None = None  # detected cluster whose variables JAX reads itself
+
+    @property
+    def single(self) -> bool:
+        return self.cluster is None and (self.num_processes or 1) == 1
+
+    def describe(self) -> str:
+        if self.single:
+            return "one process"
+        if self.cluster is not None:
+            return f"a {self.cluster} job (auto-detected), host {self.host_id}"
+        return (f"process {self.process_id} of {self.num_processes} (coordinator "
+                f"{self.coordinator}), host {self.host_id}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                        help="address of process 0's coordination service, for a job of "
+                             f"several processes (or ${ENV['coordinator']}); with none given "
+                             "under SLURM or Open MPI, JAX finds it itself")
+    parser.add_argument("--num-processes", type=int, default=None,
+                        help=f"processes in the job (or ${ENV['num_processes']})")
+    parser.add_argument("--process-id", type=int, default=None,
+                        help=f"this process's index, 0..N-1 (or ${ENV['process_id']})")
+    parser.add_argument("--host-id", default=None,
+                        help="stable name of this process in the job's health record (or "
+                             f"${ENV['host_id']}; default: the host name, plus the local rank "
+                             "when the cluster sets one)")
+
+
+def spec_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ
+                   ) -> JobSpec:
+    """The job this process belongs to; ConfigError naming the first bad value."""
+    coordinator = args.coordinator or environ.get(ENV["coordinator"]) or None
+    num = _int_value(args.num_processes, "--num-processes", environ, "num_processes")
+    pid = _int_value(args.process_id, "--process-id", environ, "process_id")
+    host = args.host_id or environ.get(ENV["host_id"]) or default_host_id(environ)
+    if not re.fullmatch(r"[A-Za-z0-9_.:\-]{1,64}", host):
+        raise ConfigError(f"--host-id={host!r}: use 1-64 letters, digits, '_', '.', ':' or '-'")
+    given = {"--coordinator": coordinator, "--num-processes": num, "--process-id": pid}
+    if all(v is None for v in given.values()):
+        return JobSpec(host_id=host, cluster=detected_cluster(environ))
+    if num == 1 and coordinator is None and pid in (None, 0):
+        return JobSpec(num_processes=1, process_id=0, host_id=host)
+    missing = [flag for flag, value in given.items() if value is None]
+    if missing:
+        raise ConfigError(f"a job of several processes needs --coordinator, --num-processes "
+                          f"and --process-id (or {', '.join(f'${v}' for v in list(ENV.values())[:3])}); "  # noqa: E501
+                          f"missing: {', '.join(missing)}")
+    assert num is not None and pid is not None and coordinator is not None
+    if num < 1:
+        raise ConfigError(f"--num-processes={num}: must be >= 1")
+    if not 0 <= pid < num:
+        raise ConfigError(f"--process-id={pid}: valid are 0..{num - 1} (--num-processes={num})")
+    match = _ADDRESS_RE.match(coordinator)
+    if not match or not 0 < int(match.group(1)) < 65536:
+        raise ConfigError(f"--coordinator={coordinator!r}: expected HOST:PORT with a port in "
+                          "1..65535, e.g. 10.0.0.1:8476")
+    return JobSpec(coordinator, num, pid, host)
+
+
+def _int_value(flag_value: int | None, flag: str, environ: Mapping[str, str],
+               key: str) -> int | None:
+    if flag_value is not None:
+        return flag_value
+    text = environ.get(ENV[key])
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"${ENV[key]}={text!r} (for {flag}): expected an integer") from None
+
+
+def detected_cluster(environ: Mapping[str, str]) -> str | None:
+    """The cluster whose variables say this is one process of several, if any."""
+    for name, variables in _CLUSTERS.items():
+        if all(environ.get(v) for v in variables):
+            if name == "SLURM" and environ.get("SLURM_NTASKS") == "1":
+                return None  # a one-task allocation is a plain single process
+            return name
+    return None
+
+
+def default_host_id(environ: Mapping[str, str]) -> str:
+    host = re.sub(r"[^A-Za-z0-9_.\-]", "-", socket.gethostname())[:48] or "host"
+    rank = next((environ[v] for v in _LOCAL_RANK if environ.get(v)), None)
+    return f"{host}:{rank}" if rank is not None else host
+
+
+def initialize(spec: JobSpec, init_timeout_s: int, heartbeat_timeout_s: int) -> None:
+    """Join the job (a no-op for a single process). CPU devices talk through gloo; on GPUs
+    the collectives are NCCL's, set up by JAX. The timeouts come from the job's ladder
+    (see timeouts.py): a process that misses heartbeats for longer than a hung step may
+    take is declared dead by the coordination service."""
+    if spec.single:
+        return
+    import jax  # noqa: PLC0415 - JAX starts here, after every argument was checked
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs = dict(initialization_timeout=init_timeout_s,
+                  heartbeat_timeout_seconds=heartbeat_timeout_s)
+    if spec.cluster is not None:
+        jax.distributed.initialize(**kwargs)
+    else:
+        jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id,
+                                   **kwargs)

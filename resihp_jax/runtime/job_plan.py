@@ -1,0 +1,73 @@
+"""The plan an incarnation of a job runs: the one asked for, when the devices it was given
+allow it, else the scheduler's best plan on those devices.
+
+A relaunch after a fail-stop comes back on fewer devices than the plan on the command line
+needs. The requested plan is then laid over the devices there are, with stand-in devices
+marked dead for the missing ones, and the scheduler re-plans it exactly as it would after
+a device died in place: same global batch (micro-batch count and size), new mesh, layer
+split and micro-batch split. Devices of hosts the health record saw slow are priced slow.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Mapping, Sequence
+
+from resihp_jax.errors import PlanError
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model.config import ModelConfig
+from resihp_jax.perfmodel import CostParams, Health
+from resihp_jax.scheduler import PlanningContext, run_policy
+
+
+def plan_for_devices(requested: Plan, model: ModelConfig, device_ids: Sequence[int], *,
+                     slow: Mapping[int, float] | None = None, device_memory_gb: float = 80.0,
+                     remat: bool = False, policy: str = "resihp") -> tuple[Plan, str]:
+    """(plan, why): `requested` on the first of `device_ids`, or the scheduler's pick."""
+    ids = [int(d) for d in device_ids]
+    if not ids:
+        raise PlanError("no usable devices: every device of the job is excluded")
+    slow = {d: f for d, f in (slow or {}).items() if d in ids and f > 1}
+    n = requested.n_devices
+    if len(ids) >= n and not slow:
+        return requested.replace(device_ids=tuple(ids[:n])), "as requested"
+    top = max(ids) + 1
+    stand_ins = list(range(top, top + max(0, n - len(ids))))
+    current = requested.replace(device_ids=tuple((ids + stand_ins)[:n]))
+    health = Health.healthy().with_changes(dead=stand_ins,
+                                           compute={d: 1.0 / f for d, f in slow.items()})
+    context = PlanningContext(model, CostParams.for_model(model), device_memory_gb * 2**30,
+                              tuple(ids + stand_ins), remat=remat)
+    outcome = run_policy(policy, current, health, context)
+    if outcome.plan is None or set(outcome.plan.device_ids) - set(ids):
+        raise PlanError(f"no plan of {model.name} fits the {len(ids)} usable device(s): "
+                        f"{outcome.reason}")
+    why = (f"the requested {requested.describe()} needs {n} devices, {len(ids)} usable"
+           if stand_ins else f"devices {sorted(slow)} were seen slow")
+    return outcome.plan, f"scheduler's plan ({why}): {outcome.reason}"
+
+
+def cover_processes(plan: Plan, process_of: Mapping[int, int]) -> Plan:
+    """`plan` with devices swapped so every process holds at least one of its devices.
+
+    In a multi-controller job every process takes part in every program and every
+    checkpoint read, and a process with no device in the mesh cannot (orbax cannot restore
+    an array with no shard on it). A plan on fewer devices than the job has may leave a
+    process out; this trades a used device of a process with several for an unused one of
+    the process left out (equal devices, so the plan's cost is unchanged).
+    """
+    ids = list(plan.device_ids)
+    processes = set(process_of.values())
+    if len(ids) < len(processes):
+        raise PlanError(f"plan {plan.describe()} uses {len(ids)} devices, but each of the job's "
+                        f"{len(processes)} processes needs at least one: run fewer processes")
+    for proc in sorted(processes):
+        held = Counter(process_of[d] for d in ids)
+        if held[proc]:
+            continue
+        spare = next(d for d in sorted(process_of) if process_of[d] == proc and d not in ids)
+        # give up a device of the process holding the most, the last one it holds
+        donor = max(held, key=lambda p: (held[p], -p))
+        slot = max(i for i, d in enumerate(ids) if process_of[d] == donor)
+        ids[slot] = spare
+    return plan.replace(device_ids=tuple(ids))

@@ -1,0 +1,139 @@
+"""The steps of one `resihp train` process: restore or initialize, compile, train, and while
+doing so keep the job's supervisor informed (heartbeat) and never hang (watchdog).
+
+Every process of a job runs this same loop; only process 0 writes the metrics file and
+draws the progress bar. The phases of start-up (join, plan, restore, compile, first step)
+are measured and published with the heartbeat, so a supervisor can split a recovery into
+its parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+from resihp_jax.errors import ConfigError
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.runtime.deadline import Ladder, StepDeadline
+from resihp_jax.runtime.heartbeat import Heartbeat
+from resihp_jax.runtime.loop import StepRecord, train
+from resihp_jax.runtime.watchdog import Watchdog
+from resihp_jax.train.aot import compile_program
+from resihp_jax.train.step import build_step
+
+
+class TrainRun:
+    def __init__(self, args: argparse.Namespace, job: Any, model: Any, train_cfg: Any,
+                 plan: Plan, data: Any, ckpt: Any, ladder: Ladder, phases: dict[str, float],
+                 out: TextIO) -> None:
+        self.args, self.job, self.plan, self.data, self.ckpt = args, job, plan, data, ckpt
+        self.out, self.phases = out, phases
+        self.deadline = StepDeadline(model, ladder, remat=args.remat)
+        self.heartbeat = Heartbeat.from_env(job.spec.host_id)
+        self.watchdog = Watchdog()
+        import jax  # noqa: PLC0415
+
+        self.program = build_step(model, train_cfg, plan, jax.devices())
+
+    def run(self) -> list[StepRecord]:
+        state, start = self._initial_state()
+        self._beat(start, self.deadline.ladder.startup_s)
+        if start >= self.args.steps:
+            print(f"step {start} already reaches --steps {self.args.steps}: nothing to train",
+                  file=self.out)
+            return []
+        t0 = time.perf_counter()
+        self.program = compile_program(self.program)
+        self.phases["compile_s"] = time.perf_counter() - t0
+        return self._steps(state, start)
+
+    def close(self) -> None:
+        self.watchdog.close()
+        try:
+            if self.ckpt is not None:
+                self.ckpt.wait()  # a pending save completes (or reports its failure) first
+                self.ckpt.close()
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.close()
+
+    def _initial_state(self) -> tuple[Any, int]:
+        """(state, step): the newest good checkpoint's with `--resume`, else a fresh one."""
+        t0 = time.perf_counter()
+        args, ckpt = self.args, self.ckpt
+        try:
+            if args.resume and ckpt.latest_step() is not None:
+                restored = ckpt.restore(self.program)
+                self.data.restore(restored.data_state)
+                print(f"resumed from checkpoint step {restored.step} in {ckpt.directory} "
+                      f"(written under plan {restored.plan.describe()})", file=self.out)
+                return restored.state, restored.step
+            if args.resume:
+                print(f"no checkpoint in {ckpt.directory} yet: starting from step 0",
+                      file=self.out)
+            return self.program.init_state(args.seed), 0
+        finally:
+            self.phases["restore_s"] = time.perf_counter() - t0
+
+    def _beat(self, step: int, deadline_s: float) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.update(step, deadline_s, self.plan.describe(), self.phases)
+
+    def _before_step(self, plan: Plan, batch: Any) -> None:
+        step = self.data_step + 1
+        deadline = self.deadline.deadline_s(plan, batch.sum_sq_lengths())
+        self.watchdog.arm(step, deadline)
+        self._beat(self.data_step, deadline)
+
+    def _steps(self, state: Any, start: int) -> list[StepRecord]:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        args, primary = self.args, self.job.primary
+        bar = tqdm(total=args.steps, initial=start, disable=args.no_progress or not primary,
+                   unit="step", file=sys.stderr)
+        # a resumed run continues the metrics of the run it resumes, from its checkpoint:
+        # records of steps after it (lost with the failed incarnation) are dropped
+        metrics = _metrics_file(args.metrics, start) if args.metrics and primary else None
+        records: list[StepRecord] = []
+        self.data_step = start
+        try:
+            for _, record in train(self.program, state, self.data, args.steps - start,
+                                   self.ckpt, before_step=self._before_step):
+                self.watchdog.disarm()
+                if not records:
+                    self.phases["first_step_s"] = record.step_time_s
+                records.append(record)
+                self.data_step = record.step
+                self.deadline.observe(self.plan, record.sum_sq_lengths, record.step_time_s)
+                self._beat(record.step, self.deadline.ladder.startup_s)
+                if metrics:
+                    metrics.write(json.dumps(record.to_json()) + "\n")
+                    metrics.flush()
+                bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}")
+                bar.update()
+        finally:
+            self.watchdog.disarm()
+            bar.close()
+            if metrics:
+                metrics.close()
+        return records
+
+
+def _metrics_file(path: str, start: int) -> TextIO:
+    """`path` opened for appending after keeping only the records of steps <= `start`."""
+    if start == 0:
+        return open(path, "w")  # noqa: SIM115
+    try:
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
+    except FileNotFoundError:
+        kept = []
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"--metrics={path!r}: not a metrics file of this run (a line is not "
+                          "a step record); choose another path") from None
+    with open(path, "w") as f:
+        f.writelines(kept)
+    return open(path, "a")  # noqa: SIM115

@@ -53,7 +53,6 @@ class LaunchConfig:
     train_args: tuple[str, ...]
     faults: tuple[Fault, ...] = ()
     max_restarts: int = 8
-    hang_floor_s: float = 10.0  # the least a step may take before it counts as hung
     startup_s: float = 600.0  # initialization, restore and first compile of an incarnation
     stale_s: float = 2.0  # a heartbeat older than this: the process is frozen
     poll_s: float = 0.05
@@ -169,8 +168,10 @@ class Supervisor:
             if len(exited) == len(procs):
                 return None, step, beats
             self._inject(procs, step)
-            limit = cfg.startup_s if not started else max(
-                cfg.hang_floor_s, max((b.deadline_s for b in beats.values()), default=0.0))
+            # the deadline the processes publish for the step in flight (from the cost
+            # model, with their floor); their own watchdogs use the same figure
+            limit = cfg.startup_s if not started else \
+                max((b.deadline_s for b in beats.values()), default=cfg.startup_s)
             if self.clock() - advanced_at > limit:
                 return self._hung(beats, step, limit), step, beats
 

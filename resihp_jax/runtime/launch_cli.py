@@ -32,8 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "quota enforced with SIGSTOP/SIGCONT; repeatable)")
     parser.add_argument("--max-restarts", type=int, default=8,
                         help="give up after this many relaunches (default 8)")
-    parser.add_argument("--hang-floor-s", type=float, default=10.0,
-                        help="a step counts as hung only after at least this long (default 10)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="-- then the arguments of `resihp train` for every process")
 
@@ -67,12 +65,10 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                    for text in getattr(args, kind))
     check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
     directory = Path(args.checkpoint_dir or tempfile.mkdtemp(prefix="resihp-launch-"))
-    if args.max_restarts < 0 or not args.hang_floor_s > 0:
-        raise ConfigError(f"--max-restarts={args.max_restarts} must be >= 0 and "
-                          f"--hang-floor-s={args.hang_floor_s} > 0")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={args.max_restarts}: must be >= 0")
     config = LaunchConfig(args.procs, args.devices_per_proc, directory.absolute(),
-                          _train_args(args.train_args), faults, args.max_restarts,
-                          args.hang_floor_s)
+                          _train_args(args.train_args), faults, args.max_restarts)
     print(f"resihp launch: {config.procs} processes x {config.devices_per_proc} devices, "
           f"job directory {directory}", file=out)
     summary = Supervisor(config, out=sys.stderr).run()

@@ -1,0 +1,73 @@
+"""A job of 4 processes x 2 fake devices (gloo, loopback) under `resihp launch`: a killed and
+a frozen process are survived, the job relaunches on the survivors with the scheduler's plan,
+and every step's loss equals the uninterrupted single-process run's (none skipped or
+repeated). These start real processes: few and small (the `tiny` model, 8 steps)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from resihp_jax.cli import main
+from resihp_jax.runtime import health_record
+from resihp_jax.runtime.launch import Fault, LaunchConfig, Supervisor
+
+STEPS = 8
+TRAIN = ("--model", "tiny", "--steps", str(STEPS), "--seed", "3", "--seq-len", "64",
+         "--checkpoint-every", "2", "--hang-floor-s", "5")
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The losses of the same job, uninterrupted, in this one process on 8 devices."""
+    path = tmp_path_factory.mktemp("ref") / "ref.jsonl"
+    args = [a for a in TRAIN if a not in ("--checkpoint-every", "2")]
+    assert main(["train", *args, "--no-progress", "--metrics", str(path)]) == 0
+    return [r["loss"] for r in _records(path)]
+
+
+def _launch(tmp_path: Path, fault: Fault) -> tuple[Supervisor, list[dict]]:
+    metrics = tmp_path / "m.jsonl"
+    config = LaunchConfig(4, 2, tmp_path / "job", (*TRAIN, "--metrics", str(metrics)),
+                          (fault,), max_restarts=2)
+    supervisor = Supervisor(config, out=io.StringIO())
+    supervisor.run()
+    return supervisor, _records(metrics)
+
+
+def _check_survived(supervisor: Supervisor, records: list[dict], reference: list[float],
+                    host: str, kind: str, tmp_path: Path) -> None:
+    summary = supervisor.summary
+    assert summary.final_step == STEPS and summary.restarts == 1
+    assert [f.kind for f in summary.failures] == [kind]
+    assert summary.failures[0].host == host  # the culprit, not a peer blocked by it
+    # every step once, in order, with the uninterrupted run's loss
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
+    # the relaunch ran on the 6 devices left, with the scheduler's plan
+    assert health_record.load(tmp_path / "job").excluded.keys() == {host}
+    first, second = summary.plans
+    assert first.startswith("dp=2,pp=2,tp=2") and second != first
+    assert summary.steps_lost <= 2  # at most the steps since the checkpoint 2 steps back
+
+
+def test_kill_is_survived_with_every_loss_equal(tmp_path: Path, reference: list[float]) -> None:
+    supervisor, records = _launch(tmp_path, Fault("kill", 2, 5))
+    _check_survived(supervisor, records, reference, "p2", "died", tmp_path)
+    assert len(supervisor.summary.detect_s) == 1  # timed from the kill (benchmarks/multiprocess.py)
+
+
+def test_hang_is_caught_by_the_deadline(tmp_path: Path, reference: list[float]) -> None:
+    supervisor, records = _launch(tmp_path, Fault("hang", 1, 5))
+    _check_survived(supervisor, records, reference, "p1", "hung", tmp_path)
+    # not before the deadline: 3x the slowest healthy step so far, floored at
+    # --hang-floor-s 5 (the tiny model's steps are far shorter, so the floor decides)
+    assert supervisor.summary.detect_s[0] >= 5.0

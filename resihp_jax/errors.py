@@ -21,5 +21,10 @@ class TrainingDiverged(ResihpError):
     """A step produced a non-finite loss or gradient (e.g. a learning rate far too high)."""
 
 
+class JobStepFailed(RuntimeError):
+    """A step of a job of several processes failed or hung: the job must restart (a peer is
+    gone or frozen, so no process can go on in place)."""
+
+
 class CheckpointFallbackWarning(UserWarning):
     """The newest checkpoint was unreadable or corrupt; an older good one is used instead."""

@@ -183,3 +183,17 @@ class Prober:
         wall = time.perf_counter() - t0
         comp, link = self._timer.collect()
         return ProbeResult(comp, link, wall)
+
+
+def gathered_probe(result: ProbeResult, device_ids: tuple[int, ...]) -> ProbeResult:
+    """`result` completed with every other process's devices: in a job of several processes
+    each process's callbacks time only its own devices."""
+    from resihp_jax.runtime.agree import max_over_processes  # noqa: PLC0415
+
+    ids = list(device_ids)
+    local = np.array([[result.compute_s.get(d, 0.0) for d in ids],
+                      [result.link_s.get(d, 0.0) for d in ids]] + [[result.wall_s] * len(ids)])
+    both = max_over_processes(local)
+    compute = {d: float(t) for d, t in zip(ids, both[0]) if t > 0}
+    link = {d: float(t) for d, t in zip(ids, both[1]) if t > 0}
+    return ProbeResult(compute, link, float(both[2].max()))

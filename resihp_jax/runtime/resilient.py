@@ -19,6 +19,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -27,11 +28,13 @@ import numpy as np
 from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.detector import (Prober, StepFailed, StepObservation, Verdict, make_detector,
                                  run_guarded)
-from resihp_jax.errors import ConfigError, PlanError
+from resihp_jax.detector.probes import gathered_probe
+from resihp_jax.errors import ConfigError, JobStepFailed, PlanError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel import CostParams, Health
+from resihp_jax.runtime.agree import from_primary, multi_process
 from resihp_jax.runtime.checkpoint import Checkpointer
 from resihp_jax.runtime.compile_cache import default_cache_dir, enable_compilation_cache
 from resihp_jax.runtime.compiles import counting
@@ -44,7 +47,7 @@ from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
 from resihp_jax.train.aot import compile_program
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.instrument import Instrument
-from resihp_jax.train.reshard import move_state
+from resihp_jax.train.reshard import move_state, move_via_orbax, same_devices
 from resihp_jax.train.step import StepProgram, TrainState, build_step
 
 LIKELY_SLOWDOWNS = (2.0, 4.0)  # the fail-slow factors the precompiler plans for
@@ -138,6 +141,9 @@ class ResilientTrainer:
     config: ResilienceConfig = field(default_factory=ResilienceConfig)
     fault_hook: FaultHook | None = None  # tests, benchmarks and the demo inject faults here
     clock: Callable[[], float] = time.perf_counter
+    # told before work between steps that may take long (a probe, a switch), so a
+    # supervisor watching for progress can allow for it
+    on_long_work: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
         enable_compilation_cache(self.config.compile_cache_dir)
@@ -222,6 +228,10 @@ class ResilientTrainer:
             try:
                 record = self._step(done + 1, batch)
             except StepFailed as failed:
+                if multi_process():
+                    # the peers are stuck in this step's collectives: no process can go on
+                    # in place, so the job restarts on the survivors (see resihp launch)
+                    raise JobStepFailed(str(failed)) from failed
                 yield self.react(failed.verdict, data_before, cause=str(failed))
                 continue  # the data iterator was rewound: the same batch runs again
             if not (math.isfinite(record.loss) and math.isfinite(record.grad_norm)):
@@ -234,7 +244,7 @@ class ResilientTrainer:
             if self.checkpointer:
                 self.checkpointer.save(done, self.state, self.program, self.data.state())
             # judged before it is yielded, so the caller sees this step's prediction
-            verdict = self.detector.observe(self._observation(record, batch))
+            verdict = _agreed(self.detector.observe(self._observation(record, batch)))
             yield record
             if verdict is not None:
                 yield self.react(verdict, None)
@@ -249,9 +259,12 @@ class ResilientTrainer:
         return self._host.hook.knobs(step) if self._host.hook is not None else None
 
     def _probe(self, step: int):  # noqa: ANN202 - a ProbeResult
+        if self.on_long_work is not None:
+            self.on_long_work("probe")
         if self._prober is None:
             self._prober = Prober(self.plan, self.devices, host=self._host.hook)
-        return self._prober.run(self._knobs(step))
+        result = self._prober.run(self._knobs(step))
+        return gathered_probe(result, self.plan.device_ids) if multi_process() else result
 
     def _step(self, step: int, batch: GlobalBatch) -> StepRecord:
         program, timer = self.program, self._host.timer
@@ -263,6 +276,8 @@ class ResilientTrainer:
 
         self.state, metrics, timing = run_guarded(run_once, step, self.deadline_s(batch),
                                                   in_flight=self._in_flight)
+        if multi_process():  # every process feeds its detector the same observation
+            timing = timing.gathered()
         self._last_timing = timing
         return StepRecord.of(int(self.state.step), self.plan, jax.device_get(metrics),
                              timing.step_time_s, batch)
@@ -303,6 +318,8 @@ class ResilientTrainer:
         plan_s = self.clock() - start
         old = self.plan
         new = outcome.plan if outcome.plan is not None else old
+        if multi_process():  # process 0 decides: its plan is every process's plan
+            new = Plan.from_dict(from_primary(new.to_dict()))
         if verdict.kind == "stopped" and set(verdict.devices) & set(new.device_ids):
             raise PlanError(f"device(s) {list(verdict.devices)} stopped at step {verdict.step} "
                             f"and no plan without them exists: {outcome.reason}")
@@ -323,6 +340,8 @@ class ResilientTrainer:
         """Run `new` from now on: its program (reused, prepared or compiled now) and the state
         moved onto it, or restored from the newest checkpoint when `from_checkpoint` and one
         exists (the data position then comes from the checkpoint, else `data_before`)."""
+        if self.on_long_work is not None:
+            self.on_long_work("switch")
         with counting() as count:
             t0 = self.clock()
             program, kind = self._program_for(new)
@@ -334,7 +353,7 @@ class ResilientTrainer:
                 state, restored = got.state, got.step
                 self.data.restore(got.data_state)
             else:
-                state = move_state(self.state, self.program, program)
+                state = self._move(program)
                 if data_before is not None:
                     self.data.restore(data_before)
             self.state = jax.block_until_ready(state)
@@ -346,6 +365,18 @@ class ResilientTrainer:
         self._install(program, new)
         self._prepare_next()
         return Switch(kind, t1 - t0, t2 - t1, count.compiles, restored)
+
+    def _move(self, program: StepProgram) -> TrainState:
+        """The state moved onto `program`: in memory, or through orbax when the mesh
+        changes in a job of several processes (one jitted program cannot span two device
+        sets, and JAX cannot move arrays between them across processes)."""
+        if multi_process() and not same_devices(self.program, program):
+            if self.config.checkpoint_dir is None:
+                raise ConfigError("a job of several processes moves state onto a new mesh "
+                                  "through orbax: give it a checkpoint directory")
+            return move_via_orbax(self.state, self.program, program,
+                                  Path(self.config.checkpoint_dir) / "reshard")
+        return move_state(self.state, self.program, program)
 
     def _context(self) -> PlanningContext:
         costs = self.detector.cost_params()
@@ -359,6 +390,17 @@ class ResilientTrainer:
             self.model, costs or CostParams.for_model(self.model),
             self.config.device_memory_gb * 2**30, tuple(int(d.id) for d in self.devices),
             schedule="gpipe", remat=self.train_cfg.remat, switch=switch)
+
+
+def _agreed(verdict: Verdict | None) -> Verdict | None:
+    """Process 0's verdict on every process (identical inputs give identical verdicts, but a
+    split decision must be impossible, not merely unlikely)."""
+    if not multi_process():
+        return verdict
+    agreed = from_primary(None if verdict is None else dataclasses.asdict(verdict))
+    if agreed is None:
+        return None
+    return Verdict(**{**agreed, "devices": tuple(agreed["devices"])})
 
 
 def _updated_health(health: Health, verdict: Verdict) -> Health:

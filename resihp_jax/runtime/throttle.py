@@ -14,7 +14,7 @@ import threading
 
 
 class Throttle:
-    def __init__(self, pid: int, factor: float, period_s: float = 0.1) -> None:
+    def __init__(self, pid: int, factor: float, period_s: float = 0.02) -> None:
         if not factor > 1:
             raise ValueError(f"throttle factor={factor!r}: must be > 1")
         self.pid, self.factor, self.period_s = pid, factor, period_s

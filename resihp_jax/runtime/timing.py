@@ -26,6 +26,14 @@ class StepTiming:
     step_time_s: float  # host wall time of the whole step (dispatch to results ready)
     fwd_DxPxT: np.ndarray  # each device's timed forward (0: not timed)
 
+    def gathered(self) -> StepTiming:
+        """This step as the whole job saw it: each process times only its own devices, and
+        the step took as long as its slowest process waited for it."""
+        from resihp_jax.runtime.agree import max_over_processes  # noqa: PLC0415
+
+        flat = max_over_processes(np.concatenate([[self.step_time_s], self.fwd_DxPxT.ravel()]))
+        return StepTiming(float(flat[0]), flat[1:].reshape(self.fwd_DxPxT.shape))
+
     @property
     def stage_DxP(self) -> np.ndarray | None:
         """Timed forward of each (dp, pp) stage (slowest tp member); None if not timed."""

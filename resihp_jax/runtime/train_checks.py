@@ -25,6 +25,10 @@ def check_train_args(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise ConfigError(f"--lr={args.lr}: must be a finite number > 0")
     _check_checkpoint_flags(args)
+    if args.precompile < 0:
+        raise ConfigError(f"--precompile={args.precompile}: must be >= 0")
+    if args.precompile and not args.adapt:
+        raise ConfigError("--precompile needs --adapt (only an adapting run switches plans)")
     check_output_file(args.metrics, "--metrics")
     if args.checkpoint_dir is None:
         return

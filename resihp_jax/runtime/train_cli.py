@@ -17,7 +17,6 @@ exit code 75 so the job restarts instead of hanging.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 from typing import Any, TextIO
@@ -71,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(any plan; model, optimizer, data and batch shape must match); "
                              "with none there yet, start from step 0")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--adapt", action="store_true",
+                        help="watch every step and re-plan around slow devices in place "
+                             "(detector and scheduler; in a job of several processes, every "
+                             "process follows process 0's verdict and plan)")
+    parser.add_argument("--precompile", type=int, default=0,
+                        help="with --adapt: compile this many likely next plans in the "
+                             "background (default 0; worth it on hosts with spare cores)")
     parser.add_argument("--hang-floor-s", type=float, default=10.0,
                         help="a step counts as hung after 3x its predicted healthy time, but "
                              "never before this many seconds (default 10)")
@@ -134,13 +140,20 @@ def _as_job_process(body: Any) -> int:
     import os  # noqa: PLC0415
     import traceback  # noqa: PLC0415
 
-    from resihp_jax.errors import ResihpError  # noqa: PLC0415
+    from resihp_jax.errors import JobStepFailed, ResihpError  # noqa: PLC0415
+    from resihp_jax.runtime.watchdog import HUNG_EXIT  # noqa: PLC0415
 
+    # a process may be killed at any moment: what it printed must already be in its log
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         return body()
     except ResihpError as err:
         print(f"resihp train: error: {err}", file=sys.stderr, flush=True)
         code = 2
+    except JobStepFailed as err:
+        print(f"resihp train: {err}; exiting so the job restarts", file=sys.stderr, flush=True)
+        code = HUNG_EXIT
     except BaseException:  # noqa: BLE001 - any crash must end the process, not hang it
         traceback.print_exc()
         code = 1
@@ -175,15 +188,21 @@ def _train(args: argparse.Namespace, spec: distributed.JobSpec, ladder: Ladder, 
                          microbatch_size=plan.microbatch_size, seq_len=plan.seq_len,
                          seed=args.seed)
     ckpt = None
-    if args.checkpoint_dir is not None:
+    if args.checkpoint_dir is not None and not args.adapt:  # the trainer keeps its own
         ckpt = Checkpointer(args.checkpoint_dir, interval=checkpoint_interval(args),
                             asynchronous=True,
                             identity=run_identity(model, train_cfg, data.state()))
-    from resihp_jax.runtime.train_run import TrainRun  # noqa: PLC0415
-
     print(f"model {model.name} ({model.param_count() / 1e6:.2f}M params, {model.dtype}), plan "
           f"{plan.describe()}, {plan.tokens_per_step} tokens/step, data {args.data}", file=out)
-    run = TrainRun(args, job, model, train_cfg, plan, data, ckpt, ladder, phases, out)
+    if args.adapt:
+        from resihp_jax.runtime.train_adapt import AdaptRun  # noqa: PLC0415
+
+        run: Any = AdaptRun(args, job, model, train_cfg, plan, data, ladder, phases, cache,
+                            out)
+    else:
+        from resihp_jax.runtime.train_run import TrainRun  # noqa: PLC0415
+
+        run = TrainRun(args, job, model, train_cfg, plan, data, ckpt, ladder, phases, out)
     try:
         records = run.run()
     finally:

@@ -96,7 +96,7 @@ class TrainRun:
                    unit="step", file=sys.stderr)
         # a resumed run continues the metrics of the run it resumes, from its checkpoint:
         # records of steps after it (lost with the failed incarnation) are dropped
-        metrics = _metrics_file(args.metrics, start) if args.metrics and primary else None
+        metrics = metrics_file(args.metrics, start) if args.metrics and primary else None
         records: list[StepRecord] = []
         self.data_step = start
         try:
@@ -122,7 +122,7 @@ class TrainRun:
         return records
 
 
-def _metrics_file(path: str, start: int) -> TextIO:
+def metrics_file(path: str, start: int) -> TextIO:
     """`path` opened for appending after keeping only the records of steps <= `start`."""
     if start == 0:
         return open(path, "w")  # noqa: SIM115

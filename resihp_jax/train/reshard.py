@@ -10,6 +10,7 @@ without compiling anything.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -28,15 +29,38 @@ def from_canonical(canonical: TrainState, program: StepProgram) -> TrainState:
     return program.to_stage_fn(on_mesh, program.stage_index_array())
 
 
+def same_devices(src: StepProgram, dst: StepProgram) -> bool:
+    """Whether both programs lay the state out on the same mesh with the same slots."""
+    return src.mesh.devices.tolist() == dst.mesh.devices.tolist() and \
+        src.layer_slots == dst.layer_slots
+
+
 def move_state(state: TrainState, src: StepProgram, dst: StepProgram) -> TrainState:
     """`state` laid out for `src`'s plan, re-laid out and re-sharded for `dst`'s plan."""
-    same_devices = src.mesh.devices.tolist() == dst.mesh.devices.tolist() and \
-        src.layer_slots == dst.layer_slots
-    if same_devices and src.plan.layers_per_stage == dst.plan.layers_per_stage:
+    same = same_devices(src, dst)
+    if same and src.plan.layers_per_stage == dst.plan.layers_per_stage:
         return state
-    if same_devices:  # a new split of the same mesh: one program, no canonical copy
+    if same:  # a new split of the same mesh: one program, no canonical copy
         return dst.restage_fn(state, src.canonical_positions(), dst.stage_index_array())
     return from_canonical(to_canonical(state, src), dst)
+
+
+def move_via_orbax(state: TrainState, src: StepProgram, dst: StepProgram,
+                   directory: Path) -> TrainState:
+    """`move_state` for a job of several processes: every process writes its shards of the
+    canonical state to `directory` (one path all processes see; a fast local disk for a
+    one-host job) and reads back the shards its devices hold under `dst`'s plan."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    canonical = to_canonical(state, src)
+    path = Path(directory).absolute() / f"step{int(jax.device_get(state.step))}"
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, canonical, force=True)
+        checkpointer.wait_until_finished()
+        target = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                              canonical, dst.canonical_shardings)
+        restored = checkpointer.restore(path, target)
+    return dst.to_stage_fn(restored, dst.stage_index_array())
 
 
 def state_bytes(state: Any) -> int:

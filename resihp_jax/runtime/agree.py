@@ -1,0 +1,45 @@
+"""Keeping the processes of a job in agreement: one set of observations, one decision.
+
+Each process times only its own devices, so its view of a step is partial. `max_over_jobs`
+combines every process's view (an all-gather of a small array); the detector on every
+process then sees the same observations. Decisions (a verdict, a new plan) are taken from
+process 0 (`from_primary`), so a numerical tie or a timing-dependent input (which programs a
+background compile has finished) can never split the job. In a one-process job both are
+the identity and cost nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def multi_process() -> bool:
+    return jax.process_count() > 1
+
+
+def max_over_processes(values: np.ndarray) -> np.ndarray:
+    """Elementwise maximum of `values` over every process (same shape on each)."""
+    values = np.asarray(values, np.float64)
+    if not multi_process():
+        return values
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return np.asarray(multihost_utils.process_allgather(values)).max(axis=0)
+
+
+def from_primary(value: Any) -> Any:
+    """Process 0's `value` (any JSON-serializable value) on every process."""
+    if not multi_process():
+        return value
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    payload = json.dumps(value).encode() if jax.process_index() == 0 else b""
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(payload))))
+    buffer = np.zeros(size, np.uint8)
+    buffer[:len(payload)] = np.frombuffer(payload, np.uint8)
+    data = np.asarray(multihost_utils.broadcast_one_to_all(buffer), np.uint8)
+    return json.loads(bytes(data).decode())

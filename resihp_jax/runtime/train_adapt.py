@@ -1,0 +1,136 @@
+"""`resihp train --adapt`: the steps of one process under the ResilientTrainer.
+
+Every process of the job runs the trainer: it times its own devices, the timings are
+combined across processes so every detector sees the same step, process 0's verdict and
+plan are every process's, and the switch happens in the running processes (a new split in
+place; a new mesh through orbax and a recompile). A failed or hung step cannot be survived
+in place by a job of several processes: the process exits for a relaunch on the survivors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.runtime.deadline import Ladder
+from resihp_jax.runtime.heartbeat import Heartbeat
+from resihp_jax.runtime.loop import StepRecord
+from resihp_jax.runtime.resilient import Replan, ResilienceConfig, ResilientTrainer
+from resihp_jax.runtime.train_run import metrics_file
+
+
+class AdaptRun:
+    def __init__(self, args: argparse.Namespace, job: Any, model: Any, train_cfg: Any,
+                 plan: Plan, data: Any, ladder: Ladder, phases: dict[str, float],
+                 cache: str | None, out: TextIO) -> None:
+        import jax  # noqa: PLC0415
+
+        self.args, self.job, self.data, self.out, self.phases = args, job, data, out, phases
+        self.ladder = ladder
+        self.heartbeat = Heartbeat.from_env(job.spec.host_id)
+        config = ResilienceConfig(
+            step_timeout_s=ladder.startup_s, hang_factor=ladder.factor,
+            hang_floor_s=ladder.floor_s, checkpoint_dir=args.checkpoint_dir,
+            checkpoint_interval=args.checkpoint_every or 10, precompile=args.precompile,
+            compile_cache_dir=cache)
+        t0 = time.perf_counter()
+        self.trainer = ResilientTrainer(model, train_cfg, plan, jax.devices(), data, config,
+                                        on_long_work=self._long_work)
+        phases["compile_s"] = time.perf_counter() - t0
+
+    def run(self) -> list[StepRecord]:
+        start = self._initial_state()
+        self._beat(start, self.ladder.startup_s)
+        if start >= self.args.steps:
+            print(f"step {start} already reaches --steps {self.args.steps}: nothing to train",
+                  file=self.out)
+            return []
+        return self._steps(start)
+
+    def close(self) -> None:
+        try:
+            self.trainer.close()
+            if self.trainer.checkpointer is not None:
+                self.trainer.checkpointer.wait()
+                self.trainer.checkpointer.close()
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.close()
+
+    def _initial_state(self) -> int:
+        t0 = time.perf_counter()
+        trainer, ckpt = self.trainer, self.trainer.checkpointer
+        if self.args.resume and ckpt is not None and ckpt.latest_step() is not None:
+            restored = ckpt.restore(trainer.program)
+            trainer.state = restored.state
+            self.data.restore(restored.data_state)
+            print(f"resumed from checkpoint step {restored.step} in {ckpt.directory} "
+                  f"(written under plan {restored.plan.describe()})", file=self.out)
+        else:
+            trainer.state = trainer.program.init_state(self.args.seed)
+        self.phases["restore_s"] = time.perf_counter() - t0
+        self.data_step = int(jax_step(trainer.state))
+        return self.data_step
+
+    def _beat(self, step: int, deadline_s: float) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.update(step, deadline_s, self.trainer.plan.describe(), self.phases)
+
+    def _long_work(self, what: str) -> None:
+        """A probe or a switch (it may compile) is under way: allow it the start-up time."""
+        self._beat(self.data_step, self.ladder.startup_s)
+
+    def _next_deadline(self) -> float:
+        predicted = self.trainer.detector.last_prediction_s
+        return self.ladder.deadline_s(predicted)
+
+    def _steps(self, start: int) -> list[StepRecord]:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        args, primary = self.args, self.job.primary
+        bar = tqdm(total=args.steps, initial=start, disable=args.no_progress or not primary,
+                   unit="step", file=sys.stderr)
+        metrics = metrics_file(args.metrics, start) if args.metrics and primary else None
+        records: list[StepRecord] = []
+        try:
+            for event in self.trainer.run(args.steps, seed=args.seed):
+                if isinstance(event, Replan):
+                    self._replanned(event)
+                    continue
+                if not records:
+                    self.phases["first_step_s"] = event.step_time_s
+                records.append(event)
+                self.data_step = event.step
+                self._beat(event.step, self._next_deadline())
+                if metrics:
+                    metrics.write(json.dumps(event.to_json()) + "\n")
+                    metrics.flush()
+                bar.set_postfix(loss=f"{event.loss:.4f}", tok_s=f"{event.tokens_per_s:,.0f}")
+                bar.update()
+        finally:
+            bar.close()
+            if metrics:
+                metrics.close()
+        return records
+
+    def _replanned(self, replan: Replan) -> None:
+        verdict = replan.verdict
+        what = (f"devices {list(verdict.devices)} {verdict.kind} x{verdict.slowdown:.2f}"
+                if verdict.kind != "stopped" else f"devices {list(verdict.devices)} stopped")
+        if replan.new_plan == replan.old_plan:
+            print(f"step {replan.step}: {what}; plan kept ({replan.reason})", file=self.out)
+            return
+        print(f"step {replan.step}: {what}; re-planned to {replan.new_plan.describe()} "
+              f"({replan.kind}: plan {replan.plan_s:.2f} s, compile {replan.compile_s:.2f} s, "
+              f"move {replan.move_s:.2f} s)", file=self.out, flush=True)
+        self._beat(replan.step, self.ladder.startup_s)  # the next step may compile
+
+
+def jax_step(state: Any) -> int:
+    import jax  # noqa: PLC0415
+
+    return int(jax.device_get(state.step))

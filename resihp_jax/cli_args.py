@@ -58,7 +58,7 @@ def check_output_file(path: str | None, flag: str) -> None:
     except OSError as err:
         raise ConfigError(f"{flag}={path!r}: not writable ({err.strerror})") from None
     if not existed:
-        target.unlink()
+        target.unlink(missing_ok=True)  # the processes of one job all check the same path
 
 
 def check_output_dir(path: str | None, flag: str) -> None:

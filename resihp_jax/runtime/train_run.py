@@ -21,7 +21,6 @@ from resihp_jax.runtime.deadline import Ladder, StepDeadline
 from resihp_jax.runtime.heartbeat import Heartbeat
 from resihp_jax.runtime.loop import StepRecord, train
 from resihp_jax.runtime.watchdog import Watchdog
-from resihp_jax.train.aot import compile_program
 from resihp_jax.train.step import build_step
 
 
@@ -45,9 +44,6 @@ class TrainRun:
             print(f"step {start} already reaches --steps {self.args.steps}: nothing to train",
                   file=self.out)
             return []
-        t0 = time.perf_counter()
-        self.program = compile_program(self.program)
-        self.phases["compile_s"] = time.perf_counter() - t0
         return self._steps(state, start)
 
     def close(self) -> None:

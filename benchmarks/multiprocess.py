@@ -1,0 +1,164 @@
+"""Multi-process jobs under `resihp launch`: fail-stop, fail-slow and healthy costs.
+
+Every row runs a real job of 4 processes x 2 fake CPU devices (gloo collectives, loopback),
+each process a `resihp train` started and supervised by the launcher. Faults are real and
+come from outside the processes:
+- kill: SIGKILL to process 2 when the job reaches step K;
+- hang: SIGSTOP to process 1 at step K (alive, silent: caught by the step deadline);
+- slow: a CPU quota on process 1 from step S (SIGSTOP/SIGCONT duty cycle, 1/FACTOR of the
+  time running), with `--adapt` (detector + scheduler re-plan in place) and without, in the
+  same run; the rate of the same job with no fault beside them.
+Also: the healthy rate of 4 processes x 2 devices against 1 process x 8 devices on the same
+plan, i.e. what the multi-process runtime costs.
+
+Fail-stop rows split the time from the fault to the first step after the relaunch into
+detection, relaunch (new processes to the start of `resihp train`), JAX initialization,
+plan, restore, compile and the first step; steps lost are steps completed before the fault
+but after the restored checkpoint (run again with the same batches). This machine has 2
+cores for 4 processes: a quota on one process frees CPU for the others, so a slowdown of
+FACTOR costs the job far less than FACTOR here (the table gives the measured cost).
+
+Usage: python benchmarks/multiprocess.py [--quick] [--model tiny|small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from resihp_jax.runtime.launch import Fault, LaunchConfig, Supervisor  # noqa: E402
+
+TARGETS = {"kill_detect_s": 5.0, "hang_floor_s": 10.0, "slow_gain": 1.3}
+_SWITCH = re.compile(r"re-planned to .*\(\w+: plan ([\d.]+) s, compile ([\d.]+) s, "
+                     r"move ([\d.]+) s\)")
+
+
+def _launch(root: Path, name: str, train: list[str], faults: tuple[Fault, ...] = (),
+            procs: int = 4, per_proc: int = 2) -> tuple[Supervisor, list[dict], float]:
+    job = root / name
+    metrics = job.with_suffix(".jsonl")
+    config = LaunchConfig(procs, per_proc, job, (*train, "--metrics", str(metrics)), faults,
+                          max_restarts=2)
+    supervisor = Supervisor(config, out=io.StringIO())
+    t0 = time.perf_counter()
+    supervisor.run()
+    wall = time.perf_counter() - t0
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
+    return supervisor, records, wall
+
+
+def _tokens_per_s(records: list[dict], after: int = 1, extra_s: float = 0.0) -> float:
+    rows = [r for r in records if r["step"] > after]
+    return sum(r["tokens"] for r in rows) / (sum(r["step_time_s"] for r in rows) + extra_s)
+
+
+def _switch_s(job: Path) -> float:
+    """Plan + compile + move of every in-place re-plan, from process 0's log."""
+    total = 0.0
+    for log in sorted((job / "logs").glob("*-p0.log")):
+        for match in _SWITCH.finditer(log.read_text()):
+            total += sum(float(x) for x in match.groups())
+    return total
+
+
+def fail_stop(root: Path, kind: str, train: list[str], at: int) -> dict:
+    process = 2 if kind == "kill" else 1
+    sup, records, _ = _launch(root, kind, train, (Fault(kind, process, at),))
+    summary = sup.summary
+    phases = summary.phases[0] if summary.phases else {}
+    recovery = summary.recovery_s[0] if summary.recovery_s else float("nan")
+    inside = sum(phases.get(k, 0.0) for k in ("init_s", "plan_s", "restore_s", "compile_s",
+                                               "first_step_s"))
+    steps = [r["step"] for r in records]
+    return {"kind": kind, "detect_s": summary.detect_s[0] if summary.detect_s else None,
+            "relaunch_s": max(0.0, recovery - inside), **phases, "recovery_s": recovery,
+            "steps_lost": summary.steps_lost, "restarts": summary.restarts,
+            "every_step_once": steps == list(range(1, len(steps) + 1)),
+            "plans": summary.plans}
+
+
+def fail_slow(root: Path, train: list[str], at: int, factor: float) -> dict:
+    fault = (Fault("slow", 1, at, factor),)
+    out = {}
+    for name, extra in (("healthy", []), ("no_adapt", []), ("adapt", ["--adapt"])):
+        faults = () if name == "healthy" else fault
+        _, records, _ = _launch(root, f"slow-{name}", [*train, *extra], faults)
+        switch = _switch_s(root / f"slow-{name}") if name == "adapt" else 0.0
+        out[name] = _tokens_per_s(records, after=at, extra_s=switch)
+        out[f"{name}_switch_s"] = switch
+    out["gain"] = out["adapt"] / out["no_adapt"]
+    return out
+
+
+def healthy_overhead(root: Path, train: list[str]) -> dict:
+    _, multi, _ = _launch(root, "healthy-4x2", train)
+    _, single, _ = _launch(root, "healthy-1x8", train, procs=1, per_proc=8)
+    multi_rate, single_rate = _tokens_per_s(multi), _tokens_per_s(single)
+    return {"procs_4x2": multi_rate, "procs_1x8": single_rate,
+            "ratio": multi_rate / single_rate}
+
+
+def _row(cells: list[object], widths: list[int]) -> str:
+    return "".join(f"{c!s:>{w}}" for c, w in zip(cells, widths))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps (about 5 minutes)")
+    parser.add_argument("--model", default="tiny", choices=("tiny", "small"),
+                        help="model preset (default tiny)")
+    args = parser.parse_args()
+    steps, at, slow_at = (10, 5, 28) if args.quick else (16, 8, 30)
+    slow_steps = 40 if args.quick else 60
+    common = ["--model", args.model, "--seed", "0", "--seq-len", "256", "--no-progress"]
+    with tempfile.TemporaryDirectory(prefix="resihp-mp-") as tmp:
+        root = Path(tmp)
+        stops = [fail_stop(root, kind, [*common, "--steps", str(steps),
+                                        "--checkpoint-every", "4"], at)
+                 for kind in ("kill", "hang")]
+        slow = fail_slow(root, [*common, "--steps", str(slow_steps)], slow_at, 4.0)
+        healthy = healthy_overhead(root, [*common, "--steps", str(steps)])
+    print(f"4 processes x 2 fake CPU devices, gloo, model {args.model}; faults: SIGKILL / "
+          f"SIGSTOP of one process at step {at}, a CPU quota (x4) on one process at step "
+          f"{slow_at}\n")
+    cols = ["fault", "detect", "relaunch", "init", "plan", "restore", "compile", "step",
+            "total", "lost"]
+    widths = [8, 9, 10, 8, 8, 9, 9, 8, 9, 6]
+    print(_row(cols, widths))
+    for r in stops:
+        cells = [r["kind"], r["detect_s"], r["relaunch_s"], r.get("init_s"), r.get("plan_s"),
+                 r.get("restore_s"), r.get("compile_s"), r.get("first_step_s"),
+                 r["recovery_s"], r["steps_lost"]]
+        print(_row([f"{c:.2f}" if isinstance(c, float) else c for c in cells], widths))
+    print("(seconds; total = from detection to the end of the first step after relaunch)")
+    kill, hang = stops
+    print(f"\ndetection: kill {kill['detect_s']:.2f} s (target <= {TARGETS['kill_detect_s']}"
+          f" s); hang {hang['detect_s']:.2f} s (target: 3x the predicted step, floor "
+          f"{TARGETS['hang_floor_s']:.0f} s)")
+    print(f"\nfail-slow, tokens/s from step {slow_at} on: healthy {slow['healthy']:,.0f}, "
+          f"no adaptation {slow['no_adapt']:,.0f}, adaptation {slow['adapt']:,.0f} "
+          f"(switch {slow['adapt_switch_s']:.1f} s included): "
+          f"{slow['gain']:.2f}x (target >= {TARGETS['slow_gain']}x)")
+    print(f"healthy: 4x2 processes {healthy['procs_4x2']:,.0f} tokens/s vs 1x8 "
+          f"{healthy['procs_1x8']:,.0f} tokens/s: {healthy['ratio']:.2f}x")
+    print(json.dumps({
+        "fail_stop": {r["kind"]: {k: (round(v, 3) if isinstance(v, float) else v)
+                                  for k, v in r.items() if k not in ("kind", "plans")}
+                      for r in stops},
+        "fail_slow": {k: round(v, 3) for k, v in slow.items()},
+        "healthy": {k: round(v, 3) for k, v in healthy.items()},
+        "steps_lost": sum(r["steps_lost"] for r in stops),
+        "every_step_once": all(r["every_step_once"] for r in stops)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

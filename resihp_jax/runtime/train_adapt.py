@@ -10,8 +10,6 @@ in place by a job of several processes: the process exits for a relaunch on the 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from typing import Any, TextIO
 
@@ -20,7 +18,7 @@ from resihp_jax.runtime.deadline import Ladder
 from resihp_jax.runtime.heartbeat import Heartbeat
 from resihp_jax.runtime.loop import StepRecord
 from resihp_jax.runtime.resilient import Replan, ResilienceConfig, ResilientTrainer
-from resihp_jax.runtime.train_run import metrics_file
+from resihp_jax.runtime.train_run import RecordSink
 
 
 class AdaptRun:
@@ -73,7 +71,7 @@ class AdaptRun:
         else:
             trainer.state = trainer.program.init_state(self.args.seed)
         self.phases["restore_s"] = time.perf_counter() - t0
-        self.data_step = int(jax_step(trainer.state))
+        self.data_step = int(trainer.state.step)  # replicated: every process reads it
         return self.data_step
 
     def _beat(self, step: int, deadline_s: float) -> None:
@@ -89,36 +87,23 @@ class AdaptRun:
         return self.ladder.deadline_s(predicted)
 
     def _steps(self, start: int) -> list[StepRecord]:
-        from tqdm import tqdm  # noqa: PLC0415
-
-        args, primary = self.args, self.job.primary
-        bar = tqdm(total=args.steps, initial=start, disable=args.no_progress or not primary,
-                   unit="step", file=sys.stderr)
-        metrics = metrics_file(args.metrics, start) if args.metrics and primary else None
-        records: list[StepRecord] = []
+        sink = RecordSink(self.args, start, self.job.primary, self.phases)
         try:
-            for event in self.trainer.run(args.steps, seed=args.seed):
+            for event in self.trainer.run(self.args.steps, seed=self.args.seed):
                 if isinstance(event, Replan):
                     self._replanned(event)
                     continue
-                if not records:
-                    self.phases["first_step_s"] = event.step_time_s
-                records.append(event)
+                sink.add(event)
                 self.data_step = event.step
                 self._beat(event.step, self._next_deadline())
-                if metrics:
-                    metrics.write(json.dumps(event.to_json()) + "\n")
-                    metrics.flush()
-                bar.set_postfix(loss=f"{event.loss:.4f}", tok_s=f"{event.tokens_per_s:,.0f}")
-                bar.update()
         finally:
-            bar.close()
-            if metrics:
-                metrics.close()
-        return records
+            sink.close()
+        return sink.records
 
     def _replanned(self, replan: Replan) -> None:
         verdict = replan.verdict
+        if verdict.kind in ("compute", "link") and self.args.checkpoint_dir is not None:
+            self.job.record_slowdown(verdict.devices, verdict.slowdown, self.args.checkpoint_dir)
         what = (f"devices {list(verdict.devices)} {verdict.kind} x{verdict.slowdown:.2f}"
                 if verdict.kind != "stopped" else f"devices {list(verdict.devices)} stopped")
         if replan.new_plan == replan.old_plan:
@@ -129,8 +114,3 @@ class AdaptRun:
               f"move {replan.move_s:.2f} s)", file=self.out, flush=True)
         self._beat(replan.step, self.ladder.startup_s)  # the next step may compile
 
-
-def jax_step(state: Any) -> int:
-    import jax  # noqa: PLC0415
-
-    return int(jax.device_get(state.step))

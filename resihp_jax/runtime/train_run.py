@@ -85,37 +85,52 @@ class TrainRun:
         self._beat(self.data_step, deadline)
 
     def _steps(self, state: Any, start: int) -> list[StepRecord]:
-        from tqdm import tqdm  # noqa: PLC0415
-
-        args, primary = self.args, self.job.primary
-        bar = tqdm(total=args.steps, initial=start, disable=args.no_progress or not primary,
-                   unit="step", file=sys.stderr)
-        # a resumed run continues the metrics of the run it resumes, from its checkpoint:
-        # records of steps after it (lost with the failed incarnation) are dropped
-        metrics = metrics_file(args.metrics, start) if args.metrics and primary else None
-        records: list[StepRecord] = []
+        sink = RecordSink(self.args, start, self.job.primary, self.phases)
         self.data_step = start
         try:
-            for _, record in train(self.program, state, self.data, args.steps - start,
+            for _, record in train(self.program, state, self.data, self.args.steps - start,
                                    self.ckpt, before_step=self._before_step):
                 self.watchdog.disarm()
-                if not records:
-                    self.phases["first_step_s"] = record.step_time_s
-                records.append(record)
+                sink.add(record)
                 self.data_step = record.step
                 self.deadline.observe(self.plan, record.sum_sq_lengths, record.step_time_s)
                 self._beat(record.step, self.deadline.ladder.startup_s)
-                if metrics:
-                    metrics.write(json.dumps(record.to_json()) + "\n")
-                    metrics.flush()
-                bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}")
-                bar.update()
         finally:
             self.watchdog.disarm()
-            bar.close()
-            if metrics:
-                metrics.close()
-        return records
+            sink.close()
+        return sink.records
+
+
+class RecordSink:
+    """Where finished steps go: the records, process 0's metrics file and progress bar, and
+    the first step's time among the start-up phases."""
+
+    def __init__(self, args: argparse.Namespace, start: int, primary: bool,
+                 phases: dict[str, float]) -> None:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        self.phases = phases
+        self.records: list[StepRecord] = []
+        self.bar = tqdm(total=args.steps, initial=start, unit="step", file=sys.stderr,
+                        disable=args.no_progress or not primary)
+        # a resumed run continues the metrics of the run it resumes, from its checkpoint:
+        # records of steps after it (lost with the failed incarnation) are dropped
+        self.metrics = metrics_file(args.metrics, start) if args.metrics and primary else None
+
+    def add(self, record: StepRecord) -> None:
+        if not self.records:
+            self.phases["first_step_s"] = record.step_time_s
+        self.records.append(record)
+        if self.metrics:
+            self.metrics.write(json.dumps(record.to_json()) + "\n")
+            self.metrics.flush()
+        self.bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}")
+        self.bar.update()
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.metrics:
+            self.metrics.close()
 
 
 def metrics_file(path: str, start: int) -> TextIO:

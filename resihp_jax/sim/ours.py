@@ -81,19 +81,11 @@ class Ours(SimPolicy):
         self.option = self._best(free=True)[0]
         return self.restart_s
 
-    def on_detect(self, device: int) -> float:
-        super().on_detect(device)
-        return self._replan()
-
-    def on_clear(self, device: int) -> float:
-        super().on_clear(device)
-        return self._replan()
-
     def rate(self) -> float:
         return self._evaluate(self.option, self.excluded) * self.overhead_factor()
 
     # ---- planning ------------------------------------------------------------------------
-    def _replan(self) -> float:
+    def on_known_change(self) -> float:
         option, switch_s = self._best(free=False)
         self.option = option
         return switch_s

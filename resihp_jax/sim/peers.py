@@ -140,17 +140,9 @@ class Malleus(CheckpointRestart):
                                  self.unknown_gate(frozenset()))
         return self._of_ref(step) * self.overhead_factor()
 
-    def _replan(self) -> float:
+    def on_known_change(self) -> float:
         self.leave_out = self._rate_with(True) > self._rate_with(False)
         return MALLEUS_PLAN_S + (self.cm.params_per_device * 16.0 / RESHARD_BYTES_PER_S)
-
-    def on_detect(self, device: int) -> float:
-        super().on_detect(device)
-        return self._replan()
-
-    def on_clear(self, device: int) -> float:
-        super().on_clear(device)
-        return self._replan()
 
     def rate(self) -> float:
         return self._rate_with(self.leave_out)

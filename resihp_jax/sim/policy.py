@@ -57,10 +57,14 @@ class SimPolicy:
 
     def on_detect(self, device: int) -> float:
         self.known[device] = self.live.slow[device]
-        return 0.0
+        return self.on_known_change()
 
     def on_clear(self, device: int) -> float:
         self.known.pop(device, None)
+        return self.on_known_change()
+
+    def on_known_change(self) -> float:
+        """React to a slow GPU detected or cleared (`self.known` is up to date)."""
         return 0.0
 
     def rate(self) -> float:

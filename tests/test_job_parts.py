@@ -170,3 +170,32 @@ def test_metrics_of_lost_steps_are_dropped_on_resume(tmp_path: Path) -> None:
     path.write_text("not json\n")
     with pytest.raises(ConfigError, match="not a metrics file"):
         metrics_file(str(path), 4)
+
+
+def test_slowdowns_seen_go_into_the_health_record(tmp_path: Path) -> None:
+    from resihp_jax.runtime import health_record
+    from resihp_jax.runtime.job import Job
+
+    job = Job(distributed.JobSpec(host_id="p0"), ("p0",))
+    job.record_slowdown((5,), 3.0, tmp_path)
+    job.record_slowdown((5,), 2.0, tmp_path)  # the worst slowdown seen is kept
+    assert health_record.load(tmp_path).slow == {"p0": 3.0}
+    assert set(job.slow_devices().values()) == {3.0}  # every device of that host
+
+
+def test_launch_refuses_train_arguments_before_starting_anything(tmp_path: Path,
+                                                                 capsys) -> None:
+    from resihp_jax.cli import main
+
+    assert main(["launch", "--procs", "2", "--checkpoint-dir", str(tmp_path), "--",
+                 "--bogus", "3"]) == 2
+    assert "train argument refused: unrecognized arguments: --bogus 3" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()  # no process was started
+
+
+def test_a_refused_argument_is_not_relaunched(tmp_path: Path) -> None:
+    sup = _supervisor(tmp_path)
+    failure = sup._died({"p1": 2}, {}, 0)
+    with pytest.raises(ConfigError, match="process p1 refused its arguments"):
+        sup._failed(failure, 0)

@@ -74,6 +74,7 @@ class Failure:
     step: int  # the job's last completed step when it was seen
     detect_s: float | None  # from the injected fault to detection (None: not injected)
     detail: str
+    exit_code: int | None = None  # the culprit's, when it exited
 
 
 @dataclass
@@ -189,7 +190,8 @@ class Supervisor:
             return hung
         host = min(culprits, key=lambda h: (culprits[h] >= 0, h))  # a signal first
         return Failure("died", host, step, self._since_fault(host),
-                       f"process {host} exited with {_exit_text(culprits[host])}")
+                       f"process {host} exited with {_exit_text(culprits[host])}",
+                       culprits[host])
 
     def _hung(self, beats: dict[str, heartbeat.Beat], step: int, limit: float) -> Failure:
         now = time.time()
@@ -229,7 +231,7 @@ class Supervisor:
             if failure is None:
                 self.summary.final_step = step
                 return self.summary
-            restart_at, lost_from = self._failed(failure, record, step), step
+            restart_at, lost_from = self._failed(failure, step), step
 
     def _first_beat(self, procs: dict[str, subprocess.Popen], beat_dir: Path) -> int:
         """The step this incarnation restored from (its processes' first beats)."""
@@ -250,13 +252,13 @@ class Supervisor:
         if restart_at is not None and phases:
             self.summary.phases.append(phases)
 
-    def _failed(self, failure: Failure, record: health_record.HealthRecord,
-                step: int) -> float:
+    def _failed(self, failure: Failure, step: int) -> float:
         cfg, summary = self.config, self.summary
+        # read again: the job's process 0 may have noted slowdowns since the start
+        record = health_record.load(cfg.checkpoint_dir)
         print(f"launch: {failure.kind}: {failure.detail}", file=self.out)
         summary.failures.append(failure)
-        if failure.kind == "died" and failure.host is not None and \
-                self._log_says_user_error(failure.host):
+        if failure.exit_code == USER_ERROR:  # a restart cannot fix a refused argument
             raise ConfigError(f"process {failure.host} refused its arguments; see "
                               f"{cfg.checkpoint_dir / 'logs'}")
         if failure.detect_s is not None:
@@ -271,14 +273,6 @@ class Supervisor:
                               f"{cfg.max_restarts}); last: {failure.detail}")
         self._incarnation += 1
         return self.clock()
-
-    def _log_says_user_error(self, host: str) -> bool:
-        proc_log = self.config.checkpoint_dir / "logs" / \
-            f"incarnation{self._incarnation}-{host}.log"
-        try:
-            return "resihp train: error:" in proc_log.read_text()
-        except OSError:
-            return False
 
     def _end(self, procs: dict[str, subprocess.Popen]) -> None:
         for throttle in self._throttles:

@@ -57,7 +57,23 @@ def _train_args(raw: list[str]) -> tuple[str, ...]:
                   "--checkpoint-dir", "--devices"):
         if owned in args:
             raise ConfigError(f"train argument {owned} is set by resihp launch; remove it")
+    _check_parses(args)
     return tuple(args)
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"train argument refused: {message}")
+
+
+def _check_parses(args: list[str]) -> None:
+    """Refuse train arguments `resihp train` would refuse, before any process starts: each
+    process would otherwise fail the same way, relaunch after relaunch."""
+    from resihp_jax.runtime import train_cli  # noqa: PLC0415
+
+    parser = _RefusingParser(prog="resihp train")
+    train_cli.add_arguments(parser)
+    parser.parse_args(args)
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:

@@ -34,10 +34,11 @@ SCRIPT = textwrap.dedent("""
                         device_ids=(0, 2048))
     plan = plan.replace(microbatches_per_group=(3, 1) if pid == 0 else (2, 2))
     agreed = Plan.from_dict(from_primary(plan.to_dict()))
+    nothing = from_primary(None if pid == 0 else {"verdict": "only process 1 has one"})
     print("RESULT " + json.dumps({
         "step_time_s": timing.step_time_s, "fwd": timing.fwd_DxPxT.ravel().tolist(),
         "verdict": None if verdict is None else [list(verdict.devices), verdict.slowdown],
-        "plan": list(agreed.microbatches_per_group)}), flush=True)
+        "plan": list(agreed.microbatches_per_group), "nothing": nothing}), flush=True)
 """)
 
 
@@ -58,3 +59,4 @@ def test_every_process_sees_the_same_step_and_follows_process_0() -> None:
     assert first == second  # one view, one decision
     assert first["step_time_s"] == 2.0 and first["fwd"] == [0.5, 1.5]
     assert first["verdict"] == [[2048], 3.0] and first["plan"] == [3, 1]
+    assert first["nothing"] is None

@@ -86,6 +86,15 @@ def test_resume_onto_another_plan_continues_the_same_losses(
     np.testing.assert_allclose(_losses(tmp_path / "b.jsonl"), reference[3:], rtol=1e-5)
 
 
+def test_adapting_run_resumes_a_plain_runs_checkpoint_with_the_same_losses(
+        tmp_path: Path, three_steps: Path, reference: list[float]) -> None:
+    ckpt, _ = _copy(three_steps, tmp_path)
+    assert _train(*PLAN_B, "--adapt", "--checkpoint-dir", ckpt, "--resume", "--metrics",
+                  tmp_path / "a.jsonl", steps=6) == 0
+    np.testing.assert_allclose(_losses(tmp_path / "a.jsonl"), reference[3:], rtol=1e-5)
+    assert steps_on_disk(ckpt)[-1] == 6  # the adapting run checkpoints too
+
+
 def test_resume_on_an_empty_directory_starts_and_extra_devices_are_left_unused(
         tmp_path: Path, reference: list[float], capsys) -> None:
     assert _train(*PLAN_A, "--devices", "8", "--checkpoint-dir", tmp_path / "new", "--resume",

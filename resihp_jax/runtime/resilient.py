@@ -248,7 +248,9 @@ class ResilientTrainer:
             yield record
             if verdict is not None:
                 yield self.react(verdict, None)
-        if self.checkpointer:
+        if self.checkpointer:  # a later run resumes where this one ended
+            self.checkpointer.save(done, self.state, self.program, self.data.state(),
+                                   force=True)
             self.checkpointer.wait()
 
     def close(self) -> None:

@@ -137,7 +137,7 @@ class Checkpointer:
         meta = self._read_meta(step, where)
         if self.identity is not None:
             check_identity(meta.get("identity"), self.identity, where)
-        target = _canonical_target(program)
+        target = canonical_target(program)
         _check_shapes(meta.get("leaves"), leaf_shapes(target), where, program)
         try:
             loaded = self._manager.restore(step, args=ocp.args.Composite(
@@ -199,7 +199,7 @@ def _check_shapes(saved: Mapping[str, Any] | None, target: Mapping[str, Any], wh
                 f"{target.get(key, '<absent>')} in the model")
 
 
-def _canonical_target(program: StepProgram) -> TrainState:
+def canonical_target(program: StepProgram) -> TrainState:
     """Shapes, dtypes and shardings of a canonical state on `program`'s mesh."""
     shapes = abstract_state(program.model, program.optimizer, program.plan, program.layer_slots)
     canonical = canonical_state_shapes(shapes, program.plan.n_layers)

@@ -26,6 +26,7 @@ class Beat:
     plan: str
     time: float  # wall clock (time.time()) of the write
     phases: dict[str, float] = field(default_factory=dict)  # start-up breakdown, seconds
+    source: str = ""  # where the incarnation's state came from, e.g. "survivors@12"
 
 
 class Heartbeat:
@@ -35,6 +36,7 @@ class Heartbeat:
         self.interval_s = interval_s
         self._state: dict = {"step": 0, "deadline_s": 0.0, "plan": "", "phases": {}}
         self._updated = False
+        self.source = ""  # set once the state is restored
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="resihp-heartbeat")
         self._thread.start()
@@ -60,7 +62,8 @@ class Heartbeat:
                 self._write()
 
     def _write(self) -> None:
-        beat = Beat(os.getpid(), time=time.time(), **self._state)  # type: ignore[arg-type]
+        beat = Beat(os.getpid(), time=time.time(), source=self.source,
+                    **self._state)  # type: ignore[arg-type]
         tmp = self.path.with_suffix(f".tmp{threading.get_ident()}")
         try:
             tmp.write_text(json.dumps(asdict(beat)))

@@ -36,13 +36,21 @@ USER_ERROR = 2  # the exit code of a bad argument: nothing to restart
 @dataclass(frozen=True)
 class Fault:
     kind: str  # kill | hang | slow
-    process: int  # index in the first incarnation (host id f"p{process}")
+    process: int  # index in the first incarnation (host id f"p{process}"), or see by_rank
     step: int
     factor: float = 1.0  # slow only
+    until: int | None = None  # slow only: the quota is lifted when the job reaches this step
+    by_rank: bool = False  # `process` is a rank in the incarnation running at `step`
 
-    @property
-    def host(self) -> str:
-        return f"p{self.process}"
+    def host_in(self, live: list[str]) -> str:
+        """The host this fault strikes among the running incarnation's `live` hosts."""
+        return live[self.process % len(live)] if self.by_rank else f"p{self.process}"
+
+    def describe(self) -> str:
+        who = f"rank {self.process}" if self.by_rank else f"process p{self.process}"
+        what = f"slow x{self.factor:g}" if self.kind == "slow" else self.kind
+        until = f" until step {self.until}" if self.until is not None else ""
+        return f"{what} {who} at step {self.step}{until}"
 
 
 @dataclass(frozen=True)
@@ -56,12 +64,20 @@ class LaunchConfig:
     startup_s: float = 600.0  # initialization, restore and first compile of an incarnation
     stale_s: float = 2.0  # a heartbeat older than this: the process is frozen
     poll_s: float = 0.05
+    # after a failure the others get SIGTERM and this long to write their copies of the
+    # last step (host_snapshot.py) before SIGKILL, as a cluster's grace period allows
+    grace_s: float = 60.0
+    # an excluded host returns (repaired) at the first relaunch this many steps after it was
+    # excluded; None: never
+    readmit_after_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.procs < 1 or self.devices_per_proc < 1:
             raise ConfigError(f"--procs={self.procs} and --devices-per-proc="
                               f"{self.devices_per_proc}: both must be >= 1")
         for fault in self.faults:
+            if fault.by_rank:
+                continue
             if not 0 <= fault.process < self.procs:
                 raise ConfigError(f"--{fault.kind} names process {fault.process}; valid: 0.."
                                   f"{self.procs - 1}")
@@ -75,6 +91,7 @@ class Failure:
     detect_s: float | None  # from the injected fault to detection (None: not injected)
     detail: str
     exit_code: int | None = None  # the culprit's, when it exited
+    end_s: float = 0.0  # from detection until every process had ended (copies written)
 
 
 @dataclass
@@ -87,12 +104,15 @@ class Summary:
     plans: list[str] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
     phases: list[dict] = field(default_factory=list)  # each relaunch's first-step breakdown
+    sources: list[str] = field(default_factory=list)  # each incarnation's state: its origin
+    restored: list[int] = field(default_factory=list)  # each incarnation's first step
+    injected: list[str] = field(default_factory=list)  # each fault as it was injected
 
     def to_json(self) -> dict:
         return {"restarts": self.restarts, "steps_lost": self.steps_lost,
                 "recovery_s": [round(x, 3) for x in self.recovery_s],
                 "detect_s": [round(x, 3) for x in self.detect_s],
-                "final_step": self.final_step, "plans": self.plans}
+                "final_step": self.final_step, "plans": self.plans, "sources": self.sources}
 
 
 def free_port() -> int:
@@ -108,7 +128,9 @@ class Supervisor:
         self.summary = Summary()
         self._fired: set[Fault] = set()
         self._fault_time: dict[str, float] = {}  # host -> when its fault was injected
-        self._throttles: list[Throttle] = []
+        self._throttles: dict[Fault, Throttle] = {}
+        self._lifted: set[Fault] = set()
+        self._last_detected = 0.0  # when the last failure was detected
         self._incarnation = 0
 
     # ---- one incarnation -----------------------------------------------------------------
@@ -133,20 +155,31 @@ class Supervisor:
         return procs
 
     def _inject(self, procs: dict[str, subprocess.Popen], step: int) -> None:
+        live = list(procs)
         for fault in self.config.faults:
-            if fault in self._fired or fault.host not in procs or step < fault.step:
+            if fault in self._lifted or fault.until is None or step < fault.until:
+                continue
+            if fault in self._throttles:  # a slowdown that comes and goes: it goes now
+                self._throttles.pop(fault).stop()
+                self._lifted.add(fault)
+                print(f"launch: step {step}: slowdown of {fault.describe()} lifted",
+                      file=self.out)
+        for fault in self.config.faults:
+            host = fault.host_in(live)
+            if fault in self._fired or host not in procs or step < fault.step:
                 continue
             self._fired.add(fault)
-            pid = procs[fault.host].pid
-            self._fault_time[fault.host] = self.clock()
-            print(f"launch: step {step}: {fault.kind} process {fault.host}"
+            pid = procs[host].pid
+            self._fault_time[host] = self.clock()
+            self.summary.injected.append(f"step {step}: {fault.kind} {host}")
+            print(f"launch: step {step}: {fault.kind} process {host}"
                   + (f" x{fault.factor:g}" if fault.kind == "slow" else ""), file=self.out)
             if fault.kind == "kill":
                 _signal_group(pid, signal.SIGKILL)
             elif fault.kind == "hang":
                 _signal_group(pid, signal.SIGSTOP)
             else:
-                self._throttles.append(Throttle(pid, fault.factor))
+                self._throttles[fault] = Throttle(pid, fault.factor)
 
     def _watch(self, procs: dict[str, subprocess.Popen], beat_dir: Path,
                start_step: int) -> tuple[Failure | None, int, dict[str, heartbeat.Beat]]:
@@ -209,7 +242,7 @@ class Supervisor:
     def run(self) -> Summary:
         cfg = self.config
         hosts = [f"p{i}" for i in range(cfg.procs)]
-        restart_at: float | None = None
+        detected_at: float | None = None
         lost_from: int | None = None  # the job's step when the last failure was seen
         while True:
             record = health_record.load(cfg.checkpoint_dir)
@@ -220,19 +253,26 @@ class Supervisor:
             beat_dir = cfg.checkpoint_dir / "heartbeat" / f"incarnation{self._incarnation}"
             procs = self._spawn(live, beat_dir)
             first = self._first_beat(procs, beat_dir)
+            self.summary.restored.append(first)
             if lost_from is not None:
                 self.summary.steps_lost += max(0, lost_from - first)
             self._first_progress_at: float | None = None
             failure, step, beats = self._watch(procs, beat_dir, first)
-            self._end(procs)
-            self._record_incarnation(beats, restart_at)
-            if restart_at is not None and self._first_progress_at is not None:
-                self.summary.recovery_s.append(self._first_progress_at - restart_at)
+            if failure is not None:
+                detected_at = self.clock()
+                self._end(procs, failure, beats)
+                failure.end_s = self.clock() - detected_at
+            else:
+                self._end(procs, None, beats)
+            self._record_incarnation(beats)
+            if self.summary.restarts and self._first_progress_at is not None:
+                self.summary.recovery_s.append(self._first_progress_at - self._last_detected)
             if failure is None:
                 self.summary.final_step = step
                 return self.summary
-            restart_at, lost_from = self._failed(failure, step), step
-
+            self._last_detected = detected_at
+            self._failed(failure, step)
+            lost_from = step
     def _first_beat(self, procs: dict[str, subprocess.Popen], beat_dir: Path) -> int:
         """The step this incarnation restored from (its processes' first beats)."""
         deadline = self.clock() + self.config.startup_s
@@ -243,16 +283,16 @@ class Supervisor:
             time.sleep(self.config.poll_s)
         return 0
 
-    def _record_incarnation(self, beats: dict[str, heartbeat.Beat],
-                            restart_at: float | None) -> None:
+    def _record_incarnation(self, beats: dict[str, heartbeat.Beat]) -> None:
         plan = next((b.plan for h, b in sorted(beats.items()) if b.plan), "")
         if plan:
             self.summary.plans.append(plan)
+        self.summary.sources.append(next((b.source for b in beats.values() if b.source), "?"))
         phases = next((b.phases for b in beats.values() if b.phases), None)
-        if restart_at is not None and phases:
+        if self.summary.restarts and phases:
             self.summary.phases.append(phases)
 
-    def _failed(self, failure: Failure, step: int) -> float:
+    def _failed(self, failure: Failure, step: int) -> None:
         cfg, summary = self.config, self.summary
         # read again: the job's process 0 may have noted slowdowns since the start
         record = health_record.load(cfg.checkpoint_dir)
@@ -263,6 +303,7 @@ class Supervisor:
                               f"{cfg.checkpoint_dir / 'logs'}")
         if failure.detect_s is not None:
             summary.detect_s.append(failure.detect_s)
+        self._readmit(record, step)
         if failure.host is not None:
             record.exclude(failure.host, failure.detail, step)
         record.incarnations += 1
@@ -272,13 +313,38 @@ class Supervisor:
             raise ConfigError(f"the job failed {summary.restarts} times (--max-restarts="
                               f"{cfg.max_restarts}); last: {failure.detail}")
         self._incarnation += 1
-        return self.clock()
 
-    def _end(self, procs: dict[str, subprocess.Popen]) -> None:
-        for throttle in self._throttles:
-            throttle.stop()
+    def _readmit(self, record: health_record.HealthRecord, step: int) -> None:
+        """Hosts excluded long enough ago come back, as repaired nodes rejoin a cluster."""
+        after = self.config.readmit_after_steps
+        if after is None:
+            return
+        for host, exclusion in list(record.excluded.items()):
+            if step - exclusion.step >= after:
+                del record.excluded[host]
+                print(f"launch: host {host} readmitted (excluded at step {exclusion.step})",
+                      file=self.out)
+
+    def _end(self, procs: dict[str, subprocess.Popen], failure: Failure | None,
+             beats: dict[str, heartbeat.Beat]) -> None:
+        """End every process. After a failure the others get SIGTERM first and up to
+        `grace_s` to write their copies of the last step; a frozen process cannot (it is
+        killed), nor can one still running after the grace period."""
+        for throttle in self._throttles.values():
+            throttle.stop()  # lets a throttled process run (and write) again
         self._throttles.clear()
-        for proc in procs.values():
+        running = [(h, p) for h, p in procs.items() if p.poll() is None]
+        if failure is not None:
+            now = time.time()
+            frozen = {h for h, b in beats.items() if now - b.time > self.config.stale_s}
+            if failure.kind == "hung" and failure.host is not None:
+                frozen.add(failure.host)
+            for host, proc in running:
+                _signal_group(proc.pid, signal.SIGKILL if host in frozen else signal.SIGTERM)
+            deadline = self.clock() + self.config.grace_s
+            while self.clock() < deadline and any(p.poll() is None for _, p in running):
+                time.sleep(self.config.poll_s)
+        for _, proc in running:
             if proc.poll() is None:
                 _signal_group(proc.pid, signal.SIGKILL)  # also ends a stopped process
         for proc in procs.values():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -35,6 +36,8 @@ class StepRecord:
     grad_norm: float
     plan: dict[str, Any]
     sum_sq_lengths: list[float]
+    batch_crc: int = 0  # CRC-32 of the batch's tokens: which batch this step trained on
+    host_copy_s: float = 0.0  # copying the state to host memory after the step (if done)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -46,7 +49,8 @@ class StepRecord:
         tokens = plan.tokens_per_step
         return cls(step, float(metrics["loss"]), elapsed, tokens, int(metrics["tokens"]),
                    tokens / elapsed if elapsed > 0 else 0.0, float(metrics["grad_norm"]),
-                   plan.to_dict(), [float(x) for x in batch.sum_sq_lengths()])
+                   plan.to_dict(), [float(x) for x in batch.sum_sq_lengths()],
+                   zlib.crc32(np.ascontiguousarray(batch.tokens_MxBxS).tobytes()))
 
 
 def run_step(program: StepProgram, state: TrainState, batch: GlobalBatch,

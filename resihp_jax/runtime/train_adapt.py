@@ -10,6 +10,7 @@ in place by a job of several processes: the process exits for a relaunch on the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from typing import Any, TextIO
 
@@ -18,7 +19,8 @@ from resihp_jax.runtime.deadline import Ladder
 from resihp_jax.runtime.heartbeat import Heartbeat
 from resihp_jax.runtime.loop import StepRecord
 from resihp_jax.runtime.resilient import Replan, ResilienceConfig, ResilientTrainer
-from resihp_jax.runtime.train_run import RecordSink
+from resihp_jax.runtime.resume import start_state
+from resihp_jax.runtime.train_run import RecordSink, close_host_copies, host_copies
 
 
 class AdaptRun:
@@ -39,6 +41,7 @@ class AdaptRun:
         self.trainer = ResilientTrainer(model, train_cfg, plan, jax.devices(), data, config,
                                         on_long_work=self._long_work)
         phases["compile_s"] = time.perf_counter() - t0
+        self.snapshots = host_copies(args, job, self.trainer.checkpointer)
 
     def run(self) -> list[StepRecord]:
         start = self._initial_state()
@@ -50,6 +53,7 @@ class AdaptRun:
         return self._steps(start)
 
     def close(self) -> None:
+        close_host_copies(self.snapshots)
         try:
             self.trainer.close()
             if self.trainer.checkpointer is not None:
@@ -61,17 +65,17 @@ class AdaptRun:
 
     def _initial_state(self) -> int:
         t0 = time.perf_counter()
-        trainer, ckpt = self.trainer, self.trainer.checkpointer
-        if self.args.resume and ckpt is not None and ckpt.latest_step() is not None:
-            restored = ckpt.restore(trainer.program)
-            trainer.state = restored.state
-            self.data.restore(restored.data_state)
-            print(f"resumed from checkpoint step {restored.step} in {ckpt.directory} "
-                  f"(written under plan {restored.plan.describe()})", file=self.out)
-        else:
-            trainer.state = trainer.program.init_state(self.args.seed)
+        trainer = self.trainer
+        start = start_state(trainer.program, trainer.checkpointer, self.data,
+                            resume=self.args.resume, seed=self.args.seed,
+                            primary=self.job.primary, out=self.out)
+        trainer.state = start.state
         self.phases["restore_s"] = time.perf_counter() - t0
-        self.data_step = int(trainer.state.step)  # replicated: every process reads it
+        if self.heartbeat is not None:
+            self.heartbeat.source = start.source
+        if self.snapshots is not None:  # a failure in the first step loses nothing either
+            self.snapshots.capture(start.step, start.state, trainer.program, self.data.state())
+        self.data_step = start.step
         return self.data_step
 
     def _beat(self, step: int, deadline_s: float) -> None:
@@ -93,6 +97,10 @@ class AdaptRun:
                 if isinstance(event, Replan):
                     self._replanned(event)
                     continue
+                if self.snapshots is not None:  # before the next step donates the state
+                    event = dataclasses.replace(event, host_copy_s=self.snapshots.capture(
+                        event.step, self.trainer.state, self.trainer.program,
+                        self.data.state()))
                 sink.add(event)
                 self.data_step = event.step
                 self._beat(event.step, self._next_deadline())

@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue from the newest good checkpoint in --checkpoint-dir "
                              "(any plan; model, optimizer, data and batch shape must match); "
                              "with none there yet, start from step 0")
+    parser.add_argument("--no-host-copies", action="store_true",
+                        help="keep no copy of each step's state in host memory. By default, "
+                             "with --checkpoint-dir, every process keeps one and writes it out "
+                             "when the job fails or gets SIGTERM, so a relaunch rebuilds the "
+                             "last completed step from the survivors instead of going back to "
+                             "the periodic checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--adapt", action="store_true",
                         help="watch every step and re-plan around slow devices in place "
@@ -205,6 +211,13 @@ def _train(args: argparse.Namespace, spec: distributed.JobSpec, ladder: Ladder, 
         run = TrainRun(args, job, model, train_cfg, plan, data, ckpt, ladder, phases, out)
     try:
         records = run.run()
+    except BaseException:
+        from resihp_jax.runtime.host_snapshot import dump_active  # noqa: PLC0415
+
+        # a peer died (a collective failed) or this process must stop: the relaunch
+        # rebuilds the last completed step from the copies the processes left write now
+        dump_active("training stopped by an error")
+        raise
     finally:
         run.close()
     if records:

@@ -10,6 +10,7 @@ its parts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -19,7 +20,9 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.deadline import Ladder, StepDeadline
 from resihp_jax.runtime.heartbeat import Heartbeat
+from resihp_jax.runtime.host_snapshot import HostSnapshots, activate, deactivate
 from resihp_jax.runtime.loop import StepRecord, train
+from resihp_jax.runtime.resume import start_state
 from resihp_jax.runtime.watchdog import Watchdog
 from resihp_jax.train.step import build_step
 
@@ -36,9 +39,12 @@ class TrainRun:
         import jax  # noqa: PLC0415
 
         self.program = build_step(model, train_cfg, plan, jax.devices())
+        self.snapshots = host_copies(args, job, ckpt)
 
     def run(self) -> list[StepRecord]:
         state, start = self._initial_state()
+        if self.snapshots is not None:  # a failure in the first step loses nothing either
+            self.snapshots.capture(start, state, self.program, self.data.state())
         self._beat(start, self.deadline.ladder.startup_s)
         if start >= self.args.steps:
             print(f"step {start} already reaches --steps {self.args.steps}: nothing to train",
@@ -48,6 +54,7 @@ class TrainRun:
 
     def close(self) -> None:
         self.watchdog.close()
+        close_host_copies(self.snapshots)
         try:
             if self.ckpt is not None:
                 self.ckpt.wait()  # a pending save completes (or reports its failure) first
@@ -57,22 +64,16 @@ class TrainRun:
                 self.heartbeat.close()
 
     def _initial_state(self) -> tuple[Any, int]:
-        """(state, step): the newest good checkpoint's with `--resume`, else a fresh one."""
+        """(state, step) to train from: see resume.start_state."""
         t0 = time.perf_counter()
-        args, ckpt = self.args, self.ckpt
         try:
-            if args.resume and ckpt.latest_step() is not None:
-                restored = ckpt.restore(self.program)
-                self.data.restore(restored.data_state)
-                print(f"resumed from checkpoint step {restored.step} in {ckpt.directory} "
-                      f"(written under plan {restored.plan.describe()})", file=self.out)
-                return restored.state, restored.step
-            if args.resume:
-                print(f"no checkpoint in {ckpt.directory} yet: starting from step 0",
-                      file=self.out)
-            return self.program.init_state(args.seed), 0
+            start = start_state(self.program, self.ckpt, self.data, resume=self.args.resume,
+                                seed=self.args.seed, primary=self.job.primary, out=self.out)
         finally:
             self.phases["restore_s"] = time.perf_counter() - t0
+        if self.heartbeat is not None:
+            self.heartbeat.source = start.source
+        return start.state, start.step
 
     def _beat(self, step: int, deadline_s: float) -> None:
         if self.heartbeat is not None:
@@ -88,9 +89,13 @@ class TrainRun:
         sink = RecordSink(self.args, start, self.job.primary, self.phases)
         self.data_step = start
         try:
-            for _, record in train(self.program, state, self.data, self.args.steps - start,
-                                   self.ckpt, before_step=self._before_step):
+            for state, record in train(self.program, state, self.data,
+                                       self.args.steps - start, self.ckpt,
+                                       before_step=self._before_step):
                 self.watchdog.disarm()
+                if self.snapshots is not None:  # before the next step donates `state`
+                    record = dataclasses.replace(record, host_copy_s=self.snapshots.capture(
+                        record.step, state, self.program, self.data.state()))
                 sink.add(record)
                 self.data_step = record.step
                 self.deadline.observe(self.plan, record.sum_sq_lengths, record.step_time_s)
@@ -99,6 +104,23 @@ class TrainRun:
             self.watchdog.disarm()
             sink.close()
         return sink.records
+
+
+def host_copies(args: argparse.Namespace, job: Any, ckpt: Any) -> HostSnapshots | None:
+    """This process's per-step host copies (None without a checkpoint directory or with
+    --no-host-copies), written out by the process's exit paths and on SIGTERM."""
+    if ckpt is None or args.no_host_copies:
+        return None
+    snapshots = HostSnapshots(ckpt.directory, job.spec.host_id, ckpt.identity)
+    activate(snapshots)
+    snapshots.exit_on_sigterm()
+    return snapshots
+
+
+def close_host_copies(snapshots: HostSnapshots | None) -> None:
+    if snapshots is not None:
+        deactivate(snapshots)
+        snapshots.close()
 
 
 class RecordSink:

@@ -20,6 +20,9 @@ HUNG_EXIT = 75  # EX_TEMPFAIL: the job may be retried
 
 def _exit_hung(message: str) -> None:
     print(f"resihp train: {message}; exiting so the job restarts", file=sys.stderr, flush=True)
+    from resihp_jax.runtime.host_snapshot import dump_active  # noqa: PLC0415 - JAX is loaded
+
+    dump_active("step deadline passed")  # the relaunch rebuilds this step from the survivors
     os._exit(HUNG_EXIT)  # other threads may be blocked in a collective: no clean shutdown
 
 

@@ -1,0 +1,242 @@
+"""Every step's state in this process's host memory, written out when the process must stop.
+
+After each completed step the process copies the shards of the training state its devices
+hold into host buffers (the last two steps, reused in turn, so no allocation per step). The
+next step then donates the device buffers freely: the state it consumes stays recoverable
+here. Nothing is written during healthy training. When the job fails (a peer died and a
+collective errs, the step deadline passes, or whatever runs the job sends SIGTERM, as the
+supervisor, SLURM and Kubernetes do before they kill), the process writes its newest copy
+under `<checkpoint dir>/survivors/step<S>/<host>-<pid>/` and exits. With data parallelism
+the survivors together hold every shard of the state of the last completed step; a
+relaunch rebuilds it from their files into its own plan (see survivor_copies.py).
+
+SIGTERM is caught through `signal.set_wakeup_fd`, read by a thread of our own: the main
+thread may be blocked in a collective that never returns, where a Python signal handler
+would never run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import jax
+import numpy as np
+
+from resihp_jax.meshes import layout
+
+SUBDIR = "survivors"
+MANIFEST = "manifest.json"
+VERSION = 1
+TERMINATED_EXIT = 75  # EX_TEMPFAIL, as a watchdog exit: the job may be retried
+
+Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension of the global array
+
+
+@dataclass
+class _Leaf:
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: dict[Box, np.ndarray]  # this process's distinct shards, by global box
+
+
+@dataclass
+class _Copy:
+    step: int
+    data_state: dict[str, Any]
+    plan: dict[str, Any]
+    positions: list[int]  # where each canonical layer sits in the flattened stage layout
+    layer_slots: int
+    leaves: dict[str, _Leaf]
+
+
+def shard_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
+    """A shard's `index` (slices into the global array) as [start, stop) per dimension."""
+    return tuple((s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape))
+
+
+def leaf_key(path: tuple[Any, ...]) -> str:
+    return jax.tree_util.keystr(path)
+
+
+class HostSnapshots:
+    """The newest `keep` steps' local shards in host memory; `dump` writes the newest."""
+
+    def __init__(self, checkpoint_dir: str | Path, host: str,
+                 identity: Mapping[str, Any] | None = None, keep: int = 2,
+                 clock: Callable[[], float] = time.perf_counter,
+                 devices: Iterable[int] | None = None) -> None:
+        """`devices`: ids of the devices whose shards count as this process's (default: its
+        addressable devices; tests pose as several processes with it)."""
+        self.root = Path(checkpoint_dir).absolute() / SUBDIR
+        self.host, self.identity, self.keep, self.clock = host, identity, keep, clock
+        self.devices = None if devices is None else frozenset(devices)
+        self._copies: list[_Copy] = []  # oldest first
+        self._lock = threading.Lock()
+        self._dumped: Path | None = None
+        self._terminate: _TermWatcher | None = None
+        self.capture_s: list[float] = []  # seconds each capture took
+
+    # ---- every step ------------------------------------------------------------------------
+    def capture(self, step: int, state: Any, program: Any, data_state: Mapping[str, Any]) -> float:
+        """Copy this process's shards of `state` (after `step`) to host; the seconds it took."""
+        t0 = self.clock()
+        flat, _ = jax.tree_util.tree_flatten_with_path(state)
+        shards = [(leaf_key(path), leaf, shard) for path, leaf in flat
+                  for shard in leaf.addressable_shards
+                  if self.devices is None or shard.device.id in self.devices]
+        for _, _, shard in shards:  # start every device-to-host copy before waiting for one
+            shard.data.copy_to_host_async()
+        with self._lock:
+            spare = self._copies.pop(0) if len(self._copies) >= self.keep else None
+            leaves: dict[str, _Leaf] = {}
+            for key, leaf, shard in shards:
+                box = shard_box(shard.index, leaf.shape)
+                entry = leaves.setdefault(key, _Leaf(tuple(leaf.shape),
+                                                     np.dtype(leaf.dtype).name, {}))
+                if box in entry.pieces:
+                    continue  # a replica of a shard already copied (e.g. across tp)
+                entry.pieces[box] = _copy_into(spare, key, box, np.asarray(shard.data))
+            positions = layout.canonical_index(program.stage_index()).tolist()
+            self._copies.append(_Copy(int(step), dict(data_state), program.plan.to_dict(),
+                                      positions, int(program.layer_slots), leaves))
+        elapsed = self.clock() - t0
+        self.capture_s.append(elapsed)
+        return elapsed
+
+    @property
+    def newest_step(self) -> int | None:
+        with self._lock:
+            return self._copies[-1].step if self._copies else None
+
+    # ---- when the process must stop -------------------------------------------------------
+    def dump(self, reason: str) -> Path | None:
+        """Write the newest copy (once per process; later calls return the same path)."""
+        with self._lock:
+            if self._dumped is not None or not self._copies:
+                return self._dumped
+            copy = self._copies[-1]
+            t0 = self.clock()
+            target = self.root / f"step{copy.step}" / f"{self.host}-{os.getpid()}"
+            try:
+                _write(copy, target, self.host, reason, self.identity)
+            except OSError as err:  # a full disk: say so; the checkpoint is still there
+                print(f"resihp train: could not write this process's copy of step "
+                      f"{copy.step} to {target}: {err}", file=sys.stderr, flush=True)
+                return None
+            self._dumped = target
+            print(f"resihp train: {reason}: wrote this process's copy of step {copy.step} "
+                  f"({_nbytes(copy) / 1e6:.1f} MB) in {self.clock() - t0:.2f} s to {target}",
+                  file=sys.stderr, flush=True)
+            return target
+
+    def exit_on_sigterm(self, exit_fn: Callable[[int], None] = os._exit) -> None:
+        """From now on SIGTERM writes the newest copy and exits with TERMINATED_EXIT."""
+        if self._terminate is None and threading.current_thread() is threading.main_thread():
+            self._terminate = _TermWatcher(lambda: self._on_sigterm(exit_fn))
+
+    def _on_sigterm(self, exit_fn: Callable[[int], None]) -> None:
+        self.dump("terminated (SIGTERM)")
+        sys.stdout.flush()
+        exit_fn(TERMINATED_EXIT)
+
+    def close(self) -> None:
+        if self._terminate is not None:
+            self._terminate.close()
+            self._terminate = None
+
+
+_ACTIVE: list[HostSnapshots] = []  # the copies the exit paths of this process write out
+
+
+def activate(snapshots: HostSnapshots) -> None:
+    """Make `snapshots` the ones `dump_active` writes (one training run per process)."""
+    _ACTIVE[:] = [snapshots]
+
+
+def deactivate(snapshots: HostSnapshots) -> None:
+    if _ACTIVE and _ACTIVE[0] is snapshots:
+        _ACTIVE.clear()
+
+
+def dump_active(reason: str) -> Path | None:
+    """Write the active copies, if any: called on the way out of a failing process."""
+    return _ACTIVE[0].dump(reason) if _ACTIVE else None
+
+
+def _copy_into(spare: _Copy | None, key: str, box: Box, host: np.ndarray) -> np.ndarray:
+    """`host` copied into the spare copy's buffer for the same shard, or a new buffer."""
+    old = spare.leaves.get(key) if spare is not None else None
+    buffer = old.pieces.get(box) if old is not None else None
+    if buffer is None or buffer.shape != host.shape or buffer.dtype != host.dtype:
+        return np.array(host, copy=True)
+    np.copyto(buffer, host)
+    return buffer
+
+
+def _nbytes(copy: _Copy) -> int:
+    return sum(a.nbytes for leaf in copy.leaves.values() for a in leaf.pieces.values())
+
+
+def _write(copy: _Copy, target: Path, host: str, reason: str,
+           identity: Mapping[str, Any] | None) -> None:
+    """Raw shard files and a manifest into `target`, made visible by one rename."""
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    leaves: dict[str, Any] = {}
+    n = 0
+    for key, leaf in copy.leaves.items():
+        pieces = []
+        for box, array in leaf.pieces.items():
+            name = f"{n}.bin"
+            array.tofile(tmp / name)  # raw bytes: bfloat16 needs no special format
+            pieces.append({"box": [list(b) for b in box], "file": name})
+            n += 1
+        leaves[key] = {"shape": list(leaf.shape), "dtype": leaf.dtype, "pieces": pieces}
+    manifest = {"version": VERSION, "step": copy.step, "data_state": copy.data_state,
+                "plan": copy.plan, "positions": copy.positions,
+                "layer_slots": copy.layer_slots, "identity": identity, "host": host,
+                "reason": reason, "leaves": leaves}
+    (tmp / MANIFEST).write_text(json.dumps(manifest))
+    os.replace(tmp, target)
+
+
+class _TermWatcher:
+    """Runs `on_term` in its own thread when SIGTERM arrives, whatever the main thread does."""
+
+    def __init__(self, on_term: Callable[[], None]) -> None:
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)
+        self._old_handler = signal.signal(signal.SIGTERM, lambda *_: None)
+        self._old_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        self._on_term = on_term
+        self._thread = threading.Thread(target=self._run, daemon=True, name="resihp-sigterm")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = self._read.recv(64)
+            except OSError:
+                return
+            if not data:
+                return  # closed
+            if signal.SIGTERM in data:  # the wakeup fd carries every handled signal's number
+                self._on_term()
+                return
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._old_fd)
+        signal.signal(signal.SIGTERM, self._old_handler)
+        self._write.close()  # the reader sees end of file and stops
+        self._read.close()

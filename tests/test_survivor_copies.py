@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
@@ -36,30 +37,46 @@ def _data(state: dict | None = None) -> BatchIterator:
                          seed=1, state=state)
 
 
-def _trained(plan: Plan, steps: int) -> tuple:
-    program = build_step(CFG, TrainConfig(), plan, jax.devices())
+def _trained(plan: Plan, steps: int, donate: bool = True) -> tuple:
+    program = build_step(CFG, TrainConfig(donate_state=donate), plan, jax.devices())
     state, data = program.init_state(0), _data()
     for _ in range(steps):
         state, _ = run_step(program, state, data.next_batch())
     return program, state, data
 
 
-def _survivors_write(directory: Path, program, state, data, dead: set[int]) -> None:  # noqa: ANN001
-    """Four posing processes of two devices each copy the state; all but `dead` write."""
+def _survivors_write(directory: Path, program, state, data, dead: set[int],  # noqa: ANN001
+                     mode: str = "host", then: Callable[[], None] = lambda: None) -> None:
+    """Four posing processes of two devices each keep the state; `then` runs (e.g. the next
+    step, which fails); all but `dead` write."""
     step = int(jax.device_get(state.step))
-    for process in range(4):
-        copies = HostSnapshots(directory, f"p{process}", devices=(2 * process, 2 * process + 1))
+    kept = [HostSnapshots(directory, f"p{process}", mode=mode,
+                          devices=(2 * process, 2 * process + 1)) for process in range(4)]
+    for copies in kept:
         copies.capture(step, state, program, data.state())
+    then()
+    for process, copies in enumerate(kept):
         if process not in dead:
             assert copies.dump("a peer died") is not None
 
 
-def test_copies_of_one_dead_process_restore_onto_a_smaller_plan(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["host", "keep"])
+def test_copies_of_one_dead_process_restore_onto_a_smaller_plan(tmp_path: Path,
+                                                                mode: str) -> None:
     big = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
-    program, state, data = _trained(big, 2)
-    _survivors_write(tmp_path, program, state, data, dead={0})  # devices 0, 1 are lost
+    program, state, data = _trained(big, 2, donate=mode == "host")
     expected = jax.device_get(to_canonical(state, program))
-    _, next_record = run_step(program, state, data.next_batch())  # the uninterrupted step 3
+    position = data.state()
+    after: list = []
+
+    def next_step() -> None:  # the step the failure interrupts consumes (donates) the state
+        after.append(run_step(program, state, data.next_batch())[1])
+
+    _survivors_write(tmp_path, program, state, data, dead={0}, mode=mode, then=next_step)
+    [next_record] = after  # what the uninterrupted step 3 gives
+    # with donation the consumed state is gone from the devices: only the host copy has it
+    assert state.params["embed"]["table"].is_deleted() == (mode == "host")
+    data = _data(state=position)
 
     [copies] = survivor_copies.find(tmp_path)
     assert copies.complete and copies.step == 2 and sorted(copies.hosts) == ["p1", "p2", "p3"]

@@ -91,6 +91,10 @@ class Checkpointer:
             raise CheckpointError(f"saving checkpoint step {step} to {self.directory} "
                                   f"failed: {_first_line(err)}") from err
 
+    def saving(self) -> bool:
+        """Whether an asynchronous save is still being written."""
+        return bool(self._manager.is_saving_in_progress())
+
     def wait(self) -> None:
         """Block until pending asynchronous saves are written; CheckpointError if one failed."""
         try:

@@ -1,9 +1,14 @@
-"""Every step's state in this process's host memory, written out when the process must stop.
+"""The state of the last completed step, kept by every process and written out when it must stop.
 
-After each completed step the process copies the shards of the training state its devices
-hold into host buffers (the last two steps, reused in turn, so no allocation per step). The
-next step then donates the device buffers freely: the state it consumes stays recoverable
-here. Nothing is written during healthy training. When the job fails (a peer died and a
+Two ways to keep it, both leaving the state a failed step consumed recoverable:
+- `keep` (the default on CPU): the step does not donate the state's buffers, so the
+  previous step's state simply stays on the devices; the shards are copied to host only
+  when written. No time per step (on XLA:CPU a step without donation is even faster, see
+  benchmarks/chaos.py), one more state in device memory.
+- `host`: after each step the shards this process's devices hold are copied into host
+  buffers (the last two steps, reused in turn), and the step donates as usual. One
+  device-to-host copy of the local state per step, no device memory.
+Nothing is written during healthy training. When the job fails (a peer died and a
 collective errs, the step deadline passes, or whatever runs the job sends SIGTERM, as the
 supervisor, SLURM and Kubernetes do before they kill), the process writes its newest copy
 under `<checkpoint dir>/survivors/step<S>/<host>-<pid>/` and exits. With data parallelism
@@ -35,6 +40,7 @@ import numpy as np
 from resihp_jax.meshes import layout
 
 SUBDIR = "survivors"
+MODES = ("keep", "host")
 MANIFEST = "manifest.json"
 VERSION = 1
 TERMINATED_EXIT = 75  # EX_TEMPFAIL, as a watchdog exit: the job may be retried
@@ -56,7 +62,8 @@ class _Copy:
     plan: dict[str, Any]
     positions: list[int]  # where each canonical layer sits in the flattened stage layout
     layer_slots: int
-    leaves: dict[str, _Leaf]
+    leaves: dict[str, _Leaf] | None  # host copies (mode "host")
+    state: Any = None  # the live state itself (mode "keep"; never donated)
 
 
 def shard_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
@@ -72,13 +79,18 @@ class HostSnapshots:
     """The newest `keep` steps' local shards in host memory; `dump` writes the newest."""
 
     def __init__(self, checkpoint_dir: str | Path, host: str,
-                 identity: Mapping[str, Any] | None = None, keep: int = 2,
+                 identity: Mapping[str, Any] | None = None, mode: str = "host",
                  clock: Callable[[], float] = time.perf_counter,
                  devices: Iterable[int] | None = None) -> None:
-        """`devices`: ids of the devices whose shards count as this process's (default: its
+        """`mode`: "keep" (the caller's step must not donate the state) or "host".
+        `devices`: ids of the devices whose shards count as this process's (default: its
         addressable devices; tests pose as several processes with it)."""
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}; valid: {', '.join(MODES)}")
         self.root = Path(checkpoint_dir).absolute() / SUBDIR
-        self.host, self.identity, self.keep, self.clock = host, identity, keep, clock
+        self.host, self.identity, self.mode, self.clock = host, identity, mode, clock
+        # host copies: two, so one is whole while the other is rewritten
+        self.keep = 2 if mode == "host" else 1
         self.devices = None if devices is None else frozenset(devices)
         self._copies: list[_Copy] = []  # oldest first
         self._lock = threading.Lock()
@@ -88,30 +100,36 @@ class HostSnapshots:
 
     # ---- every step ------------------------------------------------------------------------
     def capture(self, step: int, state: Any, program: Any, data_state: Mapping[str, Any]) -> float:
-        """Copy this process's shards of `state` (after `step`) to host; the seconds it took."""
+        """Keep `state` (after `step`) as the newest; the seconds it took."""
         t0 = self.clock()
+        with self._lock:
+            spare = self._copies.pop(0) if len(self._copies) >= self.keep else None
+            host = self.mode == "host"
+            self._copies.append(_Copy(
+                int(step), dict(data_state), program.plan.to_dict(),
+                layout.canonical_index(program.stage_index()).tolist(),
+                int(program.layer_slots), self._to_host(state, spare) if host else None,
+                None if host else state))
+        elapsed = self.clock() - t0
+        self.capture_s.append(elapsed)
+        return elapsed
+
+    def _to_host(self, state: Any, spare: _Copy | None) -> dict[str, _Leaf]:
+        """This process's distinct shards of `state`, in the spare copy's buffers if any."""
         flat, _ = jax.tree_util.tree_flatten_with_path(state)
         shards = [(leaf_key(path), leaf, shard) for path, leaf in flat
                   for shard in leaf.addressable_shards
                   if self.devices is None or shard.device.id in self.devices]
         for _, _, shard in shards:  # start every device-to-host copy before waiting for one
             shard.data.copy_to_host_async()
-        with self._lock:
-            spare = self._copies.pop(0) if len(self._copies) >= self.keep else None
-            leaves: dict[str, _Leaf] = {}
-            for key, leaf, shard in shards:
-                box = shard_box(shard.index, leaf.shape)
-                entry = leaves.setdefault(key, _Leaf(tuple(leaf.shape),
-                                                     np.dtype(leaf.dtype).name, {}))
-                if box in entry.pieces:
-                    continue  # a replica of a shard already copied (e.g. across tp)
+        leaves: dict[str, _Leaf] = {}
+        for key, leaf, shard in shards:
+            box = shard_box(shard.index, leaf.shape)
+            entry = leaves.setdefault(key, _Leaf(tuple(leaf.shape), np.dtype(leaf.dtype).name,
+                                                 {}))
+            if box not in entry.pieces:  # else a replica already copied (e.g. across tp)
                 entry.pieces[box] = _copy_into(spare, key, box, np.asarray(shard.data))
-            positions = layout.canonical_index(program.stage_index()).tolist()
-            self._copies.append(_Copy(int(step), dict(data_state), program.plan.to_dict(),
-                                      positions, int(program.layer_slots), leaves))
-        elapsed = self.clock() - t0
-        self.capture_s.append(elapsed)
-        return elapsed
+        return leaves
 
     @property
     def newest_step(self) -> int | None:
@@ -126,6 +144,8 @@ class HostSnapshots:
                 return self._dumped
             copy = self._copies[-1]
             t0 = self.clock()
+            if copy.leaves is None:  # mode "keep": the state is still on the devices
+                copy.leaves = self._to_host(copy.state, None)
             target = self.root / f"step{copy.step}" / f"{self.host}-{os.getpid()}"
             try:
                 _write(copy, target, self.host, reason, self.identity)
@@ -175,7 +195,7 @@ def dump_active(reason: str) -> Path | None:
 
 def _copy_into(spare: _Copy | None, key: str, box: Box, host: np.ndarray) -> np.ndarray:
     """`host` copied into the spare copy's buffer for the same shard, or a new buffer."""
-    old = spare.leaves.get(key) if spare is not None else None
+    old = spare.leaves.get(key) if spare is not None and spare.leaves else None
     buffer = old.pieces.get(box) if old is not None else None
     if buffer is None or buffer.shape != host.shape or buffer.dtype != host.dtype:
         return np.array(host, copy=True)

@@ -84,10 +84,12 @@ def diverged(record: StepRecord, checkpointer: Checkpointer | None) -> TrainingD
 def train(program: StepProgram, state: TrainState, data: BatchIterator, steps: int,
           checkpointer: Checkpointer | None = None,
           before_step: Callable[[Plan, GlobalBatch], None] | None = None,
+          after_step: Callable[[TrainState, StepRecord], StepRecord] | None = None,
           ) -> Iterator[tuple[TrainState, StepRecord]]:
     """Yield (state, record) after each of `steps` steps, saving when `checkpointer` is due
     and after the last step. `before_step` sees each batch before its step starts (e.g. to
-    set that step's deadline).
+    set that step's deadline); `after_step` each finished step before it is saved (its
+    record is the one yielded).
 
     TrainingDiverged on a non-finite loss or gradient norm; that step is neither saved
     nor yielded.
@@ -99,6 +101,8 @@ def train(program: StepProgram, state: TrainState, data: BatchIterator, steps: i
         state, record = run_step(program, state, batch)
         if not (math.isfinite(record.loss) and math.isfinite(record.grad_norm)):
             raise diverged(record, checkpointer)
+        if after_step is not None:
+            record = after_step(state, record)
         if checkpointer is not None:
             checkpointer.save(record.step, state, program, data.state())
         yield state, record

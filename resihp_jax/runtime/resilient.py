@@ -288,8 +288,8 @@ class ResilientTrainer:
         """How long this batch's step may take before it counts as hung."""
         predicted = self.detector.healthy_time_s(self.plan, self._mb_tokens(),
                                                  batch.sum_sq_lengths())
-        if predicted is None:
-            return self.config.step_timeout_s
+        if predicted is None or (self.checkpointer is not None and self.checkpointer.saving()):
+            return self.config.step_timeout_s  # an overlapping save makes no prediction hold
         return max(self.config.hang_floor_s, self.config.hang_factor * predicted)
 
     def _mb_tokens(self) -> np.ndarray:

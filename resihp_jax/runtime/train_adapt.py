@@ -87,6 +87,9 @@ class AdaptRun:
         self._beat(self.data_step, self.ladder.startup_s)
 
     def _next_deadline(self) -> float:
+        ckpt = self.trainer.checkpointer
+        if ckpt is not None and ckpt.saving():  # see ResilientTrainer.deadline_s
+            return self.ladder.startup_s
         predicted = self.trainer.detector.last_prediction_s
         return self.ladder.deadline_s(predicted)
 

@@ -69,12 +69,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue from the newest good checkpoint in --checkpoint-dir "
                              "(any plan; model, optimizer, data and batch shape must match); "
                              "with none there yet, start from step 0")
-    parser.add_argument("--no-host-copies", action="store_true",
-                        help="keep no copy of each step's state in host memory. By default, "
-                             "with --checkpoint-dir, every process keeps one and writes it out "
-                             "when the job fails or gets SIGTERM, so a relaunch rebuilds the "
-                             "last completed step from the survivors instead of going back to "
-                             "the periodic checkpoint")
+    parser.add_argument("--survivor-copies", choices=("auto", "keep", "host", "off"),
+                        default="auto",
+                        help="with --checkpoint-dir, every process keeps the state of the last "
+                             "completed step and writes its shards out when the job fails or "
+                             "gets SIGTERM, so a relaunch rebuilds that step from the survivors "
+                             "instead of going back to the periodic checkpoint. keep: the step "
+                             "does not donate the state, which stays on the devices (no time, "
+                             "one more state in device memory); host: a copy to host memory "
+                             "after every step; off: none. auto (default): keep on CPU, host "
+                             "on accelerators")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--adapt", action="store_true",
                         help="watch every step and re-plan around slow devices in place "
@@ -188,8 +192,10 @@ def _train(args: argparse.Namespace, spec: distributed.JobSpec, ladder: Ladder, 
     t0 = time.perf_counter()
     plan = _job_plan(args, job, model, needed, out)
     phases["plan_s"] = time.perf_counter() - t0
+    args.copies_mode = _copies_mode(args)
     train_cfg = TrainConfig(learning_rate=args.lr, remat=args.remat,
-                            microbatch_slots=max(plan.microbatches_per_group))
+                            microbatch_slots=max(plan.microbatches_per_group),
+                            donate_state=args.copies_mode != "keep")
     data = BatchIterator(args.data, n_microbatches=plan.n_microbatches,
                          microbatch_size=plan.microbatch_size, seq_len=plan.seq_len,
                          seed=args.seed)
@@ -223,6 +229,19 @@ def _train(args: argparse.Namespace, spec: distributed.JobSpec, ladder: Ladder, 
     if records:
         _report(records, out)
     return 0
+
+
+def _copies_mode(args: argparse.Namespace) -> str | None:
+    """How this process keeps the survivors' copy of each step (host_snapshot.py), if at all."""
+    if args.checkpoint_dir is None or args.survivor_copies == "off":
+        return None
+    if args.survivor_copies == "auto":
+        import jax  # noqa: PLC0415
+
+        # a device-to-host copy per step is a memcpy on CPU, where keeping the undonated
+        # state costs nothing; on an accelerator device memory is the scarcer resource
+        return "keep" if jax.default_backend() == "cpu" else "host"
+    return str(args.survivor_copies)
 
 
 def _job_plan(args: argparse.Namespace, job: Any, model: Any, needed: int, out: TextIO) -> Any:

@@ -82,20 +82,31 @@ class TrainRun:
     def _before_step(self, plan: Plan, batch: Any) -> None:
         step = self.data_step + 1
         deadline = self.deadline.deadline_s(plan, batch.sum_sq_lengths())
+        if self.ckpt is not None and self.ckpt.saving():
+            # a checkpoint being written competes with this step for the host (several
+            # times slower on a loaded one): no prediction holds, the start-up deadline does
+            deadline = max(deadline, self.deadline.ladder.startup_s)
         self.watchdog.arm(step, deadline)
         self._beat(self.data_step, deadline)
+
+    def _after_step(self, state: Any, record: StepRecord) -> StepRecord:
+        """The step is done: keep its state for the survivors' copies (before the next step
+        may donate it), and give a checkpoint save its own, longer deadline."""
+        self.watchdog.arm(record.step, self.deadline.ladder.startup_s, "the checkpoint save")
+        self._beat(record.step, self.deadline.ladder.startup_s)
+        if self.snapshots is None:
+            return record
+        return dataclasses.replace(record, host_copy_s=self.snapshots.capture(
+            record.step, state, self.program, self.data.state()))
 
     def _steps(self, state: Any, start: int) -> list[StepRecord]:
         sink = RecordSink(self.args, start, self.job.primary, self.phases)
         self.data_step = start
         try:
-            for state, record in train(self.program, state, self.data,
-                                       self.args.steps - start, self.ckpt,
-                                       before_step=self._before_step):
+            for _, record in train(self.program, state, self.data, self.args.steps - start,
+                                   self.ckpt, before_step=self._before_step,
+                                   after_step=self._after_step):
                 self.watchdog.disarm()
-                if self.snapshots is not None:  # before the next step donates `state`
-                    record = dataclasses.replace(record, host_copy_s=self.snapshots.capture(
-                        record.step, state, self.program, self.data.state()))
                 sink.add(record)
                 self.data_step = record.step
                 self.deadline.observe(self.plan, record.sum_sq_lengths, record.step_time_s)
@@ -107,11 +118,12 @@ class TrainRun:
 
 
 def host_copies(args: argparse.Namespace, job: Any, ckpt: Any) -> HostSnapshots | None:
-    """This process's per-step host copies (None without a checkpoint directory or with
-    --no-host-copies), written out by the process's exit paths and on SIGTERM."""
-    if ckpt is None or args.no_host_copies:
+    """This process's copies of the last completed step (None without a checkpoint directory
+    or with --survivor-copies off), written out by the process's exit paths and on SIGTERM."""
+    mode = getattr(args, "copies_mode", None)
+    if ckpt is None or mode is None:
         return None
-    snapshots = HostSnapshots(ckpt.directory, job.spec.host_id, ckpt.identity)
+    snapshots = HostSnapshots(ckpt.directory, job.spec.host_id, ckpt.identity, mode=mode)
     activate(snapshots)
     snapshots.exit_on_sigterm()
     return snapshots

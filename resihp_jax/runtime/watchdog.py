@@ -30,15 +30,17 @@ class Watchdog:
     def __init__(self, on_expiry: Callable[[str], None] = _exit_hung,
                  clock: Callable[[], float] = time.monotonic, poll_s: float = 0.2) -> None:
         self.on_expiry, self.clock, self.poll_s = on_expiry, clock, poll_s
-        self._armed: tuple[int, float, float] | None = None  # step, started, deadline_s
+        self._armed: tuple[str, float, float] | None = None  # what, started, deadline_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="resihp-watchdog")
         self._thread.start()
 
-    def arm(self, step: int, deadline_s: float) -> None:
+    def arm(self, step: int, deadline_s: float, what: str = "") -> None:
+        """Watch step `step` (or `what` after it, e.g. its checkpoint save)."""
         with self._lock:
-            self._armed = (step, self.clock(), deadline_s)
+            self._armed = (f"{what} of step {step}" if what else f"step {step}",
+                           self.clock(), deadline_s)
 
     def disarm(self) -> None:
         with self._lock:
@@ -51,8 +53,8 @@ class Watchdog:
             if armed is None or self.clock() - armed[1] <= armed[2]:
                 return False
             self._armed = None
-        step, _, deadline = armed
-        self.on_expiry(f"step {step} did not finish within its deadline of {deadline:.1f} s "
+        what, _, deadline = armed
+        self.on_expiry(f"{what} did not finish within its deadline of {deadline:.1f} s "
                        "(a peer process died or froze, or a device hangs)")
         return True
 

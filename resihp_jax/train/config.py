@@ -22,6 +22,9 @@ class TrainConfig:
     remat: bool = False  # recompute each stage's forward in the backward pass (less memory)
     layer_slots: int | None = None  # layer slots per stage; None: even share + headroom
     microbatch_slots: int | None = None  # micro-batch slots per DP group; None: likewise
+    # let the step reuse the state's buffers for the new state (False: the state a step
+    # consumes stays intact, e.g. for the survivors' copies; one more state in memory)
+    donate_state: bool = True
 
     def __post_init__(self) -> None:
         for name in ("learning_rate", "grad_clip"):

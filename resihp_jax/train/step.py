@@ -207,7 +207,8 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
     batch_shardings = Batch(batch_sharding, batch_sharding, batch_sharding)
     split_shardings = Splits(replicated, replicated, NamedSharding(mesh, KNOB_SPEC))
     step_fn = jax.jit(train_step, in_shardings=(shardings, batch_shardings, split_shardings),
-                      out_shardings=(shardings, replicated), donate_argnums=0)
+                      out_shardings=(shardings, replicated),
+                      donate_argnums=0 if train.donate_state else ())
     grads_fn = jax.jit(lambda p, b, s: loss_and_grads(p, b, s)[:2],
                        in_shardings=(shardings.params, batch_shardings, split_shardings),
                        out_shardings=(replicated, shardings.params))

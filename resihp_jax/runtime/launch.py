@@ -67,11 +67,13 @@ class LaunchConfig:
     # after a failure the others get SIGTERM and this long to write their copies of the
     # last step (host_snapshot.py) before SIGKILL, as a cluster's grace period allows
     grace_s: float = 60.0
-    # an excluded host returns (repaired) at the first relaunch this many steps after it was
-    # excluded; None: never
+    # an excluded host returns (repaired) once the job is this many steps past its
+    # exclusion: the job restarts to take it in (a planned restart; None: never)
     readmit_after_steps: int | None = None
 
     def __post_init__(self) -> None:
+        if self.readmit_after_steps is not None and self.readmit_after_steps < 1:
+            raise ConfigError(f"--readmit-after={self.readmit_after_steps}: must be >= 1")
         if self.procs < 1 or self.devices_per_proc < 1:
             raise ConfigError(f"--procs={self.procs} and --devices-per-proc="
                               f"{self.devices_per_proc}: both must be >= 1")
@@ -131,6 +133,7 @@ class Supervisor:
         self._throttles: dict[Fault, Throttle] = {}
         self._lifted: set[Fault] = set()
         self._last_detected = 0.0  # when the last failure was detected
+        self._record = health_record.HealthRecord()  # as the running incarnation read it
         self._incarnation = 0
 
     # ---- one incarnation -----------------------------------------------------------------
@@ -202,6 +205,9 @@ class Supervisor:
             if len(exited) == len(procs):
                 return None, step, beats
             self._inject(procs, step)
+            if started and self._readmission_due(step):
+                return Failure("readmit", None, step, None, "excluded host(s) repaired: "
+                               "restarting to take them in"), step, beats
             # the deadline the processes publish for the step in flight (from the cost
             # model, with their floor); their own watchdogs use the same figure
             limit = cfg.startup_s if not started else \
@@ -245,7 +251,7 @@ class Supervisor:
         detected_at: float | None = None
         lost_from: int | None = None  # the job's step when the last failure was seen
         while True:
-            record = health_record.load(cfg.checkpoint_dir)
+            record = self._record = health_record.load(cfg.checkpoint_dir)
             live = record.usable(hosts)
             if not live:
                 raise ConfigError("every process of the job has been excluded; see "
@@ -313,6 +319,11 @@ class Supervisor:
             raise ConfigError(f"the job failed {summary.restarts} times (--max-restarts="
                               f"{cfg.max_restarts}); last: {failure.detail}")
         self._incarnation += 1
+
+    def _readmission_due(self, step: int) -> bool:
+        after = self.config.readmit_after_steps
+        return after is not None and any(step - e.step >= after
+                                         for e in self._record.excluded.values())
 
     def _readmit(self, record: health_record.HealthRecord, step: int) -> None:
         """Hosts excluded long enough ago come back, as repaired nodes rejoin a cluster."""

@@ -30,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow", action="append", default=[], metavar="P=FACTOR@STEP",
                         help="from STEP, let process P run only 1/FACTOR of the time (a CPU "
                              "quota enforced with SIGSTOP/SIGCONT; repeatable)")
+    parser.add_argument("--readmit-after", type=int, default=None, metavar="STEPS",
+                        help="an excluded process comes back (a repaired host) once the job "
+                             "is STEPS steps past its exclusion; the job restarts to take it "
+                             "in (default: never)")
     parser.add_argument("--max-restarts", type=int, default=8,
                         help="give up after this many relaunches (default 8)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
@@ -84,7 +88,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts={args.max_restarts}: must be >= 0")
     config = LaunchConfig(args.procs, args.devices_per_proc, directory.absolute(),
-                          _train_args(args.train_args), faults, args.max_restarts)
+                          _train_args(args.train_args), faults, args.max_restarts,
+                          readmit_after_steps=args.readmit_after)
     print(f"resihp launch: {config.procs} processes x {config.devices_per_proc} devices, "
           f"job directory {directory}", file=out)
     summary = Supervisor(config, out=sys.stderr).run()

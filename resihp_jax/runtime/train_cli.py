@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 from resihp_jax.cli_args import (add_compile_cache_arguments, compile_cache_dir,
                                  parse_int_list, parse_mesh)
-from resihp_jax.errors import CheckpointFallbackWarning
+from resihp_jax.errors import CheckpointFallbackWarning, ResihpError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import PRESETS, get_model_config
 from resihp_jax.errors import ConfigError
@@ -150,7 +150,7 @@ def _as_job_process(body: Any) -> int:
     import os  # noqa: PLC0415
     import traceback  # noqa: PLC0415
 
-    from resihp_jax.errors import JobStepFailed, ResihpError  # noqa: PLC0415
+    from resihp_jax.errors import JobStepFailed  # noqa: PLC0415
     from resihp_jax.runtime.watchdog import HUNG_EXIT  # noqa: PLC0415
 
     # a process may be killed at any moment: what it printed must already be in its log
@@ -217,6 +217,8 @@ def _train(args: argparse.Namespace, spec: distributed.JobSpec, ladder: Ladder, 
         run = TrainRun(args, job, model, train_cfg, plan, data, ckpt, ladder, phases, out)
     try:
         records = run.run()
+    except ResihpError:
+        raise  # refused input or a diverged run: a relaunch would not do better from a copy
     except BaseException:
         from resihp_jax.runtime.host_snapshot import dump_active  # noqa: PLC0415
 

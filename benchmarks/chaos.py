@@ -234,7 +234,7 @@ def main() -> int:
     args = parser.parse_args()
     readmit = None if args.quick else READMIT_AFTER
     faults, steps = schedule(args.seed, 5 if args.quick else 20, readmit)
-    with tempfile.TemporaryDirectory(prefix="resihp-chaos-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="resihp-chaos-", delete=not os.environ.get("RESIHP_KEEP")) as tmp:
         root = Path(tmp)
         ref = reference(root, steps, args.seed, "keep")
         overhead_steps = min(steps, 12)

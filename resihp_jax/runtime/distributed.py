@@ -15,14 +15,16 @@ before any device starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import socket
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Iterator, Mapping
 
 from resihp_jax.errors import ConfigError
 
+EXTERNAL_SERVICE_ENV = "RESIHP_EXTERNAL_COORDINATION_SERVICE"  # "1": process 0 starts none
 ENV = {"coordinator": "RESIHP_COORDINATOR", "num_processes": "RESIHP_NUM_PROCESSES",
        "process_id": "RESIHP_PROCESS_ID", "host_id": "RESIHP_HOST_ID"}
 # a cluster that JAX's `jax.distributed.initialize()` detects by itself, by its variables
@@ -141,8 +143,41 @@ def initialize(spec: JobSpec, init_timeout_s: int, heartbeat_timeout_s: int) -> 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs = dict(initialization_timeout=init_timeout_s,
                   heartbeat_timeout_seconds=heartbeat_timeout_s)
-    if spec.cluster is not None:
-        jax.distributed.initialize(**kwargs)
-    else:
-        jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id,
-                                   **kwargs)
+    external = os.environ.get(EXTERNAL_SERVICE_ENV) == "1"
+    with _without_own_service(external):
+        if spec.cluster is not None:
+            jax.distributed.initialize(**kwargs)
+        else:
+            jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id,
+                                       **kwargs)
+
+
+@contextlib.contextmanager
+def _without_own_service(external: bool) -> Iterator[None]:
+    """Within, with `external`: process 0 joins a coordination service that runs elsewhere
+    (`resihp launch` hosts it) instead of starting one. JAX aborts every process the moment
+    the service goes away, so a service inside process 0 would take the survivors down with
+    it before they write their copies of the last step (host_snapshot.py)."""
+    if not external:
+        yield
+        return
+    from jax._src import distributed as jax_distributed  # noqa: PLC0415
+
+    lib = jax_distributed._jax
+    original = lib.get_distributed_runtime_service
+    lib.get_distributed_runtime_service = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        lib.get_distributed_runtime_service = original
+
+
+def start_service(address: str, num_processes: int, heartbeat_timeout_s: int = 600,
+                  shutdown_timeout_s: int = 300) -> Any:
+    """A JAX coordination service for a job whose processes run with EXTERNAL_SERVICE_ENV=1;
+    call `.shutdown()` on it when the job's processes have ended."""
+    from jax._src.lib import _jax  # noqa: PLC0415 - no backend starts
+
+    return _jax.get_distributed_runtime_service(address, num_processes,
+                                                heartbeat_timeout=heartbeat_timeout_s,
+                                                shutdown_timeout=shutdown_timeout_s)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.runtime import health_record, heartbeat
+from resihp_jax.runtime import distributed, health_record, heartbeat
 from resihp_jax.runtime.throttle import Throttle
 from resihp_jax.runtime.watchdog import HUNG_EXIT
 
@@ -134,6 +134,7 @@ class Supervisor:
         self._lifted: set[Fault] = set()
         self._last_detected = 0.0  # when the last failure was detected
         self._record = health_record.HealthRecord()  # as the running incarnation read it
+        self._service = None  # the running incarnation's coordination service
         self._incarnation = 0
 
     # ---- one incarnation -----------------------------------------------------------------
@@ -141,9 +142,12 @@ class Supervisor:
         cfg, port = self.config, free_port()
         logs = cfg.checkpoint_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        # the job's coordination service lives here, not in process 0: JAX aborts every
+        # process when the service goes away, which would cost the survivors' copies
+        self._service = distributed.start_service(f"127.0.0.1:{port}", len(hosts))
         env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={cfg.devices_per_proc}",
-                   **{heartbeat.ENV_VAR: str(beat_dir)})
+                   **{heartbeat.ENV_VAR: str(beat_dir), distributed.EXTERNAL_SERVICE_ENV: "1"})
         procs = {}
         for index, host in enumerate(hosts):
             cmd = [sys.executable, "-m", "resihp_jax.cli", "train", *cfg.train_args,
@@ -360,6 +364,9 @@ class Supervisor:
                 _signal_group(proc.pid, signal.SIGKILL)  # also ends a stopped process
         for proc in procs.values():
             proc.wait()
+        if self._service is not None:
+            self._service.shutdown()
+            self._service = None
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -22,8 +22,9 @@ wall time of the job, where useful step time = steps x the job's median step tim
 steps after a start, which compile, excluded from the median).
 
 Healthy overhead: the reference is also run without survivor copies (the step donating
-its state) and, in the full run, with host copies: the median step time of each, beside the
-default ("keep": the step does not donate, the previous state stays on the devices).
+its state) and, in the full run, with host copies: the median time of a step plus its copy,
+beside the default ("keep": the step does not donate, the previous state stays on the
+devices).
 
 Usage: python benchmarks/chaos.py [--quick] [--seed S]
 """
@@ -122,7 +123,9 @@ def reference(root: Path, steps: int, seed: int, copies: str) -> list[dict]:
 
 
 def steady_s(records: list[dict], first_steps: set[int] = frozenset({1})) -> float:
-    return statistics.median(r["step_time_s"] for r in records if r["step"] not in first_steps)
+    """Median time of a step and its survivor copy, first steps (compiling) left out."""
+    return statistics.median(r["step_time_s"] + r.get("host_copy_s", 0.0) for r in records
+                             if r["step"] not in first_steps)
 
 
 def chaos(root: Path, faults: list[Fault], steps: int, seed: int, readmit: int | None) -> dict:
@@ -231,11 +234,17 @@ def main() -> int:
                         help="5 faults instead of 20 (about 5 minutes)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the fault sequence and of the run (default 0)")
+    parser.add_argument("--workdir", default=None,
+                        help="keep the runs' files (job logs, checkpoints, copies) in this new "
+                             "directory instead of a temporary one")
     args = parser.parse_args()
+    if args.workdir and Path(args.workdir).exists():
+        parser.error(f"--workdir={args.workdir!r} exists; give a new directory")
     readmit = None if args.quick else READMIT_AFTER
     faults, steps = schedule(args.seed, 5 if args.quick else 20, readmit)
-    with tempfile.TemporaryDirectory(prefix="resihp-chaos-", delete=not os.environ.get("RESIHP_KEEP")) as tmp:
-        root = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="resihp-chaos-") as tmp:
+        root = Path(args.workdir or tmp)
+        root.mkdir(parents=True, exist_ok=True)
         ref = reference(root, steps, args.seed, "keep")
         overhead_steps = min(steps, 12)
         overhead = {"keep": steady_s(ref),

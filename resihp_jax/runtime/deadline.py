@@ -62,8 +62,12 @@ class Ladder:
 class StepDeadline:
     """The deadline of each step of a plain training loop, learned from its healthy steps."""
 
-    def __init__(self, model: ModelConfig, ladder: Ladder, *, remat: bool = False) -> None:
+    def __init__(self, model: ModelConfig, ladder: Ladder, *, remat: bool = False,
+                 first_compiles: bool = True) -> None:
+        """`first_compiles`: the first step includes compilation (it is then not learned
+        from); False when the program was compiled ahead of time."""
         self.ladder = ladder
+        self._skip = 1 if first_compiles else 0
         self.cost = OnlineCostModel(model, remat=remat, window=64, min_steps=6, refit_every=4)
         self._seen = 0
         self._slowest: float | None = None
@@ -79,9 +83,9 @@ class StepDeadline:
         return self.ladder.deadline_s(self.predicted_s(plan, mb_sum_l2))
 
     def observe(self, plan: Plan, mb_sum_l2: np.ndarray, step_time_s: float) -> None:
-        """Learn from a finished step (the first one of a program includes compilation)."""
+        """Learn from a finished step (not from one that included compilation)."""
         self._seen += 1
-        if self._seen > 1 and step_time_s > 0:
+        if self._seen > self._skip and step_time_s > 0:
             self._slowest = max(self._slowest or 0.0, step_time_s)
             self.cost.observe(plan, _tokens(plan), np.asarray(mb_sum_l2, np.float64),
                               step_time_s)

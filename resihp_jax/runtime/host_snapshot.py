@@ -64,6 +64,7 @@ class _Copy:
     layer_slots: int
     leaves: dict[str, _Leaf] | None  # host copies (mode "host")
     state: Any = None  # the live state itself (mode "keep"; never donated)
+    record: dict[str, Any] | None = None  # the step's metrics record
 
 
 def shard_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
@@ -99,8 +100,10 @@ class HostSnapshots:
         self.capture_s: list[float] = []  # seconds each capture took
 
     # ---- every step ------------------------------------------------------------------------
-    def capture(self, step: int, state: Any, program: Any, data_state: Mapping[str, Any]) -> float:
-        """Keep `state` (after `step`) as the newest; the seconds it took."""
+    def capture(self, step: int, state: Any, program: Any, data_state: Mapping[str, Any],
+                record: Mapping[str, Any] | None = None) -> float:
+        """Keep `state` (after `step`, whose metrics `record` goes with it) as the newest;
+        the seconds it took."""
         t0 = self.clock()
         with self._lock:
             spare = self._copies.pop(0) if len(self._copies) >= self.keep else None
@@ -109,7 +112,7 @@ class HostSnapshots:
                 int(step), dict(data_state), program.plan.to_dict(),
                 layout.canonical_index(program.stage_index()).tolist(),
                 int(program.layer_slots), self._to_host(state, spare) if host else None,
-                None if host else state))
+                None if host else state, dict(record) if record is not None else None))
         elapsed = self.clock() - t0
         self.capture_s.append(elapsed)
         return elapsed
@@ -226,7 +229,7 @@ def _write(copy: _Copy, target: Path, host: str, reason: str,
     manifest = {"version": VERSION, "step": copy.step, "data_state": copy.data_state,
                 "plan": copy.plan, "positions": copy.positions,
                 "layer_slots": copy.layer_slots, "identity": identity, "host": host,
-                "reason": reason, "leaves": leaves}
+                "reason": reason, "record": copy.record, "leaves": leaves}
     (tmp / MANIFEST).write_text(json.dumps(manifest))
     os.replace(tmp, target)
 

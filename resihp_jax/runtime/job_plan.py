@@ -6,6 +6,8 @@ needs. The requested plan is then laid over the devices there are, with stand-in
 marked dead for the missing ones, and the scheduler re-plans it exactly as it would after
 a device died in place: same global batch (micro-batch count and size), new mesh, layer
 split and micro-batch split. Devices of hosts the health record saw slow are priced slow.
+A job that asked for DP replicas keeps at least two when the devices allow: every shard then
+still has a copy in another group, so the next dead process costs no step either.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ def plan_for_devices(requested: Plan, model: ModelConfig, device_ids: Sequence[i
     current = requested.replace(device_ids=tuple((ids + stand_ins)[:n]))
     health = Health.healthy().with_changes(dead=stand_ins,
                                            compute={d: 1.0 / f for d, f in slow.items()})
+    # a job asked to run with DP replicas keeps two where it can: a relaunch on one plan
+    # with a single copy of each shard would lose steps at the next death (survivor_copies)
     context = PlanningContext(model, CostParams.for_model(model), device_memory_gb * 2**30,
-                              tuple(ids + stand_ins), remat=remat)
+                              tuple(ids + stand_ins), remat=remat, min_dp=min(2, requested.dp))
     outcome = run_policy(policy, current, health, context)
     if outcome.plan is None or set(outcome.plan.device_ids) - set(ids):
         raise PlanError(f"no plan of {model.name} fits the {len(ids)} usable device(s): "

@@ -21,6 +21,7 @@ class Start:
     state: Any
     step: int
     source: str  # "init", "checkpoint@STEP" or "survivors@STEP"
+    record: dict | None = None  # the metrics record of `step`, when the source keeps it
 
 
 def start_state(program: Any, ckpt: Checkpointer | None, data: Any, *, resume: bool,
@@ -40,7 +41,7 @@ def start_state(program: Any, ckpt: Checkpointer | None, data: Any, *, resume: b
                   f"{Plan.from_dict(copies.plan).describe()}); newest periodic checkpoint: "
                   f"{'none' if latest is None else f'step {latest}'}", file=out)
             _tidy(ckpt, copies.step, primary)
-            return Start(state, copies.step, f"survivors@{copies.step}")
+            return Start(state, copies.step, f"survivors@{copies.step}", copies.record)
         fallback = "step 0" if latest is None else f"checkpoint step {latest}"
         print(f"the surviving processes' copies of step {copies.step} are incomplete "
               f"({copies.missing}): falling back to {fallback}", file=out)

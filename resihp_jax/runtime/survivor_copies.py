@@ -47,6 +47,7 @@ class SurvivorCopies:
     layer_slots: int
     leaves: Mapping[str, tuple[tuple[int, ...], str, tuple[_Piece, ...]]]  # shape, dtype
     missing: str | None
+    record: dict | None = None  # the metrics record of `step`, as its process kept it
 
     @property
     def complete(self) -> bool:
@@ -111,7 +112,8 @@ def _combine(step_dir: Path, manifests: list[tuple[dict[str, Any], Path]]) -> Su
         int(first["step"]), step_dir, tuple(m["host"] for m, _ in manifests),
         first["data_state"], first["plan"], tuple(first["positions"]),
         int(first["layer_slots"]),
-        {k: (s, d, tuple(p.values())) for k, (s, d, p) in leaves.items()}, missing)
+        {k: (s, d, tuple(p.values())) for k, (s, d, p) in leaves.items()}, missing,
+        next((m["record"] for m, _ in manifests if m.get("record")), None))
 
 
 def _volume(box: Box) -> int:

@@ -73,8 +73,10 @@ class AdaptRun:
         self.phases["restore_s"] = time.perf_counter() - t0
         if self.heartbeat is not None:
             self.heartbeat.source = start.source
+        self.start_record = start.record
         if self.snapshots is not None:  # a failure in the first step loses nothing either
-            self.snapshots.capture(start.step, start.state, trainer.program, self.data.state())
+            self.snapshots.capture(start.step, start.state, trainer.program, self.data.state(),
+                                   start.record)
         self.data_step = start.step
         return self.data_step
 
@@ -94,7 +96,7 @@ class AdaptRun:
         return self.ladder.deadline_s(predicted)
 
     def _steps(self, start: int) -> list[StepRecord]:
-        sink = RecordSink(self.args, start, self.job.primary, self.phases)
+        sink = RecordSink(self.args, start, self.job.primary, self.phases, self.start_record)
         try:
             for event in self.trainer.run(self.args.steps, seed=self.args.seed):
                 if isinstance(event, Replan):
@@ -103,7 +105,7 @@ class AdaptRun:
                 if self.snapshots is not None:  # before the next step donates the state
                     event = dataclasses.replace(event, host_copy_s=self.snapshots.capture(
                         event.step, self.trainer.state, self.trainer.program,
-                        self.data.state()))
+                        self.data.state(), event.to_json()))
                 sink.add(event)
                 self.data_step = event.step
                 self._beat(event.step, self._next_deadline())

@@ -24,6 +24,7 @@ from resihp_jax.runtime.host_snapshot import HostSnapshots, activate, deactivate
 from resihp_jax.runtime.loop import StepRecord, train
 from resihp_jax.runtime.resume import start_state
 from resihp_jax.runtime.watchdog import Watchdog
+from resihp_jax.train.aot import compile_program
 from resihp_jax.train.step import build_step
 
 
@@ -33,18 +34,23 @@ class TrainRun:
                  out: TextIO) -> None:
         self.args, self.job, self.plan, self.data, self.ckpt = args, job, plan, data, ckpt
         self.out, self.phases = out, phases
-        self.deadline = StepDeadline(model, ladder, remat=args.remat)
+        # compiled before the first step, so that step times the step alone and gives the
+        # next one a deadline (a hang just after a relaunch is caught as fast as any)
+        self.deadline = StepDeadline(model, ladder, remat=args.remat, first_compiles=False)
         self.heartbeat = Heartbeat.from_env(job.spec.host_id)
         self.watchdog = Watchdog()
         import jax  # noqa: PLC0415
 
-        self.program = build_step(model, train_cfg, plan, jax.devices())
+        t0 = time.perf_counter()
+        self.program = compile_program(build_step(model, train_cfg, plan, jax.devices()))
+        phases["compile_s"] = time.perf_counter() - t0
         self.snapshots = host_copies(args, job, ckpt)
 
     def run(self) -> list[StepRecord]:
         state, start = self._initial_state()
         if self.snapshots is not None:  # a failure in the first step loses nothing either
-            self.snapshots.capture(start, state, self.program, self.data.state())
+            self.snapshots.capture(start, state, self.program, self.data.state(),
+                                   self.start_record)
         self._beat(start, self.deadline.ladder.startup_s)
         if start >= self.args.steps:
             print(f"step {start} already reaches --steps {self.args.steps}: nothing to train",
@@ -73,6 +79,7 @@ class TrainRun:
             self.phases["restore_s"] = time.perf_counter() - t0
         if self.heartbeat is not None:
             self.heartbeat.source = start.source
+        self.start_record = start.record
         return start.state, start.step
 
     def _beat(self, step: int, deadline_s: float) -> None:
@@ -91,30 +98,31 @@ class TrainRun:
 
     def _after_step(self, state: Any, record: StepRecord) -> StepRecord:
         """The step is done: keep its state for the survivors' copies (before the next step
-        may donate it), and give a checkpoint save its own, longer deadline."""
+        may donate it), write its record, and only then tell the supervisor (a fault it
+        injects at this step must find both); a checkpoint save gets its own deadline."""
         self.watchdog.arm(record.step, self.deadline.ladder.startup_s, "the checkpoint save")
+        if self.snapshots is not None:
+            record = dataclasses.replace(record, host_copy_s=self.snapshots.capture(
+                record.step, state, self.program, self.data.state(), record.to_json()))
+        self.sink.add(record)
+        self.deadline.observe(self.plan, record.sum_sq_lengths, record.step_time_s)
         self._beat(record.step, self.deadline.ladder.startup_s)
-        if self.snapshots is None:
-            return record
-        return dataclasses.replace(record, host_copy_s=self.snapshots.capture(
-            record.step, state, self.program, self.data.state()))
+        return record
 
     def _steps(self, state: Any, start: int) -> list[StepRecord]:
-        sink = RecordSink(self.args, start, self.job.primary, self.phases)
+        self.sink = RecordSink(self.args, start, self.job.primary, self.phases,
+                               self.start_record)
         self.data_step = start
         try:
             for _, record in train(self.program, state, self.data, self.args.steps - start,
                                    self.ckpt, before_step=self._before_step,
                                    after_step=self._after_step):
                 self.watchdog.disarm()
-                sink.add(record)
                 self.data_step = record.step
-                self.deadline.observe(self.plan, record.sum_sq_lengths, record.step_time_s)
-                self._beat(record.step, self.deadline.ladder.startup_s)
         finally:
             self.watchdog.disarm()
-            sink.close()
-        return sink.records
+            self.sink.close()
+        return self.sink.records
 
 
 def host_copies(args: argparse.Namespace, job: Any, ckpt: Any) -> HostSnapshots | None:
@@ -140,7 +148,9 @@ class RecordSink:
     the first step's time among the start-up phases."""
 
     def __init__(self, args: argparse.Namespace, start: int, primary: bool,
-                 phases: dict[str, float]) -> None:
+                 phases: dict[str, float], start_record: dict | None = None) -> None:
+        """`start_record`: the record of step `start` if known (the survivors' copies carry
+        it), written when the metrics file lacks it."""
         from tqdm import tqdm  # noqa: PLC0415
 
         self.phases = phases
@@ -149,7 +159,8 @@ class RecordSink:
                         disable=args.no_progress or not primary)
         # a resumed run continues the metrics of the run it resumes, from its checkpoint:
         # records of steps after it (lost with the failed incarnation) are dropped
-        self.metrics = metrics_file(args.metrics, start) if args.metrics and primary else None
+        self.metrics = (metrics_file(args.metrics, start, start_record)
+                        if args.metrics and primary else None)
 
     def add(self, record: StepRecord) -> None:
         if not self.records:
@@ -167,8 +178,9 @@ class RecordSink:
             self.metrics.close()
 
 
-def metrics_file(path: str, start: int) -> TextIO:
-    """`path` opened for appending after keeping only the records of steps <= `start`."""
+def metrics_file(path: str, start: int, start_record: dict | None = None) -> TextIO:
+    """`path` opened for appending after keeping only the records of steps <= `start`
+    (with `start_record` added if the record of step `start` is not among them)."""
     if start == 0:
         return open(path, "w")  # noqa: SIM115
     try:
@@ -179,6 +191,8 @@ def metrics_file(path: str, start: int) -> TextIO:
     except (ValueError, KeyError, TypeError):
         raise ConfigError(f"--metrics={path!r}: not a metrics file of this run (a line is not "
                           "a step record); choose another path") from None
+    if start_record is not None and not any(json.loads(x)["step"] == start for x in kept):
+        kept.append(json.dumps(start_record) + "\n")  # its writer died before writing it
     with open(path, "w") as f:
         f.writelines(kept)
     return open(path, "a")  # noqa: SIM115

@@ -54,6 +54,9 @@ class PlanningContext:
     remat: bool = True
     switch: SwitchCosts = field(default_factory=SwitchCosts)
     simulate_top: int = 6  # candidates (beyond the current mesh's) scored by the simulator
+    # meshes with fewer DP groups are left out while the devices allow this many: with two,
+    # every shard keeps a copy in another group, so a dead process loses no step
+    min_dp: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pool", tuple(int(d) for d in self.pool))
@@ -66,6 +69,8 @@ class PlanningContext:
         if not self.device_memory_bytes > 0:
             raise ConfigError(f"PlanningContext.device_memory_bytes="
                               f"{self.device_memory_bytes!r}: must be > 0")
+        if self.min_dp < 1:
+            raise ConfigError(f"PlanningContext.min_dp={self.min_dp}: must be >= 1")
         if self.simulate_top < 1:
             raise ConfigError(f"PlanningContext.simulate_top={self.simulate_top}: must be >= 1")
 

@@ -95,7 +95,7 @@ def rank_layouts(current: Plan, health: Health, ctx: PlanningContext, pool: Devi
     pipelines over a few groups, meshes that leave many devices idle) cost nothing.
     """
     n_mb, n_layers = current.n_microbatches, ctx.model.n_layers
-    space = ShapeSpace(pool.n_usable, pool.n_slow, n_layers, n_mb)
+    space = ShapeSpace(pool.n_usable, pool.n_slow, n_layers, n_mb, min_dp=ctx.min_dp)
     shapes = sorted((_proxy_lower_bound(shape, current, ctx), shape)
                     for shape in mesh_shapes(ctx.model, space))
     out: list[Ranked] = []

@@ -35,6 +35,7 @@ class ShapeSpace:
     n_layers: int
     n_microbatches: int
     max_exclusions: int = 2  # extra narrower dps tried, each leaving out more slow devices
+    min_dp: int = 1  # shapes with fewer DP groups are dropped while any shape has this many
 
 
 def mesh_shapes(model: ModelConfig, space: ShapeSpace) -> list[Shape]:
@@ -43,7 +44,8 @@ def mesh_shapes(model: ModelConfig, space: ShapeSpace) -> list[Shape]:
     for tp in tp_degrees(model):
         for pp in range(1, min(space.n_layers, space.n_usable // tp) + 1):
             shapes.extend((dp, pp, tp) for dp in _dp_options(pp * tp, space))
-    return shapes
+    redundant = [shape for shape in shapes if shape[0] >= space.min_dp]
+    return redundant or shapes
 
 
 def _dp_options(stage_devices: int, space: ShapeSpace) -> list[int]:

@@ -15,9 +15,12 @@ quick run (5 faults, 3 of them fail-stops) readmits none.
 Every fail-stop is recovered from the survivors' copies of the last completed step when
 every shard still has one, else from the periodic checkpoint (the table says which).
 
-The uninterrupted run of the same batches (1 process x 8 devices) is the reference: every
-step's loss must match it and every step's batch (CRC-32 of its tokens) must be the
-reference's batch for that step: none skipped, none repeated. Goodput = useful step time /
+The uninterrupted run of the same batches (1 process x 8 devices, the job's plan) is the
+reference: every step's batch (CRC-32 of its tokens) must be the reference's batch for that
+step (none skipped, none repeated), and every step's loss must match the reference's. Runs
+on other plans sum in another order, and training amplifies such differences step after
+step, so "match" means: no further from the reference than a fault-free run on another plan
+(dp=2,pp=2,tp=1, one the relaunches use) drifts from it, with 1e-4 the least tolerance. Goodput = useful step time /
 wall time of the job, where useful step time = steps x the job's median step time (first
 steps after a start, which compile, excluded from the median).
 
@@ -52,7 +55,8 @@ from resihp_jax.runtime.launch import Fault, LaunchConfig, Supervisor  # noqa: E
 PROCS, PER_PROC = 4, 2
 CHECKPOINT_EVERY = 10
 READMIT_AFTER = 5
-LOSS_RTOL = 1e-3  # other plans after a relaunch sum in another order; drift stays far below
+LOSS_RTOL = 1e-4  # the least tolerance; more when another plan alone drifts further
+CONTROL_PLAN = "dp=2,pp=2,tp=1"  # a plan relaunches on 4 of the 8 devices take
 TARGETS = {"steps_lost_per_dp2_kill": 0, "healthy_overhead": 0.03}
 
 
@@ -108,13 +112,14 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def reference(root: Path, steps: int, seed: int, copies: str) -> list[dict]:
-    """The uninterrupted run in one process on 8 devices, with survivor copies `copies`."""
-    metrics = root / f"reference-{copies}.jsonl"
+def reference(root: Path, steps: int, seed: int, copies: str,
+              plan: str = "dp=2,pp=2,tp=2") -> list[dict]:
+    """The uninterrupted run in one process, with survivor copies `copies`."""
+    name = f"reference-{copies}-{plan.replace(',', '_').replace('=', '')}"
+    metrics = root / f"{name}.jsonl"
     cmd = [sys.executable, "-m", "resihp_jax.cli", "train", *_train_args(steps, seed),
-           "--devices", "8", "--metrics", str(metrics), "--checkpoint-dir",
-           str(root / f"reference-{copies}"), "--checkpoint-every", "1000",
-           "--survivor-copies", copies]
+           "--plan", plan, "--metrics", str(metrics), "--checkpoint-dir",
+           str(root / name), "--checkpoint-every", "1000", "--survivor-copies", copies]
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
@@ -133,7 +138,8 @@ def chaos(root: Path, faults: list[Fault], steps: int, seed: int, readmit: int |
     train = (*_train_args(steps, seed), "--metrics", str(metrics), "--checkpoint-every",
              str(CHECKPOINT_EVERY), "--hang-floor-s", "5")
     config = LaunchConfig(PROCS, PER_PROC, root / "job", train, tuple(faults),
-                          max_restarts=2 * len(faults) + 2, readmit_after_steps=readmit)
+                          max_restarts=2 * len(faults) + 2, readmit_after_steps=readmit,
+                          grace_s=20.0)
     log = io.StringIO()
     supervisor = Supervisor(config, out=log)
     t0 = time.perf_counter()
@@ -147,21 +153,30 @@ def chaos(root: Path, faults: list[Fault], steps: int, seed: int, readmit: int |
             else [], "wall_s": wall, "error": error, "log": log.getvalue()}
 
 
-def compare(records: list[dict], ref: list[dict]) -> dict:
-    """Losses and batches of the chaos run against the reference, step by step."""
+def max_rel_diff(records: list[dict], ref: list[dict]) -> float:
+    by_step = {r["step"]: r["loss"] for r in records}
+    diffs = [abs(by_step[r["step"]] - r["loss"]) / abs(r["loss"]) for r in ref
+             if r["step"] in by_step]
+    return max(diffs) if diffs else float("inf")
+
+
+def compare(records: list[dict], ref: list[dict], control: list[dict]) -> dict:
+    """Losses and batches of the chaos run against the reference, step by step. Another plan
+    sums in another order, and training amplifies the difference over the steps; the
+    yardstick is how far a fault-free run on another plan (`control`) drifts."""
     by_step = {r["step"]: r for r in records}
     ref_crc = [r["batch_crc"] for r in ref]
     run_crc = [r["batch_crc"] for r in records]
     skipped = sum(1 for r in ref if by_step.get(r["step"], {}).get("batch_crc")
                   != r["batch_crc"])
     repeated = sum(max(0, run_crc.count(c) - ref_crc.count(c)) for c in set(run_crc))
-    diffs = [abs(by_step[r["step"]]["loss"] - r["loss"]) / abs(r["loss"]) for r in ref
-             if r["step"] in by_step]
     every_step_once = [r["step"] for r in records] == [r["step"] for r in ref]
-    max_diff = max(diffs) if diffs else float("inf")
-    return {"losses_match": every_step_once and max_diff <= LOSS_RTOL,
-            "max_loss_rel_diff": max_diff, "batches_skipped": skipped,
-            "batches_repeated": repeated, "every_step_once": every_step_once}
+    max_diff, plan_drift = max_rel_diff(records, ref), max_rel_diff(control, ref)
+    tolerance = max(LOSS_RTOL, 2 * plan_drift)
+    return {"losses_match": every_step_once and not skipped and max_diff <= tolerance,
+            "max_loss_rel_diff": max_diff, "plan_drift": plan_drift, "tolerance": tolerance,
+            "batches_skipped": skipped, "batches_repeated": repeated,
+            "every_step_once": every_step_once}
 
 
 def _row(cells: list[object], widths: list[int]) -> str:
@@ -169,8 +184,8 @@ def _row(cells: list[object], widths: list[int]) -> str:
                    for c, w in zip(cells, widths))
 
 
-def report(faults: list[Fault], run: dict, ref: list[dict], overhead: dict, seed: int,
-           readmit: int | None) -> dict:
+def report(faults: list[Fault], run: dict, ref: list[dict], control: list[dict],
+           overhead: dict, seed: int, readmit: int | None) -> dict:
     summary = run["summary"]
     back = "never" if readmit is None else f"{readmit} steps after exclusion"
     print(f"{PROCS} processes x {PER_PROC} fake CPU devices (gloo), model small on the corpus, "
@@ -199,7 +214,7 @@ def report(faults: list[Fault], run: dict, ref: list[dict], overhead: dict, seed
           "process had written its copies and exited; recover: detection to the end of the "
           "first step after the relaunch, compilation included)")
     records = run["records"]
-    check = compare(records, ref)
+    check = compare(records, ref, control)
     starts = {r + 1 for r in summary.restored}
     useful = len(records) * steady_s(records, starts) if records else 0.0
     goodput = useful / run["wall_s"]
@@ -210,8 +225,9 @@ def report(faults: list[Fault], run: dict, ref: list[dict], overhead: dict, seed
           f"{'completed' if survived else 'FAILED: ' + str(run['error'])}; restarts "
           f"{summary.restarts}; steps lost {lost_total}; wall {run['wall_s']:.0f} s")
     print(f"losses vs the uninterrupted run: max relative difference "
-          f"{check['max_loss_rel_diff']:.2e} (match: <= {LOSS_RTOL:g}); batches skipped "
-          f"{check['batches_skipped']}, repeated {check['batches_repeated']}")
+          f"{check['max_loss_rel_diff']:.2e}; a fault-free run on {CONTROL_PLAN} drifts "
+          f"{check['plan_drift']:.2e} from it (match: <= {check['tolerance']:.2e}); batches "
+          f"skipped {check['batches_skipped']}, repeated {check['batches_repeated']}")
     print(f"goodput {goodput:.2f} (useful {useful:.0f} s of {run['wall_s']:.0f} s)")
     print("\nhealthy overhead of survivor copies (1 process x 8 devices, median step time):")
     base = overhead["off"]
@@ -220,7 +236,8 @@ def report(faults: list[Fault], run: dict, ref: list[dict], overhead: dict, seed
     keep_cost = overhead["keep"] / base - 1
     print(f"  default 'keep': {keep_cost:+.1%} (target <= +{TARGETS['healthy_overhead']:.0%})")
     return {"faults": injected, "survived": survived, "losses_match": check["losses_match"],
-            "max_loss_rel_diff": check["max_loss_rel_diff"], "steps_lost_total": lost_total,
+            "max_loss_rel_diff": check["max_loss_rel_diff"],
+            "plan_drift_rel_diff": check["plan_drift"], "steps_lost_total": lost_total,
             "batches_skipped": check["batches_skipped"],
             "batches_repeated": check["batches_repeated"], "goodput": round(goodput, 3),
             "restarts": summary.restarts, "sources": summary.sources[1:],
@@ -246,6 +263,7 @@ def main() -> int:
         root = Path(args.workdir or tmp)
         root.mkdir(parents=True, exist_ok=True)
         ref = reference(root, steps, args.seed, "keep")
+        control = reference(root, steps, args.seed, "off", CONTROL_PLAN)
         overhead_steps = min(steps, 12)
         overhead = {"keep": steady_s(ref),
                     "off": steady_s(reference(root, overhead_steps, args.seed, "off"))}
@@ -254,7 +272,7 @@ def main() -> int:
         run = chaos(root, faults, steps, args.seed, readmit)
         if run["error"] is not None:
             print(run["log"], file=sys.stderr)
-        result = report(faults, run, ref, overhead, args.seed, readmit)
+        result = report(faults, run, ref, control, overhead, args.seed, readmit)
     print(json.dumps(result))
     return 0 if result["survived"] and result["losses_match"] else 1
 

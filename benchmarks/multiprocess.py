@@ -12,9 +12,11 @@ Also: the healthy rate of 4 processes x 2 devices against 1 process x 8 devices 
 plan, i.e. what the multi-process runtime costs.
 
 Fail-stop rows split the time from the fault to the first step after the relaunch into
-detection, relaunch (new processes to the start of `resihp train`), JAX initialization,
-plan, restore, compile and the first step; steps lost are steps completed before the fault
-but after the restored checkpoint (run again with the same batches). This machine has 2
+detection, ending the others (they write their copies of the last completed step on
+SIGTERM), relaunch (new processes to the start of `resihp train`), JAX initialization,
+plan, compile, restore and the first step; steps lost are steps completed before the fault
+but after the restored state (run again with the same batches): 0 when the survivors'
+copies are complete, as with dp=2 here. This machine has 2
 cores for 4 processes: a quota on one process frees CPU for the others, so a slowdown of
 FACTOR costs the job far less than FACTOR here (the table gives the measured cost).
 
@@ -77,9 +79,12 @@ def fail_stop(root: Path, kind: str, train: list[str], at: int) -> dict:
     recovery = summary.recovery_s[0] if summary.recovery_s else float("nan")
     inside = sum(phases.get(k, 0.0) for k in ("init_s", "plan_s", "restore_s", "compile_s",
                                                "first_step_s"))
+    end = summary.failures[0].end_s if summary.failures else 0.0
     steps = [r["step"] for r in records]
     return {"kind": kind, "detect_s": summary.detect_s[0] if summary.detect_s else None,
-            "relaunch_s": max(0.0, recovery - inside), **phases, "recovery_s": recovery,
+            "end_s": end, "relaunch_s": max(0.0, recovery - end - inside), **phases,
+            "recovery_s": recovery, "source": summary.sources[1] if len(summary.sources) > 1
+            else "-",
             "steps_lost": summary.steps_lost, "restarts": summary.restarts,
             "every_step_once": steps == list(range(1, len(steps) + 1)),
             "plans": summary.plans}
@@ -129,17 +134,17 @@ def main() -> int:
     print(f"4 processes x 2 fake CPU devices, gloo, model {args.model}; faults: SIGKILL / "
           f"SIGSTOP of one process at step {at}, a CPU quota (x4) on one process at step "
           f"{slow_at}\n")
-    cols = ["fault", "detect", "relaunch", "init", "plan", "restore", "1st step", "total",
-            "lost"]
-    widths = [8, 9, 10, 8, 8, 9, 10, 9, 6]
+    cols = ["fault", "detect", "end", "relaunch", "init", "plan", "compile", "restore",
+            "1st step", "total", "lost", "restored from"]
+    widths = [8, 9, 7, 10, 8, 8, 9, 9, 10, 9, 6, 16]
     print(_row(cols, widths))
     for r in stops:
-        cells = [r["kind"], r["detect_s"], r["relaunch_s"], r.get("init_s"), r.get("plan_s"),
-                 r.get("restore_s"), r.get("first_step_s"),
-                 r["recovery_s"], r["steps_lost"]]
+        cells = [r["kind"], r["detect_s"], r["end_s"], r["relaunch_s"], r.get("init_s"),
+                 r.get("plan_s"), r.get("compile_s"), r.get("restore_s"),
+                 r.get("first_step_s"), r["recovery_s"], r["steps_lost"], r["source"]]
         print(_row([f"{c:.2f}" if isinstance(c, float) else c for c in cells], widths))
-    print("(seconds; total = from detection to the end of the first step after relaunch; the "
-          "first step includes its compilation)")
+    print("(seconds; end = the other processes writing their copies of the last step and "
+          "exiting; total = from detection to the end of the first step after relaunch)")
     kill, hang = stops
     print(f"\ndetection: kill {kill['detect_s']:.2f} s (target <= {TARGETS['kill_detect_s']}"
           f" s); hang {hang['detect_s']:.2f} s (target: 3x the predicted step, floor "
@@ -152,7 +157,7 @@ def main() -> int:
           f"{healthy['procs_1x8']:,.0f} tokens/s: {healthy['ratio']:.2f}x")
     print(json.dumps({
         "fail_stop": {r["kind"]: {k: (round(v, 3) if isinstance(v, float) else v)
-                                  for k, v in r.items() if k not in ("kind", "plans")}
+                                  for k, v in r.items() if k not in ("kind", "plans", "source")}
                       for r in stops},
         "fail_slow": {k: round(v, 3) for k, v in slow.items()},
         "healthy": {k: round(v, 3) for k, v in healthy.items()},

@@ -172,6 +172,17 @@ def test_metrics_of_lost_steps_are_dropped_on_resume(tmp_path: Path) -> None:
         metrics_file(str(path), 4)
 
 
+def test_the_record_of_the_restored_step_is_added_when_its_writer_died(tmp_path: Path) -> None:
+    """Step 3's state survived in the copies, its record did not reach the file: the copies'
+    record of it is written, once."""
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2)))
+    metrics_file(str(path), 3, {"step": 3, "loss": 0.5}).close()
+    metrics_file(str(path), 3, {"step": 3, "loss": 9.9}).close()  # present now: kept as is
+    assert [json.loads(x) for x in path.read_text().splitlines()][2:] == \
+        [{"step": 3, "loss": 0.5}]
+
+
 def test_slowdowns_seen_go_into_the_health_record(tmp_path: Path) -> None:
     from resihp_jax.runtime import health_record
     from resihp_jax.runtime.job import Job

@@ -2,9 +2,9 @@
 
 Two ways to keep it, both leaving the state a failed step consumed recoverable:
 - `keep` (the default on CPU): the step does not donate the state's buffers, so the
-  previous step's state simply stays on the devices; the shards are copied to host only
-  when written. No time per step (on XLA:CPU a step without donation is even faster, see
-  benchmarks/chaos.py), one more state in device memory.
+  states of the last two steps simply stay on the devices; the shards are copied to host
+  only when written. No time per step (on XLA:CPU a step without donation is even faster,
+  see benchmarks/chaos.py), two more states in device memory.
 - `host`: after each step the shards this process's devices hold are copied into host
   buffers (the last two steps, reused in turn), and the step donates as usual. One
   device-to-host copy of the local state per step, no device memory.
@@ -90,12 +90,13 @@ class HostSnapshots:
             raise ValueError(f"mode={mode!r}; valid: {', '.join(MODES)}")
         self.root = Path(checkpoint_dir).absolute() / SUBDIR
         self.host, self.identity, self.mode, self.clock = host, identity, mode, clock
-        # host copies: two, so one is whole while the other is rewritten
-        self.keep = 2 if mode == "host" else 1
+        # two steps: a host copy stays whole while the other is rewritten, and processes
+        # stopped a step apart share the older one
+        self.keep = 2
         self.devices = None if devices is None else frozenset(devices)
         self._copies: list[_Copy] = []  # oldest first
         self._lock = threading.Lock()
-        self._dumped: Path | None = None
+        self._dumped: list[Path] | None = None
         self._terminate: _TermWatcher | None = None
         self.capture_s: list[float] = []  # seconds each capture took
 
@@ -117,14 +118,17 @@ class HostSnapshots:
         self.capture_s.append(elapsed)
         return elapsed
 
-    def _to_host(self, state: Any, spare: _Copy | None) -> dict[str, _Leaf]:
-        """This process's distinct shards of `state`, in the spare copy's buffers if any."""
+    def _to_host(self, state: Any, spare: _Copy | None,
+                 start_copies: bool = True) -> dict[str, _Leaf]:
+        """This process's distinct shards of `state`, in the spare copy's buffers if any.
+        `start_copies`: start every device-to-host copy first (not while a step may be stuck
+        on the devices, which such a request could queue behind)."""
         flat, _ = jax.tree_util.tree_flatten_with_path(state)
         shards = [(leaf_key(path), leaf, shard) for path, leaf in flat
                   for shard in leaf.addressable_shards
                   if self.devices is None or shard.device.id in self.devices]
-        for _, _, shard in shards:  # start every device-to-host copy before waiting for one
-            shard.data.copy_to_host_async()
+        for _, _, shard in shards if start_copies else ():
+            shard.data.copy_to_host_async()  # all under way before waiting for any
         leaves: dict[str, _Leaf] = {}
         for key, leaf, shard in shards:
             box = shard_box(shard.index, leaf.shape)
@@ -140,27 +144,30 @@ class HostSnapshots:
             return self._copies[-1].step if self._copies else None
 
     # ---- when the process must stop -------------------------------------------------------
-    def dump(self, reason: str) -> Path | None:
-        """Write the newest copy (once per process; later calls return the same path)."""
+    def dump(self, reason: str) -> list[Path]:
+        """Write the kept copies, newest first (once per process; later calls return the
+        same paths). Both steps kept are written: processes stopped at different moments
+        (one just past a step, one still in it) then share the older one."""
         with self._lock:
             if self._dumped is not None or not self._copies:
-                return self._dumped
-            copy = self._copies[-1]
-            t0 = self.clock()
-            if copy.leaves is None:  # mode "keep": the state is still on the devices
-                copy.leaves = self._to_host(copy.state, None)
-            target = self.root / f"step{copy.step}" / f"{self.host}-{os.getpid()}"
-            try:
-                _write(copy, target, self.host, reason, self.identity)
-            except OSError as err:  # a full disk: say so; the checkpoint is still there
-                print(f"resihp train: could not write this process's copy of step "
-                      f"{copy.step} to {target}: {err}", file=sys.stderr, flush=True)
-                return None
-            self._dumped = target
-            print(f"resihp train: {reason}: wrote this process's copy of step {copy.step} "
-                  f"({_nbytes(copy) / 1e6:.1f} MB) in {self.clock() - t0:.2f} s to {target}",
-                  file=sys.stderr, flush=True)
-            return target
+                return self._dumped or []
+            self._dumped = []
+            for copy in reversed(self._copies):
+                t0 = self.clock()
+                target = self.root / f"step{copy.step}" / f"{self.host}-{os.getpid()}"
+                try:
+                    if copy.leaves is None:  # mode "keep": the state is still on the devices
+                        copy.leaves = self._to_host(copy.state, None, start_copies=False)
+                    _write(copy, target, self.host, reason, self.identity)
+                except OSError as err:  # a full disk: say so; the checkpoint is still there
+                    print(f"resihp train: could not write this process's copy of step "
+                          f"{copy.step} to {target}: {err}", file=sys.stderr, flush=True)
+                    break
+                self._dumped.append(target)
+                print(f"resihp train: {reason}: wrote this process's copy of step "
+                      f"{copy.step} ({_nbytes(copy) / 1e6:.1f} MB) in "
+                      f"{self.clock() - t0:.2f} s to {target}", file=sys.stderr, flush=True)
+            return self._dumped
 
     def exit_on_sigterm(self, exit_fn: Callable[[int], None] = os._exit) -> None:
         """From now on SIGTERM writes the newest copy and exits with TERMINATED_EXIT."""
@@ -191,9 +198,9 @@ def deactivate(snapshots: HostSnapshots) -> None:
         _ACTIVE.clear()
 
 
-def dump_active(reason: str) -> Path | None:
+def dump_active(reason: str) -> list[Path]:
     """Write the active copies, if any: called on the way out of a failing process."""
-    return _ACTIVE[0].dump(reason) if _ACTIVE else None
+    return _ACTIVE[0].dump(reason) if _ACTIVE else []
 
 
 def _copy_into(spare: _Copy | None, key: str, box: Box, host: np.ndarray) -> np.ndarray:

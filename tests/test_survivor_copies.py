@@ -92,14 +92,20 @@ def test_copies_of_one_dead_process_restore_onto_a_smaller_plan(tmp_path: Path,
     np.testing.assert_allclose(record.loss, next_record.loss, rtol=1e-5)
 
 
-def test_resume_prefers_complete_copies_over_an_older_checkpoint(tmp_path: Path) -> None:
-    plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+def _checkpointed_at_1_then_trained_to_3(plan: Plan, directory: Path) -> tuple:
+    """A run with a periodic checkpoint of step 1 in `directory` and its state at step 3."""
     program, state, data = _trained(plan, 1)
-    ckpt = Checkpointer(tmp_path, interval=1)
+    ckpt = Checkpointer(directory, interval=1)
     ckpt.save(1, state, program, data.state())
     ckpt.wait()
     for _ in range(2):
         state, _ = run_step(program, state, data.next_batch())
+    return program, state, data, ckpt
+
+
+def test_resume_prefers_complete_copies_over_an_older_checkpoint(tmp_path: Path) -> None:
+    plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    program, state, data, ckpt = _checkpointed_at_1_then_trained_to_3(plan, tmp_path)
     _survivors_write(tmp_path, program, state, data, dead={3})
     out = io.StringIO()
     start = start_state(program, ckpt, _data(), resume=True, seed=0, primary=True, out=out)
@@ -109,12 +115,7 @@ def test_resume_prefers_complete_copies_over_an_older_checkpoint(tmp_path: Path)
 
 def test_copies_missing_a_shard_fall_back_to_the_checkpoint(tmp_path: Path) -> None:
     plan = Plan.uniform(1, 4, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
-    program, state, data = _trained(plan, 1)
-    ckpt = Checkpointer(tmp_path, interval=1)
-    ckpt.save(1, state, program, data.state())
-    ckpt.wait()
-    for _ in range(2):
-        state, _ = run_step(program, state, data.next_batch())
+    program, state, data, ckpt = _checkpointed_at_1_then_trained_to_3(plan, tmp_path)
     _survivors_write(tmp_path, program, state, data, dead={2})  # dp=1: stage 2 has no copy
     [copies] = survivor_copies.find(tmp_path)
     assert not copies.complete and "no surviving copy" in copies.missing

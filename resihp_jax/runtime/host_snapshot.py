@@ -98,7 +98,6 @@ class HostSnapshots:
         self._lock = threading.Lock()
         self._dumped: list[Path] | None = None
         self._terminate: _TermWatcher | None = None
-        self.capture_s: list[float] = []  # seconds each capture took
 
     # ---- every step ------------------------------------------------------------------------
     def capture(self, step: int, state: Any, program: Any, data_state: Mapping[str, Any],
@@ -114,9 +113,7 @@ class HostSnapshots:
                 layout.canonical_index(program.stage_index()).tolist(),
                 int(program.layer_slots), self._to_host(state, spare) if host else None,
                 None if host else state, dict(record) if record is not None else None))
-        elapsed = self.clock() - t0
-        self.capture_s.append(elapsed)
-        return elapsed
+        return self.clock() - t0
 
     def _to_host(self, state: Any, spare: _Copy | None,
                  start_copies: bool = True) -> dict[str, _Leaf]:

@@ -161,3 +161,17 @@ def test_processes_stopped_a_step_apart_restore_the_step_they_share(tmp_path: Pa
     assert start.source == "survivors@2" and "copies of step 3 are incomplete" in out.getvalue()
     got = jax.device_get(to_canonical(start.state, program))
     assert max_relative_error(got.params, expected.params) == 0.0
+
+
+def test_auto_keeps_the_states_on_the_devices_only_where_two_more_fit() -> None:
+    from resihp_jax.runtime.host_snapshot import auto_mode  # noqa: PLC0415
+
+    gib = 2**30
+    # an 80 GB accelerator: a 1B model's 14 GB state twice beside a 30 GB step fits
+    assert auto_mode("gpu", 30 * gib, 14 * gib, 80 * gib) == "keep"
+    # a 70B shard that fills most of the device: copies go to host memory instead
+    assert auto_mode("gpu", 60 * gib, 14 * gib, 80 * gib) == "host"
+    # a device that reports no memory limit: assume it does not fit
+    assert auto_mode("tpu", 1 * gib, 1 * gib, None) == "host"
+    # CPU "device memory" is host memory: keeping costs nothing there
+    assert auto_mode("cpu", 60 * gib, 14 * gib, None) == "keep"

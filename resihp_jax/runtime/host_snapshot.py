@@ -1,13 +1,16 @@
 """The state of the last completed step, kept by every process and written out when it must stop.
 
 Two ways to keep it, both leaving the state a failed step consumed recoverable:
-- `keep` (the default on CPU): the step does not donate the state's buffers, so the
-  states of the last two steps simply stay on the devices; the shards are copied to host
-  only when written. No time per step (on XLA:CPU a step without donation is even faster,
-  see benchmarks/chaos.py), two more states in device memory.
-- `host`: after each step the shards this process's devices hold are copied into host
-  buffers (the last two steps, reused in turn), and the step donates as usual. One
-  device-to-host copy of the local state per step, no device memory.
+- `keep` (what `auto` picks wherever it fits): the step does not donate the state's
+  buffers, so the states of the last two steps simply stay on the devices; the shards are
+  copied to host only when written. No time per step (a step without donation is even
+  3-4% faster on XLA:CPU and on an H100, see benchmarks/survivor_copies_cost.py), two more
+  states in device memory.
+- `host` (what `auto` falls back to when two more states would not fit): after each step
+  the shards this process's devices hold are copied to host memory, and the step donates
+  as usual. One device-to-host copy of the local state per step, no device memory; it
+  stalls the device for the copy (5.3x the step time of `llama-1b` on an H100), so it is
+  the last resort before `off`.
 Nothing is written during healthy training. When the job fails (a peer died and a
 collective errs, the step deadline passes, or whatever runs the job sends SIGTERM, as the
 supervisor, SLURM and Kubernetes do before they kill), the process writes its newest copy
@@ -45,6 +48,11 @@ MANIFEST = "manifest.json"
 VERSION = 1
 TERMINATED_EXIT = 75  # EX_TEMPFAIL, as a watchdog exit: the job may be retried
 
+# `auto` keeps the states on the devices when the step's footprint (the memory model's,
+# itself an overestimate) plus the two kept states stays under this share of what the
+# device's allocator may use
+KEEP_MEMORY_SHARE = 0.95
+
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension of the global array
 
 
@@ -65,6 +73,18 @@ class _Copy:
     leaves: dict[str, _Leaf] | None  # host copies (mode "host")
     state: Any = None  # the live state itself (mode "keep"; never donated)
     record: dict[str, Any] | None = None  # the step's metrics record
+
+
+def auto_mode(backend: str, step_bytes: float, state_bytes: float,
+              device_bytes: float | None) -> str:
+    """What `--survivor-copies auto` picks: `keep` when two more states fit beside the
+    step's own footprint (`step_bytes`, per device) in `device_bytes` (unknown: assume
+    not), else `host`. On CPU always `keep`: its "device memory" is host memory anyway."""
+    if backend == "cpu":
+        return "keep"
+    if device_bytes is None or not device_bytes > 0:
+        return "host"
+    return "keep" if step_bytes + 2 * state_bytes <= KEEP_MEMORY_SHARE * device_bytes else "host"
 
 
 def shard_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
@@ -132,7 +152,11 @@ class HostSnapshots:
             entry = leaves.setdefault(key, _Leaf(tuple(leaf.shape), np.dtype(leaf.dtype).name,
                                                  {}))
             if box not in entry.pieces:  # else a replica already copied (e.g. across tp)
-                entry.pieces[box] = _copy_into(spare, key, box, np.asarray(shard.data))
+                host = np.asarray(shard.data)
+                # on CPU that is the device buffer itself, which the next (donating) step
+                # overwrites: copy it; elsewhere it is already a host copy of our own
+                entry.pieces[box] = (_copy_into(spare, key, box, host)
+                                     if shard.device.platform == "cpu" else host)
         return leaves
 
     @property

@@ -76,9 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "gets SIGTERM, so a relaunch rebuilds that step from the survivors "
                              "instead of going back to the periodic checkpoint. keep: the step "
                              "does not donate the state, which stays on the devices (no time, "
-                             "one more state in device memory); host: a copy to host memory "
-                             "after every step; off: none. auto (default): keep on CPU, host "
-                             "on accelerators")
+                             "two more states in device memory); host: a copy to host memory "
+                             "after every step (stalls the devices for the copy); off: none. "
+                             "auto (default): keep where two more states fit in device "
+                             "memory, else host")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--adapt", action="store_true",
                         help="watch every step and re-plan around slow devices in place "
@@ -192,7 +193,7 @@ def _train(args: argparse.Namespace, spec: distributed.JobSpec, ladder: Ladder, 
     t0 = time.perf_counter()
     plan = _job_plan(args, job, model, needed, out)
     phases["plan_s"] = time.perf_counter() - t0
-    args.copies_mode = _copies_mode(args)
+    args.copies_mode = _copies_mode(args, plan, model)
     train_cfg = TrainConfig(learning_rate=args.lr, remat=args.remat,
                             microbatch_slots=max(plan.microbatches_per_group),
                             donate_state=args.copies_mode != "keep")
@@ -206,6 +207,9 @@ def _train(args: argparse.Namespace, spec: distributed.JobSpec, ladder: Ladder, 
                             identity=run_identity(model, train_cfg, data.state()))
     print(f"model {model.name} ({model.param_count() / 1e6:.2f}M params, {model.dtype}), plan "
           f"{plan.describe()}, {plan.tokens_per_step} tokens/step, data {args.data}", file=out)
+    if args.copies_mode is not None:
+        print(f"survivor copies: {args.copies_mode}"
+              f"{' (auto)' if args.survivor_copies == 'auto' else ''}", file=out)
     if args.adapt:
         from resihp_jax.runtime.train_adapt import AdaptRun  # noqa: PLC0415
 
@@ -233,16 +237,25 @@ def _train(args: argparse.Namespace, spec: distributed.JobSpec, ladder: Ladder, 
     return 0
 
 
-def _copies_mode(args: argparse.Namespace) -> str | None:
+def _copies_mode(args: argparse.Namespace, plan: Any, model: Any) -> str | None:
     """How this process keeps the survivors' copy of each step (host_snapshot.py), if at all."""
     if args.checkpoint_dir is None or args.survivor_copies == "off":
         return None
     if args.survivor_copies == "auto":
         import jax  # noqa: PLC0415
 
-        # a device-to-host copy per step is a memcpy on CPU, where keeping the undonated
-        # state costs nothing; on an accelerator device memory is the scarcer resource
-        return "keep" if jax.default_backend() == "cpu" else "host"
+        from resihp_jax.perfmodel import memory_bytes_per_device  # noqa: PLC0415
+        from resihp_jax.perfmodel.costs import MASTER_BYTES  # noqa: PLC0415
+        from resihp_jax.perfmodel.work import stage_param_counts  # noqa: PLC0415
+        from resihp_jax.runtime.host_snapshot import auto_mode  # noqa: PLC0415
+
+        stats = jax.local_devices()[0].memory_stats() or {}
+        step_bytes = float(memory_bytes_per_device(plan, model).max())
+        # a kept state: float32 parameters and Adam's two moments
+        state_bytes = float(stage_param_counts(plan, model, None).max()) * 3 * MASTER_BYTES \
+            / plan.tp
+        return auto_mode(jax.default_backend(), step_bytes, state_bytes,
+                         stats.get("bytes_limit"))
     return str(args.survivor_copies)
 
 

@@ -26,5 +26,23 @@ class JobStepFailed(RuntimeError):
     gone or frozen, so no process can go on in place)."""
 
 
+class HostsLeftOut(RuntimeError):
+    """A job of several processes re-planned onto a mesh that holds no device of the slow
+    host(s) `processes` (a slow host excluded whole). A process without devices could take
+    no part in the state's move (orbax restores nothing into a process without shards) nor
+    in the steps, yet every per-step agreement would still wait on it; so every process
+    writes its copy of the last step and exits, the slow ones with LEFT_OUT_EXIT and the
+    rest with REPLAN_EXIT, and the job restarts without the slow ones (the health record
+    excludes them). Healthy processes the plan also left out come back at the restart."""
+
+    LEFT_OUT_EXIT = 76
+    REPLAN_EXIT = 77
+
+    def __init__(self, processes: tuple[int, ...], step: int, reason: str) -> None:
+        self.processes, self.step, self.reason = tuple(processes), step, reason
+        super().__init__(f"step {step}: the new plan leaves process(es) {list(processes)} "
+                         f"out ({reason}); the job restarts without them")
+
+
 class CheckpointFallbackWarning(UserWarning):
     """The newest checkpoint was unreadable or corrupt; an older good one is used instead."""

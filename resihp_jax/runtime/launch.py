@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
-from resihp_jax.errors import ConfigError
+from resihp_jax.errors import ConfigError, HostsLeftOut
 from resihp_jax.runtime import distributed, health_record, heartbeat
 from resihp_jax.runtime.throttle import Throttle
 from resihp_jax.runtime.watchdog import HUNG_EXIT
 
 USER_ERROR = 2  # the exit code of a bad argument: nothing to restart
+PLANNED_EXITS = frozenset({HostsLeftOut.LEFT_OUT_EXIT, HostsLeftOut.REPLAN_EXIT})
 
 
 @dataclass(frozen=True)
@@ -87,13 +88,14 @@ class LaunchConfig:
 
 @dataclass
 class Failure:
-    kind: str  # died | hung
+    kind: str  # died | hung | excluded (a re-plan left slow hosts out) | readmit
     host: str | None  # the culprit, when known
     step: int  # the job's last completed step when it was seen
     detect_s: float | None  # from the injected fault to detection (None: not injected)
     detail: str
     exit_code: int | None = None  # the culprit's, when it exited
     end_s: float = 0.0  # from detection until every process had ended (copies written)
+    hosts: tuple[str, ...] = ()  # every host to exclude, when several (else `host`)
 
 
 @dataclass
@@ -204,6 +206,12 @@ class Supervisor:
                 if not started:
                     self._first_progress_at = self.clock()
                 step, advanced_at, started = now_step, self.clock(), True
+            if failed and set(failed.values()) <= PLANNED_EXITS:
+                # a re-plan left processes out: all exit on their own, those left out with
+                # their own code, once their copies are written
+                if len(exited) < len(procs) and self.clock() - advanced_at < cfg.startup_s:
+                    continue
+                return self._left_out(failed, step), step, beats
             if failed:
                 return self._died(failed, beats, step), step, beats
             if len(exited) == len(procs):
@@ -218,6 +226,12 @@ class Supervisor:
                 max((b.deadline_s for b in beats.values()), default=cfg.startup_s)
             if self.clock() - advanced_at > limit:
                 return self._hung(beats, step, limit), step, beats
+
+    def _left_out(self, failed: dict[str, int], step: int) -> Failure:
+        out = sorted(h for h, c in failed.items() if c == HostsLeftOut.LEFT_OUT_EXIT)
+        return Failure("excluded", out[0] if out else None, step, None,
+                       f"the job re-planned without slow host(s) {', '.join(out) or '?'}",
+                       HostsLeftOut.LEFT_OUT_EXIT, hosts=tuple(out))
 
     def _died(self, failed: dict[str, int], beats: dict[str, heartbeat.Beat],
               step: int) -> Failure:
@@ -314,8 +328,8 @@ class Supervisor:
         if failure.detect_s is not None:
             summary.detect_s.append(failure.detect_s)
         self._readmit(record, step)
-        if failure.host is not None:
-            record.exclude(failure.host, failure.detail, step)
+        for host in failure.hosts or ((failure.host,) if failure.host is not None else ()):
+            record.exclude(host, failure.detail, step)
         record.incarnations += 1
         health_record.save(record, cfg.checkpoint_dir)
         summary.restarts += 1

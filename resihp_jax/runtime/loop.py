@@ -38,6 +38,9 @@ class StepRecord:
     sum_sq_lengths: list[float]
     batch_crc: int = 0  # CRC-32 of the batch's tokens: which batch this step trained on
     host_copy_s: float = 0.0  # copying the state to host memory after the step (if done)
+    # when the step ended (Unix seconds): what ran between steps (probes, switches,
+    # checkpoints) shows in the gaps, for rates over wall time
+    end_unix_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -50,7 +53,8 @@ class StepRecord:
         return cls(step, float(metrics["loss"]), elapsed, tokens, int(metrics["tokens"]),
                    tokens / elapsed if elapsed > 0 else 0.0, float(metrics["grad_norm"]),
                    plan.to_dict(), [float(x) for x in batch.sum_sq_lengths()],
-                   zlib.crc32(np.ascontiguousarray(batch.tokens_MxBxS).tobytes()))
+                   zlib.crc32(np.ascontiguousarray(batch.tokens_MxBxS).tobytes()),
+                   end_unix_s=time.time())
 
 
 def run_step(program: StepProgram, state: TrainState, batch: GlobalBatch,

@@ -29,7 +29,7 @@ from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.detector import (Prober, StepFailed, StepObservation, Verdict, make_detector,
                                  run_guarded)
 from resihp_jax.detector.probes import gathered_probe
-from resihp_jax.errors import ConfigError, JobStepFailed, PlanError
+from resihp_jax.errors import ConfigError, HostsLeftOut, JobStepFailed, PlanError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig
@@ -325,6 +325,15 @@ class ResilientTrainer:
         if verdict.kind == "stopped" and set(verdict.devices) & set(new.device_ids):
             raise PlanError(f"device(s) {list(verdict.devices)} stopped at step {verdict.step} "
                             f"and no plan without them exists: {outcome.reason}")
+        # a process the new plan leaves without devices must leave the job; only the hosts
+        # of the named devices are excluded from it, the others come back at the relaunch
+        left_out = set(_processes_left_out(self.devices, new)) \
+            - set(_processes_left_out(self.devices, old)) if multi_process() else set()
+        named = {d.process_index for d in self.devices if int(d.id) in verdict.devices}
+        if left_out & named:
+            raise HostsLeftOut(tuple(sorted(left_out & named)), verdict.step,
+                               f"devices {list(verdict.devices)} {verdict.kind} "
+                               f"x{verdict.slowdown:.2f}; plan {new.describe()}")
         fields: dict[str, Any] = {}
         if new != old:
             fields = dataclasses.asdict(self.switch_to(
@@ -392,6 +401,14 @@ class ResilientTrainer:
             self.model, costs or CostParams.for_model(self.model),
             self.config.device_memory_gb * 2**30, tuple(int(d.id) for d in self.devices),
             schedule="gpipe", remat=self.train_cfg.remat, switch=switch)
+
+
+def _processes_left_out(devices: Sequence[jax.Device], plan: Plan) -> tuple[int, ...]:
+    """Processes of the job that hold no device of `plan`."""
+    used = set(plan.device_ids)
+    every = {d.process_index for d in devices}
+    kept = {d.process_index for d in devices if int(d.id) in used}
+    return tuple(sorted(every - kept))
 
 
 def _agreed(verdict: Verdict | None) -> Verdict | None:

@@ -12,15 +12,33 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
+
+from resihp_jax.errors import HostsLeftOut
 
 from resihp_jax.meshes.plan import Plan
+from resihp_jax.runtime import health_record
 from resihp_jax.runtime.deadline import Ladder
 from resihp_jax.runtime.heartbeat import Heartbeat
 from resihp_jax.runtime.loop import StepRecord
 from resihp_jax.runtime.resilient import Replan, ResilienceConfig, ResilientTrainer
 from resihp_jax.runtime.resume import start_state
 from resihp_jax.runtime.train_run import RecordSink, close_host_copies, host_copies
+
+
+def _excluding_left_out(events: Iterator[Any], job: Any,
+                        checkpoint_dir: str | None) -> Iterator[Any]:
+    """`events`; when a re-plan leaves whole processes out, process 0 first notes their
+    hosts as excluded in the health record, so the next incarnation (from `resihp launch`,
+    SLURM or Kubernetes alike) starts without them."""
+    try:
+        yield from events
+    except HostsLeftOut as out:
+        if job.primary and checkpoint_dir is not None:
+            for process in out.processes:
+                job.record.exclude(job.hosts[process], f"slow: {out.reason}", out.step)
+            health_record.save(job.record, checkpoint_dir)
+        raise
 
 
 class AdaptRun:
@@ -98,7 +116,8 @@ class AdaptRun:
     def _steps(self, start: int) -> list[StepRecord]:
         sink = RecordSink(self.args, start, self.job.primary, self.phases, self.start_record)
         try:
-            for event in self.trainer.run(self.args.steps, seed=self.args.seed):
+            events = self.trainer.run(self.args.steps, seed=self.args.seed)
+            for event in _excluding_left_out(events, self.job, self.args.checkpoint_dir):
                 if isinstance(event, Replan):
                     self._replanned(event)
                     continue

@@ -151,7 +151,7 @@ def _as_job_process(body: Any) -> int:
     import os  # noqa: PLC0415
     import traceback  # noqa: PLC0415
 
-    from resihp_jax.errors import JobStepFailed  # noqa: PLC0415
+    from resihp_jax.errors import HostsLeftOut, JobStepFailed  # noqa: PLC0415
     from resihp_jax.runtime.watchdog import HUNG_EXIT  # noqa: PLC0415
 
     # a process may be killed at any moment: what it printed must already be in its log
@@ -165,6 +165,12 @@ def _as_job_process(body: Any) -> int:
     except JobStepFailed as err:
         print(f"resihp train: {err}; exiting so the job restarts", file=sys.stderr, flush=True)
         code = HUNG_EXIT
+    except HostsLeftOut as err:
+        import jax  # noqa: PLC0415
+
+        print(f"resihp train: {err}", file=sys.stderr, flush=True)
+        code = (err.LEFT_OUT_EXIT if jax.process_index() in err.processes
+                else err.REPLAN_EXIT)
     except BaseException:  # noqa: BLE001 - any crash must end the process, not hang it
         traceback.print_exc()
         code = 1

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from resihp_jax.errors import ConfigError, PlanError
+from resihp_jax.errors import ConfigError, HostsLeftOut, PlanError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
-from resihp_jax.runtime import distributed
+from resihp_jax.runtime import distributed, health_record
 from resihp_jax.runtime.deadline import Ladder, StepDeadline
 from resihp_jax.runtime.heartbeat import Beat
 from resihp_jax.runtime.job_plan import cover_processes, plan_for_devices
@@ -210,3 +210,26 @@ def test_a_refused_argument_is_not_relaunched(tmp_path: Path) -> None:
     failure = sup._died({"p1": 2}, {}, 0)
     with pytest.raises(ConfigError, match="process p1 refused its arguments"):
         sup._failed(failure, 0)
+
+
+def test_a_replan_that_leaves_a_slow_host_out_restarts_the_job_without_it(
+        tmp_path: Path) -> None:
+    sup = _supervisor(tmp_path)
+    left_out, replan = HostsLeftOut.LEFT_OUT_EXIT, HostsLeftOut.REPLAN_EXIT
+    failure = sup._left_out({"p0": replan, "p1": left_out, "p2": replan, "p3": replan}, 30)
+    assert (failure.kind, failure.hosts) == ("excluded", ("p1",))
+    sup._failed(failure, 30)
+    record = health_record.load(tmp_path)
+    assert record.usable(["p0", "p1", "p2", "p3"]) == ["p0", "p2", "p3"]
+    assert record.excluded["p1"].step == 30 and sup.summary.restarts == 1
+
+
+def test_processes_left_out_are_those_without_a_device_of_the_plan() -> None:
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from resihp_jax.runtime.resilient import _processes_left_out  # noqa: PLC0415
+
+    devices = [SimpleNamespace(id=i, process_index=i // 2) for i in range(8)]
+    plan = _requested(3, 1, 2).replace(device_ids=(0, 1, 4, 5, 6, 7))
+    assert _processes_left_out(devices, plan) == (1,)
+    assert _processes_left_out(devices, _requested(2, 2, 2)) == ()

@@ -25,6 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from resihp_jax.model.config import PRESETS  # noqa: E402
+
 MODES = ("off", "keep", "host")
 
 
@@ -54,7 +58,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="`tiny` on 8 fake CPU devices, 1 round of 8 steps (about a minute)")
-    parser.add_argument("--model", default="small", help="model preset (default small)")
+    parser.add_argument("--model", default="small", choices=sorted(PRESETS),
+                        help="model preset (default small)")
     parser.add_argument("--plan", default="dp=2,pp=2,tp=2", help="mesh (default dp=2,pp=2,tp=2)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                         help="default: the preset's own")

@@ -9,7 +9,7 @@ Two ways to keep it, both leaving the state a failed step consumed recoverable:
 - `host` (what `auto` falls back to when two more states would not fit): after each step
   the shards this process's devices hold are copied to host memory, and the step donates
   as usual. One device-to-host copy of the local state per step, no device memory; it
-  stalls the device for the copy (5.3x the step time of `llama-1b` on an H100), so it is
+  stalls the device for the copy (4.5x the step time of `llama-1b` on an H100), so it is
   the last resort before `off`.
 Nothing is written during healthy training. When the job fails (a peer died and a
 collective errs, the step deadline passes, or whatever runs the job sends SIGTERM, as the
@@ -67,9 +67,7 @@ class _Leaf:
 class _Copy:
     step: int
     data_state: dict[str, Any]
-    plan: dict[str, Any]
-    positions: list[int]  # where each canonical layer sits in the flattened stage layout
-    layer_slots: int
+    program: Any  # the StepProgram the state is laid out for (its plan and layer slots)
     leaves: dict[str, _Leaf] | None  # host copies (mode "host")
     state: Any = None  # the live state itself (mode "keep"; never donated)
     record: dict[str, Any] | None = None  # the step's metrics record
@@ -129,9 +127,8 @@ class HostSnapshots:
             spare = self._copies.pop(0) if len(self._copies) >= self.keep else None
             host = self.mode == "host"
             self._copies.append(_Copy(
-                int(step), dict(data_state), program.plan.to_dict(),
-                layout.canonical_index(program.stage_index()).tolist(),
-                int(program.layer_slots), self._to_host(state, spare) if host else None,
+                int(step), dict(data_state), program,
+                self._to_host(state, spare) if host else None,
                 None if host else state, dict(record) if record is not None else None))
         return self.clock() - t0
 
@@ -254,9 +251,12 @@ def _write(copy: _Copy, target: Path, host: str, reason: str,
             pieces.append({"box": [list(b) for b in box], "file": name})
             n += 1
         leaves[key] = {"shape": list(leaf.shape), "dtype": leaf.dtype, "pieces": pieces}
+    program = copy.program
     manifest = {"version": VERSION, "step": copy.step, "data_state": copy.data_state,
-                "plan": copy.plan, "positions": copy.positions,
-                "layer_slots": copy.layer_slots, "identity": identity, "host": host,
+                "plan": program.plan.to_dict(),
+                # where each canonical layer sits in the flattened stage layout
+                "positions": layout.canonical_index(program.stage_index()).tolist(),
+                "layer_slots": int(program.layer_slots), "identity": identity, "host": host,
                 "reason": reason, "record": copy.record, "leaves": leaves}
     (tmp / MANIFEST).write_text(json.dumps(manifest))
     os.replace(tmp, target)

@@ -57,6 +57,17 @@ class Job:
             self.record.slow[host] = max(factor, self.record.slow.get(host, 1.0))
         health_record.save(self.record, checkpoint_dir)
 
+    def record_exclusion(self, processes: tuple[int, ...], reason: str, step: int,
+                         checkpoint_dir: str | Path) -> None:
+        """Process 0 notes in the health record that these processes' hosts are excluded,
+        so the next incarnation (from `resihp launch`, SLURM or Kubernetes) starts without
+        them."""
+        if not self.primary:
+            return
+        for process in processes:
+            self.record.exclude(self.hosts[process], reason, step)
+        health_record.save(self.record, checkpoint_dir)
+
     def slow_devices(self) -> dict[int, float]:
         """{device id: slowdown} of devices on hosts the health record saw slow."""
         import jax  # noqa: PLC0415

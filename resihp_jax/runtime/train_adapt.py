@@ -15,9 +15,7 @@ import time
 from typing import Any, Iterator, TextIO
 
 from resihp_jax.errors import HostsLeftOut
-
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.runtime import health_record
 from resihp_jax.runtime.deadline import Ladder
 from resihp_jax.runtime.heartbeat import Heartbeat
 from resihp_jax.runtime.loop import StepRecord
@@ -28,16 +26,14 @@ from resihp_jax.runtime.train_run import RecordSink, close_host_copies, host_cop
 
 def _excluding_left_out(events: Iterator[Any], job: Any,
                         checkpoint_dir: str | None) -> Iterator[Any]:
-    """`events`; when a re-plan leaves whole processes out, process 0 first notes their
-    hosts as excluded in the health record, so the next incarnation (from `resihp launch`,
-    SLURM or Kubernetes alike) starts without them."""
+    """`events`; when a re-plan leaves slow processes out, their hosts go into the health
+    record as excluded before the error ends this process."""
     try:
         yield from events
     except HostsLeftOut as out:
-        if job.primary and checkpoint_dir is not None:
-            for process in out.processes:
-                job.record.exclude(job.hosts[process], f"slow: {out.reason}", out.step)
-            health_record.save(job.record, checkpoint_dir)
+        if checkpoint_dir is not None:
+            job.record_exclusion(out.processes, f"slow: {out.reason}", out.step,
+                                 checkpoint_dir)
         raise
 
 

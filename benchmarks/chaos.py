@@ -20,9 +20,9 @@ reference: every step's batch (CRC-32 of its tokens) must be the reference's bat
 step (none skipped, none repeated), and every step's loss must match the reference's. Runs
 on other plans sum in another order, and training amplifies such differences step after
 step, so "match" means: no further from the reference than a fault-free run on another plan
-(dp=2,pp=2,tp=1, one the relaunches use) drifts from it, with 1e-4 the least tolerance. Goodput = useful step time /
-wall time of the job, where useful step time = steps x the job's median step time (first
-steps after a start, which compile, excluded from the median).
+(dp=2,pp=2,tp=1, one the relaunches use) drifts from it, with 1e-4 the least tolerance.
+Goodput = useful step time / wall time of the job, where useful step time = steps x the
+job's median step time (first steps after a start, which compile, excluded from the median).
 
 Healthy overhead: the reference is also run without survivor copies (the step donating
 its state) and, in the full run, with host copies: the median time of a step plus its copy,

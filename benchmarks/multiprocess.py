@@ -154,7 +154,8 @@ def main() -> int:
           f" s); hang {hang['detect_s']:.2f} s (target: 3x the predicted step, floor "
           f"{TARGETS['hang_floor_s']:.0f} s)")
     print(f"\nfail-slow, tokens/s of wall time from step {slow_at} on: healthy (the same "
-          f"job before the fault) {slow['healthy']:,.0f}, no adaptation {slow['no_adapt']:,.0f}, adaptation "
+          f"job before the fault) {slow['healthy']:,.0f}, no adaptation "
+          f"{slow['no_adapt']:,.0f}, adaptation "
           f"{slow['adapt']:,.0f} (detection, probes, re-plan and {slow['adapt_restarts']} "
           f"restart(s) included; plans {' -> '.join(slow['adapt_plans'])}): "
           f"{slow['gain']:.2f}x (target >= {TARGETS['slow_gain']}x)")

@@ -238,20 +238,57 @@ def test_corpus_reads_text_files_in_seeded_epoch_order(corpus_dir: Path) -> None
     names = [f.rel_path for f in source.files]
     assert names == sorted(names) and "sub/deeper/d.py" in names
     assert ".hidden.txt" not in names and "empty.txt" not in names
+    assert "blob.bin" not in names  # binary: left out when indexed
     it = BatchIterator(source, seed=5, n_microbatches=2, microbatch_size=2, seq_len=32)
     stream = _stream_tokens([it.next_batch() for _ in range(8)])
     expected = []
     for epoch in range(4):
         for index in range(source.items_per_epoch()):
-            item = source.item(epoch, index)
-            expected += [] if item is None else [item]
+            expected.append(source.item(epoch, index))
     expected_N = np.concatenate(expected)
     assert stream.size > expected_N.size // 2  # the batches ran through several epochs
     np.testing.assert_array_equal(stream, expected_N[: stream.size])
-    blob_index = [names[i] for i in source.order(0)].index("blob.bin")
-    assert source.item(0, blob_index) is None
     orders = [tuple(source.order(e)) for e in range(4)]
     assert len(set(orders)) > 1 and sorted(orders[0]) == list(range(len(names)))
+
+
+def test_corpus_that_changes_during_a_run_is_named(corpus_dir: Path) -> None:
+    it = BatchIterator(f"corpus:{corpus_dir}", seed=0, n_microbatches=1, microbatch_size=8,
+                       seq_len=32)
+    batch = it.next_batch()  # laid out from the indexed sizes
+    (corpus_dir / "a.txt").write_text("longer than it was when indexed\n")
+    with pytest.raises(ConfigError, match="a.txt.*indexed with 15 bytes"):
+        batch.microbatch_tokens(0)
+
+
+class CountingSource:
+    """A source that counts the items whose tokens were read."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.reads = inner, []
+        self.spec, self.max_doc_len = inner.spec, inner.max_doc_len
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def item(self, epoch: int, index: int) -> np.ndarray:
+        self.reads.append(index)
+        return self.inner.item(epoch, index)
+
+
+def test_batches_are_laid_out_without_reading_and_read_per_microbatch() -> None:
+    source = CountingSource(SyntheticSource("lognormal", seed=2, seq_len=64))
+    it = BatchIterator(source, seed=2, **SHAPE)
+    batch = it.next_batch()
+    assert source.reads == []  # lengths, segment ids and positions need no tokens
+    assert batch.sum_sq_lengths().shape == (3,) and batch.n_loss_tokens() > 0
+    tokens_BxS = batch.microbatch_tokens(1)
+    read_for_1 = set(source.reads)
+    assert read_for_1 and len(read_for_1) < len(set(range(max(read_for_1) + 1)))
+    eager = BatchIterator("synthetic:lognormal", seed=2, **SHAPE).next_batch()
+    np.testing.assert_array_equal(tokens_BxS, eager.tokens_MxBxS[1])
+    _assert_same(batch, eager)
+    assert batch.content_crc == eager.content_crc != it.next_batch().content_crc
 
 
 def test_corpus_resume_across_epochs(corpus_dir: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +74,11 @@ def test_kill_loses_no_step_with_dp2(tmp_path: Path, reference: list[float]) -> 
     _check_survived(supervisor, records, reference, "p2", "died", tmp_path)
     _from_survivors(supervisor)
     assert len(supervisor.summary.detect_s) == 1  # timed from the kill (benchmarks/multiprocess.py)
+    # dp=2 over 4 processes: each process reads only its own group's half of every batch
+    for p in range(4):
+        log = (tmp_path / "job" / "logs" / f"incarnation0-p{p}.log").read_text()
+        share = re.search(r"reads (\d+) of the (\d+) micro-batches", log)
+        assert share is not None and 2 * int(share[1]) == int(share[2]), log
 
 
 def test_kill_of_the_only_copy_falls_back_to_the_checkpoint(tmp_path: Path,

@@ -92,3 +92,11 @@ def test_layout_round_trip_and_slots() -> None:
     assert layout.default_layer_slots(4, 2) == 3  # (1,3), (2,2), (3,1) share one program
     with pytest.raises(PlanError, match="layer slots"):
         layout.layer_slots_for(good(layers_per_stage=(1, 3)), requested=2)
+
+
+def test_microbatches_of_a_hosts_devices_are_its_dp_groups() -> None:
+    plan = Plan(3, 2, 1, (5, 0, 2, 7, 1, 4), (3, 1), (1, 2, 3), 2, 64)
+    assert plan.microbatches_of([5]) == (0,)  # group 0: devices 5, 0
+    assert plan.microbatches_of([0, 1]) == (0, 3, 4, 5)  # groups 0 and 2
+    assert plan.microbatches_of([2, 7]) == (1, 2)
+    assert plan.microbatches_of([3, 6]) == ()  # devices the plan leaves out

@@ -10,7 +10,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.reshard import move_state, to_canonical
-from resihp_jax.train.step import build_step
+from resihp_jax.train.step import build_step, route_microbatches, routed_groups
 from tests.helpers import make_batches, max_relative_error
 
 CFG = get_model_config("tiny")
@@ -67,3 +67,27 @@ def test_with_plan_rejects_a_new_mesh() -> None:
     program = build_step(CFG, TrainConfig(), plan, jax.devices())
     with pytest.raises(ValueError, match="same mesh"):
         program.with_plan(plan.replace(device_ids=tuple(reversed(range(8)))))
+
+
+def test_each_dp_group_reads_only_its_own_microbatches() -> None:
+    """What a host holding only some DP groups reads: make_array_from_callback asks for the
+    slots of those groups, and only their micro-batches are read."""
+    plan = Plan(3, 2, 1, (5, 0, 2, 7, 1, 4), (3, 1), (1, 2, 3), B, S)
+    tokens_MxBxS = np.arange(6 * B * S, dtype=np.int32).reshape(6, B, S)
+    read = []
+
+    def read_microbatch(m: int) -> np.ndarray:
+        read.append(m)
+        return tokens_MxBxS[m]
+
+    slots = routed_groups(read_microbatch, (B, S), np.int32, plan, 3, range(1, 3))
+    assert read == [1, 2, 3, 4, 5]  # group 0 holds micro-batch 0, which is never read
+    np.testing.assert_array_equal(slots, route_microbatches(tokens_MxBxS, plan, 3)[1:3])
+    program = build_step(CFG, TrainConfig(), plan, jax.devices())
+    read.clear()
+    lazy = program.shard_microbatches(read_microbatch, tokens_MxBxS, tokens_MxBxS)
+    eager = program.shard_batch(tokens_MxBxS, tokens_MxBxS, tokens_MxBxS)
+    assert sorted(read) == list(range(6))  # one process holds every group: each read once
+    for a, b in zip(lazy, eager):
+        np.testing.assert_array_equal(jax.device_get(a), jax.device_get(b))
+        assert a.sharding == b.sharding

@@ -1,10 +1,13 @@
 """A local text corpus as a document source: every text file under a directory, byte-level.
 
-Only paths and sizes are indexed up front (sorted relative paths, so the order is the same on
-every machine); a file is read when its turn comes. Each epoch visits the files in a fresh
-seeded order. Binary or unreadable files are skipped when met; hidden entries are ignored.
+The index holds paths and sizes (sorted relative paths, so the order is the same on every
+machine); it opens each file once to read its first 8 KiB and keeps only text files (no NUL
+byte, valid UTF-8 so far), the rule git uses. A file's tokens are read when a micro-batch
+placed on this host needs them. Each epoch visits the files in a fresh seeded order; hidden
+entries are ignored.
 """
 
+import codecs
 import os
 import sysconfig
 import zlib
@@ -34,6 +37,22 @@ def _wanted(name: str, suffixes: tuple[str, ...] | None) -> bool:
     return not name.startswith(".") and (suffixes is None or name.endswith(suffixes))
 
 
+def looks_like_text(path: Path) -> bool:
+    """Readable, and its first 8 KiB hold no NUL byte and decode as (the start of) UTF-8."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(BINARY_SNIFF_BYTES)
+    except OSError:
+        return False
+    if b"\0" in head:
+        return False
+    try:  # a multi-byte character cut at the sniff's end is fine
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def index_files(root: Path, suffixes: tuple[str, ...] | None = None) -> tuple[CorpusFile, ...]:
     """Non-empty files under `root` (recursively, no hidden entries), by sorted relative path."""
     found = []
@@ -49,17 +68,11 @@ def index_files(root: Path, suffixes: tuple[str, ...] | None = None) -> tuple[Co
     return tuple(sorted(found, key=lambda f: f.rel_path))
 
 
-def read_text_tokens(path: Path) -> np.ndarray | None:
-    """Bytes of a UTF-8 text file as int32 tokens; None if unreadable, binary or empty."""
+def read_tokens(path: Path) -> np.ndarray | None:
+    """A file's bytes as int32 tokens; None if it cannot be read."""
     try:
         data = path.read_bytes()
     except OSError:
-        return None
-    if not data or b"\0" in data[:BINARY_SNIFF_BYTES]:
-        return None
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
         return None
     return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
 
@@ -83,21 +96,18 @@ class CorpusSource:
             )
         if max_doc_len is not None and max_doc_len <= 0:
             raise ConfigError(f"max_doc_len must be a positive int or None, got {max_doc_len!r}")
-        self.files = index_files(self.root, suffixes)
+        found = index_files(self.root, suffixes)
+        self.files = tuple(f for f in found if looks_like_text(self.root / f.rel_path))
         self.seed = seed
         self.max_doc_len = max_doc_len
         self.spec = spec if spec is not None else f"corpus:{root}"
         self._orders: dict[int, np.ndarray] = {}
         self._fingerprint = _fingerprint(self.files)
-        self._require_a_usable_file(suffixes)
-
-    def _require_a_usable_file(self, suffixes: tuple[str, ...] | None) -> None:
-        # Reads files only until the first usable one, which is normally the first file.
-        if not any(read_text_tokens(self.root / f.rel_path) is not None for f in self.files):
+        if not self.files:
             kind = f"{'/'.join(suffixes)} " if suffixes else ""
             raise ConfigError(
                 f"corpus directory {str(self.root)!r} has no usable {kind}text files "
-                f"({len(self.files)} non-empty files found, all binary or unreadable); "
+                f"({len(found)} non-empty files found, all binary or unreadable); "
                 "give a directory containing UTF-8 text files"
             )
 
@@ -112,8 +122,22 @@ class CorpusSource:
             }
         return self._orders[epoch]
 
-    def item(self, epoch: int, index: int) -> np.ndarray | None:
-        return read_text_tokens(self.root / self.files[self.order(epoch)[index]].rel_path)
+    def file(self, epoch: int, index: int) -> CorpusFile:
+        return self.files[self.order(epoch)[index]]
+
+    def item_size(self, epoch: int, index: int) -> int:
+        return self.file(epoch, index).size
+
+    def item(self, epoch: int, index: int) -> np.ndarray:
+        indexed = self.file(epoch, index)
+        path = self.root / indexed.rel_path
+        tokens = read_tokens(path)
+        if tokens is None or tokens.size != indexed.size:
+            now = "cannot be read" if tokens is None else f"has {tokens.size} bytes"
+            raise ConfigError(
+                f"corpus file {str(path)!r} {now}, but was indexed with {indexed.size} bytes; "
+                "the corpus must not change while a job runs")
+        return tokens
 
     def fingerprint(self) -> str:
         return self._fingerprint

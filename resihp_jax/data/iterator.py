@@ -5,13 +5,14 @@ so saving and restoring never skips or repeats a token. What a batch contains de
 the source spec, the seed and the batch shape, never on how a Plan spreads micro-batches.
 """
 
-from collections.abc import Iterator, Mapping
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from resihp_jax.data.packing import GlobalBatch, fill_row, pack_rows
+from resihp_jax.data.packing import GlobalBatch, fill_row, row_tokens
 from resihp_jax.data.sources import DocumentSource, make_source
 from resihp_jax.errors import ConfigError
 
@@ -29,46 +30,58 @@ class Cursor:
     offset: int = 0
 
 
+class Piece(NamedTuple):
+    """Where a piece of a document is: tokens [start, start + size) of item `index` of
+    `epoch`. Enough to lay a row out, and to read its tokens later on any host."""
+
+    epoch: int
+    index: int
+    start: int
+    size: int
+
+
 class DocumentStream:
-    """Reads a source item by item; take(n) returns the next piece of the current document."""
+    """Walks a source item by item by their sizes; take(n) describes the next piece of the
+    current document without reading it."""
 
     def __init__(self, source: DocumentSource, cursor: Cursor = Cursor()) -> None:
         self.source = source
         self.cursor = cursor
-        self._item: np.ndarray | None = None
+        self._size: int | None = None  # of the current item, once looked up
 
     def _next_item(self) -> None:
         epoch, index = self.cursor.epoch, self.cursor.index + 1
         if index == self.source.items_per_epoch():
             epoch, index = epoch + 1, 0
         self.cursor = Cursor(epoch, index, 0)
-        self._item = None
+        self._size = None
 
-    def _current_item(self) -> np.ndarray:
+    def _current_size(self) -> int:
         skipped = 0
-        while self._item is None:
-            item = self.source.item(self.cursor.epoch, self.cursor.index)
-            if item is not None and item.size > 0:
-                self._item = item
+        while self._size is None:
+            size = self.source.item_size(self.cursor.epoch, self.cursor.index)
+            if size > 0:
+                self._size = size
                 break
             skipped += 1
             if skipped > (self.source.items_per_epoch() or np.inf):
                 raise ConfigError(f"data source {self.source.spec!r} has no usable documents left")
             self._next_item()
-        return self._item
+        return self._size
 
-    def _document_end(self, item: np.ndarray) -> int:
+    def _document_end(self, size: int) -> int:
         max_len = self.source.max_doc_len
         if max_len is None:
-            return item.size
-        return min(item.size, (self.cursor.offset // max_len + 1) * max_len)
+            return size
+        return min(size, (self.cursor.offset // max_len + 1) * max_len)
 
-    def take(self, n: int) -> np.ndarray:
+    def take(self, n: int) -> Piece:
         """Up to n tokens of the current document, never crossing a document boundary."""
-        item = self._current_item()
+        size = self._current_size()
         start = self.cursor.offset
-        piece = item[start : min(self._document_end(item), start + n)]
-        if start + piece.size == item.size:
+        piece = Piece(self.cursor.epoch, self.cursor.index, start,
+                      min(self._document_end(size), start + n) - start)
+        if start + piece.size == size:
             self._next_item()
         else:
             self.cursor = replace(self.cursor, offset=start + piece.size)
@@ -83,8 +96,7 @@ class DocumentStream:
             raise ConfigError(f"data state index={cursor.index} is past the {n_items} items")
         if cursor.offset == 0:
             return
-        item = self.source.item(cursor.epoch, cursor.index)
-        size = 0 if item is None else item.size
+        size = self.source.item_size(cursor.epoch, cursor.index)
         if cursor.offset >= size:
             raise ConfigError(
                 f"data state offset={cursor.offset} is outside item {cursor.index} "
@@ -130,10 +142,22 @@ class BatchIterator:
             self.restore(state)
 
     def next_batch(self) -> GlobalBatch:
+        """The next batch, laid out from item sizes; its tokens are read per micro-batch when
+        asked (`GlobalBatch.microbatch_tokens`)."""
         n_rows = self.n_microbatches * self.microbatch_size
-        rows = [fill_row(self._stream.take, self.seq_len) for _ in range(n_rows)]
+        rows: list[list[Piece]] = [fill_row(self._stream.take, self.seq_len)
+                                   for _ in range(n_rows)]
         self._batches += 1
-        return GlobalBatch.from_rows(pack_rows(rows, self.seq_len), self.n_microbatches)
+        reader = PieceReader(self.source)
+        b, seq_len = self.microbatch_size, self.seq_len
+
+        def read_microbatch(m: int) -> np.ndarray:
+            mb_rows = rows[m * b:(m + 1) * b]
+            return np.stack([row_tokens(reader.read(row), seq_len) for row in mb_rows])
+
+        lengths = tuple(tuple(p.size for p in row) for row in rows)
+        return GlobalBatch.from_layout(lengths, self.n_microbatches, seq_len, read_microbatch,
+                                       pieces_crc(rows))
 
     def __iter__(self) -> Iterator[GlobalBatch]:
         return self
@@ -168,6 +192,41 @@ class BatchIterator:
     def batches_served(self) -> int:
         """Global batches produced since the start of training (carried across restores)."""
         return self._batches
+
+
+class PieceReader:
+    """Reads pieces' tokens from a source, keeping the last item (a document usually spans
+    neighbouring pieces)."""
+
+    def __init__(self, source: DocumentSource) -> None:
+        self.source = source
+        self._key: tuple[int, int] | None = None
+        self._item: np.ndarray = np.zeros(0, np.int32)
+
+    def _item_tokens(self, epoch: int, index: int) -> np.ndarray:
+        if self._key != (epoch, index):
+            item = self.source.item(epoch, index)
+            size = self.source.item_size(epoch, index)
+            if item is None or item.size != size:
+                found = "nothing" if item is None else f"{item.size} tokens"
+                raise ConfigError(
+                    f"data source {self.source.spec!r}: item {index} of epoch {epoch} read as "
+                    f"{found}, but was laid out as {size} tokens; the data must not change "
+                    "while a job runs")
+            self._key, self._item = (epoch, index), item
+        return self._item
+
+    def read(self, pieces: Sequence[Piece]) -> list[np.ndarray]:
+        return [self._item_tokens(p.epoch, p.index)[p.start:p.start + p.size] for p in pieces]
+
+
+def pieces_crc(rows: Sequence[Sequence[Piece]]) -> int:
+    """CRC-32 naming a batch's content by where its pieces come from (rows kept apart)."""
+    crc = 0
+    for row in rows:
+        crc = zlib.crc32(np.asarray(row, np.int64).reshape(-1, 4).tobytes(), crc)
+        crc = zlib.crc32(b"|", crc)
+    return crc
 
 
 def _check_state(state: Mapping[str, Any], identity: Mapping[str, Any]) -> Cursor:

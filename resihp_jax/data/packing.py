@@ -2,23 +2,38 @@
 
 Rows are filled greedily: documents sit contiguously, and one longer than the space left
 continues in the next row as a new segment, so only the last rows of a finite source pad.
+
+Where a row's pieces sit depends only on their lengths, so a batch's layout (segment ids,
+positions, lengths) is known before any token is read; a `GlobalBatch` reads the tokens of a
+micro-batch only when asked, so each host of a multi-host job reads only its own micro-batches.
 """
 
+import functools
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from resihp_jax.data.lengths import sum_sq
 from resihp_jax.errors import ConfigError
 
-# take(n) returns the next piece of at most n > 0 tokens, or an empty array when exhausted.
-Take = Callable[[int], np.ndarray]
+
+class Sized(Protocol):
+    """A piece of a document: its tokens (np.ndarray) or a description of where they are."""
+
+    @property
+    def size(self) -> int: ...
 
 
-def fill_row(take: Take, seq_len: int) -> list[np.ndarray]:
+# take(n) returns the next piece of at most n > 0 tokens, or an empty piece when exhausted.
+Take = Callable[[int], Sized]
+
+
+def fill_row(take: Take, seq_len: int) -> list[Sized]:
     """Pieces for one row of `seq_len` tokens; fewer tokens only if the stream ran out."""
-    pieces: list[np.ndarray] = []
+    pieces: list[Sized] = []
     space = seq_len
     while space > 0:
         piece = take(space)
@@ -37,21 +52,41 @@ class PackedRows:
     doc_lengths: tuple[tuple[int, ...], ...]
 
 
-def pack_rows(pieces_per_row: Sequence[Sequence[np.ndarray]], seq_len: int) -> PackedRows:
-    """Lay pieces out row by row: segment ids 1, 2, ... per row, positions restart per piece."""
-    shape = (len(pieces_per_row), seq_len)
-    tokens_NxS = np.zeros(shape, np.int32)
+Lengths = tuple[tuple[int, ...], ...]  # per row, the lengths of its pieces
+
+
+def layout_rows(lengths_per_row: Lengths, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(segment_ids [N, S], positions [N, S]) of rows holding pieces of these lengths:
+    segment ids 1, 2, ... per row, positions restarting at 0 in every piece, 0 in padding."""
+    shape = (len(lengths_per_row), seq_len)
     segment_ids_NxS = np.zeros(shape, np.int32)
     positions_NxS = np.zeros(shape, np.int32)
-    for row, pieces in enumerate(pieces_per_row):
+    for row, lengths in enumerate(lengths_per_row):
         start = 0
-        for segment, piece in enumerate(pieces, start=1):
-            end = start + piece.size
-            tokens_NxS[row, start:end] = piece
-            segment_ids_NxS[row, start:end] = segment
-            positions_NxS[row, start:end] = np.arange(piece.size, dtype=np.int32)
-            start = end
+        for segment, n in enumerate(lengths, start=1):
+            segment_ids_NxS[row, start:start + n] = segment
+            positions_NxS[row, start:start + n] = np.arange(n, dtype=np.int32)
+            start += n
+    return segment_ids_NxS, positions_NxS
+
+
+def row_tokens(pieces: Sequence[np.ndarray], seq_len: int) -> np.ndarray:
+    """int32 [S]: the pieces' tokens side by side, zero padded."""
+    tokens_S = np.zeros(seq_len, np.int32)
+    start = 0
+    for piece in pieces:
+        tokens_S[start:start + piece.size] = piece
+        start += piece.size
+    return tokens_S
+
+
+def pack_rows(pieces_per_row: Sequence[Sequence[np.ndarray]], seq_len: int) -> PackedRows:
+    """Lay pieces out row by row: segment ids 1, 2, ... per row, positions restart per piece."""
     doc_lengths = tuple(tuple(int(p.size) for p in pieces) for pieces in pieces_per_row)
+    segment_ids_NxS, positions_NxS = layout_rows(doc_lengths, seq_len)
+    tokens_NxS = np.zeros((len(pieces_per_row), seq_len), np.int32)
+    for row, pieces in enumerate(pieces_per_row):
+        tokens_NxS[row] = row_tokens(pieces, seq_len)
     return PackedRows(tokens_NxS, segment_ids_NxS, positions_NxS, doc_lengths)
 
 
@@ -84,38 +119,71 @@ def pack_documents(docs: Iterable[np.ndarray], seq_len: int) -> PackedRows:
     return pack_rows(rows, seq_len)
 
 
+# m -> int32 [B, S]: the tokens of micro-batch m, read when asked
+ReadMicrobatch = Callable[[int], np.ndarray]
+
+
+def _check_split(n_rows: int, n_microbatches: int) -> int:
+    """Rows per micro-batch; ConfigError unless n_microbatches divides n_rows."""
+    if n_microbatches <= 0 or n_rows % n_microbatches:
+        raise ConfigError(
+            f"cannot split {n_rows} rows into n_microbatches={n_microbatches}; "
+            "it must be a positive divisor of the row count"
+        )
+    return n_rows // n_microbatches
+
+
 @dataclass(frozen=True, eq=False)
 class GlobalBatch:
-    """The micro-batches one training step consumes, plus each row's piece lengths."""
+    """The micro-batches one training step consumes: their layout (segment ids, positions,
+    each row's piece lengths) and a reader of their tokens, called per micro-batch.
 
-    tokens_MxBxS: np.ndarray
+    `content_crc` names the content without reading it: two batches with equal CRCs trained
+    on the same tokens (it is what a step record keeps to show no batch was skipped or
+    repeated)."""
+
     segment_ids_MxBxS: np.ndarray
     positions_MxBxS: np.ndarray
-    doc_lengths: tuple[tuple[tuple[int, ...], ...], ...]
+    doc_lengths: tuple[Lengths, ...]
+    read_microbatch: ReadMicrobatch
+    content_crc: int
 
     @classmethod
     def from_rows(cls, rows: PackedRows, n_microbatches: int) -> "GlobalBatch":
         """Split N = M * B packed rows into M consecutive micro-batches of B rows."""
         n_rows, seq_len = rows.tokens_NxS.shape
-        if n_microbatches <= 0 or n_rows % n_microbatches:
-            raise ConfigError(
-                f"cannot split {n_rows} rows into n_microbatches={n_microbatches}; "
-                "it must be a positive divisor of the row count"
-            )
-        b = n_rows // n_microbatches
+        b = _check_split(n_rows, n_microbatches)
         shape = (n_microbatches, b, seq_len)
-        lengths = tuple(rows.doc_lengths[m * b : (m + 1) * b] for m in range(n_microbatches))
-        return cls(
-            rows.tokens_NxS.reshape(shape),
-            rows.segment_ids_NxS.reshape(shape),
-            rows.positions_NxS.reshape(shape),
-            lengths,
-        )
+        tokens_MxBxS = rows.tokens_NxS.reshape(shape)
+        return cls(rows.segment_ids_NxS.reshape(shape), rows.positions_NxS.reshape(shape),
+                   _split_lengths(rows.doc_lengths, n_microbatches, b),
+                   lambda m: tokens_MxBxS[m],
+                   zlib.crc32(np.ascontiguousarray(tokens_MxBxS).tobytes()))
+
+    @classmethod
+    def from_layout(cls, doc_lengths: Lengths, n_microbatches: int, seq_len: int,
+                    read_microbatch: ReadMicrobatch, content_crc: int) -> "GlobalBatch":
+        """A batch of rows with these piece lengths whose tokens `read_microbatch` reads."""
+        b = _check_split(len(doc_lengths), n_microbatches)
+        shape = (n_microbatches, b, seq_len)
+        segment_ids_NxS, positions_NxS = layout_rows(doc_lengths, seq_len)
+        return cls(segment_ids_NxS.reshape(shape), positions_NxS.reshape(shape),
+                   _split_lengths(doc_lengths, n_microbatches, b), read_microbatch,
+                   content_crc)
+
+    def microbatch_tokens(self, m: int) -> np.ndarray:
+        """int32 [B, S]: the tokens of micro-batch m (read now)."""
+        return self.read_microbatch(m)
+
+    @functools.cached_property
+    def tokens_MxBxS(self) -> np.ndarray:
+        """All tokens (reads every micro-batch: one process, or tests)."""
+        return np.stack([self.microbatch_tokens(m) for m in range(self.shape[0])])
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """(n_microbatches, microbatch_size, seq_len)."""
-        return tuple(self.tokens_MxBxS.shape)
+        return tuple(self.segment_ids_MxBxS.shape)
 
     def sum_sq_lengths(self) -> np.ndarray:
         """float64 [M]: sum of l_i^2 over each micro-batch's pieces."""
@@ -138,3 +206,7 @@ class GlobalBatch:
     def n_loss_tokens(self) -> int:
         """Tokens the train loss counts: seg[i] != 0 and seg[i+1] == seg[i]."""
         return int(self.loss_mask_MxBxS().sum())
+
+
+def _split_lengths(doc_lengths: Lengths, n_microbatches: int, b: int) -> tuple[Lengths, ...]:
+    return tuple(doc_lengths[m * b:(m + 1) * b] for m in range(n_microbatches))

@@ -28,8 +28,13 @@ class DocumentSource(Protocol):
         """Items in one epoch; None for an endless source (everything stays in epoch 0)."""
         ...
 
+    def item_size(self, epoch: int, index: int) -> int:
+        """Tokens in item `index` of `epoch`, known without reading it (0: skip the item).
+        Batches are laid out from sizes alone, so hosts read only their own micro-batches."""
+        ...
+
     def item(self, epoch: int, index: int) -> np.ndarray | None:
-        """int32 tokens of item `index` of `epoch`, or None when the item is to be skipped."""
+        """int32 tokens of item `index` of `epoch` (item_size of them), None when skipped."""
         ...
 
     def fingerprint(self) -> str:
@@ -64,6 +69,9 @@ class SyntheticSource:
     def length(self, index: int) -> int:
         """Length of document `index` without generating its tokens."""
         return self._sample_length(np.random.default_rng([self.seed, index]), self.seq_len)
+
+    def item_size(self, epoch: int, index: int) -> int:
+        return self.length(index)
 
     def item(self, epoch: int, index: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, index])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -140,6 +140,14 @@ class Plan:
     def microbatch_offsets(self) -> tuple[int, ...]:
         """Index of each DP group's first micro-batch in the global batch."""
         return tuple(int(x) for x in np.cumsum((0,) + self.microbatches_per_group[:-1]))
+
+    def microbatches_of(self, device_ids: Iterable[int]) -> tuple[int, ...]:
+        """The global micro-batches routed to DP groups holding any of these devices: what
+        a host with those devices reads of each batch."""
+        ids = set(device_ids)
+        offsets, grid = self.microbatch_offsets(), self.device_grid()
+        return tuple(m for g in range(self.dp) if ids & set(grid[g].ravel().tolist())
+                     for m in range(offsets[g], offsets[g] + self.microbatches_per_group[g]))
 
     def mesh_key(self) -> tuple[Any, ...]:
         """What a compiled step depends on: mesh shape, placement and row shape (not splits)."""

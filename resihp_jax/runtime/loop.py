@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import time
-import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -19,7 +18,7 @@ import numpy as np
 from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.errors import TrainingDiverged
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.train.step import StepProgram, TrainState
+from resihp_jax.train.step import Batch, StepProgram, TrainState
 
 if TYPE_CHECKING:  # loop users without checkpoints never import orbax
     from resihp_jax.runtime.checkpoint import Checkpointer
@@ -36,7 +35,7 @@ class StepRecord:
     grad_norm: float
     plan: dict[str, Any]
     sum_sq_lengths: list[float]
-    batch_crc: int = 0  # CRC-32 of the batch's tokens: which batch this step trained on
+    batch_crc: int = 0  # GlobalBatch.content_crc: which batch this step trained on
     host_copy_s: float = 0.0  # copying the state to host memory after the step (if done)
     # when the step ended (Unix seconds): what ran between steps (probes, switches,
     # checkpoints) shows in the gaps, for rates over wall time
@@ -53,16 +52,20 @@ class StepRecord:
         return cls(step, float(metrics["loss"]), elapsed, tokens, int(metrics["tokens"]),
                    tokens / elapsed if elapsed > 0 else 0.0, float(metrics["grad_norm"]),
                    plan.to_dict(), [float(x) for x in batch.sum_sq_lengths()],
-                   zlib.crc32(np.ascontiguousarray(batch.tokens_MxBxS).tobytes()),
-                   end_unix_s=time.time())
+                   batch.content_crc, end_unix_s=time.time())
+
+
+def device_batch(program: StepProgram, batch: GlobalBatch) -> Batch:
+    """The batch on the program's mesh; this process reads only its own micro-batches."""
+    return program.shard_microbatches(batch.microbatch_tokens, batch.segment_ids_MxBxS,
+                                      batch.positions_MxBxS)
 
 
 def run_step(program: StepProgram, state: TrainState, batch: GlobalBatch,
              knobs_DxPxT: np.ndarray | None = None,
              clock: Callable[[], float] = time.perf_counter) -> tuple[TrainState, StepRecord]:
     """One step, timed from dispatch to the loss on the host (which waits for the step)."""
-    arrays = program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
-                                 batch.positions_MxBxS)
+    arrays = device_batch(program, batch)
     start = clock()
     state, metrics = program.step(state, arrays, knobs_DxPxT)
     metrics = jax.device_get(metrics)

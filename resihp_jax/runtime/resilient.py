@@ -39,7 +39,7 @@ from resihp_jax.runtime.checkpoint import Checkpointer
 from resihp_jax.runtime.compile_cache import default_cache_dir, enable_compilation_cache
 from resihp_jax.runtime.compiles import counting
 from resihp_jax.runtime.faults import FaultHook
-from resihp_jax.runtime.loop import StepRecord, diverged
+from resihp_jax.runtime.loop import StepRecord, device_batch, diverged
 from resihp_jax.runtime.precompile import Precompiler
 from resihp_jax.runtime.run_identity import run_identity
 from resihp_jax.runtime.timing import StageTimer, timed_step
@@ -270,8 +270,7 @@ class ResilientTrainer:
 
     def _step(self, step: int, batch: GlobalBatch) -> StepRecord:
         program, timer = self.program, self._host.timer
-        arrays = program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
-                                     batch.positions_MxBxS)
+        arrays = device_batch(program, batch)
 
         def run_once() -> tuple[TrainState, dict[str, Any], Any]:
             return timed_step(program, self.state, arrays, self._knobs(step), timer)

@@ -213,6 +213,8 @@ def _train(args: argparse.Namespace, spec: distributed.JobSpec, ladder: Ladder, 
                             identity=run_identity(model, train_cfg, data.state()))
     print(f"model {model.name} ({model.param_count() / 1e6:.2f}M params, {model.dtype}), plan "
           f"{plan.describe()}, {plan.tokens_per_step} tokens/step, data {args.data}", file=out)
+    if not job.spec.single:
+        print(data_share(plan), file=out)
     if args.copies_mode is not None:
         print(f"survivor copies: {args.copies_mode}"
               f"{' (auto)' if args.survivor_copies == 'auto' else ''}", file=out)
@@ -241,6 +243,15 @@ def _train(args: argparse.Namespace, spec: distributed.JobSpec, ladder: Ladder, 
     if records:
         _report(records, out)
     return 0
+
+
+def data_share(plan: Any) -> str:
+    """What this process reads of each batch: its DP groups' micro-batches, nothing else."""
+    import jax  # noqa: PLC0415
+
+    own = plan.microbatches_of(int(d.id) for d in jax.local_devices())
+    return (f"data: this process reads {len(own)} of the {plan.n_microbatches} micro-batches "
+            "of every batch (those of its data-parallel groups)")
 
 
 def _copies_mode(args: argparse.Namespace, plan: Any, model: Any) -> str | None:

@@ -58,10 +58,20 @@ def route_microbatches(array_MxBxS: np.ndarray, plan: Plan, mb_slots: int) -> np
     if array_MxBxS.shape[0] != plan.n_microbatches:
         raise ValueError(f"batch has {array_MxBxS.shape[0]} micro-batches; the plan takes "
                          f"{plan.n_microbatches}")
-    out = np.zeros((plan.dp, mb_slots) + array_MxBxS.shape[1:], array_MxBxS.dtype)
-    for group, (start, count) in enumerate(zip(plan.microbatch_offsets(),
-                                               plan.microbatches_per_group)):
-        out[group, :count] = array_MxBxS[start:start + count]
+    return routed_groups(lambda m: array_MxBxS[m], array_MxBxS.shape[1:], array_MxBxS.dtype,
+                         plan, mb_slots, range(plan.dp))
+
+
+def routed_groups(read_microbatch: Callable[[int], np.ndarray], mb_shape: tuple[int, ...],
+                  dtype: Any, plan: Plan, mb_slots: int, groups: range) -> np.ndarray:
+    """The slots [len(groups), mb_slots, B, S] of these DP groups, reading only the
+    micro-batches routed to them (zero padded)."""
+    out = np.zeros((len(groups), mb_slots) + tuple(mb_shape), dtype)
+    offsets = plan.microbatch_offsets()
+    for i, group in enumerate(groups):
+        start, count = offsets[group], plan.microbatches_per_group[group]
+        for slot in range(count):
+            out[i, slot] = read_microbatch(start + slot)
     return out
 
 
@@ -126,9 +136,33 @@ class StepProgram:
 
     def shard_batch(self, tokens_MxBxS: np.ndarray, segment_ids_MxBxS: np.ndarray,
                     positions_MxBxS: np.ndarray) -> Batch:
-        arrays = (route_microbatches(np.asarray(a, np.int32), self.plan, self.mb_slots)
-                  for a in (tokens_MxBxS, segment_ids_MxBxS, positions_MxBxS))
-        return Batch(*(put_global(a, self.batch_sharding) for a in arrays))
+        tokens_MxBxS = np.asarray(tokens_MxBxS, np.int32)
+        return self.shard_microbatches(lambda m: tokens_MxBxS[m], segment_ids_MxBxS,
+                                       positions_MxBxS)
+
+    def shard_microbatches(self, read_tokens: Callable[[int], np.ndarray],
+                           segment_ids_MxBxS: np.ndarray, positions_MxBxS: np.ndarray
+                           ) -> Batch:
+        """The batch on this mesh, its tokens read per micro-batch (`read_tokens(m)` ->
+        [B, S]) and only for the DP groups whose devices this process holds: on a multi-host
+        job each host reads its own micro-batches only. Segment ids and positions (the
+        layout, known everywhere) are placed the same way."""
+        layout_arrays = (route_microbatches(np.asarray(a, np.int32), self.plan, self.mb_slots)
+                         for a in (segment_ids_MxBxS, positions_MxBxS))
+        mb_shape = tuple(np.shape(segment_ids_MxBxS)[1:])
+        global_shape = (self.plan.dp, self.mb_slots) + mb_shape
+
+        read: dict[range, np.ndarray] = {}  # every device of a group asks for its slots
+
+        def tokens_of(index: tuple[slice, ...]) -> np.ndarray:
+            groups = range(self.plan.dp)[index[0]]  # the batch is sharded over dp only
+            if groups not in read:
+                read[groups] = routed_groups(read_tokens, mb_shape, np.int32, self.plan,
+                                             self.mb_slots, groups)
+            return read[groups][(slice(None),) + tuple(index[1:])]
+
+        tokens = jax.make_array_from_callback(global_shape, self.batch_sharding, tokens_of)
+        return Batch(tokens, *(put_global(a, self.batch_sharding) for a in layout_arrays))
 
     def init_state(self, seed: int) -> TrainState:
         """Fresh state built directly in its shardings (never materialized whole)."""

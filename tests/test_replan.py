@@ -91,3 +91,19 @@ def test_each_dp_group_reads_only_its_own_microbatches() -> None:
     for a, b in zip(lazy, eager):
         np.testing.assert_array_equal(jax.device_get(a), jax.device_get(b))
         assert a.sharding == b.sharding
+
+
+def test_canonical_state_is_spread_over_the_mesh_not_replicated() -> None:
+    """Checkpoints and moves between meshes go through the canonical layout: no device may
+    hold more of it than of its own stage state (replicated, a 70B state / tp per GPU)."""
+    plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=B, seq_len=S)
+    program = build_step(CFG, TRAIN, plan, jax.devices())
+    state = program.init_state(0)
+    canonical = to_canonical(state, program)
+
+    def device_bytes(tree) -> int:
+        return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+    assert device_bytes(canonical) < device_bytes(state)
+    wq = canonical.params["layers"]["wq"]
+    assert wq.addressable_shards[0].data.size * 8 == wq.size  # over dp x pp x tp

@@ -6,6 +6,7 @@ same rule shards parameters, gradients, and every optimizer moment that mirrors 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -52,3 +53,42 @@ def state_specs(tree: Any, stage_layout: bool = True) -> Any:
 def state_shardings(tree: Any, mesh: Mesh, stage_layout: bool = True) -> Any:
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(tree, stage_layout),
                         is_leaf=lambda x: isinstance(x, P))
+
+
+# Mesh axes that a layer leaf's 'embed' dim is spread over outside the stage layout, the
+# first whose size divides it: the canonical state (checkpoints, moves between plans) then
+# takes 1/(dp*pp) of the state per device instead of all of it (a 70B state / tp per GPU
+# would not fit), and moving it is an all-to-all, not an all-gather.
+SPREAD_AXES = (("dp", "pp"), ("pp",), ("dp",))
+
+
+def spread_axes(size: int, axis_sizes: dict[str, int]) -> tuple[str, ...] | None:
+    """The first of SPREAD_AXES whose (more than one) devices divide `size`, or None."""
+    for axes in SPREAD_AXES:
+        n = math.prod(axis_sizes[a] for a in axes)
+        if n > 1 and size % n == 0:
+            return axes
+    return None
+
+
+def spread_spec(path: tuple[Any, ...], shape: tuple[int, ...], axis_sizes: dict[str, int],
+                stage_layout: bool) -> P:
+    """`leaf_spec` with a layer leaf's layer dims unsharded and its 'embed' dim spread over
+    dp and pp (other leaves as `leaf_spec`)."""
+    spec = leaf_spec(path, stage_layout)
+    names = logical_names(path)
+    if names is None or names[0] != "layers" or "embed" not in names or len(names) < 3:
+        return spec  # norm weights are tiny (XLA:SPMD would replicate them to spread them)
+    lead = 2 if stage_layout else 1  # [pp, slots] or [layers]
+    dims = [None] * lead + list(spec)[lead:]
+    embed = lead + names.index("embed") - 1
+    dims[embed] = spread_axes(shape[embed], axis_sizes)
+    return P(*dims)
+
+
+def spread_shardings(tree: Any, mesh: Mesh, stage_layout: bool = False) -> Any:
+    """NamedShardings of `spread_spec` for a tree of arrays or shapes."""
+    sizes = dict(mesh.shape)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: NamedSharding(mesh, spread_spec(p, tuple(x.shape), sizes, stage_layout)),
+        tree)

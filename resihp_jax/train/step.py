@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.mesh import make_mesh, put_global
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.meshes.rules import state_shardings, state_specs
+from resihp_jax.meshes.rules import spread_shardings, state_shardings, state_specs
 from resihp_jax.model import decoder, layers
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.train.config import TrainConfig
@@ -249,13 +249,15 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
     # The layout programs a re-plan runs; the split is an input, so one pair serves every
     # split of this mesh.
     canonical = canonical_state_shapes(shapes, model.n_layers)
-    canonical_sh = state_shardings(canonical, mesh, stage_layout=False)
-    gathered = jax.tree.map(lambda sh: NamedSharding(mesh, _without_pp(sh.spec)), shardings)
+    canonical_sh = spread_shardings(canonical, mesh)
+    spread = spread_shardings(shapes, mesh, stage_layout=True)
 
     def canonical_of(state: TrainState, positions_L: jax.Array) -> TrainState:
-        # gather the stages first: a gather out of a pp-sharded operand becomes masked local
-        # gathers plus an all-reduce of the whole result, several times the traffic
-        state = jax.lax.with_sharding_constraint(state, gathered)
+        # spread every layer over dp x pp along 'embed' first (an all-to-all): the gather of
+        # layers is then local to each device, and no device ever holds more than its share
+        # (a gather out of a pp-sharded operand becomes masked local gathers plus an
+        # all-reduce of the whole result, several times the traffic)
+        state = jax.lax.with_sharding_constraint(state, spread)
         return layout.to_canonical_layout(state, positions_L)
 
     to_canonical_fn = jax.jit(canonical_of, in_shardings=(shardings, replicated),
@@ -272,10 +274,6 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
     return StepProgram(model, train, plan, mesh, layer_slots, mb_slots, optimizer, shardings,
                        batch_sharding, replicated, step_fn, grads_fn, canonical_sh,
                        to_canonical_fn, to_stage_fn, restage_fn)
-
-
-def _without_pp(spec: P) -> P:
-    return P(*(None if axis == "pp" else axis for axis in spec))
 
 
 def canonical_state_shapes(stage_shapes: TrainState, n_layers: int) -> TrainState:

@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.model.config import ModelConfig, get_model_config  # noqa: E402
+from resihp_jax.runtime.loop import device_batch  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
 from resihp_jax.train.step import build_step  # noqa: E402
 
@@ -43,8 +44,7 @@ def train(model: ModelConfig, plan: Plan, args: argparse.Namespace
     losses, times = [], []
     for _ in range(args.steps):
         batch = data.next_batch()
-        sharded = program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
-                                      batch.positions_MxBxS)
+        sharded = device_batch(program, batch)
         start = time.perf_counter()
         state, metrics = program.step(state, sharded)
         losses.append(float(metrics["loss"]))

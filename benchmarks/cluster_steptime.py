@@ -42,6 +42,7 @@ def _steps(plan: Any, cfg: Any, injector: Any, n: int, seed: int) -> list[Any]:
     from resihp_jax.data import BatchIterator
     from resihp_jax.detector import StepObservation
     from resihp_jax.detector.attention_work import mb_block_pair_l2
+    from resihp_jax.runtime.loop import device_batch
     from resihp_jax.runtime.timing import timed_step
 
     program, timer, state = _runner(plan, cfg, injector, seed)
@@ -50,8 +51,7 @@ def _steps(plan: Any, cfg: Any, injector: Any, n: int, seed: int) -> list[Any]:
     out = []
     for step in range(n + 2):
         batch = data.next_batch()
-        sharded = program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
-                                      batch.positions_MxBxS)
+        sharded = device_batch(program, batch)
         state, _, timing = timed_step(program, state, sharded, injector.knobs(step), timer)
         tokens = (batch.segment_ids_MxBxS > 0).sum(axis=(1, 2)).astype(np.float64)
         attn = mb_block_pair_l2(batch.segment_ids_MxBxS, cfg.attn_block)

@@ -40,6 +40,7 @@ from resihp_jax.detector.attention_work import mb_block_pair_l2  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.model.config import get_model_config  # noqa: E402
 from resihp_jax.runtime.faults import FaultInjector, chain_hosts  # noqa: E402
+from resihp_jax.runtime.loop import device_batch  # noqa: E402
 from resihp_jax.runtime.timing import StageTimer, timed_step  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
 from resihp_jax.train.instrument import Instrument  # noqa: E402
@@ -96,8 +97,7 @@ class Run:
 
     def run_step(self) -> StepObservation:
         batch = self.data.next_batch()
-        sharded = self.program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
-                                           batch.positions_MxBxS)
+        sharded = device_batch(self.program, batch)
         knobs = self.injector.knobs(self.step)
         self.state, _, timing = timed_step(self.program, self.state, sharded, knobs, self.timer)
         tokens = (batch.segment_ids_MxBxS > 0).sum(axis=(1, 2)).astype(np.float64)

@@ -33,8 +33,9 @@ class DocumentSource(Protocol):
         Batches are laid out from sizes alone, so hosts read only their own micro-batches."""
         ...
 
-    def item(self, epoch: int, index: int) -> np.ndarray | None:
-        """int32 tokens of item `index` of `epoch` (item_size of them), None when skipped."""
+    def item(self, epoch: int, index: int) -> np.ndarray:
+        """int32 tokens of item `index` of `epoch`: exactly item_size of them (ConfigError
+        naming the item if it no longer has that many); never asked for a skipped item."""
         ...
 
     def fingerprint(self) -> str:

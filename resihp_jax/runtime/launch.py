@@ -97,6 +97,10 @@ class Failure:
     end_s: float = 0.0  # from detection until every process had ended (copies written)
     hosts: tuple[str, ...] = ()  # every host to exclude, when several (else `host`)
 
+    def excluded(self) -> tuple[str, ...]:
+        """The hosts the relaunch runs without."""
+        return self.hosts or ((self.host,) if self.host is not None else ())
+
 
 @dataclass
 class Summary:
@@ -328,7 +332,7 @@ class Supervisor:
         if failure.detect_s is not None:
             summary.detect_s.append(failure.detect_s)
         self._readmit(record, step)
-        for host in failure.hosts or ((failure.host,) if failure.host is not None else ()):
+        for host in failure.excluded():
             record.exclude(host, failure.detail, step)
         record.incarnations += 1
         health_record.save(record, cfg.checkpoint_dir)

@@ -85,6 +85,32 @@ def test_ours_mitigates_a_slow_gpu_that_unaware_policies_suffer(cm) -> None:  # 
     assert math.isnan(ours.stall_s_per_failure) and ours.n_failures == 0
 
 
+def test_detection_reach_is_in_step_slowdowns(cm, monkeypatch) -> None:  # noqa: ANN001
+    """A detector never calls a step slowdown below its partial reach, always calls one from
+    its reliable reach on, calls the band between at its measured rate, and takes longer on
+    small slowdowns."""
+    from resihp_jax.sim import measured, policy
+
+    fig = measured.DetectorFigures(delay_small=4.0, delay_large=2.0, reliable=1.5, partial=1.1,
+                                   rate_between=0.25, false_alarms=0)
+    monkeypatch.setitem(measured.DETECTORS, "resihp", fig)
+    ours = POLICIES[OURS](cm, Live())
+
+    def delay(factor: float, kind: int, seed: int) -> float:
+        ours.live.slow[0] = (factor, kind)
+        return ours.detect_delay_s(0, np.random.default_rng(seed))
+
+    assert math.isinf(delay(1.05, policy.COMPUTE, 0))
+    assert delay(2.0, policy.COMPUTE, 0) == pytest.approx(2.0 * cm.ref_step_s * 2.0)
+    band = [math.isfinite(delay(1.2, policy.COMPUTE, s)) for s in range(400)]
+    assert 0.15 < np.mean(band) < 0.35
+    assert delay(1.2, policy.COMPUTE, next(s for s, hit in enumerate(band) if hit)) == (
+        pytest.approx(4.0 * cm.ref_step_s * 1.2))
+    # a slow link slows the step by its share of it only
+    assert 0 < cm.link_share < 1
+    assert ours.slowdown(0, (2.0, 1)) == pytest.approx(1.0 + cm.link_share)
+
+
 def test_rate_helpers() -> None:
     assert layer_rebalanced(1.0, 4, 80) == 1.0
     assert layer_rebalanced(2.0, 1, 80) == 2.0

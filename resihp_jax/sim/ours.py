@@ -1,13 +1,14 @@
 """Ours, as the code does it, at cluster scale; and ours with heterogeneous TP degrees.
 
-- Fail-slow: our detector's measured delay (2 steps for >= 1.5x, 1.2x half the time, 0 false
+- Fail-slow: our detector's measured reach and delay (`measured.DETECTORS`: every step
+  slowdown from 1.17x caught after 2 steps, 1.08-1.17x three times in four after 3, 0 false
   alarms in 500 healthy steps); then our scheduler's choice among plans: every top healthy
   mesh shape over the usable GPUs, keeping the detected slow GPUs (layers moved off their
   stage, micro-batches split by speed) or leaving the worst k out. The option that trains the
   most tokens before the next expected failure wins (`scheduler/switching.choose`; the
   horizon is the job's fail-stop MTBF, or the scheduler's 50,000 h per GPU without one):
   a split-only change costs planning + `split_only`, a new mesh planning + reshard (state
-  over 25 GB/s) + a warm compile.
+  over 25 GB/s) + a compile on the spot.
 - Fail-stop: the incarnation ends; relaunch on the survivors, restore from the surviving
   replicas (0 steps lost), costs in `measured.RestartCosts`. Replaced GPUs rejoin at the next
   relaunch, or at once when the capacity they add pays for a relaunch within the horizon.
@@ -102,10 +103,11 @@ class Ours(SimPolicy):
         """The option training the most before the next failure (free: switching is part of
         a relaunch already paid for)."""
         excluded = self.excluded if excluded is None else excluded
+        horizon = self.horizon_s
         scored = []
         for option in self._options():
             switch = 0.0 if free or option == self.option else self._switch_s(option)
-            steps = self._evaluate(option, excluded) * max(self.horizon_s - switch, 0.0)
+            steps = self._evaluate(option, excluded) * max(horizon - switch, 0.0)
             scored.append((steps, -switch, option))
         steps, neg_switch, option = max(scored, key=lambda s: (s[0], s[1]))
         return option, -neg_switch
@@ -118,7 +120,7 @@ class Ours(SimPolicy):
             return plan_s + RECOVERY_S["split_only"]
         reshard = (self.cm.params_per_device * OUR_RESTART.state_bytes_per_param
                    / RESHARD_BYTES_PER_S)
-        return plan_s + reshard + OUR_RESTART.compile_warm_s
+        return plan_s + reshard + OUR_RESTART.compile_s
 
     def _evaluate(self, option: Option, excluded: set[int]) -> float:
         """Fraction of the reference rate this option reaches on the live cluster."""

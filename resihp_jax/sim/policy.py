@@ -103,13 +103,13 @@ class SimPolicy:
         if fig is None:
             return math.inf
         seen = self.slowdown(device, self.live.slow[device])
-        if seen < fig.partial_factor or (seen < fig.reliable_factor and rng.random() < 0.5):
+        if seen < fig.partial or (seen < fig.reliable and rng.random() >= fig.rate_between):
             return math.inf
-        return fig.delay_steps * self.cm.ref_step_s * seen
+        return fig.delay_steps(seen) * self.cm.ref_step_s * seen
 
     def clear_delay_s(self) -> float:
         fig = self.figures
-        return 0.0 if fig is None else fig.delay_steps * self.cm.ref_step_s
+        return 0.0 if fig is None else fig.delay_large * self.cm.ref_step_s
 
     def replica_of(self, device: int) -> int:
         return device // self.replica_size

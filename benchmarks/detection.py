@@ -40,6 +40,7 @@ from resihp_jax.detector.attention_work import mb_block_pair_l2  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.model.config import get_model_config  # noqa: E402
 from resihp_jax.runtime.faults import FaultInjector, chain_hosts  # noqa: E402
+from resihp_jax.sim.measured import SMALL_STEP_EXCESS  # noqa: E402
 from resihp_jax.runtime.loop import device_batch  # noqa: E402
 from resihp_jax.runtime.timing import StageTimer, timed_step  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
@@ -253,9 +254,6 @@ def instrument_overhead(spec: tuple[int, ...], data: str, seed: int, steps: int
                 samples[i].append(timing.step_time_s)
     on, off, bare = (float(np.median(s)) for s in samples)
     return 100.0 * (on / off - 1.0), 100.0 * (on / bare - 1.0)
-
-
-SMALL_STEP_EXCESS = 1.3  # step slowdowns below this are "small": they take longer to call
 
 
 def step_reach(trials: list[tuple[float, int | None]]) -> dict[str, float | None]:

@@ -13,7 +13,7 @@ SMALL_STEP_EXCESS = 1.3
 
 @dataclass(frozen=True)
 class DetectorFigures:
-    """How a detector behaves on real step timings (step-time CV about 20% from variable
+    """How a detector behaves on real step timings (step-time CV about 17% from variable
     sequence lengths): which step slowdowns it catches, how fast, how often it cries wolf.
 
     Reach is in step-level slowdowns (observed step / its healthy prediction), as the
@@ -58,7 +58,7 @@ DETECTORS = {
 # `ours.py`); its program is compiled on the spot (`RestartCosts.compile_s`): the background
 # precompiler prepares 4 likely meshes, at cluster scale a small share of those a verdict
 # can pick.
-RECOVERY_S = {"split_only": 0.37}
+SPLIT_ONLY_SWITCH_S = 0.37
 
 # `python benchmarks/replan_quality.py`: our planning time, cold caches, one slow plus one
 # dead device: 0.15 s at 1,024 devices, 0.65 s at 16,384. Charged per re-plan, extrapolated

@@ -7,7 +7,7 @@
   stage, micro-batches split by speed) or leaving the worst k out. The option that trains the
   most tokens before the next expected failure wins (`scheduler/switching.choose`; the
   horizon is the job's fail-stop MTBF, or the scheduler's 50,000 h per GPU without one):
-  a split-only change costs planning + `split_only`, a new mesh planning + reshard (state
+  a split-only change costs planning + `SPLIT_ONLY_SWITCH_S`, a new mesh planning + reshard (state
   over 25 GB/s) + a compile on the spot.
 - Fail-stop: the incarnation ends; relaunch on the survivors, restore from the surviving
   replicas (0 steps lost), costs in `measured.RestartCosts`. Replaced GPUs rejoin at the next
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from resihp_jax.sim.measured import OUR_RESTART, RECOVERY_S, planning_s
+from resihp_jax.sim.measured import OUR_RESTART, SPLIT_ONLY_SWITCH_S, planning_s
 from resihp_jax.sim.policy import SimPolicy
 from resihp_jax.sim.rates import layer_rebalanced, rebalanced_step_s, usable_groups
 from resihp_jax.sim.traces import COMPUTE
@@ -103,11 +103,10 @@ class Ours(SimPolicy):
         """The option training the most before the next failure (free: switching is part of
         a relaunch already paid for)."""
         excluded = self.excluded if excluded is None else excluded
-        horizon = self.horizon_s
         scored = []
         for option in self._options():
             switch = 0.0 if free or option == self.option else self._switch_s(option)
-            steps = self._evaluate(option, excluded) * max(horizon - switch, 0.0)
+            steps = self._evaluate(option, excluded) * max(self.horizon_s - switch, 0.0)
             scored.append((steps, -switch, option))
         steps, neg_switch, option = max(scored, key=lambda s: (s[0], s[1]))
         return option, -neg_switch
@@ -117,7 +116,7 @@ class Ours(SimPolicy):
         same_mesh = (option.pp, option.tp, option.left_out) == (
             self.option.pp, self.option.tp, self.option.left_out)
         if same_mesh:
-            return plan_s + RECOVERY_S["split_only"]
+            return plan_s + SPLIT_ONLY_SWITCH_S
         reshard = (self.cm.params_per_device * OUR_RESTART.state_bytes_per_param
                    / RESHARD_BYTES_PER_S)
         return plan_s + reshard + OUR_RESTART.compile_s

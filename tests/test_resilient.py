@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from resihp_jax.data import BatchIterator
+from resihp_jax.detector.verdict import Verdict
 from resihp_jax.errors import TrainingDiverged
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
@@ -86,6 +87,29 @@ def test_switches_compile_only_what_was_not_prepared() -> None:
     assert [s.kind for s in switches] == ["split_only", "mesh_warm", "mesh_cold"]
     assert [s.compiles for s in switches[:2]] == [0, 0]
     assert switches[2].compiles >= 1  # the counter sees a compile when there is one
+    np.testing.assert_allclose([r.loss for r in records], _reference_losses(4), rtol=2e-5)
+
+
+def test_a_slow_device_trains_an_interim_split_while_the_new_mesh_compiles() -> None:
+    """After a fail-slow verdict whose best plan needs a new program, the trainer moves at once
+    to a split of the current program and switches to the new mesh at the first step after
+    its background compile is ready: no compile on the training thread, no step lost, the
+    reference's losses."""
+    trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(),
+                               ResilienceConfig(precompile=0, compile_cache_dir=None))
+    records = list(trainer.run(2))
+    first = trainer.react(Verdict(2, (5,), "compute", 4.0, 1.0))
+    target = trainer.pending_plan
+    assert first.kind == "split_only" and first.new_plan.same_mesh(PLAN)
+    assert target is not None and not target.same_mesh(PLAN) and 5 not in target.device_ids
+    trainer.precompiler.wait()
+    items = list(trainer.run(4))
+    trainer.close()
+    (done,) = [i for i in items if isinstance(i, Replan)]
+    assert (done.new_plan, done.kind, done.compiles) == (target, "mesh_warm", 0)
+    assert trainer.pending_plan is None and trainer.plan == target
+    records += [i for i in items if isinstance(i, StepRecord)]
+    assert [r.step for r in records] == [1, 2, 3, 4]
     np.testing.assert_allclose([r.loss for r in records], _reference_losses(4), rtol=2e-5)
 
 

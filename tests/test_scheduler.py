@@ -233,6 +233,27 @@ def test_split_only_changes_need_no_recompile(eight) -> None:
     assert switch_seconds(current, new_mesh, ctx.model, costs) >= costs.recompile_s
 
 
+def test_background_compile_trains_an_interim_split_and_costs_less(eight) -> None:
+    """A fail-slow re-plan to a new mesh: with background compiles the proposal names an
+    interim plan the current program runs, and the switch costs less than the stall of a
+    compile on the spot; without, it names none. A dead device leaves no interim."""
+    current, ctx = eight
+    slow = Health(compute={1: 0.25})
+
+    def ours(background: bool, health: Health = slow):
+        switch = SwitchCosts(recompile_s=120.0, background=background)
+        c = PlanningContext.for_plan(current, ctx.model, ctx.costs, 80e9, switch=switch)
+        return run_policy(OURS, current, health, c)
+
+    on_spot, background = ours(False), ours(True)
+    assert on_spot.interim is None and not on_spot.plan.same_mesh(current)
+    assert background.interim is not None and background.interim.same_mesh(current)
+    assert not background.plan.same_mesh(current)
+    assert background.switch_s < on_spot.switch_s - 60.0
+    assert "background" in background.reason
+    assert ours(True, Health(dead={1})).interim is None
+
+
 # ---- the search finds the best plan of small plan spaces -----------------------------------
 LLAMA2_7B_WIDE = {"name": "llama2-7b", "d_model": 4096, "n_heads": 32, "n_kv_heads": 32,
                   "d_ff": 11_008}

@@ -85,6 +85,29 @@ def test_ours_mitigates_a_slow_gpu_that_unaware_policies_suffer(cm) -> None:  # 
     assert math.isnan(ours.stall_s_per_failure) and ours.n_failures == 0
 
 
+def test_a_new_mesh_compiles_in_the_background_and_the_healthy_one_is_kept(cm) -> None:  # noqa: ANN001
+    """One 5x slow GPU for 20 minutes: ours moves layers off it at once (a short stall), trains
+    that split while the mesh leaving the GPU out compiles (`compile_s`, no stall), switches
+    (a reshard), and goes back to the healthy mesh at the end without compiling again."""
+    from resihp_jax.sim.measured import OUR_RESTART
+    from resihp_jax.sim.traces import COMPUTE, Trace
+
+    empty = np.zeros(0)
+    start_s, end_s, hour = 600.0, 1800.0, 3600.0
+    trace = Trace(hour, N, empty, empty.astype(int), empty, np.array([start_s]),
+                  np.array([end_s]), np.array([5]), np.array([5.0]), np.array([COMPUTE]))
+    got = simulate(OURS, cm, trace, 0.0, 0, record=True)
+    rates = [(a, b, r) for a, b, r in got.segments]
+    healthy = rates[0][2]
+    slowed = [r for a, b, r in rates if start_s <= a < end_s]
+    assert len(set(np.round(slowed, 9))) == 3  # undetected, interim split, new mesh
+    interim = next(seg for seg in rates if seg[0] > start_s and seg[2] == slowed[1])
+    assert interim[1] - interim[0] == pytest.approx(OUR_RESTART.compile_s, rel=1e-6)
+    assert slowed[0] < slowed[1] < slowed[2] < healthy
+    assert rates[-1][2] == healthy
+    assert got.switch_stall_s < 5.0  # three switches, none of them stalls for a compile
+
+
 def test_detection_reach_is_in_step_slowdowns(cm, monkeypatch) -> None:  # noqa: ANN001
     """A detector never calls a step slowdown below its partial reach, always calls one from
     its reliable reach on, calls the band between at its measured rate, and takes longer on

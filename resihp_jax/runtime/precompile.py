@@ -4,6 +4,10 @@ scheduler would pick next, so that a verdict is followed by a switch that compil
 Programs are keyed by `Plan.mesh_key()`: a prepared program serves any split of its mesh
 that fits its slots. A switch that needs a program still being compiled waits for it (less
 than compiling again); one still queued is cancelled and compiled on the spot.
+
+Programs the trainer leaves are kept (`keep`), so going back to a mesh (the healthy plan
+once a slow device recovers) compiles nothing; `prepare_first` puts the program a switch
+is waiting for ahead of the speculative ones.
 """
 
 from __future__ import annotations
@@ -34,6 +38,27 @@ class Precompiler:
             for plan in plans:
                 if plan.mesh_key() not in self._futures:
                     self._futures[plan.mesh_key()] = self._pool.submit(self._timed_build, plan)
+
+    def prepare_first(self, plan: Plan) -> None:
+        """Compile `plan`'s program next: speculative work not yet started is cancelled (the
+        trainer proposes it again after its next switch)."""
+        with self._lock:
+            for key, future in list(self._futures.items()):
+                if key != plan.mesh_key() and future.cancel():
+                    del self._futures[key]
+            for future in self._proposals:
+                future.cancel()
+        self.prepare([plan])
+
+    def keep(self, program: StepProgram) -> None:
+        """Hold on to a compiled program the trainer is leaving, for a later switch back."""
+        done: Future[StepProgram] = Future()
+        done.set_result(program)
+        with self._lock:
+            current = self._futures.get(program.plan.mesh_key())
+            if current is None or current.cancelled() or (
+                    current.done() and current.exception() is not None):
+                self._futures[program.plan.mesh_key()] = done
 
     def prepare_later(self, propose: Callable[[], list[Plan]]) -> Future[None]:
         """Run `propose` (e.g. the scheduler over likely faults) in the background too, then

@@ -10,7 +10,12 @@ skipped or repeated.
 Switches are as cheap as the new plan allows (see `Replan.kind`): a new split of the same
 mesh reuses the compiled program; a new mesh whose program the background `Precompiler`
 prepared (the scheduler's picks for any one device slow or dead) compiles nothing; only an
-unforeseen mesh compiles on the spot. The scheduler is charged these measured costs.
+unforeseen mesh compiles, and after a fail-slow verdict not on the spot
+(`ResilienceConfig.background_compile`): the scheduler's interim plan (the best split the
+current program runs) trains while the new mesh's program compiles in the background, and
+the trainer switches to it at the first step boundary after it is ready. A device that
+stopped cannot wait: its re-plan compiles on the spot. The scheduler is charged these
+measured costs.
 """
 
 from __future__ import annotations
@@ -69,6 +74,9 @@ class ResilienceConfig:
     checkpoint_dir: str | None = None
     checkpoint_interval: int = 10
     precompile: int = 4  # programs of likely next plans compiled in the background (0: off)
+    # after a fail-slow verdict, train an interim split while a new mesh compiles in the
+    # background instead of stalling for the compile
+    background_compile: bool = True
     # JAX's persistent compilation cache (None: off). It holds every program without host
     # callbacks (state moves, the step when no instrument is attached): JAX never persists
     # an executable that calls back into Python.
@@ -165,6 +173,9 @@ class ResilientTrainer:
         self.precompiler = Precompiler(self._compiled)
         self.state: TrainState | None = None
         self.replans: list[Replan] = []
+        # a switch waiting for its program to compile in the background: the plan, and the
+        # verdict and reason that chose it
+        self._pending: tuple[Plan, Verdict, str] | None = None
         self._costs_fitted = False
         self._prepare_next()
 
@@ -248,6 +259,8 @@ class ResilientTrainer:
             yield record
             if verdict is not None:
                 yield self.react(verdict, None)
+            elif self._pending_ready():
+                yield self._finish_pending()
         if self.checkpointer:  # a later run resumes where this one ended
             self.checkpointer.save(done, self.state, self.program, self.data.state(),
                                    force=True)
@@ -314,13 +327,16 @@ class ResilientTrainer:
             raise PlanError(f"step {verdict.step} failed without naming a device, so no plan "
                             f"can avoid it: {cause or 'no cause given'}")
         start = self.clock()
+        self._pending = None  # this verdict's plan supersedes one still compiling
         self.health = _updated_health(self.health, verdict)
         outcome = run_policy(self.config.policy, self.plan, self.health, self._context())
         plan_s = self.clock() - start
         old = self.plan
         new = outcome.plan if outcome.plan is not None else old
-        if multi_process():  # process 0 decides: its plan is every process's plan
-            new = Plan.from_dict(from_primary(new.to_dict()))
+        # train an interim plan while `new` compiles in the background, when it must compile
+        interim = outcome.interim if not self._ready_for(new) else None
+        if multi_process():  # process 0 decides: its plans are every process's plans
+            new, interim = _primary_plans(new, interim)
         if verdict.kind == "stopped" and set(verdict.devices) & set(new.device_ids):
             raise PlanError(f"device(s) {list(verdict.devices)} stopped at step {verdict.step} "
                             f"and no plan without them exists: {outcome.reason}")
@@ -333,6 +349,11 @@ class ResilientTrainer:
             raise HostsLeftOut(tuple(sorted(left_out & named)), verdict.step,
                                f"devices {list(verdict.devices)} {verdict.kind} "
                                f"x{verdict.slowdown:.2f}; plan {new.describe()}")
+        reason = outcome.reason
+        if interim is not None and not left_out:  # a process leaving cannot wait for it
+            self.precompiler.prepare_first(new)
+            self._pending = (new, verdict, reason)
+            new, reason = interim, f"{reason}; training {interim.describe()} meanwhile"
         fields: dict[str, Any] = {}
         if new != old:
             fields = dataclasses.asdict(self.switch_to(
@@ -340,8 +361,38 @@ class ResilientTrainer:
         elif data_before is not None:
             self.data.restore(data_before)
         self.detector.rebaseline()
-        replan = Replan(verdict.step, verdict, old, new, outcome.reason, self.clock() - start,
+        replan = Replan(verdict.step, verdict, old, new, reason, self.clock() - start,
                         plan_s=plan_s, cause=cause, **fields)
+        self.replans.append(replan)
+        return replan
+
+    @property
+    def pending_plan(self) -> Plan | None:
+        """The plan the trainer switches to once its program compiled in the background."""
+        return None if self._pending is None else self._pending[0]
+
+    def _ready_for(self, plan: Plan) -> bool:
+        """Can `plan` run without compiling on this thread (its program reused or ready)?"""
+        return self.program.accepts(plan) or plan.mesh_key() in self.precompiler.ready()
+
+    def _pending_ready(self) -> bool:
+        """A switch waits and its program is ready (on process 0, which decides for all)."""
+        if self._pending is None:
+            return False
+        ready = self._pending[0].mesh_key() in self.precompiler.ready()
+        return bool(from_primary(ready or None)) if multi_process() else ready
+
+    def _finish_pending(self) -> Replan:
+        """Switch to the plan whose program compiled in the background."""
+        assert self._pending is not None
+        new, verdict, reason = self._pending
+        self._pending = None
+        start, old = self.clock(), self.plan
+        fields = dataclasses.asdict(self.switch_to(new))
+        self.detector.rebaseline()
+        replan = Replan(int(self.state.step), verdict, old, new,
+                        f"{reason}; its program compiled in the background", self.clock() - start,
+                        **fields)
         self.replans.append(replan)
         return replan
 
@@ -372,6 +423,8 @@ class ResilientTrainer:
             self._compile_s = t1 - t0
         elif kind == "mesh_warm":
             self._warm_s = t1 - t0
+        if kind != "split_only":
+            self.precompiler.keep(self.program)  # going back later compiles nothing
         self._install(program, new)
         self._prepare_next()
         return Switch(kind, t1 - t0, t2 - t1, count.compiles, restored)
@@ -395,11 +448,20 @@ class ResilientTrainer:
         switch = SwitchCosts(recompile_s=measured, warm_s=self._warm_s, prepared=ready,
                              layer_slots=self.program.layer_slots,
                              microbatch_slots=self.program.mb_slots,
-                             horizon_s=self.config.horizon_s)
+                             horizon_s=self.config.horizon_s,
+                             background=self.config.background_compile)
         return PlanningContext(
             self.model, costs or CostParams.for_model(self.model),
             self.config.device_memory_gb * 2**30, tuple(int(d.id) for d in self.devices),
             schedule="gpipe", remat=self.train_cfg.remat, switch=switch)
+
+
+def _primary_plans(new: Plan, interim: Plan | None) -> tuple[Plan, Plan | None]:
+    """Process 0's plan and interim plan on every process."""
+    got = from_primary({"plan": new.to_dict(),
+                        "interim": None if interim is None else interim.to_dict()})
+    return Plan.from_dict(got["plan"]), (None if got["interim"] is None
+                                         else Plan.from_dict(got["interim"]))
 
 
 def _processes_left_out(devices: Sequence[jax.Device], plan: Plan) -> tuple[int, ...]:

@@ -26,6 +26,10 @@ class SwitchCosts:
     state_bytes_per_param: float = 16.0  # bf16 param + fp32 master + two fp32 Adam moments
     device_mtbf_hours: float = 50_000.0  # ~3 h job MTBF at 16k GPUs, as large fleets report
     horizon_s: float | None = None  # expected seconds to the next failure; None: from MTBF
+    # A new mesh's program may compile in the background while the best plan the current
+    # program can run trains meanwhile: the compile then costs only the throughput that
+    # interim plan lacks, not a stall (the runtime does this for fail-slow re-plans).
+    background: bool = False
 
     def __post_init__(self) -> None:
         for name in ("recompile_s", "warm_s", "reshard_bytes_per_s", "state_bytes_per_param",

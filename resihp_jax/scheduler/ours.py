@@ -14,7 +14,8 @@ from resihp_jax.scheduler.proposal import Proposal, keep_current
 from resihp_jax.scheduler.scoring import step_time_s
 from resihp_jax.scheduler.search import memory_limits, search_plans
 from resihp_jax.scheduler.shapes import ShapeSpace, mesh_shapes
-from resihp_jax.scheduler.switching import Option, choose, switch_seconds
+from resihp_jax.scheduler.switching import (Option, choose, switch_seconds,
+                                            with_background_compiles)
 
 
 def resihp(current: Plan, health: Health, ctx: PlanningContext) -> Proposal:
@@ -34,8 +35,12 @@ def resihp(current: Plan, health: Health, ctx: PlanningContext) -> Proposal:
                for c in candidates]
     if stay is None and not options:
         raise PlanError(explain_no_plan(current, n_alive, ctx))
-    best, reason = choose(stay, options, ctx.switch.expected_horizon_s(n_alive))
-    return Proposal(best.plan, reason, best.switch_s)
+    horizon_s = ctx.switch.expected_horizon_s(n_alive)
+    if ctx.switch.background and stay is not None:  # a dead device must be left at once
+        options = with_background_compiles(current, stay, options, ctx.model, ctx.switch,
+                                           horizon_s)
+    best, reason = choose(stay, options, horizon_s)
+    return Proposal(best.plan, reason, best.switch_s, interim=best.interim)
 
 
 def explain_no_plan(current: Plan, n_alive: int, ctx: PlanningContext) -> str:

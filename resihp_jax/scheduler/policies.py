@@ -69,6 +69,7 @@ class Outcome:
     reason: str
     planning_time_s: float
     preserves_global_batch: bool
+    interim: Plan | None = None  # trained while `plan` compiles in the background
 
     def summary(self) -> dict[str, Any]:
         """The keys the `resihp plan --json` output promises for every policy."""
@@ -92,7 +93,7 @@ def run_policy(name: str, current: Plan, health: Health, ctx: PlanningContext,
     bound = ref.bound_tokens_per_s
     return Outcome(name, plan, step_s, rate, rate / ref.healthy_tokens_per_s,
                    rate / bound if bound > 0 else 0.0, proposal.switch_s, proposal.reason,
-                   elapsed, proposal.preserves_global_batch)
+                   elapsed, proposal.preserves_global_batch, proposal.interim)
 
 
 def compare(current: Plan, health: Health, ctx: PlanningContext,

@@ -16,6 +16,9 @@ class Proposal:
     reason: str
     switch_s: float = 0.0  # predicted cost of moving to `plan` (0 when it is the current plan)
     preserves_global_batch: bool = True  # False when the policy trains fewer rows per step
+    # the plan to train while `plan`'s program compiles in the background (None: switch to
+    # `plan` at once); the current program runs it, so it compiles nothing
+    interim: Plan | None = None
 
 
 Policy = Callable[[Plan, Health, PlanningContext], Proposal]

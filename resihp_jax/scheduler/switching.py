@@ -5,10 +5,15 @@ different TP shard) over its link, plus a recompile when the mesh changes; chang
 layer or micro-batch split recompiles nothing. Until the next failure (expected after the
 horizon) a plan trains (horizon - switch cost) / step time steps; the option training the
 most steps wins, and staying costs nothing.
+
+With background compiles (`SwitchCosts.background`), a new mesh's program compiles while the
+best plan the current program can run (the *interim*: staying, or a new split) trains; the
+compile then costs only the steps the interim plan trains fewer than the new one would.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,8 +29,9 @@ class Option:
 
     plan: Plan
     step_time_s: float
-    switch_s: float
+    switch_s: float  # the seconds of training at this plan's rate the switch costs
     label: str
+    interim: Plan | None = None  # trained while this plan's program compiles in the background
 
     def steps_within(self, horizon_s: float) -> float:
         return max(0.0, horizon_s - self.switch_s) / self.step_time_s
@@ -82,6 +88,29 @@ def switch_seconds(old: Plan, new: Plan, model: ModelConfig, costs: SwitchCosts)
     return reshard_seconds(old, new, model, costs) + compile_seconds(old, new, costs)
 
 
+def with_background_compiles(current: Plan, stay: Option, options: list[Option],
+                             model: ModelConfig, costs: SwitchCosts,
+                             horizon_s: float) -> list[Option]:
+    """`options` re-costed for a compile in the background: the interim plan (the best of
+    staying and the splits needing no compile) is switched to at once, and the new plan
+    when its program is ready. During the compile the job trains at the interim's rate, so
+    the compile costs compile_s x (1 - interim rate / new rate) of the new plan's time."""
+    free = [stay] + [o for o in options if compile_seconds(current, o.plan, costs) == 0.0]
+    interim = max(free, key=lambda o: (o.steps_within(horizon_s), -o.switch_s))
+    out = []
+    for option in options:
+        compile_s = compile_seconds(current, option.plan, costs)
+        if compile_s == 0.0 or option.step_time_s >= interim.step_time_s:
+            out.append(option)
+            continue
+        behind = max(0.0, compile_s - interim.switch_s)
+        lost_s = (interim.switch_s + reshard_seconds(current, option.plan, model, costs)
+                  + behind * (1.0 - option.step_time_s / interim.step_time_s))
+        out.append(dataclasses.replace(option, switch_s=lost_s, interim=interim.plan)
+                   if lost_s < option.switch_s else option)
+    return out
+
+
 def choose(stay: Option | None, options: list[Option], horizon_s: float) -> tuple[Option, str]:
     """The option training the most steps before the next failure, and why."""
     if not options and stay is None:
@@ -105,6 +134,8 @@ def _reason(stay: Option | None, best: Option, fastest: Option | None, horizon_s
                 f"{gain:+.1%} faster but its {fastest.switch_s:.1f} s switch does not pay back "
                 f"within the {hours:.1f} h expected before the next failure")
     gain = stay.step_time_s / best.step_time_s - 1.0
+    how = (" (its program compiles in the background meanwhile)"
+           if best.interim is not None else "")
     return (f"switched to {best.label}: {gain:+.1%} throughput over staying; its "
-            f"{best.switch_s:.1f} s switch pays back within the {hours:.1f} h expected before "
-            "the next failure")
+            f"{best.switch_s:.1f} s switch{how} pays back within the {hours:.1f} h expected "
+            "before the next failure")

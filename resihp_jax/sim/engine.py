@@ -1,6 +1,6 @@
 """The event-driven simulation: one policy through one trace, throughput piecewise constant
 between events (fail-stop, replacement, fail-slow start and end, and the policy's own
-detections and clearances), stalls taken out of the timeline.
+detections, clearances and deferred switches), stalls taken out of the timeline.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from resihp_jax.sim.traces import Trace
 POLICIES: dict[str, type[SimPolicy]] = {cls.name: cls for cls in (
     Ours, OursHeteroTP, CheckpointRestart, FtHsdp, Oobleck, ReCycle, Greyhound, Malleus)}
 OURS = Ours.name
-STOP, REPLACE, SLOW_START, SLOW_END, DETECT, CLEAR = range(6)
+STOP, REPLACE, SLOW_START, SLOW_END, DETECT, CLEAR, READY = range(7)
 
 
 def get_policy_class(name: str) -> type[SimPolicy]:
@@ -94,7 +94,16 @@ class _Run:
             self.stop_stall += added
         else:
             self.switch_stall += added
+        self._after_hook(t)
+
+    def _after_hook(self, t: float) -> None:
+        """New rate; a switch the policy deferred is scheduled for when training resumes
+        plus its delay (the pending tuple's device slot carries the policy's generation)."""
         self.clock.rate = self.policy.rate()
+        if self.policy.deferred_s is not None:
+            ready_t = max(t, self.clock.resume) + self.policy.deferred_s
+            heapq.heappush(self.pending, (ready_t, READY, self.policy.generation, -1))
+            self.policy.deferred_s = None
 
     def _handle(self, t: float, kind: int, index: int) -> tuple[float, bool]:
         tr, live, policy = self.trace, self.live, self.policy
@@ -143,9 +152,12 @@ class _Run:
         elif kind == CLEAR and dev in self.policy.known and dev not in self.live.slow:
             self.clock.advance(t)
             self.switch_stall += self.clock.stall(t, self.policy.on_clear(dev))
+        elif kind == READY and dev == self.policy.generation:
+            self.clock.advance(t)
+            self.switch_stall += self.clock.stall(t, self.policy.on_ready())
         else:
             return
-        self.clock.rate = self.policy.rate()
+        self._after_hook(t)
 
     def run(self) -> None:
         self.clock.rate = self.policy.rate()

@@ -7,8 +7,12 @@
   stage, micro-batches split by speed) or leaving the worst k out. The option that trains the
   most tokens before the next expected failure wins (`scheduler/switching.choose`; the
   horizon is the job's fail-stop MTBF, or the scheduler's 50,000 h per GPU without one):
-  a split-only change costs planning + `SPLIT_ONLY_SWITCH_S`, a new mesh planning + reshard (state
-  over 25 GB/s) + a compile on the spot.
+  a split-only change costs planning + `SPLIT_ONLY_SWITCH_S`; a new mesh planning + reshard
+  (state over 25 GB/s), and its compile (`RestartCosts.compile_s`) runs in the background
+  while the current mesh trains its best split (`ResilienceConfig.background_compile`), so
+  it costs the throughput that split lacks for compile_s, not a stall. A mesh this
+  incarnation already ran (the healthy one, once the slow GPU recovers) is kept compiled
+  and costs planning + reshard only.
 - Fail-stop: the incarnation ends; relaunch on the survivors, restore from the surviving
   replicas (0 steps lost), costs in `measured.RestartCosts`. Replaced GPUs rejoin at the next
   relaunch, or at once when the capacity they add pays for a relaunch within the horizon.
@@ -53,6 +57,8 @@ class Ours(SimPolicy):
         super().__init__(*args)  # type: ignore[arg-type]
         self.excluded: set[int] = set()  # GPUs not in this incarnation
         self.option = Option(*self.cm.base, frozenset())
+        self.target: Option | None = None  # compiling in the background; self.option trains
+        self.compiled = {_mesh(self.option)}  # programs this incarnation holds
         self.restart_s = OUR_RESTART.seconds(self.cm.n_gpus, self.cm.params_per_device,
                                              self.cm.ref_step_s)
 
@@ -67,19 +73,25 @@ class Ours(SimPolicy):
     def on_stop(self, device: int, replace_at_s: float, now_s: float) -> float:
         self.known.pop(device, None)
         self.excluded = set(self.live.dead)  # relaunch on survivors; replaced GPUs rejoin
-        self.option = self._best(free=True)[0]
+        self._relaunch()
         return self.restart_s
+
+    def _relaunch(self) -> None:
+        """A new incarnation: the best plan, compiled afresh, nothing pending."""
+        self.option = self._best(free=True)[0]
+        self.target, self.compiled = None, {_mesh(self.option)}
+        self.generation += 1
 
     def on_replace(self, device: int) -> float:
         if device not in self.excluded:
             return 0.0
         now = self._evaluate(self.option, self.excluded)
-        option, _ = self._best(free=True, excluded=self.excluded - {device})
+        option = self._best(free=True, excluded=self.excluded - {device})[0]
         with_it = self._evaluate(option, self.excluded - {device})
         if (with_it - now) * self.horizon_s <= with_it * self.restart_s:
             return 0.0
         self.excluded = set(self.live.dead)
-        self.option = self._best(free=True)[0]
+        self._relaunch()
         return self.restart_s
 
     def rate(self) -> float:
@@ -87,9 +99,21 @@ class Ours(SimPolicy):
 
     # ---- planning ------------------------------------------------------------------------
     def on_known_change(self) -> float:
-        option, switch_s = self._best(free=False)
+        option, switch_s, compile_s = self._best(free=False)
+        self.target = None
+        self.generation += 1  # a switch still compiling is superseded
+        if compile_s > 0.0:  # the current mesh trains its best split meanwhile
+            self.target, self.deferred_s = option, compile_s
+            return planning_s(self.cm.n_gpus) + SPLIT_ONLY_SWITCH_S
         self.option = option
         return switch_s
+
+    def on_ready(self) -> float:
+        if self.target is None:
+            return 0.0
+        self.option, self.target = self.target, None
+        self.compiled.add(_mesh(self.option))
+        return self._reshard_s()
 
     def _options(self) -> list[Option]:
         worst = sorted(self.known, key=lambda d: -self.slowdown(d, self.known[d]))
@@ -99,27 +123,36 @@ class Ours(SimPolicy):
             out += [Option(*self.cm.base, lo, True) for lo in leave]
         return out
 
-    def _best(self, free: bool, excluded: set[int] | None = None) -> tuple[Option, float]:
-        """The option training the most before the next failure (free: switching is part of
-        a relaunch already paid for)."""
+    def _best(self, free: bool, excluded: set[int] | None = None
+              ) -> tuple[Option, float, float]:
+        """The option training the most before the next failure, its stall, and how long its
+        program compiles in the background first (free: switching is part of a relaunch
+        already paid for)."""
         excluded = self.excluded if excluded is None else excluded
+        interim = self._evaluate(self.option, excluded)
         scored = []
         for option in self._options():
-            switch = 0.0 if free or option == self.option else self._switch_s(option)
-            steps = self._evaluate(option, excluded) * max(self.horizon_s - switch, 0.0)
-            scored.append((steps, -switch, option))
-        steps, neg_switch, option = max(scored, key=lambda s: (s[0], s[1]))
-        return option, -neg_switch
+            stall = compile_s = 0.0
+            if not free and option != self.option:
+                stall, compile_s = self._switch_s(option)
+            rate = self._evaluate(option, excluded)
+            steps = (interim * min(compile_s, self.horizon_s)
+                     + rate * max(self.horizon_s - compile_s - stall, 0.0))
+            scored.append((steps, -stall - compile_s, option, stall, compile_s))
+        best = max(scored, key=lambda s: (s[0], s[1]))
+        return best[2], best[3], best[4]
 
-    def _switch_s(self, option: Option) -> float:
+    def _switch_s(self, option: Option) -> tuple[float, float]:
+        """Stall of switching to `option`, and its compile in the background (0: none)."""
         plan_s = planning_s(self.cm.n_gpus)
-        same_mesh = (option.pp, option.tp, option.left_out) == (
-            self.option.pp, self.option.tp, self.option.left_out)
-        if same_mesh:
-            return plan_s + SPLIT_ONLY_SWITCH_S
-        reshard = (self.cm.params_per_device * OUR_RESTART.state_bytes_per_param
-                   / RESHARD_BYTES_PER_S)
-        return plan_s + reshard + OUR_RESTART.compile_s
+        if _mesh(option) == _mesh(self.option):
+            return plan_s + SPLIT_ONLY_SWITCH_S, 0.0
+        compile_s = 0.0 if _mesh(option) in self.compiled else OUR_RESTART.compile_s
+        return plan_s + self._reshard_s(), compile_s
+
+    def _reshard_s(self) -> float:
+        return (self.cm.params_per_device * OUR_RESTART.state_bytes_per_param
+                / RESHARD_BYTES_PER_S)
 
     def _evaluate(self, option: Option, excluded: set[int]) -> float:
         """Fraction of the reference rate this option reaches on the live cluster."""
@@ -162,6 +195,11 @@ class Ours(SimPolicy):
             else:
                 out.append(np.inf)  # a whole group gone: its replica cannot run
         return out
+
+
+def _mesh(option: Option) -> tuple:
+    """What a compiled program depends on: shape, which GPUs are left out, thin replicas."""
+    return option.pp, option.tp, option.left_out, option.hetero
 
 
 class OursHeteroTP(Ours):

@@ -47,6 +47,10 @@ class SimPolicy:
         self.known: dict[int, tuple[float, int]] = {}
         pp, tp = cm.base
         self.replica_size = pp * tp
+        # a switch finishing later (a program compiling in the background): the engine takes
+        # `deferred_s` after each hook and calls `on_ready` then, unless `generation` moved on
+        self.deferred_s: float | None = None
+        self.generation = 0
 
     # ---- hooks (return stall seconds) ------------------------------------------------
     def on_stop(self, device: int, replace_at_s: float, now_s: float) -> float:
@@ -65,6 +69,10 @@ class SimPolicy:
 
     def on_known_change(self) -> float:
         """React to a slow GPU detected or cleared (`self.known` is up to date)."""
+        return 0.0
+
+    def on_ready(self) -> float:
+        """A deferred switch's program is ready: switch (returns the stall)."""
         return 0.0
 
     def rate(self) -> float:

@@ -134,8 +134,11 @@ def _op_times(plan: Plan, costs: CostParams, tok: np.ndarray, l2: np.ndarray,
     return fwd, bwd
 
 
-def _ref_gpipe(plan: Plan, fwd: dict, bwd: dict, hop: float, slots: int, o: float) -> list:
+def _ref_gpipe(plan: Plan, fwd: dict, bwd: dict, hop: float, slots: int, o: float,
+               speed_GxS: np.ndarray | None = None) -> list:
+    """Every stage does `o` of fixed work per tick (slower on a slow device), plus its op."""
     pp, n_ticks = plan.pp, slots + plan.pp - 1
+    speed_GxS = np.ones((plan.dp, pp)) if speed_GxS is None else speed_GxS
     times = []
     for g, n in enumerate(plan.microbatches_per_group):
         ready = [0.0] * pp
@@ -144,7 +147,8 @@ def _ref_gpipe(plan: Plan, fwd: dict, bwd: dict, hop: float, slots: int, o: floa
             for s in range(pp):
                 m = t - s if t < n_ticks else 2 * n_ticks - 1 - t - s
                 table = fwd if t < n_ticks else bwd
-                end.append(ready[s] + o + (table[g, s, m] if 0 <= m < n else 0.0))
+                end.append(ready[s] + o / speed_GxS[g, s]
+                           + (table[g, s, m] if 0 <= m < n else 0.0))
             ready = [max(end[max(s - 1, 0):s + 2]) + (hop if pp > 1 else 0.0)
                      for s in range(pp)]
         times.append(max(end))
@@ -183,7 +187,7 @@ def test_matches_reference_simulation(schedule: str, seed: int) -> None:
     sim = simulate_step(plan, MODEL8, costs, mb_tokens=tok, mb_sum_l2=l2, health=health,
                         schedule=schedule, mb_slots=6)
     if schedule == "gpipe":
-        ref = _ref_gpipe(plan, fwd, bwd, 2e-4, 6, 1e-4)
+        ref = _ref_gpipe(plan, fwd, bwd, 2e-4, 6, 1e-4, speed_GxS)
     else:
         ref = [_ref_1f1b_group(plan, fwd, bwd, 2e-4, g) for g in range(plan.dp)]
     assert np.allclose(sim.group_times_s, ref, rtol=1e-12)

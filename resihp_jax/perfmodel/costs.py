@@ -37,7 +37,8 @@ class CostParams:
     beta: float
     bwd_ratio: float = 2.0
     head_alpha: float = 0.0  # head + loss per token, last stage
-    tick_overhead: float = 0.0  # per pipeline tick (gpipe) or per op (1f1b), also empty ticks
+    # per pipeline tick (gpipe) or per op (1f1b), also empty ticks; a slow device does it slower
+    tick_overhead: float = 0.0
     p2p_bandwidth: float = math.inf
     p2p_latency: float = 0.0
     tp_bandwidth: float = math.inf

@@ -14,13 +14,17 @@ import numpy as np
 Node = tuple[str, int, int, int]
 
 
-def tick_work(fwd_GxSxM: np.ndarray, bwd_GxSxM: np.ndarray, tick_overhead: float) -> np.ndarray:
-    """[2T, S, G] work of every tick, T = M + S - 1: forward ticks, then backward reversed."""
+def tick_work(fwd_GxSxM: np.ndarray, bwd_GxSxM: np.ndarray,
+              tick_overhead_GxS: np.ndarray | float) -> np.ndarray:
+    """[2T, S, G] work of every tick, T = M + S - 1: forward ticks, then backward reversed.
+    `tick_overhead_GxS`: each stage's fixed work per tick (a slow device does it slower)."""
     n_groups, n_stages, slots = fwd_GxSxM.shape
     n_ticks = slots + n_stages - 1
     fwd_SxMxG = np.ascontiguousarray(fwd_GxSxM.transpose(1, 2, 0))
     bwd_SxMxG = np.ascontiguousarray(bwd_GxSxM.transpose(1, 2, 0)[:, ::-1])
-    work = np.full((2 * n_ticks, n_stages, n_groups), float(tick_overhead))
+    overhead_SxG = np.broadcast_to(np.asarray(tick_overhead_GxS, np.float64).T,
+                                   (n_stages, n_groups))
+    work = np.repeat(overhead_SxG[None], 2 * n_ticks, axis=0)
     for s in range(n_stages):
         work[s:s + slots, s] += fwd_SxMxG[s]
         last = 2 * n_ticks - s

@@ -65,9 +65,9 @@ def simulate_step(plan: Plan, model: ModelConfig, costs: CostParams, *,
     sub_data, sub_factors = _take(data, rep_U), _take_factors(factors, rep_U)
     work = stage_work(plan, model, costs, sub_data, sub_factors, remat)
     if schedule == "gpipe":
-        end_U, path = _run_gpipe(work, costs, sub_data, rep_U, trace)
+        end_U, path = _run_gpipe(work, costs, sub_data, sub_factors, rep_U, trace)
     else:
-        end_U, path = _run_1f1b(work, costs, sub_data, rep_U, trace)
+        end_U, path = _run_1f1b(work, costs, sub_data, sub_factors, rep_U, trace)
     slow_u = int(np.argmax(end_U))
     busy_UxS = work.fwd_GxSxM.sum(axis=2) + work.bwd_GxSxM.sum(axis=2)
     bubble = 1.0 - float(busy_UxS[slow_u].mean()) / float(end_U[slow_u]) if end_U[slow_u] else 0.0
@@ -115,9 +115,11 @@ def _take_factors(factors: Factors, rep_U: np.ndarray) -> Factors:
     return Factors(factors.inv_speed_GxS[rep_U], factors.link_GxS[rep_U], factors.link_SxT)
 
 
-def _run_gpipe(work: StageWork, costs: CostParams, data: GroupData, rep_U: np.ndarray,
-               trace: bool) -> tuple[np.ndarray, list[Node]]:
-    ticks = gpipe.tick_work(work.fwd_GxSxM, work.bwd_GxSxM, costs.tick_overhead)
+def _run_gpipe(work: StageWork, costs: CostParams, data: GroupData, factors: Factors,
+               rep_U: np.ndarray, trace: bool) -> tuple[np.ndarray, list[Node]]:
+    # a slow device runs its per-tick work (the loop body's own ops) slower too
+    ticks = gpipe.tick_work(work.fwd_GxSxM, work.bwd_GxSxM,
+                            costs.tick_overhead * factors.inv_speed_GxS)
     p2p_GxS = work.p2p_GxS
     # a stage joins both permutes it touches: in from s-1 and out to s+1
     comm_GxS = p2p_GxS.copy()
@@ -132,15 +134,15 @@ def _run_gpipe(work: StageWork, costs: CostParams, data: GroupData, rep_U: np.nd
     return end_U, path
 
 
-def _run_1f1b(work: StageWork, costs: CostParams, data: GroupData, rep_U: np.ndarray,
-              trace: bool) -> tuple[np.ndarray, list[Node]]:
+def _run_1f1b(work: StageWork, costs: CostParams, data: GroupData, factors: Factors,
+              rep_U: np.ndarray, trace: bool) -> tuple[np.ndarray, list[Node]]:
     _, n_stages, slots = work.fwd_GxSxM.shape
     graph = onef1b.op_graph(n_stages, slots)
     valid_OxG = data.valid_GxM[:, graph.slot_O].T
     fwd_OxG = work.fwd_GxSxM[:, graph.stage_O, graph.slot_O].T
     bwd_OxG = work.bwd_GxSxM[:, graph.stage_O, graph.slot_O].T
     dur_OxG = np.where(graph.is_bwd_O[:, None] == 1, bwd_OxG, fwd_OxG)
-    dur_OxG += costs.tick_overhead * valid_OxG
+    dur_OxG += costs.tick_overhead * factors.inv_speed_GxS[:, graph.stage_O].T * valid_OxG
     p2p_SxG = np.ascontiguousarray(work.p2p_GxS.T)
     end_OxG = onef1b.run_ops(graph, dur_OxG, valid_OxG, p2p_SxG)
     end_U = end_OxG.max(axis=0)

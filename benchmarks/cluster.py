@@ -78,6 +78,7 @@ def model_check() -> list[dict[str, Any]]:
         else:
             live.slow[9] = info
             policy.on_detect(9)
+            policy.on_ready()  # the plan it settles on, once a new mesh's compile is done
             health = Health(compute={9: 1.0 / info[0]})
         real = run_policy(OURS, cm.best_plan, health, cm.ctx)
         real_frac = real.tokens_per_s / cm.ref_tokens_per_s

@@ -143,10 +143,9 @@ class Ours(SimPolicy):
         return best[2], best[3], best[4]
 
     def _switch_s(self, option: Option) -> tuple[float, float]:
-        """Stall of switching to `option`, and its compile in the background (0: none)."""
+        """Stall of switching to `option` (another mesh: every option but the current one is),
+        and its compile in the background (0: none)."""
         plan_s = planning_s(self.cm.n_gpus)
-        if _mesh(option) == _mesh(self.option):
-            return plan_s + SPLIT_ONLY_SWITCH_S, 0.0
         compile_s = 0.0 if _mesh(option) in self.compiled else OUR_RESTART.compile_s
         return plan_s + self._reshard_s(), compile_s
 

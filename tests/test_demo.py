@@ -19,7 +19,7 @@ from resihp_jax.runtime.demo_faults import (KillSpec, SlowSpec, check_faults,
 from resihp_jax.runtime.demo_plot import save_timeline
 from resihp_jax.runtime.demo_progress import Progress, progress_mode
 from resihp_jax.runtime.demo_summary import (ReplanPoint, StepPoint, false_alarms, match_faults,
-                                             write_summary)
+                                             write_summary, wrong_verdicts)
 
 A = "dp=2,pp=2,tp=2 devices=0,1,2,3,4,5,6,7"
 B = "dp=3,pp=1,tp=2 devices=0,1,2,3,4,6"
@@ -133,6 +133,14 @@ def test_summary_of_a_slowdown_and_a_stop() -> None:
     text = out.getvalue()
     assert "false alarms: 0" in text and "plan from step 34: " + B in text
     assert "WARNING" not in text
+
+
+def test_a_switch_finished_after_a_background_compile_is_no_false_verdict() -> None:
+    points = _points([A] * 33 + [B] * 7 + [C] * 24, slow_from=32)
+    replans = [_replan(33, 33, "compute", (5,), A, B), _replan(40, 33, "compute", (5,), B, C)]
+    outcomes = match_faults([SlowSpec(5, 3.0, 32)], points, replans)
+    assert outcomes[0].status == "detected" and wrong_verdicts(outcomes, replans) == []
+    assert wrong_verdicts(outcomes, replans + [_replan(50, 50, "link", (6,), C, C)]) != []
 
 
 def test_missed_slowdown_is_loud_and_false_alarms_count() -> None:

@@ -149,8 +149,14 @@ def false_alarms(outcomes: list[FaultOutcome], alarms: int) -> int:
 
 def wrong_verdicts(outcomes: list[FaultOutcome], replans: list[ReplanPoint]
                    ) -> list[ReplanPoint]:
-    used = {id(o.replan) for o in outcomes if o.replan is not None}
-    return [r for r in replans if id(r) not in used]
+    """Re-plans on verdicts that no injected fault explains (a switch that waited for a
+    background compile re-plans again on its fault's verdict: that one is explained)."""
+    used = {_verdict_of(o.replan) for o in outcomes if o.replan is not None}
+    return [r for r in replans if _verdict_of(r) not in used]
+
+
+def _verdict_of(replan: ReplanPoint) -> tuple[int, tuple[int, ...], str]:
+    return replan.step, replan.devices, replan.kind
 
 
 def undetected_warnings(outcomes: list[FaultOutcome], last_step: int) -> list[str]:

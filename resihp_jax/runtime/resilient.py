@@ -360,9 +360,13 @@ class ResilientTrainer:
                 new, from_checkpoint=verdict.kind == "stopped", data_before=data_before))
         elif data_before is not None:
             self.data.restore(data_before)
+        return self._replanned(Replan(verdict.step, verdict, old, new, reason,
+                                      self.clock() - start, plan_s=plan_s, cause=cause,
+                                      **fields))
+
+    def _replanned(self, replan: Replan) -> Replan:
+        """Record a re-plan; the detector measures its drift scale afresh on the new plan."""
         self.detector.rebaseline()
-        replan = Replan(verdict.step, verdict, old, new, reason, self.clock() - start,
-                        plan_s=plan_s, cause=cause, **fields)
         self.replans.append(replan)
         return replan
 
@@ -389,12 +393,9 @@ class ResilientTrainer:
         self._pending = None
         start, old = self.clock(), self.plan
         fields = dataclasses.asdict(self.switch_to(new))
-        self.detector.rebaseline()
-        replan = Replan(int(self.state.step), verdict, old, new,
-                        f"{reason}; its program compiled in the background", self.clock() - start,
-                        **fields)
-        self.replans.append(replan)
-        return replan
+        return self._replanned(Replan(int(self.state.step), verdict, old, new,
+                                      f"{reason}; its program compiled in the background",
+                                      self.clock() - start, **fields))
 
     def switch_to(self, new: Plan, *, from_checkpoint: bool = False,
                   data_before: dict[str, Any] | None = None) -> Switch:

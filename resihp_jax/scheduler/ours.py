@@ -37,8 +37,7 @@ def resihp(current: Plan, health: Health, ctx: PlanningContext) -> Proposal:
         raise PlanError(explain_no_plan(current, n_alive, ctx))
     horizon_s = ctx.switch.expected_horizon_s(n_alive)
     if ctx.switch.background and stay is not None:  # a dead device must be left at once
-        options = with_background_compiles(current, stay, options, ctx.model, ctx.switch,
-                                           horizon_s)
+        options = with_background_compiles(current, stay, options, ctx.switch, horizon_s)
     best, reason = choose(stay, options, horizon_s)
     return Proposal(best.plan, reason, best.switch_s, interim=best.interim)
 

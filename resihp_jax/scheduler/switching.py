@@ -89,22 +89,23 @@ def switch_seconds(old: Plan, new: Plan, model: ModelConfig, costs: SwitchCosts)
 
 
 def with_background_compiles(current: Plan, stay: Option, options: list[Option],
-                             model: ModelConfig, costs: SwitchCosts,
-                             horizon_s: float) -> list[Option]:
-    """`options` re-costed for a compile in the background: the interim plan (the best of
-    staying and the splits needing no compile) is switched to at once, and the new plan
-    when its program is ready. During the compile the job trains at the interim's rate, so
-    the compile costs compile_s x (1 - interim rate / new rate) of the new plan's time."""
-    free = [stay] + [o for o in options if compile_seconds(current, o.plan, costs) == 0.0]
+                             costs: SwitchCosts, horizon_s: float) -> list[Option]:
+    """`options` (each costed by `switch_seconds`) re-costed for a compile in the background:
+    the interim plan (the best of staying and the splits needing no compile) is switched to
+    at once, and the new plan when its program is ready. During the compile the job trains
+    at the interim's rate, so the compile costs compile_s x (1 - interim rate / new rate) of
+    the new plan's time."""
+    compile_s = [compile_seconds(current, o.plan, costs) for o in options]
+    free = [stay] + [o for o, c in zip(options, compile_s) if c == 0.0]
     interim = max(free, key=lambda o: (o.steps_within(horizon_s), -o.switch_s))
     out = []
-    for option in options:
-        compile_s = compile_seconds(current, option.plan, costs)
-        if compile_s == 0.0 or option.step_time_s >= interim.step_time_s:
+    for option, compiling_s in zip(options, compile_s):
+        if compiling_s == 0.0 or option.step_time_s >= interim.step_time_s:
             out.append(option)
             continue
-        behind = max(0.0, compile_s - interim.switch_s)
-        lost_s = (interim.switch_s + reshard_seconds(current, option.plan, model, costs)
+        reshard_s = option.switch_s - compiling_s  # `switch_seconds` is reshard + compile
+        behind = max(0.0, compiling_s - interim.switch_s)
+        lost_s = (interim.switch_s + reshard_s
                   + behind * (1.0 - option.step_time_s / interim.step_time_s))
         out.append(dataclasses.replace(option, switch_s=lost_s, interim=interim.plan)
                    if lost_s < option.switch_s else option)

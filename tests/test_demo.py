@@ -16,6 +16,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
 from resihp_jax.runtime.demo_faults import (KillSpec, SlowSpec, check_faults,
                                             check_kill_survivable, parse_kill, parse_slow)
+from resihp_jax.runtime.demo_loop import replan_text
 from resihp_jax.runtime.demo_plot import save_timeline
 from resihp_jax.runtime.demo_progress import Progress, progress_mode
 from resihp_jax.runtime.demo_summary import (ReplanPoint, StepPoint, false_alarms, match_faults,
@@ -141,6 +142,10 @@ def test_a_switch_finished_after_a_background_compile_is_no_false_verdict() -> N
     outcomes = match_faults([SlowSpec(5, 3.0, 32)], points, replans)
     assert outcomes[0].status == "detected" and wrong_verdicts(outcomes, replans) == []
     assert wrong_verdicts(outcomes, replans + [_replan(50, 50, "link", (6,), C, C)]) != []
+    # the log names the step the switch happened at, and the verdict it acts on
+    assert replan_text(replans[0], "").startswith("step 33: resihp verdict: device(s) [5]")
+    assert replan_text(replans[1], "").startswith(
+        "step 41: background compile done for the step 33 resihp verdict: device(s) [5]")
 
 
 def test_missed_slowdown_is_loud_and_false_alarms_count() -> None:

@@ -121,8 +121,11 @@ def replan_text(r: ReplanPoint, reason: str) -> str:
     program = _PROGRAM_TEXT.get(r.switch_kind, r.switch_kind)
     action = (f"re-plan {r.old_plan} -> {r.new_plan} in {r.switch_s:.1f} s{how}; {program}"
               if r.changed else f"plan kept: {r.old_plan}")
-    return f"step {r.step}: {r.detector} verdict: device(s) {list(r.devices)} {what}\n" \
-           f"    {action}\n    why: {reason}"
+    verdict = f"{r.detector} verdict: device(s) {list(r.devices)} {what}"
+    # a switch that waited for its program to compile happens steps after its verdict
+    head = (f"step {r.at + 1}: background compile done for the step {r.step} {verdict}"
+            if r.at > r.step else f"step {r.step}: {verdict}")
+    return f"{head}\n    {action}\n    why: {reason}"
 
 
 def _refuse_stuck(replans: list[ReplanPoint]) -> None:

@@ -164,6 +164,7 @@ def test_a_non_finite_loss_stops_naming_the_step_and_the_last_checkpoint(
     (["--checkpoint-dir", "{tmp}/file"], "exists and is not a directory"),
     (["--checkpoint-dir", "{tmp}/c", "--checkpoint-every", "0"], "--checkpoint-every=0"),
     (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--no-background-compile"], "--no-background-compile needs --adapt"),
     (["--checkpoint-dir", "{tmp}/held"], "already holds checkpoints \\(steps 5\\); pass --resume"),
 ])
 def test_bad_arguments_get_one_clear_error(tmp_path: Path, argv: list[str], message: str,

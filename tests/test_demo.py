@@ -3,6 +3,7 @@ the progress output handle every combination of faults and outcomes; one short r
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -137,10 +138,14 @@ def test_summary_of_a_slowdown_and_a_stop() -> None:
 
 
 def test_a_switch_finished_after_a_background_compile_is_no_false_verdict() -> None:
-    points = _points([A] * 33 + [B] * 7 + [C] * 24, slow_from=32)
+    # the interim split B runs at half the healthy rate, the compiled mesh C at the full rate
+    points = [dataclasses.replace(p, step_time_s=0.2) if p.plan == B else p
+              for p in _points([A] * 33 + [B] * 7 + [C] * 24, slow_from=32)]
     replans = [_replan(33, 33, "compute", (5,), A, B), _replan(40, 33, "compute", (5,), B, C)]
     outcomes = match_faults([SlowSpec(5, 3.0, 32)], points, replans)
     assert outcomes[0].status == "detected" and wrong_verdicts(outcomes, replans) == []
+    # 'after' is the rate the run settled on (C), not the interim split's
+    assert outcomes[0].after == pytest.approx(10_000)
     assert wrong_verdicts(outcomes, replans + [_replan(50, 50, "link", (6,), C, C)]) != []
     # the log names the step the switch happened at, and the verdict it acts on
     assert replan_text(replans[0], "").startswith("step 33: resihp verdict: device(s) [5]")

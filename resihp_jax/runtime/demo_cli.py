@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compile, in the background while training, the programs of up to N plans the "
              "scheduler would pick after a likely next fault, so switching to one compiles "
              "nothing (default 4; 0: off)")
+    add("--no-background-compile", action="store_true",
+        help="when a slow device calls for a new mesh, stall and compile it at once (default: "
+             "train a split of the current mesh while it compiles in the background)")
     add_compile_cache_arguments(parser)
 
 

@@ -45,7 +45,8 @@ def run_demo(setup: Setup, args: argparse.Namespace, data: BatchIterator, out: T
         injector.kill(setup.kill.device, at_step=setup.kill.step)
     config = ResilienceConfig(checkpoint_dir=args.checkpoint_dir,
                               checkpoint_interval=CHECKPOINT_INTERVAL,
-                              precompile=args.precompile, compile_cache_dir=setup.compile_cache)
+                              precompile=args.precompile, compile_cache_dir=setup.compile_cache,
+                              background_compile=not args.no_background_compile)
     trainer = ResilientTrainer(setup.model, TrainConfig(), setup.plan, devices, data, config,
                                fault_hook=injector)
     faults = "; ".join(f.describe() for f in setup.faults) or "none (a healthy run)"

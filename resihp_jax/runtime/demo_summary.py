@@ -114,7 +114,8 @@ def match_faults(faults: list[Fault], points: list[StepPoint],
             continue
         prev = max([b for b in bounds if b < start], default=0)
         before = _steady_rate(points, prev, start)
-        status, degraded, after = _judged(fault, replan, points, start, bounds)
+        status, degraded, after = _judged(fault, replan, _settled_at(replan, replans), points,
+                                          start, bounds)
         if status == "missed" and any(r.kind == "stopped" and fault.device in r.devices
                                       for r in replans):
             status = "stopped first"  # the device failed for good before it was found slow
@@ -122,17 +123,26 @@ def match_faults(faults: list[Fault], points: list[StepPoint],
     return out
 
 
-def _judged(fault: Fault, replan: ReplanPoint | None, points: list[StepPoint], start: int,
-            bounds: list[int]) -> tuple[str, float | None, float | None]:
+def _settled_at(replan: ReplanPoint | None, replans: list[ReplanPoint]) -> int:
+    """Where the run settled after this verdict: its last re-plan (a switch that waited for
+    a background compile comes after the interim split)."""
+    if replan is None:
+        return 0
+    return max(r.at for r in replans if _verdict_of(r) == _verdict_of(replan))
+
+
+def _judged(fault: Fault, replan: ReplanPoint | None, settled_at: int, points: list[StepPoint],
+            start: int, bounds: list[int]) -> tuple[str, float | None, float | None]:
     plan_at_onset = points[min(start, len(points) - 1)].plan if points else ""
     if replan is None:
         in_plan = not points or fault.device in _plan_devices(plan_at_onset)
         degraded = _rate(points, start, len(points)) if isinstance(fault, SlowSpec) else None
         return ("missed" if in_plan else "no effect"), degraded, None
-    end = next(b for b in bounds if b > replan.at) if replan.at < len(points) else replan.at
+    end = next(b for b in bounds if b > settled_at) if settled_at < len(points) else settled_at
+    after = _steady_rate(points, settled_at, end)
     if isinstance(fault, KillSpec):
-        return "detected", 0.0, _steady_rate(points, replan.at, end)
-    return "detected", _rate(points, start, replan.at), _steady_rate(points, replan.at, end)
+        return "detected", 0.0, after
+    return "detected", _rate(points, start, replan.at), after
 
 
 def _rate(points: list[StepPoint], lo: int, hi: int) -> float | None:

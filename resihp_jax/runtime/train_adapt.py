@@ -50,7 +50,7 @@ class AdaptRun:
             step_timeout_s=ladder.startup_s, hang_factor=ladder.factor,
             hang_floor_s=ladder.floor_s, checkpoint_dir=args.checkpoint_dir,
             checkpoint_interval=args.checkpoint_every or 10, precompile=args.precompile,
-            compile_cache_dir=cache)
+            compile_cache_dir=cache, background_compile=not args.no_background_compile)
         t0 = time.perf_counter()
         self.trainer = ResilientTrainer(model, train_cfg, plan, jax.devices(), data, config,
                                         on_long_work=self._long_work)

@@ -29,6 +29,9 @@ def check_train_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--precompile={args.precompile}: must be >= 0")
     if args.precompile and not args.adapt:
         raise ConfigError("--precompile needs --adapt (only an adapting run switches plans)")
+    if args.no_background_compile and not args.adapt:
+        raise ConfigError("--no-background-compile needs --adapt (only an adapting run "
+                          "switches plans)")
     check_output_file(args.metrics, "--metrics")
     if args.checkpoint_dir is None:
         return

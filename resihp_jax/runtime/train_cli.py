@@ -88,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precompile", type=int, default=0,
                         help="with --adapt: compile this many likely next plans in the "
                              "background (default 0; worth it on hosts with spare cores)")
+    parser.add_argument("--no-background-compile", action="store_true",
+                        help="with --adapt: when a slow device calls for a new mesh, stall and "
+                             "compile it at once (default: train a split of the current mesh "
+                             "while it compiles in the background)")
     parser.add_argument("--hang-floor-s", type=float, default=10.0,
                         help="a step counts as hung after 3x its predicted healthy time, but "
                              "never before this many seconds (default 10)")

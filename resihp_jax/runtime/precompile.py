@@ -64,8 +64,8 @@ class Precompiler:
         """Run `propose` (e.g. the scheduler over likely faults) in the background too, then
         prepare what it returns."""
         future = self._pool.submit(lambda: self.prepare(propose()))
-        with self._lock:
-            self._proposals.append(future)
+        with self._lock:  # finished proposals have queued their work: forget them
+            self._proposals = [f for f in self._proposals if not f.done()] + [future]
         return future
 
     def ready(self) -> frozenset[tuple]:

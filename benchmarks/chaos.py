@@ -39,7 +39,6 @@ import io
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from resihp_jax.errors import ConfigError  # noqa: E402
 from resihp_jax.runtime.launch import Fault, LaunchConfig, Supervisor  # noqa: E402
+from train_subprocess import read_records, run_train  # noqa: E402
 
 PROCS, PER_PROC = 4, 2
 CHECKPOINT_EVERY = 10
@@ -108,23 +108,14 @@ def _train_args(steps: int, seed: int) -> list[str]:
             "--no-progress"]
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def reference(root: Path, steps: int, seed: int, copies: str,
               plan: str = "dp=2,pp=2,tp=2") -> list[dict]:
     """The uninterrupted run in one process, with survivor copies `copies`."""
     name = f"reference-{copies}-{plan.replace(',', '_').replace('=', '')}"
-    metrics = root / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "resihp_jax.cli", "train", *_train_args(steps, seed),
-           "--plan", plan, "--metrics", str(metrics), "--checkpoint-dir",
-           str(root / name), "--checkpoint-every", "1000", "--survivor-copies", copies]
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"reference run failed:\n{done.stdout}\n{done.stderr}")
-    return _records(metrics)
+    train = [*_train_args(steps, seed), "--plan", plan, "--checkpoint-dir", str(root / name),
+             "--checkpoint-every", "1000", "--survivor-copies", copies]
+    return run_train(train, root / f"{name}.jsonl",
+                     env={"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
 
 
 def steady_s(records: list[dict], first_steps: set[int] = frozenset({1})) -> float:
@@ -149,7 +140,7 @@ def chaos(root: Path, faults: list[Fault], steps: int, seed: int, readmit: int |
     except ConfigError as err:
         error = str(err)
     wall = time.perf_counter() - t0
-    return {"summary": supervisor.summary, "records": _records(metrics) if metrics.exists()
+    return {"summary": supervisor.summary, "records": read_records(metrics) if metrics.exists()
             else [], "wall_s": wall, "error": error, "log": log.getvalue()}
 
 

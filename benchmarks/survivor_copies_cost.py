@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,25 +26,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from resihp_jax.model.config import PRESETS  # noqa: E402
+from train_subprocess import run_train  # noqa: E402
 
 MODES = ("off", "keep", "host")
 
 
 def _run(root: Path, name: str, mode: str, args: argparse.Namespace) -> list[dict]:
-    metrics = root / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "resihp_jax.cli", "train", "--model", args.model,
-           "--plan", args.plan, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
-           "--microbatch-size", str(args.microbatch_size), "--data", "synthetic:lognormal",
-           "--metrics", str(metrics), "--checkpoint-dir", str(root / name),
-           "--checkpoint-every", "100000", "--survivor-copies", mode, "--no-progress",
-           "--no-compile-cache"]
+    train = ["--model", args.model, "--plan", args.plan, "--steps", str(args.steps),
+             "--seq-len", str(args.seq_len), "--microbatch-size", str(args.microbatch_size),
+             "--data", "synthetic:lognormal", "--checkpoint-dir", str(root / name),
+             "--checkpoint-every", "100000", "--survivor-copies", mode, "--no-progress",
+             "--no-compile-cache"]
     if args.dtype:
-        cmd += ["--dtype", args.dtype]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        train += ["--dtype", args.dtype]
+    return run_train(train, root / f"{name}.jsonl")
 
 
 def _step_costs(records: list[dict]) -> list[float]:

@@ -1,8 +1,9 @@
 """Step-time check for `benchmarks/cluster.py`: the simulator's predictions against real runs.
 
 Real train steps of the `tiny` model on 8 fake CPU devices (synthetic lognormal documents):
-the cost model is fitted the way our detector fits it (`OnlineCostModel` on healthy steps of
-the starting plan, with per-stage times), then asked for the step time of each exact batch
+the cost model is fitted the way our detector fits it (`OnlineCostModel` on the step times of
+healthy steps of the starting plan; per-stage times are not fitted, as the detector's
+`fit_stage_times` default has it), then asked for the step time of each exact batch
 under (a) the starting plan, (b) the plan our scheduler picks when a device is dead (a new
 mesh the model never saw), (c) the starting plan with one device injected 3x slower
 (`FaultInjector`, the sleep detection.py uses), (d) the re-plan again after its first 4
@@ -77,8 +78,7 @@ def step_time_check(fit_steps: int, test_steps: int, seed: int = 0) -> list[dict
     model = OnlineCostModel(cfg, window=128)
     fit = _steps(start, cfg, FaultInjector(start), fit_steps + test_steps, seed)
     for obs in fit[:fit_steps]:
-        model.observe(obs.plan, obs.mb_tokens, obs.mb_sum_l2, obs.step_time_s,
-                      obs.stage_times_s)
+        model.observe(obs.plan, obs.mb_tokens, obs.mb_sum_l2, obs.step_time_s)
     model.refit()
     ctx = PlanningContext.for_plan(start, cfg, model.params, 80e9, pool=range(8))
     replan = resihp(start, Health(dead={DEAD}), ctx).plan

@@ -116,9 +116,10 @@ def _points(plans: list[str], slow_from: int | None = None, step_s: float = 0.1,
 
 
 def _replan(at: int, step: int, kind: str, devices: tuple[int, ...], old: str, new: str,
-            restored: int | None = None) -> ReplanPoint:
+            restored: int | None = None, switch_step: int | None = None) -> ReplanPoint:
     return ReplanPoint(at, step, "failstop" if kind == "stopped" else "resihp", devices, kind,
-                       3.1 if kind != "stopped" else float("inf"), old, new, restored, 0.5)
+                       3.1 if kind != "stopped" else float("inf"), old, new, restored, 0.5,
+                       switch_step=step if switch_step is None else switch_step)
 
 
 def test_summary_of_a_slowdown_and_a_stop() -> None:
@@ -141,7 +142,8 @@ def test_a_switch_finished_after_a_background_compile_is_no_false_verdict() -> N
     # the interim split B runs at half the healthy rate, the compiled mesh C at the full rate
     points = [dataclasses.replace(p, step_time_s=0.2) if p.plan == B else p
               for p in _points([A] * 33 + [B] * 7 + [C] * 24, slow_from=32)]
-    replans = [_replan(33, 33, "compute", (5,), A, B), _replan(40, 33, "compute", (5,), B, C)]
+    replans = [_replan(33, 33, "compute", (5,), A, B),
+               _replan(40, 33, "compute", (5,), B, C, switch_step=40)]
     outcomes = match_faults([SlowSpec(5, 3.0, 32)], points, replans)
     assert outcomes[0].status == "detected" and wrong_verdicts(outcomes, replans) == []
     # 'after' is the rate the run settled on (C), not the interim split's
@@ -149,6 +151,8 @@ def test_a_switch_finished_after_a_background_compile_is_no_false_verdict() -> N
     assert wrong_verdicts(outcomes, replans + [_replan(50, 50, "link", (6,), C, C)]) != []
     # the log names the step the switch happened at, and the verdict it acts on
     assert replan_text(replans[0], "").startswith("step 33: resihp verdict: device(s) [5]")
+    # positions past the step number (steps re-run after a restore) are no background switch
+    assert replan_text(dataclasses.replace(replans[0], at=39), "").startswith("step 33: ")
     assert replan_text(replans[1], "").startswith(
         "step 41: background compile done for the step 33 resihp verdict: device(s) [5]")
 

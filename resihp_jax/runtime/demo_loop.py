@@ -106,7 +106,7 @@ def replan_point(item: Any, at: int) -> ReplanPoint:
                                                      item.old_plan.device_ids),
                        plan_label(item.new_plan.describe(), item.new_plan.device_ids),
                        item.restored_from_step, float(item.switch_s), item.kind,
-                       int(item.compiles))
+                       int(item.compiles), int(item.step))
 
 
 _PROGRAM_TEXT = {"split_only": "same compiled program (new split only)",
@@ -124,8 +124,8 @@ def replan_text(r: ReplanPoint, reason: str) -> str:
               if r.changed else f"plan kept: {r.old_plan}")
     verdict = f"{r.detector} verdict: device(s) {list(r.devices)} {what}"
     # a switch that waited for its program to compile happens steps after its verdict
-    head = (f"step {r.at + 1}: background compile done for the step {r.step} {verdict}"
-            if r.at > r.step else f"step {r.step}: {verdict}")
+    head = (f"step {r.switch_step + 1}: background compile done for the step {r.step} "
+            f"{verdict}" if r.switch_step > r.step else f"step {r.step}: {verdict}")
     return f"{head}\n    {action}\n    why: {reason}"
 
 

@@ -44,6 +44,9 @@ class ReplanPoint:
     switch_s: float
     switch_kind: str = ""  # split_only | mesh_warm | mesh_cold (see Replan.kind)
     compiles: int = 0  # executables built on the training thread by the switch
+    # steps done when the switch happened: after the verdict's step when it waited for its
+    # program to compile in the background (Replan.step)
+    switch_step: int = 0
 
     @property
     def changed(self) -> bool:

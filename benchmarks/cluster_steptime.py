@@ -39,7 +39,7 @@ def _runner(plan: Any, cfg: Any, injector: Any, seed: int) -> Any:
     return program, timer, program.init_state(seed)
 
 
-def _steps(plan: Any, cfg: Any, injector: Any, n: int, seed: int) -> list[Any]:
+def timed_steps(plan: Any, cfg: Any, injector: Any, n: int, seed: int) -> list[Any]:
     """n timed steps (after 2 warm-up steps) as StepObservations."""
     from resihp_jax.data import BatchIterator
     from resihp_jax.detector import StepObservation
@@ -63,11 +63,23 @@ def _steps(plan: Any, cfg: Any, injector: Any, n: int, seed: int) -> list[Any]:
     return out
 
 
+def fit_as_detector(cfg: Any, observations: list[Any]) -> Any:
+    """An OnlineCostModel fitted on these steps' step times, as the detector fits it (its
+    `fit_stage_times` default leaves per-stage times out)."""
+    from resihp_jax.perfmodel import OnlineCostModel
+
+    model = OnlineCostModel(cfg, window=max(128, len(observations)))
+    for obs in observations:
+        model.observe(obs.plan, obs.mb_tokens, obs.mb_sum_l2, obs.step_time_s)
+    model.refit()
+    return model
+
+
 def step_time_check(fit_steps: int, test_steps: int, seed: int = 0) -> list[dict[str, Any]]:
     """Rows of (case, plan, measured ms, predicted ms, error)."""
     from resihp_jax.meshes.plan import Plan
     from resihp_jax.model.config import get_model_config
-    from resihp_jax.perfmodel import Health, OnlineCostModel
+    from resihp_jax.perfmodel import Health
     from resihp_jax.runtime.faults import FaultInjector
     from resihp_jax.scheduler.context import PlanningContext
     from resihp_jax.scheduler.ours import resihp
@@ -75,19 +87,16 @@ def step_time_check(fit_steps: int, test_steps: int, seed: int = 0) -> list[dict
     cfg = get_model_config("tiny")
     start = Plan.uniform(2, 2, 2, n_layers=cfg.n_layers, n_microbatches=4, microbatch_size=1,
                          seq_len=512)
-    model = OnlineCostModel(cfg, window=128)
-    fit = _steps(start, cfg, FaultInjector(start), fit_steps + test_steps, seed)
-    for obs in fit[:fit_steps]:
-        model.observe(obs.plan, obs.mb_tokens, obs.mb_sum_l2, obs.step_time_s)
-    model.refit()
+    fit = timed_steps(start, cfg, FaultInjector(start), fit_steps + test_steps, seed)
+    model = fit_as_detector(cfg, fit[:fit_steps])
     ctx = PlanningContext.for_plan(start, cfg, model.params, 80e9, pool=range(8))
     replan = resihp(start, Health(dead={DEAD}), ctx).plan
     slow = FaultInjector(start)
     slow.slow(SLOW, FACTOR, 0)
-    replan_obs = _steps(replan, cfg, FaultInjector(replan), test_steps + ADAPT, seed + 1)
+    replan_obs = timed_steps(replan, cfg, FaultInjector(replan), test_steps + ADAPT, seed + 1)
     cases = [("healthy", start, fit[fit_steps:], None),
              (f"re-plan, device {DEAD} dead (unseen mesh)", replan, replan_obs[ADAPT:], None),
-             (f"device {SLOW} {FACTOR:g}x slow", start, _steps(start, cfg, slow, test_steps,
+             (f"device {SLOW} {FACTOR:g}x slow", start, timed_steps(start, cfg, slow, test_steps,
                                                                seed + 2),
               Health(compute={SLOW: 1.0 / FACTOR}))]
     rows = [_row(model, *case) for case in cases]

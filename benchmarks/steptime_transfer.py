@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster_steptime import _steps  # noqa: E402
+from cluster_steptime import fit_as_detector, timed_steps  # noqa: E402
 from resihp_jax.detector.ours import WARMUP_STEPS  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.model.config import get_model_config  # noqa: E402
@@ -40,14 +40,6 @@ START = (2, 2, 2)
 QUICK = (START, (4, 1, 1), (2, 1, 1), (1, 1, 2), (2, 2, 1), (1, 4, 1))
 FULL = QUICK + ((1, 1, 1), (4, 1, 2), (2, 1, 2), (4, 2, 1), (1, 2, 1), (1, 1, 4), (2, 1, 4),
                 (1, 2, 2), (1, 4, 2))
-
-
-def _fit(cfg: Any, observations: list[Any]) -> OnlineCostModel:
-    model = OnlineCostModel(cfg, window=max(len(observations), 8))
-    for o in observations:
-        model.observe(o.plan, o.mb_tokens, o.mb_sum_l2, o.step_time_s)
-    model.refit()
-    return model
 
 
 def _mean_pred(model: OnlineCostModel, observed: list[Any]) -> float:
@@ -68,19 +60,20 @@ def main() -> int:
         plan = Plan.uniform(*shape, n_layers=cfg.n_layers, n_microbatches=4, microbatch_size=1,
                             seq_len=512)
         n = WARMUP_STEPS + steps if shape == START else steps
-        runs[shape] = _steps(plan, cfg, FaultInjector(plan), n, seed=1)
+        runs[shape] = timed_steps(plan, cfg, FaultInjector(plan), n, seed=1)
         print(f"[{i + 1}/{len(shapes)}] dp={shape[0]},pp={shape[1]},tp={shape[2]} measured",
               file=sys.stderr, flush=True)
-    start_fit = _fit(cfg, runs[START][:WARMUP_STEPS])
+    start_fit = fit_as_detector(cfg, runs[START][:WARMUP_STEPS])
     rows = []
     for shape, observed in runs.items():
         test = observed[WARMUP_STEPS:] if shape == START else observed
         others = [o for s, obs in runs.items() if s != shape for o in obs[:steps]]
         measured = float(np.mean([o.step_time_s for o in test]))
+        loo_fit = fit_as_detector(cfg, others)
         rows.append({"mesh": "dp={},pp={},tp={}".format(*shape),
                      "measured_ms": round(1e3 * measured, 1),
                      "from_start": round(_mean_pred(start_fit, test) / measured, 3),
-                     "leave_one_out": round(_mean_pred(_fit(cfg, others), test) / measured, 3)})
+                     "leave_one_out": round(_mean_pred(loo_fit, test) / measured, 3)})
     print("step time of each mesh (tiny, 8 fake CPU devices on 2 cores; no faults): measured, "
           "and predicted / measured for a cost model fitted on dp=2,pp=2,tp=2 only and on every "
           "other mesh (leave one out)")

@@ -377,6 +377,12 @@ def test_fit_detects_contention_of_shared_cores() -> None:
     errors = _stream(fit, 100, 2, shared_cores)
     assert fit.uses_contention
     assert np.mean(errors[-50:]) < 0.02
+    # a device 2x slower takes twice its contended time (its share of the shared cores too,
+    # as the fault injector's sleep does): on one device, all but the fixed 0.05 s doubles
+    one = Plan.uniform(1, 1, 1, n_layers=8, n_microbatches=4, microbatch_size=2, seq_len=256)
+    tok, l2 = random_batch(one, np.random.default_rng(9))
+    slow = fit.predict(one, tok, l2, Health(compute={0: 0.5}))
+    assert slow == pytest.approx(2.0 * fit.predict(one, tok, l2) - 0.05, rel=0.03)
 
 
 def test_fit_stage_times_and_bad_inputs() -> None:

@@ -129,7 +129,28 @@ class OnlineCostModel:
             return sim.step_time_s
         data = group_data(plan, mb_tokens, mb_sum_l2, mb_slots)
         tok_N, l2_N = _global(data.tokens_GxM, data), _global(data.sum_l2_GxM, data)
-        return sim.step_time_s + float(features.total_units(plan, tok_N, l2_N) @ coef[N_PATH:])
+        shared_s = float(features.total_units(plan, tok_N, l2_N) @ coef[N_PATH:])
+        if health is None:
+            return sim.step_time_s + shared_s
+        return sim.step_time_s + shared_s * self._stretch(plan, tok_N, l2_N, mb_slots,
+                                                          sim.step_time_s)
+
+    def _stretch(self, plan: Plan, tok_N: np.ndarray, l2_N: np.ndarray, mb_slots: int | None,
+                 degraded_s: float) -> float:
+        """How much more device work the degraded critical path holds than the healthy one.
+        Shared cores stretch each device's work (a slow device's too: one f times slower
+        takes f times its *contended* time, which is what the fault injector's sleep adds),
+        so the contention share grows with the path's work; fixed per-tick and per-step
+        costs are outside any device's work and do not stretch."""
+        coef = self._fit.coef  # type: ignore[union-attr]
+        healthy = simulate_step(plan, self._model_for(plan), self._costs(coef[:N_PATH]),
+                                mb_tokens=tok_N, mb_sum_l2=l2_N, schedule=self.schedule,
+                                remat=self.remat, mb_slots=mb_slots)
+        units = features.path_units(healthy, plan, tok_N, l2_N, self.bwd_ratio, self.remat,
+                                    self.schedule)
+        fixed_s = float(units[4:] @ coef[4:N_PATH])
+        work_s = healthy.step_time_s - fixed_s
+        return (degraded_s - fixed_s) / work_s if work_s > 0 else 1.0
 
     def refit(self) -> None:
         """Re-estimate from the window: alternate critical paths and robust least squares."""

@@ -22,7 +22,7 @@ from resihp_jax.perfmodel import features
 from resihp_jax.perfmodel.costs import CostParams
 from resihp_jax.perfmodel.health import Health
 from resihp_jax.perfmodel.robust import RobustFit, robust_relative_fit
-from resihp_jax.perfmodel.simulator import check_schedule, simulate_step
+from resihp_jax.perfmodel.simulator import StepSim, check_schedule, simulate_step
 from resihp_jax.perfmodel.work import GroupData, group_data
 
 MODES = ("auto", "pipeline", "contention")
@@ -121,36 +121,31 @@ class OnlineCostModel:
         """Predicted step time of this exact batch under this plan (and health)."""
         self._require_fit()
         coef = self._fit.coef  # type: ignore[union-attr]
-        sim = simulate_step(plan, self._model_for(plan), self._costs(coef[:N_PATH]),
-                            mb_tokens=mb_tokens, mb_sum_l2=mb_sum_l2, health=health,
-                            schedule=self.schedule, remat=self.remat, mb_slots=mb_slots,
-                            trace=False)
+        costs = self._costs(coef[:N_PATH])
+        step_s = self._simulate(plan, costs, mb_tokens, mb_sum_l2, mb_slots, health).step_time_s
         if not self._uses_contention:
-            return sim.step_time_s
+            return step_s
         data = group_data(plan, mb_tokens, mb_sum_l2, mb_slots)
         tok_N, l2_N = _global(data.tokens_GxM, data), _global(data.sum_l2_GxM, data)
         shared_s = float(features.total_units(plan, tok_N, l2_N) @ coef[N_PATH:])
         if health is None:
-            return sim.step_time_s + shared_s
-        return sim.step_time_s + shared_s * self._stretch(plan, tok_N, l2_N, mb_slots,
-                                                          sim.step_time_s)
+            return step_s + shared_s
+        # Shared cores stretch each device's work, a slow device's too: one f times slower
+        # takes f times its *contended* time (what the fault injector's sleep adds). So the
+        # contention share grows as the path's device work does; only the per-step cost is
+        # outside every device's work.
+        fixed_s = float(coef[N_PATH - 1])  # step_overhead
+        work_s = self._simulate(plan, costs, tok_N, l2_N, mb_slots).step_time_s - fixed_s
+        return step_s + shared_s * ((step_s - fixed_s) / work_s if work_s > 0 else 1.0)
 
-    def _stretch(self, plan: Plan, tok_N: np.ndarray, l2_N: np.ndarray, mb_slots: int | None,
-                 degraded_s: float) -> float:
-        """How much more device work the degraded critical path holds than the healthy one.
-        Shared cores stretch each device's work (a slow device's too: one f times slower
-        takes f times its *contended* time, which is what the fault injector's sleep adds),
-        so the contention share grows with the path's work; fixed per-tick and per-step
-        costs are outside any device's work and do not stretch."""
-        coef = self._fit.coef  # type: ignore[union-attr]
-        healthy = simulate_step(plan, self._model_for(plan), self._costs(coef[:N_PATH]),
-                                mb_tokens=tok_N, mb_sum_l2=l2_N, schedule=self.schedule,
-                                remat=self.remat, mb_slots=mb_slots)
-        units = features.path_units(healthy, plan, tok_N, l2_N, self.bwd_ratio, self.remat,
-                                    self.schedule)
-        fixed_s = float(units[4:] @ coef[4:N_PATH])
-        work_s = healthy.step_time_s - fixed_s
-        return (degraded_s - fixed_s) / work_s if work_s > 0 else 1.0
+    def _simulate(self, plan: Plan, costs: CostParams, tokens: np.ndarray | None,
+                  sum_l2: np.ndarray | None, mb_slots: int | None,
+                  health: Health | None = None, trace: bool = False) -> StepSim:
+        """The pipeline simulation of one step under these costs."""
+        return simulate_step(plan, self._model_for(plan), costs,
+                             mb_tokens=tokens, mb_sum_l2=sum_l2, health=health,
+                             schedule=self.schedule, remat=self.remat, mb_slots=mb_slots,
+                             trace=trace)
 
     def refit(self) -> None:
         """Re-estimate from the window: alternate critical paths and robust least squares."""
@@ -210,9 +205,8 @@ class OnlineCostModel:
         for obs in self._obs:
             if obs.path_version == self._version:
                 continue
-            sim = simulate_step(obs.plan, self._model_for(obs.plan), costs,
-                                mb_tokens=obs.tokens_N, mb_sum_l2=obs.sum_l2_N,
-                                schedule=self.schedule, remat=self.remat, mb_slots=obs.mb_slots)
+            sim = self._simulate(obs.plan, costs, obs.tokens_N, obs.sum_l2_N, obs.mb_slots,
+                                 trace=True)
             obs.path_x = features.path_units(sim, obs.plan, obs.tokens_N, obs.sum_l2_N,
                                              self.bwd_ratio, self.remat, self.schedule)
             obs.path_version = self._version

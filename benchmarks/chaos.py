@@ -49,7 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from resihp_jax.errors import ConfigError  # noqa: E402
-from resihp_jax.runtime.launch import Fault, LaunchConfig, Supervisor  # noqa: E402
+from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor  # noqa: E402
 from train_subprocess import read_records, run_train  # noqa: E402
 
 PROCS, PER_PROC = 4, 2

@@ -25,8 +25,8 @@ ADAPT = 4  # steps observed on the new plan before the 'after' row
 def _runner(plan: Any, cfg: Any, injector: Any, seed: int) -> Any:
     import jax
 
-    from resihp_jax.runtime.faults import chain_hosts
-    from resihp_jax.runtime.timing import StageTimer
+    from resihp_jax.train.instrument import chain_hosts
+    from resihp_jax.runtime.trainer.timing import StageTimer
     from resihp_jax.train.config import TrainConfig
     from resihp_jax.train.instrument import Instrument
     from resihp_jax.train.step import build_step
@@ -44,8 +44,8 @@ def timed_steps(plan: Any, cfg: Any, injector: Any, n: int, seed: int) -> list[A
     from resihp_jax.data import BatchIterator
     from resihp_jax.detector import StepObservation
     from resihp_jax.detector.attention_work import mb_block_pair_l2
-    from resihp_jax.runtime.loop import device_batch
-    from resihp_jax.runtime.timing import timed_step
+    from resihp_jax.runtime.trainer.loop import device_batch
+    from resihp_jax.runtime.trainer.timing import timed_step
 
     program, timer, state = _runner(plan, cfg, injector, seed)
     data = BatchIterator("synthetic:lognormal", n_microbatches=plan.n_microbatches,
@@ -80,7 +80,7 @@ def step_time_check(fit_steps: int, test_steps: int, seed: int = 0) -> list[dict
     from resihp_jax.meshes.plan import Plan
     from resihp_jax.model.config import get_model_config
     from resihp_jax.perfmodel import Health
-    from resihp_jax.runtime.faults import FaultInjector
+    from resihp_jax.faults.injector import FaultInjector
     from resihp_jax.scheduler.context import PlanningContext
     from resihp_jax.scheduler.ours import resihp
 

@@ -39,10 +39,11 @@ from resihp_jax.detector import Prober, StepObservation, make_detector  # noqa: 
 from resihp_jax.detector.attention_work import mb_block_pair_l2  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.model.config import get_model_config  # noqa: E402
-from resihp_jax.runtime.faults import FaultInjector, chain_hosts  # noqa: E402
+from resihp_jax.faults.injector import FaultInjector  # noqa: E402
+from resihp_jax.train.instrument import chain_hosts  # noqa: E402
 from resihp_jax.sim.measured import SMALL_STEP_EXCESS  # noqa: E402
-from resihp_jax.runtime.loop import device_batch  # noqa: E402
-from resihp_jax.runtime.timing import StageTimer, timed_step  # noqa: E402
+from resihp_jax.runtime.trainer.loop import device_batch  # noqa: E402
+from resihp_jax.runtime.trainer.timing import StageTimer, timed_step  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
 from resihp_jax.train.instrument import Instrument  # noqa: E402
 from resihp_jax.train.step import build_step  # noqa: E402

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from resihp_jax.runtime.launch import Fault, LaunchConfig, Supervisor  # noqa: E402
+from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor  # noqa: E402
 
 TARGETS = {"kill_detect_s": 5.0, "hang_floor_s": 10.0, "slow_gain": 1.3}
 # a CPU quota of 1/10 on one process: with 4 processes on 2 cores, the others take the

@@ -43,10 +43,10 @@ from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.detector import Verdict  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.model.config import get_model_config  # noqa: E402
-from resihp_jax.runtime.checkpoint import Checkpointer  # noqa: E402
-from resihp_jax.runtime.compiles import counting  # noqa: E402
-from resihp_jax.runtime.loop import StepRecord  # noqa: E402
-from resihp_jax.runtime.resilient import ResilienceConfig, ResilientTrainer  # noqa: E402
+from resihp_jax.runtime.recovery.checkpoint import Checkpointer  # noqa: E402
+from resihp_jax.runtime.trainer.compiles import counting  # noqa: E402
+from resihp_jax.runtime.trainer.loop import StepRecord  # noqa: E402
+from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer  # noqa: E402
 from resihp_jax.scheduler import run_policy  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
 

@@ -34,7 +34,7 @@ from resihp_jax.detector.ours import WARMUP_STEPS  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.model.config import get_model_config  # noqa: E402
 from resihp_jax.perfmodel import OnlineCostModel  # noqa: E402
-from resihp_jax.runtime.faults import FaultInjector  # noqa: E402
+from resihp_jax.faults.injector import FaultInjector  # noqa: E402
 
 START = (2, 2, 2)
 QUICK = (START, (4, 1, 1), (2, 1, 1), (1, 1, 2), (2, 2, 1), (1, 4, 1))

@@ -192,7 +192,7 @@ class Prober:
 def gathered_probe(result: ProbeResult, device_ids: tuple[int, ...]) -> ProbeResult:
     """`result` completed with every other process's devices: in a job of several processes
     each process's callbacks time only its own devices."""
-    from resihp_jax.runtime.agree import max_over_processes  # noqa: PLC0415
+    from resihp_jax.meshes.agree import max_over_processes  # noqa: PLC0415
 
     ids = list(device_ids)
     local = np.array([[result.compute_s.get(d, 0.0) for d in ids],

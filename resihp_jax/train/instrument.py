@@ -22,11 +22,16 @@ its (zero) result is added to the output, so XLA can neither drop nor reorder it
 from __future__ import annotations
 
 import time
-from typing import Callable, Hashable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Callable, Hashable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import io_callback
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from resihp_jax.meshes.plan import Plan
 
 FWD_START, FWD_END, BWD_START, BWD_END = 0, 1, 2, 3
 OFF = 0.0  # knob value: no host calls on this device for this step (unless it is slowed)
@@ -130,3 +135,28 @@ class RegionTimer:
 
     def clear(self) -> None:
         self._open.clear()
+
+
+class FaultHook(Protocol):
+    """What the trainer needs from a fault source: an Instrument host function, per-device
+    knobs for a step (raising for a dead device), and a view of the same
+    faults through another plan's mesh."""
+
+    def __call__(self, event: int, dp: int, pp: int, tp: int, knob: float, busy: bool,
+                 tick: int) -> None: ...
+
+    def knobs(self, step: int) -> np.ndarray: ...
+
+    def with_plan(self, plan: Plan) -> FaultHook: ...
+
+
+def chain_hosts(*hosts: Callable[..., None] | None) -> Callable[..., None]:
+    """One host function calling each given one in order (put the injector before timers, so
+    end-of-work timestamps include the injected delay)."""
+    live = tuple(h for h in hosts if h is not None)
+
+    def host(event: int, dp: int, pp: int, tp: int, knob: float, busy: bool, tick: int) -> None:
+        for fn in live:
+            fn(event, dp, pp, tp, knob, busy, tick)
+
+    return host

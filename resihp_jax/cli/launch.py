@@ -1,0 +1,103 @@
+"""`resihp launch`: N local processes of one training job, supervised and relaunched on the
+survivors when one dies or hangs (gloo collectives on CPU, loopback only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import TextIO
+
+from resihp_jax.cli.args import check_output_dir
+from resihp_jax.errors import ConfigError
+from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--procs", type=int, required=True, help="processes to start (N)")
+    parser.add_argument("--devices-per-proc", type=int, default=2,
+                        help="fake CPU devices per process (default 2)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="checkpoints, health record, heartbeats and logs (default: a new "
+                             "temporary directory)")
+    parser.add_argument("--kill", action="append", default=[], metavar="P@STEP",
+                        help="SIGKILL process P when the job reaches STEP (repeatable)")
+    parser.add_argument("--hang", action="append", default=[], metavar="P@STEP",
+                        help="SIGSTOP process P when the job reaches STEP (repeatable)")
+    parser.add_argument("--slow", action="append", default=[], metavar="P=FACTOR@STEP",
+                        help="from STEP, let process P run only 1/FACTOR of the time (a CPU "
+                             "quota enforced with SIGSTOP/SIGCONT; repeatable)")
+    parser.add_argument("--readmit-after", type=int, default=None, metavar="STEPS",
+                        help="an excluded process comes back (a repaired host) once the job "
+                             "is STEPS steps past its exclusion; the job restarts to take it "
+                             "in (default: never)")
+    parser.add_argument("--max-restarts", type=int, default=8,
+                        help="give up after this many relaunches (default 8)")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER,
+                        help="-- then the arguments of `resihp train` for every process")
+
+
+def parse_fault(kind: str, text: str) -> Fault:
+    pattern = r"(\d+)=([\d.]+)@(\d+)" if kind == "slow" else r"(\d+)@(\d+)"
+    match = re.fullmatch(pattern, text)
+    if not match:
+        example = "1=3.0@5" if kind == "slow" else "2@5"
+        raise ConfigError(f"--{kind}={text!r}: expected "
+                          f"{'P=FACTOR@STEP' if kind == 'slow' else 'P@STEP'}, e.g. {example}")
+    if kind == "slow":
+        factor = float(match.group(2))
+        if factor <= 1:
+            raise ConfigError(f"--slow={text!r}: FACTOR must be > 1")
+        return Fault(kind, int(match.group(1)), int(match.group(3)), factor)
+    return Fault(kind, int(match.group(1)), int(match.group(2)))
+
+
+def _train_args(raw: list[str]) -> tuple[str, ...]:
+    args = raw[1:] if raw[:1] == ["--"] else raw
+    for owned in ("--coordinator", "--num-processes", "--process-id", "--host-id",
+                  "--checkpoint-dir", "--devices"):
+        if owned in args:
+            raise ConfigError(f"train argument {owned} is set by resihp launch; remove it")
+    _check_parses(args)
+    return tuple(args)
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"train argument refused: {message}")
+
+
+def _check_parses(args: list[str]) -> None:
+    """Refuse train arguments `resihp train` would refuse, before any process starts: each
+    process would otherwise fail the same way, relaunch after relaunch."""
+    from resihp_jax.cli import train as train_cli  # noqa: PLC0415
+
+    parser = _RefusingParser(prog="resihp train")
+    train_cli.add_arguments(parser)
+    parser.parse_args(args)
+
+
+def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    faults = tuple(parse_fault(kind, text) for kind in ("kill", "hang", "slow")
+                   for text in getattr(args, kind))
+    check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
+    directory = Path(args.checkpoint_dir or tempfile.mkdtemp(prefix="resihp-launch-"))
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={args.max_restarts}: must be >= 0")
+    config = LaunchConfig(args.procs, args.devices_per_proc, directory.absolute(),
+                          _train_args(args.train_args), faults, args.max_restarts,
+                          readmit_after_steps=args.readmit_after)
+    print(f"resihp launch: {config.procs} processes x {config.devices_per_proc} devices, "
+          f"job directory {directory}", file=out)
+    summary = Supervisor(config, out=sys.stderr).run()
+    print(f"\n{'restarts':<14}{summary.restarts}\n{'steps lost':<14}{summary.steps_lost}\n"
+          f"{'final step':<14}{summary.final_step}", file=out)
+    for i, failure in enumerate(summary.failures):
+        print(f"failure {i + 1}: {failure.kind}, {failure.detail}", file=out)
+    for i, plan in enumerate(summary.plans):
+        print(f"incarnation {i}: {plan}", file=out)
+    print(json.dumps(summary.to_json()), file=out)
+    return 0

@@ -1,0 +1,59 @@
+"""`resihp train` argument checks that need no JAX: they run before any device starts.
+
+Every mistake a user can make on the command line (a number out of range, an output path
+that cannot be written, a checkpoint directory holding another run) is reported here as one
+ConfigError naming the flag, instead of surfacing minutes later as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from resihp_jax.cli.args import check_output_dir, check_output_file
+from resihp_jax.errors import ConfigError
+from resihp_jax.runtime.recovery.checkpoint_dir import steps_on_disk
+
+DEFAULT_CHECKPOINT_EVERY = 10
+
+
+def check_train_args(args: argparse.Namespace) -> None:
+    """ConfigError for the first invalid flag; creates `--checkpoint-dir` if missing."""
+    for name in ("steps", "microbatch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ConfigError(f"--lr={args.lr}: must be a finite number > 0")
+    _check_checkpoint_flags(args)
+    if args.precompile < 0:
+        raise ConfigError(f"--precompile={args.precompile}: must be >= 0")
+    if args.precompile and not args.adapt:
+        raise ConfigError("--precompile needs --adapt (only an adapting run switches plans)")
+    if args.no_background_compile and not args.adapt:
+        raise ConfigError("--no-background-compile needs --adapt (only an adapting run "
+                          "switches plans)")
+    check_output_file(args.metrics, "--metrics")
+    if args.checkpoint_dir is None:
+        return
+    steps = steps_on_disk(args.checkpoint_dir)
+    if steps and not args.resume:
+        raise ConfigError(
+            f"--checkpoint-dir={args.checkpoint_dir!r} already holds checkpoints (steps "
+            f"{', '.join(map(str, steps))}); pass --resume to continue that run, or choose an "
+            "empty directory")
+    check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
+
+
+def _check_checkpoint_flags(args: argparse.Namespace) -> None:
+    if args.checkpoint_dir is None:
+        for flag, value in (("--resume", args.resume or None),
+                            ("--checkpoint-every", args.checkpoint_every)):
+            if value is not None:
+                raise ConfigError(f"{flag} needs --checkpoint-dir DIR")
+        return
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise ConfigError(f"--checkpoint-every={args.checkpoint_every}: must be >= 1")
+
+
+def checkpoint_interval(args: argparse.Namespace) -> int:
+    return args.checkpoint_every or DEFAULT_CHECKPOINT_EVERY

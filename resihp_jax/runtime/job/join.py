@@ -1,0 +1,99 @@
+"""This process's place in its job, after joining it: which host each process is, which
+devices the job's health record leaves usable, and which it saw slow."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from resihp_jax.runtime.recovery import health_record
+from resihp_jax.runtime.job.deadline import Ladder
+from resihp_jax.runtime.job.distributed import JobSpec, initialize
+
+_HOST_BYTES = 64
+
+
+@dataclass(frozen=True)
+class Job:
+    spec: JobSpec
+    hosts: tuple[str, ...]  # host id of each JAX process index
+    record: health_record.HealthRecord = field(default_factory=health_record.HealthRecord)
+
+    @property
+    def process_index(self) -> int:
+        import jax  # noqa: PLC0415
+
+        return jax.process_index()
+
+    @property
+    def primary(self) -> bool:
+        return self.process_index == 0
+
+    def usable_devices(self) -> list:
+        """Every device of the job whose host the health record does not exclude."""
+        import jax  # noqa: PLC0415
+
+        return [d for d in jax.devices() if self.hosts[d.process_index] not in
+                self.record.excluded]
+
+    def excluded_here(self) -> list[str]:
+        return sorted(h for h in self.hosts if h in self.record.excluded)
+
+    def host_of(self, device_id: int) -> str:
+        import jax  # noqa: PLC0415
+
+        return self.hosts[next(d.process_index for d in jax.devices() if d.id == device_id)]
+
+    def record_slowdown(self, device_ids: tuple[int, ...], factor: float,
+                        checkpoint_dir: str | Path) -> None:
+        """Process 0 notes in the health record that these devices' hosts ran `factor`
+        slow, so the next incarnation plans for them from its first step."""
+        if not self.primary:
+            return
+        for device in device_ids:
+            host = self.host_of(device)
+            self.record.slow[host] = max(factor, self.record.slow.get(host, 1.0))
+        health_record.save(self.record, checkpoint_dir)
+
+    def record_exclusion(self, processes: tuple[int, ...], reason: str, step: int,
+                         checkpoint_dir: str | Path) -> None:
+        """Process 0 notes in the health record that these processes' hosts are excluded,
+        so the next incarnation (from `resihp launch`, SLURM or Kubernetes) starts without
+        them."""
+        if not self.primary:
+            return
+        for process in processes:
+            self.record.exclude(self.hosts[process], reason, step)
+        health_record.save(self.record, checkpoint_dir)
+
+    def slow_devices(self) -> dict[int, float]:
+        """{device id: slowdown} of devices on hosts the health record saw slow."""
+        import jax  # noqa: PLC0415
+
+        return {int(d.id): self.record.slow[self.hosts[d.process_index]]
+                for d in jax.devices() if self.hosts[d.process_index] in self.record.slow}
+
+
+def join(spec: JobSpec, ladder: Ladder, checkpoint_dir: str | Path | None) -> Job:
+    """Join the job (jax.distributed for several processes) and read its health record."""
+    initialize(spec, ladder.init_timeout_s, ladder.heartbeat_timeout_s)
+    record = (health_record.load(checkpoint_dir) if checkpoint_dir is not None
+              else health_record.HealthRecord())
+    return Job(spec, _all_hosts(spec.host_id), record)
+
+
+def _all_hosts(host: str) -> tuple[str, ...]:
+    """Every process's host id, in process-index order (one small all-gather)."""
+    import jax  # noqa: PLC0415
+
+    if jax.process_count() == 1:
+        return (host,)
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    mine = np.zeros(_HOST_BYTES, np.uint8)
+    raw = host.encode()[:_HOST_BYTES]
+    mine[:len(raw)] = np.frombuffer(raw, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(mine))
+    return tuple(bytes(row).rstrip(b"\0").decode() for row in rows.reshape(-1, _HOST_BYTES))

@@ -1,0 +1,401 @@
+"""The local supervisor behind `resihp launch`: start N processes of one multi-controller
+job, watch them, and do for a local job what a cluster's restart policy does for a real one.
+
+A process that exits is seen at the next poll. A hung one (alive, no progress) is caught
+when the job's step has not advanced within the deadline its processes publish (a multiple
+of the predicted healthy time of the step in flight, with a floor); the culprit is the
+process whose heartbeat went stale (frozen), the others being merely blocked in collectives.
+Either way every process is ended, the culprit's host is recorded as excluded in the job's
+health record, and the job is relaunched on the survivors, which restore the newest
+checkpoint into the plan the scheduler picks for them.
+
+Faults for testing (`Fault`): kill (SIGKILL), hang (SIGSTOP), slow (a CPU quota from
+outside, see `Throttle`), each when the job reaches a step. Time is injected (`clock`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, TextIO
+
+from resihp_jax.errors import ConfigError, HostsLeftOut
+from resihp_jax.runtime.job import distributed, heartbeat
+from resihp_jax.runtime.recovery import health_record
+from resihp_jax.faults.throttle import Throttle
+from resihp_jax.runtime.job.watchdog import HUNG_EXIT
+
+USER_ERROR = 2  # the exit code of a bad argument: nothing to restart
+PLANNED_EXITS = frozenset({HostsLeftOut.LEFT_OUT_EXIT, HostsLeftOut.REPLAN_EXIT})
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # kill | hang | slow
+    process: int  # index in the first incarnation (host id f"p{process}"), or see by_rank
+    step: int
+    factor: float = 1.0  # slow only
+    until: int | None = None  # slow only: the quota is lifted when the job reaches this step
+    by_rank: bool = False  # `process` is a rank in the incarnation running at `step`
+
+    def host_in(self, live: list[str]) -> str:
+        """The host this fault strikes among the running incarnation's `live` hosts."""
+        return live[self.process % len(live)] if self.by_rank else f"p{self.process}"
+
+    def describe(self) -> str:
+        who = f"rank {self.process}" if self.by_rank else f"process p{self.process}"
+        what = f"slow x{self.factor:g}" if self.kind == "slow" else self.kind
+        until = f" until step {self.until}" if self.until is not None else ""
+        return f"{what} {who} at step {self.step}{until}"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    procs: int
+    devices_per_proc: int
+    checkpoint_dir: Path
+    train_args: tuple[str, ...]
+    faults: tuple[Fault, ...] = ()
+    max_restarts: int = 8
+    startup_s: float = 600.0  # initialization, restore and first compile of an incarnation
+    stale_s: float = 2.0  # a heartbeat older than this: the process is frozen
+    poll_s: float = 0.05
+    # after a failure the others get SIGTERM and this long to write their copies of the
+    # last step (host_snapshot.py) before SIGKILL, as a cluster's grace period allows
+    grace_s: float = 60.0
+    # an excluded host returns (repaired) once the job is this many steps past its
+    # exclusion: the job restarts to take it in (a planned restart; None: never)
+    readmit_after_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.readmit_after_steps is not None and self.readmit_after_steps < 1:
+            raise ConfigError(f"--readmit-after={self.readmit_after_steps}: must be >= 1")
+        if self.procs < 1 or self.devices_per_proc < 1:
+            raise ConfigError(f"--procs={self.procs} and --devices-per-proc="
+                              f"{self.devices_per_proc}: both must be >= 1")
+        for fault in self.faults:
+            if fault.by_rank:
+                continue
+            if not 0 <= fault.process < self.procs:
+                raise ConfigError(f"--{fault.kind} names process {fault.process}; valid: 0.."
+                                  f"{self.procs - 1}")
+
+
+@dataclass
+class Failure:
+    kind: str  # died | hung | excluded (a re-plan left slow hosts out) | readmit
+    host: str | None  # the culprit, when known
+    step: int  # the job's last completed step when it was seen
+    detect_s: float | None  # from the injected fault to detection (None: not injected)
+    detail: str
+    exit_code: int | None = None  # the culprit's, when it exited
+    end_s: float = 0.0  # from detection until every process had ended (copies written)
+    hosts: tuple[str, ...] = ()  # every host to exclude, when several (else `host`)
+
+    def excluded(self) -> tuple[str, ...]:
+        """The hosts the relaunch runs without."""
+        return self.hosts or ((self.host,) if self.host is not None else ())
+
+
+@dataclass
+class Summary:
+    restarts: int = 0
+    steps_lost: int = 0
+    recovery_s: list[float] = field(default_factory=list)
+    detect_s: list[float] = field(default_factory=list)
+    final_step: int = 0
+    plans: list[str] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    phases: list[dict] = field(default_factory=list)  # each relaunch's first-step breakdown
+    sources: list[str] = field(default_factory=list)  # each incarnation's state: its origin
+    restored: list[int] = field(default_factory=list)  # each incarnation's first step
+    injected: list[str] = field(default_factory=list)  # each fault as it was injected
+
+    def to_json(self) -> dict:
+        return {"restarts": self.restarts, "steps_lost": self.steps_lost,
+                "recovery_s": [round(x, 3) for x in self.recovery_s],
+                "detect_s": [round(x, 3) for x in self.detect_s],
+                "final_step": self.final_step, "plans": self.plans, "sources": self.sources}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Supervisor:
+    def __init__(self, config: LaunchConfig, out: TextIO = sys.stderr,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.out, self.clock = config, out, clock
+        self.summary = Summary()
+        self._fired: set[Fault] = set()
+        self._fault_time: dict[str, float] = {}  # host -> when its fault was injected
+        self._throttles: dict[Fault, Throttle] = {}
+        self._lifted: set[Fault] = set()
+        self._last_detected = 0.0  # when the last failure was detected
+        self._record = health_record.HealthRecord()  # as the running incarnation read it
+        self._service = None  # the running incarnation's coordination service
+        self._incarnation = 0
+
+    # ---- one incarnation -----------------------------------------------------------------
+    def _spawn(self, hosts: list[str], beat_dir: Path) -> dict[str, subprocess.Popen]:
+        cfg, port = self.config, free_port()
+        logs = cfg.checkpoint_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        # the job's coordination service lives here, not in process 0: JAX aborts every
+        # process when the service goes away, which would cost the survivors' copies
+        self._service = distributed.start_service(f"127.0.0.1:{port}", len(hosts))
+        env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={cfg.devices_per_proc}",
+                   **{heartbeat.ENV_VAR: str(beat_dir), distributed.EXTERNAL_SERVICE_ENV: "1"})
+        procs = {}
+        for index, host in enumerate(hosts):
+            cmd = [sys.executable, "-m", "resihp_jax.cli", "train", *cfg.train_args,
+                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(len(hosts)),
+                   "--process-id", str(index), "--host-id", host,
+                   "--checkpoint-dir", str(cfg.checkpoint_dir), "--resume", "--no-progress"]
+            log = open(logs / f"incarnation{self._incarnation}-{host}.log", "w")  # noqa: SIM115
+            procs[host] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, env=env,
+                                           start_new_session=True)
+            log.close()
+        return procs
+
+    def _inject(self, procs: dict[str, subprocess.Popen], step: int) -> None:
+        live = list(procs)
+        for fault in self.config.faults:
+            if fault in self._lifted or fault.until is None or step < fault.until:
+                continue
+            if fault in self._throttles:  # a slowdown that comes and goes: it goes now
+                self._throttles.pop(fault).stop()
+                self._lifted.add(fault)
+                print(f"launch: step {step}: slowdown of {fault.describe()} lifted",
+                      file=self.out)
+        for fault in self.config.faults:
+            host = fault.host_in(live)
+            if fault in self._fired or host not in procs or step < fault.step:
+                continue
+            self._fired.add(fault)
+            pid = procs[host].pid
+            self._fault_time[host] = self.clock()
+            self.summary.injected.append(f"step {step}: {fault.kind} {host}")
+            print(f"launch: step {step}: {fault.kind} process {host}"
+                  + (f" x{fault.factor:g}" if fault.kind == "slow" else ""), file=self.out)
+            if fault.kind == "kill":
+                _signal_group(pid, signal.SIGKILL)
+            elif fault.kind == "hang":
+                _signal_group(pid, signal.SIGSTOP)
+            else:
+                self._throttles[fault] = Throttle(pid, fault.factor)
+
+    def _watch(self, procs: dict[str, subprocess.Popen], beat_dir: Path,
+               start_step: int) -> tuple[Failure | None, int, dict[str, heartbeat.Beat]]:
+        """Until every process exits 0 (None) or one fails; also the job's last step."""
+        cfg = self.config
+        step, advanced_at, started = start_step, self.clock(), False
+        beats: dict[str, heartbeat.Beat] = {}
+        while True:
+            time.sleep(cfg.poll_s)
+            exited = {h: p.returncode for h, p in procs.items() if p.poll() is not None}
+            failed = {h: c for h, c in exited.items() if c != 0}
+            beats = heartbeat.read(beat_dir)
+            now_step = max((b.step for b in beats.values()), default=step)
+            if now_step > step:
+                if not started:
+                    self._first_progress_at = self.clock()
+                step, advanced_at, started = now_step, self.clock(), True
+            if failed and set(failed.values()) <= PLANNED_EXITS:
+                # a re-plan left processes out: all exit on their own, those left out with
+                # their own code, once their copies are written
+                if len(exited) < len(procs) and self.clock() - advanced_at < cfg.startup_s:
+                    continue
+                return self._left_out(failed, step), step, beats
+            if failed:
+                return self._died(failed, beats, step), step, beats
+            if len(exited) == len(procs):
+                return None, step, beats
+            self._inject(procs, step)
+            if started and self._readmission_due(step):
+                return Failure("readmit", None, step, None, "excluded host(s) repaired: "
+                               "restarting to take them in"), step, beats
+            # the deadline the processes publish for the step in flight (from the cost
+            # model, with their floor); their own watchdogs use the same figure
+            limit = cfg.startup_s if not started else \
+                max((b.deadline_s for b in beats.values()), default=cfg.startup_s)
+            if self.clock() - advanced_at > limit:
+                return self._hung(beats, step, limit), step, beats
+
+    def _left_out(self, failed: dict[str, int], step: int) -> Failure:
+        out = sorted(h for h, c in failed.items() if c == HostsLeftOut.LEFT_OUT_EXIT)
+        return Failure("excluded", out[0] if out else None, step, None,
+                       f"the job re-planned without slow host(s) {', '.join(out) or '?'}",
+                       HostsLeftOut.LEFT_OUT_EXIT, hosts=tuple(out))
+
+    def _died(self, failed: dict[str, int], beats: dict[str, heartbeat.Beat],
+              step: int) -> Failure:
+        """The failure behind these exits. A process killed by a signal or failing on its
+        own is the culprit; processes that gave up waiting (their watchdog's HUNG_EXIT) are
+        victims, and the culprit is then the one whose heartbeat froze."""
+        culprits = {h: c for h, c in failed.items() if c != HUNG_EXIT}
+        if not culprits:
+            hung = self._hung(beats, step, 0.0)
+            gave_up = ", ".join(sorted(failed))
+            hung.detail = (f"{gave_up} gave up waiting at step {step}; frozen: "
+                           f"{hung.host or 'none found'}")
+            return hung
+        host = min(culprits, key=lambda h: (culprits[h] >= 0, h))  # a signal first
+        return Failure("died", host, step, self._since_fault(host),
+                       f"process {host} exited with {_exit_text(culprits[host])}",
+                       culprits[host])
+
+    def _hung(self, beats: dict[str, heartbeat.Beat], step: int, limit: float) -> Failure:
+        now = time.time()
+        stale = sorted(h for h, b in beats.items() if now - b.time > self.config.stale_s)
+        host = stale[0] if len(stale) == 1 else None
+        return Failure("hung", host, step, self._since_fault(host) if host else None,
+                       f"no progress for {limit:.1f} s after step {step}; "
+                       f"frozen: {stale or 'none'}")
+
+    def _since_fault(self, host: str | None) -> float | None:
+        at = self._fault_time.pop(host, None) if host else None
+        return None if at is None else self.clock() - at
+
+    # ---- the job -------------------------------------------------------------------------
+    def run(self) -> Summary:
+        cfg = self.config
+        hosts = [f"p{i}" for i in range(cfg.procs)]
+        detected_at: float | None = None
+        lost_from: int | None = None  # the job's step when the last failure was seen
+        while True:
+            record = self._record = health_record.load(cfg.checkpoint_dir)
+            live = record.usable(hosts)
+            if not live:
+                raise ConfigError("every process of the job has been excluded; see "
+                                  f"{health_record.path_in(cfg.checkpoint_dir)}")
+            beat_dir = cfg.checkpoint_dir / "heartbeat" / f"incarnation{self._incarnation}"
+            procs = self._spawn(live, beat_dir)
+            first = self._first_beat(procs, beat_dir)
+            self.summary.restored.append(first)
+            if lost_from is not None:
+                self.summary.steps_lost += max(0, lost_from - first)
+            self._first_progress_at: float | None = None
+            failure, step, beats = self._watch(procs, beat_dir, first)
+            if failure is not None:
+                detected_at = self.clock()
+                self._end(procs, failure, beats)
+                failure.end_s = self.clock() - detected_at
+            else:
+                self._end(procs, None, beats)
+            self._record_incarnation(beats)
+            if self.summary.restarts and self._first_progress_at is not None:
+                self.summary.recovery_s.append(self._first_progress_at - self._last_detected)
+            if failure is None:
+                self.summary.final_step = step
+                return self.summary
+            self._last_detected = detected_at
+            self._failed(failure, step)
+            lost_from = step
+    def _first_beat(self, procs: dict[str, subprocess.Popen], beat_dir: Path) -> int:
+        """The step this incarnation restored from (its processes' first beats)."""
+        deadline = self.clock() + self.config.startup_s
+        while self.clock() < deadline:
+            beats = heartbeat.read(beat_dir)
+            if beats or any(p.poll() is not None for p in procs.values()):
+                return min((b.step for b in beats.values()), default=0)
+            time.sleep(self.config.poll_s)
+        return 0
+
+    def _record_incarnation(self, beats: dict[str, heartbeat.Beat]) -> None:
+        plan = next((b.plan for h, b in sorted(beats.items()) if b.plan), "")
+        if plan:
+            self.summary.plans.append(plan)
+        self.summary.sources.append(next((b.source for b in beats.values() if b.source), "?"))
+        phases = next((b.phases for b in beats.values() if b.phases), None)
+        if self.summary.restarts and phases:
+            self.summary.phases.append(phases)
+
+    def _failed(self, failure: Failure, step: int) -> None:
+        cfg, summary = self.config, self.summary
+        # read again: the job's process 0 may have noted slowdowns since the start
+        record = health_record.load(cfg.checkpoint_dir)
+        print(f"launch: {failure.kind}: {failure.detail}", file=self.out)
+        summary.failures.append(failure)
+        if failure.exit_code == USER_ERROR:  # a restart cannot fix a refused argument
+            raise ConfigError(f"process {failure.host} refused its arguments; see "
+                              f"{cfg.checkpoint_dir / 'logs'}")
+        if failure.detect_s is not None:
+            summary.detect_s.append(failure.detect_s)
+        self._readmit(record, step)
+        for host in failure.excluded():
+            record.exclude(host, failure.detail, step)
+        record.incarnations += 1
+        health_record.save(record, cfg.checkpoint_dir)
+        summary.restarts += 1
+        if summary.restarts > cfg.max_restarts:
+            raise ConfigError(f"the job failed {summary.restarts} times (--max-restarts="
+                              f"{cfg.max_restarts}); last: {failure.detail}")
+        self._incarnation += 1
+
+    def _readmission_due(self, step: int) -> bool:
+        after = self.config.readmit_after_steps
+        return after is not None and any(step - e.step >= after
+                                         for e in self._record.excluded.values())
+
+    def _readmit(self, record: health_record.HealthRecord, step: int) -> None:
+        """Hosts excluded long enough ago come back, as repaired nodes rejoin a cluster."""
+        after = self.config.readmit_after_steps
+        if after is None:
+            return
+        for host, exclusion in list(record.excluded.items()):
+            if step - exclusion.step >= after:
+                del record.excluded[host]
+                print(f"launch: host {host} readmitted (excluded at step {exclusion.step})",
+                      file=self.out)
+
+    def _end(self, procs: dict[str, subprocess.Popen], failure: Failure | None,
+             beats: dict[str, heartbeat.Beat]) -> None:
+        """End every process. After a failure the others get SIGTERM first and up to
+        `grace_s` to write their copies of the last step; a frozen process cannot (it is
+        killed), nor can one still running after the grace period."""
+        for throttle in self._throttles.values():
+            throttle.stop()  # lets a throttled process run (and write) again
+        self._throttles.clear()
+        running = [(h, p) for h, p in procs.items() if p.poll() is None]
+        if failure is not None:
+            now = time.time()
+            frozen = {h for h, b in beats.items() if now - b.time > self.config.stale_s}
+            if failure.kind == "hung" and failure.host is not None:
+                frozen.add(failure.host)
+            for host, proc in running:
+                _signal_group(proc.pid, signal.SIGKILL if host in frozen else signal.SIGTERM)
+            deadline = self.clock() + self.config.grace_s
+            while self.clock() < deadline and any(p.poll() is None for _, p in running):
+                time.sleep(self.config.poll_s)
+        for _, proc in running:
+            if proc.poll() is None:
+                _signal_group(proc.pid, signal.SIGKILL)  # also ends a stopped process
+        for proc in procs.values():
+            proc.wait()
+        if self._service is not None:
+            self._service.shutdown()
+            self._service = None
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return f"code {code}"

@@ -1,0 +1,211 @@
+"""Orbax checkpoints that restore into any Plan, with the data position beside the weights.
+
+The state is saved in the canonical layout (layers `[n_layers, ...]`), so a checkpoint is
+independent of the mesh it was written from: restore builds the target shardings of the new
+plan (possibly on fewer devices) and asks orbax for exactly those. Orbax writes each step to
+a temporary directory and renames it when complete, so a crash mid-write leaves the last
+good checkpoint as the latest one. Beside the state, each step records the run identity,
+the leaf shapes and per-leaf checksums: restore refuses another run's checkpoints, tells a
+model mismatch from damage, and falls back from a damaged newest step to an older good one
+(one `CheckpointFallbackWarning`), setting the damaged steps aside as `<step>.corrupt`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import orbax.checkpoint as ocp
+
+from resihp_jax.errors import CheckpointError, CheckpointFallbackWarning
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.runtime.recovery.checksum import leaf_shapes, state_checksums
+from resihp_jax.runtime.recovery.run_identity import check_identity
+from resihp_jax.train.reshard import from_canonical, to_canonical
+from resihp_jax.train.step import (StepProgram, TrainState, abstract_state,
+                                   canonical_state_shapes)
+
+
+@dataclass(frozen=True)
+class Restored:
+    state: TrainState  # in the target program's layout and shardings
+    step: int
+    data_state: dict[str, Any]  # the data iterator's position after that step
+    plan: Plan  # the plan the checkpoint was written under
+    skipped: tuple[int, ...] = ()  # newer steps found damaged and set aside
+
+
+class _Damaged(Exception):
+    """A step that cannot be read back as written (the caller falls back)."""
+
+
+class Checkpointer:
+    """Saves every `interval` steps under `directory`, keeping the newest `keep`.
+
+    With `identity` (see run_identity.run_identity) every save records it and every restore
+    refuses a checkpoint whose identity differs.
+    """
+
+    def __init__(self, directory: str | Path, *, interval: int = 10, keep: int = 2,
+                 asynchronous: bool = False, identity: Mapping[str, Any] | None = None):
+        if interval < 1 or keep < 1:
+            raise CheckpointError(f"checkpoint interval={interval} and keep={keep} must be >= 1")
+        self.directory = Path(directory).absolute()
+        self.identity = identity
+        policies = ocp.checkpoint_managers
+        # every `interval` steps (and at a preemption), without orbax's default extra save
+        # of the first step: `--checkpoint-every 3` writes steps 3, 6, ...
+        saving = policies.AnySavePolicy([policies.FixedIntervalPolicy(interval),
+                                         policies.PreemptionCheckpointingPolicy()])
+        options = ocp.CheckpointManagerOptions(
+            save_decision_policy=saving, max_to_keep=keep, create=True,
+            enable_async_checkpointing=asynchronous)
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              item_names=("state", "meta"))
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: TrainState, program: StepProgram,
+             data_state: dict[str, Any], force: bool = False) -> bool:
+        """Save if `step` is due (or `force`) and not saved yet; returns whether it saved.
+
+        Asynchronous saves copy the state to host memory before returning (orbax does so
+        before it starts writing), so the caller may donate `state` to the next step.
+        """
+        if step == self.latest_step() or not (force or self._manager.should_save(step)):
+            return False
+        canonical = to_canonical(state, program)
+        meta = {"step": step, "data_state": data_state, "plan": program.plan.to_dict(),
+                "model": program.model.name, "identity": self.identity,
+                "leaves": leaf_shapes(canonical), "checksums": state_checksums(canonical)}
+        try:
+            return self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(meta)),
+                force=force)
+        except Exception as err:  # orbax raises plain Exceptions; an earlier async write too
+            raise CheckpointError(f"saving checkpoint step {step} to {self.directory} "
+                                  f"failed: {_first_line(err)}") from err
+
+    def saving(self) -> bool:
+        """Whether an asynchronous save is still being written."""
+        return bool(self._manager.is_saving_in_progress())
+
+    def wait(self) -> None:
+        """Block until pending asynchronous saves are written; CheckpointError if one failed."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:  # the error of a background write surfaces here
+            raise CheckpointError(f"writing a checkpoint to {self.directory} failed: "
+                                  f"{_first_line(err)}") from err
+
+    def restore(self, program: StepProgram, step: int | None = None) -> Restored:
+        """The checkpoint at `step` (default: the newest good one) placed into `program`'s plan.
+
+        With `step=None`, damaged newer steps are skipped with one CheckpointFallbackWarning
+        and set aside; an explicit `step` that is damaged raises CheckpointError instead.
+        """
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; "
+                                      f"available: {sorted(steps)}")
+            try:
+                return self._restore_step(program, step)
+            except _Damaged as damage:
+                raise CheckpointError(str(damage)) from damage
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        damaged: list[str] = []
+        for candidate in steps:
+            try:
+                restored = self._restore_step(program, candidate)
+            except _Damaged as damage:
+                damaged.append(str(damage))
+                continue
+            skipped = tuple(steps[:len(damaged)])
+            if skipped:
+                self._set_aside(skipped)
+                warnings.warn(CheckpointFallbackWarning(
+                    f"{damaged[0]}; restored step {candidate} instead (set aside: "
+                    f"{', '.join(f'{s}.corrupt' for s in skipped)})"), stacklevel=2)
+            return dataclasses.replace(restored, skipped=skipped)
+        raise CheckpointError(f"no good checkpoint in {self.directory}: {'; '.join(damaged)}")
+
+    def _restore_step(self, program: StepProgram, step: int) -> Restored:
+        where = f"checkpoint step {step} in {self.directory}"
+        meta = self._read_meta(step, where)
+        if self.identity is not None:
+            check_identity(meta.get("identity"), self.identity, where)
+        target = canonical_target(program)
+        _check_shapes(meta.get("leaves"), leaf_shapes(target), where, program)
+        try:
+            loaded = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target)))["state"]
+        except Exception as err:  # tensorstore reports damaged files as plain Exceptions
+            raise _Damaged(f"{where} is unreadable: {_first_line(err)}") from err
+        if "checksums" in meta and state_checksums(loaded) != meta["checksums"]:
+            raise _Damaged(f"{where} is corrupt: its values differ from the checksums "
+                           "recorded when it was written")
+        return Restored(from_canonical(loaded, program), int(meta["step"]), meta["data_state"],
+                        Plan.from_dict(meta["plan"]))
+
+    def _read_meta(self, step: int, where: str) -> dict[str, Any]:
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as err:  # missing or garbled metadata file
+            raise _Damaged(f"{where} is unreadable: {_first_line(err)}") from err
+        if not isinstance(meta, dict) or not {"step", "data_state", "plan"} <= meta.keys():
+            raise _Damaged(f"{where} is incomplete: its metadata lacks step, data_state or plan")
+        return meta
+
+    def _set_aside(self, steps: tuple[int, ...]) -> None:
+        """Rename damaged steps so orbax neither lists them nor refuses to save them again."""
+        if jax.process_index() == 0:
+            for step in steps:
+                path = self.directory / str(step)
+                aside = path.with_name(f"{step}.corrupt")
+                n = 1
+                while aside.exists():
+                    n += 1
+                    aside = path.with_name(f"{step}.corrupt-{n}")
+                path.rename(aside)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+            multihost_utils.sync_global_devices("resihp_checkpoint_set_aside")
+        self._manager.reload()
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    line = text[0] if text else type(err).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _check_shapes(saved: Mapping[str, Any] | None, target: Mapping[str, Any], where: str,
+                  program: StepProgram) -> None:
+    """CheckpointError naming the first leaf whose shape or dtype differs from the model's."""
+    if saved is None:
+        return  # written before leaf shapes were recorded: orbax checks while reading
+    for key in sorted(saved.keys() | target.keys()):
+        if saved.get(key) != target.get(key):
+            raise CheckpointError(
+                f"{where} does not match model {program.model.name!r}: leaf {key} is "
+                f"{saved.get(key, '<absent>')} in the checkpoint, "
+                f"{target.get(key, '<absent>')} in the model")
+
+
+def canonical_target(program: StepProgram) -> TrainState:
+    """Shapes, dtypes and shardings of a canonical state on `program`'s mesh."""
+    shapes = abstract_state(program.model, program.optimizer, program.plan, program.layer_slots)
+    canonical = canonical_state_shapes(shapes, program.plan.n_layers)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        canonical, program.canonical_shardings)

@@ -1,0 +1,62 @@
+"""Where a `resihp train` process's state comes from: the survivors' copies of the last
+completed step, the newest good periodic checkpoint, or a fresh initialization.
+
+The survivors' copies win when they are newer than the newest checkpoint and complete;
+incomplete ones (every copy of some shard was lost) are reported and passed over for the
+checkpoint. Every process of a job reaches the same choice from the same files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.runtime.recovery import survivor_copies
+from resihp_jax.runtime.recovery.checkpoint import Checkpointer, canonical_target
+
+
+@dataclass(frozen=True)
+class Start:
+    state: Any
+    step: int
+    source: str  # "init", "checkpoint@STEP" or "survivors@STEP"
+    record: dict | None = None  # the metrics record of `step`, when the source keeps it
+
+
+def start_state(program: Any, ckpt: Checkpointer | None, data: Any, *, resume: bool,
+                seed: int, primary: bool, out: TextIO) -> Start:
+    """The state to train from (placed in `program`'s plan), with `data` positioned after it."""
+    if not resume or ckpt is None:
+        return Start(program.init_state(seed), 0, "init")
+    latest = ckpt.latest_step()
+    for copies in survivor_copies.find(ckpt.directory, ckpt.identity):
+        if latest is not None and copies.step <= latest:
+            break  # a checkpoint at least as new is there
+        if copies.complete:
+            state = survivor_copies.restore(copies, program, canonical_target(program))
+            data.restore(copies.data_state)
+            print(f"resumed from step {copies.step} as {len(copies.hosts)} surviving "
+                  f"process(es) kept it ({', '.join(sorted(copies.hosts))}; written under plan "
+                  f"{Plan.from_dict(copies.plan).describe()}); newest periodic checkpoint: "
+                  f"{'none' if latest is None else f'step {latest}'}", file=out)
+            _tidy(ckpt, copies.step, primary)
+            return Start(state, copies.step, f"survivors@{copies.step}", copies.record)
+        fallback = "step 0" if latest is None else f"checkpoint step {latest}"
+        print(f"the surviving processes' copies of step {copies.step} are incomplete "
+              f"({copies.missing}): falling back to {fallback}", file=out)
+    if latest is None:
+        print(f"no checkpoint in {ckpt.directory} yet: starting from step 0", file=out)
+        return Start(program.init_state(seed), 0, "init")
+    restored = ckpt.restore(program)
+    data.restore(restored.data_state)
+    print(f"resumed from checkpoint step {restored.step} in {ckpt.directory} "
+          f"(written under plan {restored.plan.describe()})", file=out)
+    _tidy(ckpt, restored.step, primary)
+    return Start(restored.state, restored.step, f"checkpoint@{restored.step}")
+
+
+def _tidy(ckpt: Checkpointer, step: int, primary: bool) -> None:
+    """Copies older than the state resumed from are of no further use."""
+    if primary:
+        survivor_copies.remove_older_than(ckpt.directory, step)

@@ -1,0 +1,144 @@
+"""`resihp train --adapt`: the steps of one process under the ResilientTrainer.
+
+Every process of the job runs the trainer: it times its own devices, the timings are
+combined across processes so every detector sees the same step, process 0's verdict and
+plan are every process's, and the switch happens in the running processes (a new split in
+place; a new mesh through orbax and a recompile). A failed or hung step cannot be survived
+in place by a job of several processes: the process exits for a relaunch on the survivors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import Any, Iterator, TextIO
+
+from resihp_jax.errors import HostsLeftOut
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.runtime.job.deadline import Ladder
+from resihp_jax.runtime.job.heartbeat import Heartbeat
+from resihp_jax.runtime.trainer.loop import StepRecord
+from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
+from resihp_jax.runtime.recovery.resume import start_state
+from resihp_jax.runtime.run.plain import RecordSink, close_host_copies, host_copies
+
+
+def _excluding_left_out(events: Iterator[Any], job: Any,
+                        checkpoint_dir: str | None) -> Iterator[Any]:
+    """`events`; when a re-plan leaves slow processes out, their hosts go into the health
+    record as excluded before the error ends this process."""
+    try:
+        yield from events
+    except HostsLeftOut as out:
+        if checkpoint_dir is not None:
+            job.record_exclusion(out.processes, f"slow: {out.reason}", out.step,
+                                 checkpoint_dir)
+        raise
+
+
+class AdaptRun:
+    def __init__(self, args: argparse.Namespace, job: Any, model: Any, train_cfg: Any,
+                 plan: Plan, data: Any, ladder: Ladder, phases: dict[str, float],
+                 cache: str | None, out: TextIO) -> None:
+        import jax  # noqa: PLC0415
+
+        self.args, self.job, self.data, self.out, self.phases = args, job, data, out, phases
+        self.ladder = ladder
+        self.heartbeat = Heartbeat.from_env(job.spec.host_id)
+        config = ResilienceConfig(
+            step_timeout_s=ladder.startup_s, hang_factor=ladder.factor,
+            hang_floor_s=ladder.floor_s, checkpoint_dir=args.checkpoint_dir,
+            checkpoint_interval=args.checkpoint_every or 10, precompile=args.precompile,
+            compile_cache_dir=cache, background_compile=not args.no_background_compile)
+        t0 = time.perf_counter()
+        self.trainer = ResilientTrainer(model, train_cfg, plan, jax.devices(), data, config,
+                                        on_long_work=self._long_work)
+        phases["compile_s"] = time.perf_counter() - t0
+        self.snapshots = host_copies(args, job, self.trainer.checkpointer)
+
+    def run(self) -> list[StepRecord]:
+        start = self._initial_state()
+        self._beat(start, self.ladder.startup_s)
+        if start >= self.args.steps:
+            print(f"step {start} already reaches --steps {self.args.steps}: nothing to train",
+                  file=self.out)
+            return []
+        return self._steps(start)
+
+    def close(self) -> None:
+        close_host_copies(self.snapshots)
+        try:
+            self.trainer.close()
+            if self.trainer.checkpointer is not None:
+                self.trainer.checkpointer.wait()
+                self.trainer.checkpointer.close()
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.close()
+
+    def _initial_state(self) -> int:
+        t0 = time.perf_counter()
+        trainer = self.trainer
+        start = start_state(trainer.program, trainer.checkpointer, self.data,
+                            resume=self.args.resume, seed=self.args.seed,
+                            primary=self.job.primary, out=self.out)
+        trainer.state = start.state
+        self.phases["restore_s"] = time.perf_counter() - t0
+        if self.heartbeat is not None:
+            self.heartbeat.source = start.source
+        self.start_record = start.record
+        if self.snapshots is not None:  # a failure in the first step loses nothing either
+            self.snapshots.capture(start.step, start.state, trainer.program, self.data.state(),
+                                   start.record)
+        self.data_step = start.step
+        return self.data_step
+
+    def _beat(self, step: int, deadline_s: float) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.update(step, deadline_s, self.trainer.plan.describe(), self.phases)
+
+    def _long_work(self, what: str) -> None:
+        """A probe or a switch (it may compile) is under way: allow it the start-up time."""
+        self._beat(self.data_step, self.ladder.startup_s)
+
+    def _next_deadline(self) -> float:
+        ckpt = self.trainer.checkpointer
+        if ckpt is not None and ckpt.saving():  # see ResilientTrainer.deadline_s
+            return self.ladder.startup_s
+        predicted = self.trainer.detector.last_prediction_s
+        return self.ladder.deadline_s(predicted)
+
+    def _steps(self, start: int) -> list[StepRecord]:
+        sink = RecordSink(self.args, start, self.job.primary, self.phases, self.start_record)
+        try:
+            events = self.trainer.run(self.args.steps, seed=self.args.seed)
+            for event in _excluding_left_out(events, self.job, self.args.checkpoint_dir):
+                if isinstance(event, Replan):
+                    self._replanned(event)
+                    continue
+                if self.snapshots is not None:  # before the next step donates the state
+                    event = dataclasses.replace(event, host_copy_s=self.snapshots.capture(
+                        event.step, self.trainer.state, self.trainer.program,
+                        self.data.state(), event.to_json()))
+                sink.add(event)
+                self.data_step = event.step
+                self._beat(event.step, self._next_deadline())
+        finally:
+            sink.close()
+        return sink.records
+
+    def _replanned(self, replan: Replan) -> None:
+        verdict = replan.verdict
+        if verdict.kind in ("compute", "link") and self.args.checkpoint_dir is not None:
+            self.job.record_slowdown(verdict.devices, verdict.slowdown, self.args.checkpoint_dir)
+        what = (f"devices {list(verdict.devices)} {verdict.kind} x{verdict.slowdown:.2f}"
+                if verdict.kind != "stopped" else f"devices {list(verdict.devices)} stopped")
+        if replan.new_plan == replan.old_plan:
+            print(f"step {replan.step}: {what}; plan kept ({replan.reason})", file=self.out)
+            return
+        print(f"step {replan.step}: {what}; re-planned to {replan.new_plan.describe()} "
+              f"({replan.kind}: plan {replan.plan_s:.2f} s, compile {replan.compile_s:.2f} s, "
+              f"move {replan.move_s:.2f} s)", file=self.out, flush=True)
+        self._beat(replan.step, self.ladder.startup_s)  # the next step may compile
+

@@ -1,0 +1,198 @@
+"""The steps of one `resihp train` process: restore or initialize, compile, train, and while
+doing so keep the job's supervisor informed (heartbeat) and never hang (watchdog).
+
+Every process of a job runs this same loop; only process 0 writes the metrics file and
+draws the progress bar. The phases of start-up (join, plan, restore, compile, first step)
+are measured and published with the heartbeat, so a supervisor can split a recovery into
+its parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+from resihp_jax.errors import ConfigError
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.runtime.job.deadline import Ladder, StepDeadline
+from resihp_jax.runtime.job.heartbeat import Heartbeat
+from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots, activate, deactivate
+from resihp_jax.runtime.trainer.loop import StepRecord, train
+from resihp_jax.runtime.recovery.resume import start_state
+from resihp_jax.runtime.job.watchdog import Watchdog
+from resihp_jax.train.aot import compile_program
+from resihp_jax.train.step import build_step
+
+
+class TrainRun:
+    def __init__(self, args: argparse.Namespace, job: Any, model: Any, train_cfg: Any,
+                 plan: Plan, data: Any, ckpt: Any, ladder: Ladder, phases: dict[str, float],
+                 out: TextIO) -> None:
+        self.args, self.job, self.plan, self.data, self.ckpt = args, job, plan, data, ckpt
+        self.out, self.phases = out, phases
+        # compiled before the first step, so that step times the step alone and gives the
+        # next one a deadline (a hang just after a relaunch is caught as fast as any)
+        self.deadline = StepDeadline(model, ladder, remat=args.remat, first_compiles=False)
+        self.heartbeat = Heartbeat.from_env(job.spec.host_id)
+        self.watchdog = Watchdog()
+        import jax  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        self.program = compile_program(build_step(model, train_cfg, plan, jax.devices()))
+        phases["compile_s"] = time.perf_counter() - t0
+        self.snapshots = host_copies(args, job, ckpt)
+
+    def run(self) -> list[StepRecord]:
+        state, start = self._initial_state()
+        if self.snapshots is not None:  # a failure in the first step loses nothing either
+            self.snapshots.capture(start, state, self.program, self.data.state(),
+                                   self.start_record)
+        self._beat(start, self.deadline.ladder.startup_s)
+        if start >= self.args.steps:
+            print(f"step {start} already reaches --steps {self.args.steps}: nothing to train",
+                  file=self.out)
+            return []
+        return self._steps(state, start)
+
+    def close(self) -> None:
+        self.watchdog.close()
+        close_host_copies(self.snapshots)
+        try:
+            if self.ckpt is not None:
+                self.ckpt.wait()  # a pending save completes (or reports its failure) first
+                self.ckpt.close()
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.close()
+
+    def _initial_state(self) -> tuple[Any, int]:
+        """(state, step) to train from: see resume.start_state."""
+        t0 = time.perf_counter()
+        try:
+            start = start_state(self.program, self.ckpt, self.data, resume=self.args.resume,
+                                seed=self.args.seed, primary=self.job.primary, out=self.out)
+        finally:
+            self.phases["restore_s"] = time.perf_counter() - t0
+        if self.heartbeat is not None:
+            self.heartbeat.source = start.source
+        self.start_record = start.record
+        return start.state, start.step
+
+    def _beat(self, step: int, deadline_s: float) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.update(step, deadline_s, self.plan.describe(), self.phases)
+
+    def _before_step(self, plan: Plan, batch: Any) -> None:
+        step = self.data_step + 1
+        deadline = self.deadline.deadline_s(plan, batch.sum_sq_lengths())
+        if self.ckpt is not None and self.ckpt.saving():
+            # a checkpoint being written competes with this step for the host (several
+            # times slower on a loaded one): no prediction holds, the start-up deadline does
+            deadline = max(deadline, self.deadline.ladder.startup_s)
+        self.watchdog.arm(step, deadline)
+        self._beat(self.data_step, deadline)
+
+    def _after_step(self, state: Any, record: StepRecord) -> StepRecord:
+        """The step is done: keep its state for the survivors' copies (before the next step
+        may donate it), write its record, and only then tell the supervisor (a fault it
+        injects at this step must find both); a checkpoint save gets its own deadline."""
+        self.watchdog.arm(record.step, self.deadline.ladder.startup_s, "the checkpoint save")
+        if self.snapshots is not None:
+            record = dataclasses.replace(record, host_copy_s=self.snapshots.capture(
+                record.step, state, self.program, self.data.state(), record.to_json()))
+        self.sink.add(record)
+        self.deadline.observe(self.plan, record.sum_sq_lengths, record.step_time_s)
+        self._beat(record.step, self.deadline.ladder.startup_s)
+        return record
+
+    def _steps(self, state: Any, start: int) -> list[StepRecord]:
+        self.sink = RecordSink(self.args, start, self.job.primary, self.phases,
+                               self.start_record)
+        self.data_step = start
+        try:
+            for _, record in train(self.program, state, self.data, self.args.steps - start,
+                                   self.ckpt, before_step=self._before_step,
+                                   after_step=self._after_step):
+                self.watchdog.disarm()
+                self.data_step = record.step
+        finally:
+            self.watchdog.disarm()
+            self.sink.close()
+        return self.sink.records
+
+
+def host_copies(args: argparse.Namespace, job: Any, ckpt: Any) -> HostSnapshots | None:
+    """This process's copies of the last completed step (None without a checkpoint directory
+    or with --survivor-copies off), written out by the process's exit paths and on SIGTERM."""
+    mode = getattr(args, "copies_mode", None)
+    if ckpt is None or mode is None:
+        return None
+    snapshots = HostSnapshots(ckpt.directory, job.spec.host_id, ckpt.identity, mode=mode)
+    activate(snapshots)
+    snapshots.exit_on_sigterm()
+    return snapshots
+
+
+def close_host_copies(snapshots: HostSnapshots | None) -> None:
+    if snapshots is not None:
+        deactivate(snapshots)
+        snapshots.close()
+
+
+class RecordSink:
+    """Where finished steps go: the records, process 0's metrics file and progress bar, and
+    the first step's time among the start-up phases."""
+
+    def __init__(self, args: argparse.Namespace, start: int, primary: bool,
+                 phases: dict[str, float], start_record: dict | None = None) -> None:
+        """`start_record`: the record of step `start` if known (the survivors' copies carry
+        it), written when the metrics file lacks it."""
+        from tqdm import tqdm  # noqa: PLC0415
+
+        self.phases = phases
+        self.records: list[StepRecord] = []
+        self.bar = tqdm(total=args.steps, initial=start, unit="step", file=sys.stderr,
+                        disable=args.no_progress or not primary)
+        # a resumed run continues the metrics of the run it resumes, from its checkpoint:
+        # records of steps after it (lost with the failed incarnation) are dropped
+        self.metrics = (metrics_file(args.metrics, start, start_record)
+                        if args.metrics and primary else None)
+
+    def add(self, record: StepRecord) -> None:
+        if not self.records:
+            self.phases["first_step_s"] = record.step_time_s
+        self.records.append(record)
+        if self.metrics:
+            self.metrics.write(json.dumps(record.to_json()) + "\n")
+            self.metrics.flush()
+        self.bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}")
+        self.bar.update()
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.metrics:
+            self.metrics.close()
+
+
+def metrics_file(path: str, start: int, start_record: dict | None = None) -> TextIO:
+    """`path` opened for appending after keeping only the records of steps <= `start`
+    (with `start_record` added if the record of step `start` is not among them)."""
+    if start == 0:
+        return open(path, "w")  # noqa: SIM115
+    try:
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
+    except FileNotFoundError:
+        kept = []
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"--metrics={path!r}: not a metrics file of this run (a line is not "
+                          "a step record); choose another path") from None
+    if start_record is not None and not any(json.loads(x)["step"] == start for x in kept):
+        kept.append(json.dumps(start_record) + "\n")  # its writer died before writing it
+    with open(path, "w") as f:
+        f.writelines(kept)
+    return open(path, "a")  # noqa: SIM115

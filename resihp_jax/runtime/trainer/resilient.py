@@ -1,0 +1,493 @@
+"""ResilientTrainer: train, watch every step, and re-plan around slow or stopped devices.
+
+Each step: take the next global batch, run it (guarded by a timeout), hand its timing and
+its exact batch to the detector. A verdict updates the health map; the scheduler proposes a
+plan; if it differs, the state moves onto it (in memory, or from the latest checkpoint when
+a device stopped and a checkpoint exists) and training continues from the same data
+position. A step that failed is re-run on the new plan with the same batch, so no data is
+skipped or repeated.
+
+Switches are as cheap as the new plan allows (see `Replan.kind`): a new split of the same
+mesh reuses the compiled program; a new mesh whose program the background `Precompiler`
+prepared (the scheduler's picks for any one device slow or dead) compiles nothing; only an
+unforeseen mesh compiles, and after a fail-slow verdict not on the spot
+(`ResilienceConfig.background_compile`): the scheduler's interim plan (the best split the
+current program runs) trains while the new mesh's program compiles in the background, and
+the trainer switches to it at the first step boundary after it is ready. A device that
+stopped cannot wait: its re-plan compiles on the spot. The scheduler is charged these
+measured costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+
+from resihp_jax.data import BatchIterator, GlobalBatch
+from resihp_jax.detector import (Prober, StepFailed, StepObservation, Verdict, make_detector,
+                                 run_guarded)
+from resihp_jax.detector.probes import gathered_probe
+from resihp_jax.errors import ConfigError, HostsLeftOut, JobStepFailed, PlanError
+from resihp_jax.meshes import layout
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model.config import ModelConfig
+from resihp_jax.perfmodel import CostParams, Health
+from resihp_jax.meshes.agree import from_primary, multi_process
+from resihp_jax.runtime.recovery.checkpoint import Checkpointer
+from resihp_jax.runtime.trainer.compile_cache import default_cache_dir, enable_compilation_cache
+from resihp_jax.runtime.trainer.compiles import counting
+from resihp_jax.train.instrument import FaultHook
+from resihp_jax.runtime.trainer.loop import StepRecord, device_batch, diverged
+from resihp_jax.runtime.trainer.precompile import Precompiler
+from resihp_jax.runtime.recovery.run_identity import run_identity
+from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
+from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
+from resihp_jax.train.aot import compile_program
+from resihp_jax.train.config import TrainConfig
+from resihp_jax.train.instrument import Instrument
+from resihp_jax.train.reshard import move_state, move_via_orbax, same_devices
+from resihp_jax.train.step import StepProgram, TrainState, build_step
+
+LIKELY_SLOWDOWNS = (2.0, 4.0)  # the fail-slow factors the precompiler plans for
+
+
+@dataclass(frozen=True)
+class ResilienceConfig:
+    detector: str = "resihp"
+    policy: str = "resihp"
+    # A step with no result by its deadline counts as hung (its busy devices stopped): the
+    # deadline is `hang_factor` times the predicted healthy time of that very batch, at
+    # least `hang_floor_s`; `step_timeout_s` until the cost model can predict.
+    step_timeout_s: float = 120.0
+    hang_factor: float = 3.0
+    hang_floor_s: float = 10.0
+    device_memory_gb: float = 4.0
+    recompile_s: float = 10.0  # charged for a new mesh until a compile has been measured
+    horizon_s: float = 3600.0  # expected seconds to the next failure
+    checkpoint_dir: str | None = None
+    checkpoint_interval: int = 10
+    precompile: int = 4  # programs of likely next plans compiled in the background (0: off)
+    # after a fail-slow verdict, train an interim split while a new mesh compiles in the
+    # background instead of stalling for the compile
+    background_compile: bool = True
+    # JAX's persistent compilation cache (None: off). It holds every program without host
+    # callbacks (state moves, the step when no instrument is attached): JAX never persists
+    # an executable that calls back into Python.
+    compile_cache_dir: str | None = field(default_factory=default_cache_dir)
+
+    def __post_init__(self) -> None:
+        for name in ("step_timeout_s", "hang_floor_s", "device_memory_gb", "horizon_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"ResilienceConfig.{name}={getattr(self, name)!r}: must be > 0")
+        if not self.hang_factor > 1:
+            raise ConfigError(f"ResilienceConfig.hang_factor={self.hang_factor!r}: must be > 1 "
+                              "(a step slower than predicted is not yet hung)")
+        if not self.recompile_s >= 0 or self.checkpoint_interval < 1 or self.precompile < 0:
+            raise ConfigError(f"ResilienceConfig: recompile_s={self.recompile_s!r} must be >= 0, "
+                              f"checkpoint_interval={self.checkpoint_interval!r} >= 1 and "
+                              f"precompile={self.precompile!r} >= 0")
+
+
+@dataclass(frozen=True)
+class Switch:
+    """How the trainer moved onto a new plan."""
+    kind: str  # split_only | mesh_warm | mesh_cold
+    compile_s: float  # having the new program ready (0 when reused)
+    move_s: float  # moving (or restoring) the state onto it
+    compiles: int  # executables built on the training thread meanwhile
+    restored_from_step: int | None = None  # set when the state came from a checkpoint
+
+
+@dataclass(frozen=True)
+class Replan:
+    """What happened when the trainer reacted to a verdict."""
+    step: int
+    verdict: Verdict
+    old_plan: Plan
+    new_plan: Plan
+    reason: str
+    switch_s: float  # wall time from the verdict to the state ready on the new plan
+    restored_from_step: int | None = None  # set when the state came from a checkpoint
+    kind: str = "none"  # none | split_only | mesh_warm | mesh_cold
+    plan_s: float = 0.0  # the scheduler's decision
+    compile_s: float = 0.0  # having the new program ready (0 when reused)
+    move_s: float = 0.0  # moving (or restoring) the state onto it
+    compiles: int = 0  # executables built on the training thread during the switch
+    cause: str = ""  # why the step failed, when a failed step raised the verdict
+
+
+class _Host:
+    """The one Instrument host every program of this trainer calls: it forwards to the
+    current plan's fault hook and stage timer, so programs compiled ahead of time need no
+    rebuild when the plan they serve becomes current."""
+
+    def __init__(self) -> None:
+        self.hook: FaultHook | None = None
+        self.timer: StageTimer | None = None
+
+    def __call__(self, *event: Any) -> None:
+        if self.hook is not None:
+            self.hook(*event)  # first: its injected delay belongs in the timed region
+        if self.timer is not None:
+            self.timer(*event)
+
+
+@dataclass
+class ResilientTrainer:
+    model: ModelConfig
+    train_cfg: TrainConfig
+    plan: Plan
+    devices: Sequence[jax.Device]
+    data: BatchIterator
+    config: ResilienceConfig = field(default_factory=ResilienceConfig)
+    fault_hook: FaultHook | None = None  # tests, benchmarks and the demo inject faults here
+    clock: Callable[[], float] = time.perf_counter
+    # told before work between steps that may take long (a probe, a switch), so a
+    # supervisor watching for progress can allow for it
+    on_long_work: Callable[[str], None] | None = None
+
+    def __post_init__(self) -> None:
+        enable_compilation_cache(self.config.compile_cache_dir)
+        self.health = Health.healthy()
+        self._host = _Host()
+        self._instrument = Instrument(self._host)
+        self._compile_s: float | None = None  # measured cost of a mesh compiled on the spot
+        self._warm_s = 0.0  # measured cost of taking a prepared program
+        self._install(self._compiled(self.plan), self.plan)
+        self.detector = make_detector(self.config.detector, prober=self._probe,
+                                      model=self.model, clock=self.clock)
+        # asynchronous: orbax copies the state to host before `save` returns, so the
+        # donation of the next step cannot touch what is being written
+        self.checkpointer = (Checkpointer(
+            self.config.checkpoint_dir, interval=self.config.checkpoint_interval,
+            asynchronous=True, identity=run_identity(self.model, self.train_cfg,
+                                                     self.data.state()))
+            if self.config.checkpoint_dir else None)
+        self.precompiler = Precompiler(self._compiled)
+        self.state: TrainState | None = None
+        self.replans: list[Replan] = []
+        # a switch waiting for its program to compile in the background: the plan, and the
+        # verdict and reason that chose it
+        self._pending: tuple[Plan, Verdict, str] | None = None
+        self._costs_fitted = False
+        self._prepare_next()
+
+    # ---- programs ------------------------------------------------------------------------
+    def _compiled(self, plan: Plan) -> StepProgram:
+        """`plan`'s program, built and compiled now (any thread)."""
+        slots = max(self.train_cfg.microbatch_slots or layout.default_microbatch_slots(
+            plan.n_microbatches, plan.dp), max(plan.microbatches_per_group))
+        program = build_step(self.model, self.train_cfg.replace(microbatch_slots=slots), plan,
+                             self.devices, instrument=self._instrument)
+        return compile_program(program)
+
+    def _install(self, program: StepProgram, plan: Plan) -> None:
+        self.program, self.plan = program, plan
+        self._host.hook = self.fault_hook.with_plan(plan) if self.fault_hook else None
+        self._host.timer = StageTimer((plan.dp, plan.pp, plan.tp))
+        self._prober: Prober | None = None  # compiled at the first alarm on this plan
+
+    def _program_for(self, plan: Plan) -> tuple[StepProgram, str]:
+        """The program to run `plan` with, and how it was had."""
+        if self.program.accepts(plan):
+            return self.program.with_plan(plan), "split_only"
+        prepared = self.precompiler.take(plan)
+        if prepared is not None:
+            return prepared, "mesh_warm"
+        return self._compiled(plan), "mesh_cold"
+
+    def _prepare_next(self) -> None:
+        if self.config.precompile > 0:
+            # a snapshot: the background thread must not see a switch half-way
+            args = (self.program, self.health, self._context())
+            self.precompiler.prepare_later(lambda: self.likely_next_plans(*args))
+
+    def likely_next_plans(self, program: StepProgram, health: Health,
+                          context: PlanningContext) -> list[Plan]:
+        """The scheduler's picks for any one more device slow, then any one dead, that need a
+        program other than `program`: at most `config.precompile` of them. Slow devices come
+        first: a fail-slow is handled in place, while on a real cluster a dead device takes
+        its process down and the job restarts anyway."""
+        out: dict[tuple, Plan] = {}
+        ids = program.plan.device_ids
+        faults = [health.with_changes(compute={d: 1 / f}) for f in LIKELY_SLOWDOWNS
+                  for d in ids] + [health.with_changes(dead=(d,)) for d in ids]
+        for what in faults:
+            plan = run_policy(self.config.policy, program.plan, what, context).plan
+            if plan is not None and not program.accepts(plan):
+                out.setdefault(plan.mesh_key(), plan)
+            if len(out) >= self.config.precompile:
+                break
+        return list(out.values())
+
+    # ---- the loop ----------------------------------------------------------------------
+    def run(self, steps: int, seed: int = 0) -> Iterator[StepRecord | Replan]:
+        """Train `steps` steps, yielding each step's record and each re-plan."""
+        if self.state is None:
+            self.state = self.program.init_state(seed)
+        done = int(self.state.step)
+        while done < steps:
+            data_before = self.data.state()
+            batch = self.data.next_batch()
+            try:
+                record = self._step(done + 1, batch)
+            except StepFailed as failed:
+                if multi_process():
+                    # the peers are stuck in this step's collectives: no process can go on
+                    # in place, so the job restarts on the survivors (see resihp launch)
+                    raise JobStepFailed(str(failed)) from failed
+                yield self.react(failed.verdict, data_before, cause=str(failed))
+                continue  # the data iterator was rewound: the same batch runs again
+            if not (math.isfinite(record.loss) and math.isfinite(record.grad_norm)):
+                raise diverged(record, self.checkpointer)  # that step is never saved
+            done = record.step
+            if not self._costs_fitted and self.detector.cost_params() is not None:
+                # the scheduler now plans with measured costs: its picks may change
+                self._costs_fitted = True
+                self._prepare_next()
+            if self.checkpointer:
+                self.checkpointer.save(done, self.state, self.program, self.data.state())
+            # judged before it is yielded, so the caller sees this step's prediction
+            verdict = _agreed(self.detector.observe(self._observation(record, batch)))
+            yield record
+            if verdict is not None:
+                yield self.react(verdict, None)
+            elif self._pending_ready():
+                yield self._finish_pending()
+        if self.checkpointer:  # a later run resumes where this one ended
+            self.checkpointer.save(done, self.state, self.program, self.data.state(),
+                                   force=True)
+            self.checkpointer.wait()
+
+    def close(self) -> None:
+        self.precompiler.close()
+
+    def _knobs(self, step: int) -> np.ndarray | None:
+        """The hook's per-device knobs for this step (None: healthy); it may raise a stop."""
+        return self._host.hook.knobs(step) if self._host.hook is not None else None
+
+    def _probe(self, step: int):  # noqa: ANN202 - a ProbeResult
+        if self.on_long_work is not None:
+            self.on_long_work("probe")
+        if self._prober is None:
+            self._prober = Prober(self.plan, self.devices, host=self._host.hook)
+        result = self._prober.run(self._knobs(step))
+        return gathered_probe(result, self.plan.device_ids) if multi_process() else result
+
+    def _step(self, step: int, batch: GlobalBatch) -> StepRecord:
+        program, timer = self.program, self._host.timer
+        arrays = device_batch(program, batch)
+
+        def run_once() -> tuple[TrainState, dict[str, Any], Any]:
+            return timed_step(program, self.state, arrays, self._knobs(step), timer)
+
+        self.state, metrics, timing = run_guarded(run_once, step, self.deadline_s(batch),
+                                                  in_flight=self._in_flight)
+        if multi_process():  # every process feeds its detector the same observation
+            timing = timing.gathered()
+        self._last_timing = timing
+        return StepRecord.of(int(self.state.step), self.plan, jax.device_get(metrics),
+                             timing.step_time_s, batch)
+
+    def deadline_s(self, batch: GlobalBatch) -> float:
+        """How long this batch's step may take before it counts as hung."""
+        predicted = self.detector.healthy_time_s(self.plan, self._mb_tokens(),
+                                                 batch.sum_sq_lengths())
+        if predicted is None or (self.checkpointer is not None and self.checkpointer.saving()):
+            return self.config.step_timeout_s  # an overlapping save makes no prediction hold
+        return max(self.config.hang_floor_s, self.config.hang_factor * predicted)
+
+    def _mb_tokens(self) -> np.ndarray:
+        return np.full(self.plan.n_microbatches, self.plan.microbatch_size * self.plan.seq_len,
+                       np.float64)
+
+    def _in_flight(self) -> tuple[int, ...]:
+        grid = self.plan.device_grid()
+        return tuple(int(grid[c]) for c in self._host.timer.in_flight())
+
+    def _observation(self, record: StepRecord, batch: GlobalBatch) -> StepObservation:
+        return StepObservation(record.step, self.plan, self._mb_tokens(), batch.sum_sq_lengths(),
+                               record.step_time_s, self._last_timing.stage_DxP)
+
+    # ---- reacting to a verdict -------------------------------------------------------------
+    def react(self, verdict: Verdict, data_before: dict[str, Any] | None = None,
+              cause: str = "") -> Replan:
+        """Update the health map from `verdict`, re-plan, and switch if the plan changes.
+        `data_before`: the data position to rewind to (the failed step's batch re-runs).
+        PlanError when a step failed and no plan avoids the cause (re-running it would
+        fail the same way forever)."""
+        if verdict.kind == "stopped" and not verdict.devices:
+            raise PlanError(f"step {verdict.step} failed without naming a device, so no plan "
+                            f"can avoid it: {cause or 'no cause given'}")
+        start = self.clock()
+        self._pending = None  # this verdict's plan supersedes one still compiling
+        self.health = _updated_health(self.health, verdict)
+        outcome = run_policy(self.config.policy, self.plan, self.health, self._context())
+        plan_s = self.clock() - start
+        old = self.plan
+        new = outcome.plan if outcome.plan is not None else old
+        # train an interim plan while `new` compiles in the background, when it must compile
+        interim = outcome.interim if not self._ready_for(new) else None
+        if multi_process():  # process 0 decides: its plans are every process's plans
+            new, interim = _primary_plans(new, interim)
+        if verdict.kind == "stopped" and set(verdict.devices) & set(new.device_ids):
+            raise PlanError(f"device(s) {list(verdict.devices)} stopped at step {verdict.step} "
+                            f"and no plan without them exists: {outcome.reason}")
+        # a process the new plan leaves without devices must leave the job; only the hosts
+        # of the named devices are excluded from it, the others come back at the relaunch
+        left_out = set(_processes_left_out(self.devices, new)) \
+            - set(_processes_left_out(self.devices, old)) if multi_process() else set()
+        named = {d.process_index for d in self.devices if int(d.id) in verdict.devices}
+        if left_out & named:
+            raise HostsLeftOut(tuple(sorted(left_out & named)), verdict.step,
+                               f"devices {list(verdict.devices)} {verdict.kind} "
+                               f"x{verdict.slowdown:.2f}; plan {new.describe()}")
+        reason = outcome.reason
+        if interim is not None and not left_out:  # a process leaving cannot wait for it
+            self.precompiler.prepare_first(new)
+            self._pending = (new, verdict, reason)
+            new, reason = interim, f"{reason}; training {interim.describe()} meanwhile"
+        fields: dict[str, Any] = {}
+        if new != old:
+            fields = dataclasses.asdict(self.switch_to(
+                new, from_checkpoint=verdict.kind == "stopped", data_before=data_before))
+        elif data_before is not None:
+            self.data.restore(data_before)
+        return self._replanned(Replan(verdict.step, verdict, old, new, reason,
+                                      self.clock() - start, plan_s=plan_s, cause=cause,
+                                      **fields))
+
+    def _replanned(self, replan: Replan) -> Replan:
+        """Record a re-plan; the detector measures its drift scale afresh on the new plan."""
+        self.detector.rebaseline()
+        self.replans.append(replan)
+        return replan
+
+    @property
+    def pending_plan(self) -> Plan | None:
+        """The plan the trainer switches to once its program compiled in the background."""
+        return None if self._pending is None else self._pending[0]
+
+    def _ready_for(self, plan: Plan) -> bool:
+        """Can `plan` run without compiling on this thread (its program reused or ready)?"""
+        return self.program.accepts(plan) or plan.mesh_key() in self.precompiler.ready()
+
+    def _pending_ready(self) -> bool:
+        """A switch waits and its program is ready (on process 0, which decides for all)."""
+        if self._pending is None:
+            return False
+        ready = self._pending[0].mesh_key() in self.precompiler.ready()
+        return bool(from_primary(ready or None)) if multi_process() else ready
+
+    def _finish_pending(self) -> Replan:
+        """Switch to the plan whose program compiled in the background."""
+        assert self._pending is not None
+        new, verdict, reason = self._pending
+        self._pending = None
+        start, old = self.clock(), self.plan
+        fields = dataclasses.asdict(self.switch_to(new))
+        return self._replanned(Replan(int(self.state.step), verdict, old, new,
+                                      f"{reason}; its program compiled in the background",
+                                      self.clock() - start, **fields))
+
+    def switch_to(self, new: Plan, *, from_checkpoint: bool = False,
+                  data_before: dict[str, Any] | None = None) -> Switch:
+        """Run `new` from now on: its program (reused, prepared or compiled now) and the state
+        moved onto it, or restored from the newest checkpoint when `from_checkpoint` and one
+        exists (the data position then comes from the checkpoint, else `data_before`)."""
+        if self.on_long_work is not None:
+            self.on_long_work("switch")
+        with counting() as count:
+            t0 = self.clock()
+            program, kind = self._program_for(new)
+            t1 = self.clock()
+            restored = None
+            if from_checkpoint and self.checkpointer and \
+                    self.checkpointer.latest_step() is not None:
+                got = self.checkpointer.restore(program)
+                state, restored = got.state, got.step
+                self.data.restore(got.data_state)
+            else:
+                state = self._move(program)
+                if data_before is not None:
+                    self.data.restore(data_before)
+            self.state = jax.block_until_ready(state)
+            t2 = self.clock()
+        if kind == "mesh_cold":
+            self._compile_s = t1 - t0
+        elif kind == "mesh_warm":
+            self._warm_s = t1 - t0
+        if kind != "split_only":
+            self.precompiler.keep(self.program)  # going back later compiles nothing
+        self._install(program, new)
+        self._prepare_next()
+        return Switch(kind, t1 - t0, t2 - t1, count.compiles, restored)
+
+    def _move(self, program: StepProgram) -> TrainState:
+        """The state moved onto `program`: in memory, or through orbax when the mesh
+        changes in a job of several processes (one jitted program cannot span two device
+        sets, and JAX cannot move arrays between them across processes)."""
+        if multi_process() and not same_devices(self.program, program):
+            if self.config.checkpoint_dir is None:
+                raise ConfigError("a job of several processes moves state onto a new mesh "
+                                  "through orbax: give it a checkpoint directory")
+            return move_via_orbax(self.state, self.program, program,
+                                  Path(self.config.checkpoint_dir) / "reshard")
+        return move_state(self.state, self.program, program)
+
+    def _context(self) -> PlanningContext:
+        costs = self.detector.cost_params()
+        ready = self.precompiler.ready()
+        measured = self._compile_s if self._compile_s is not None else self.config.recompile_s
+        switch = SwitchCosts(recompile_s=measured, warm_s=self._warm_s, prepared=ready,
+                             layer_slots=self.program.layer_slots,
+                             microbatch_slots=self.program.mb_slots,
+                             horizon_s=self.config.horizon_s,
+                             background=self.config.background_compile)
+        return PlanningContext(
+            self.model, costs or CostParams.for_model(self.model),
+            self.config.device_memory_gb * 2**30, tuple(int(d.id) for d in self.devices),
+            schedule="gpipe", remat=self.train_cfg.remat, switch=switch)
+
+
+def _primary_plans(new: Plan, interim: Plan | None) -> tuple[Plan, Plan | None]:
+    """Process 0's plan and interim plan on every process."""
+    got = from_primary({"plan": new.to_dict(),
+                        "interim": None if interim is None else interim.to_dict()})
+    return Plan.from_dict(got["plan"]), (None if got["interim"] is None
+                                         else Plan.from_dict(got["interim"]))
+
+
+def _processes_left_out(devices: Sequence[jax.Device], plan: Plan) -> tuple[int, ...]:
+    """Processes of the job that hold no device of `plan`."""
+    used = set(plan.device_ids)
+    every = {d.process_index for d in devices}
+    kept = {d.process_index for d in devices if int(d.id) in used}
+    return tuple(sorted(every - kept))
+
+
+def _agreed(verdict: Verdict | None) -> Verdict | None:
+    """Process 0's verdict on every process (identical inputs give identical verdicts, but a
+    split decision must be impossible, not merely unlikely)."""
+    if not multi_process():
+        return verdict
+    agreed = from_primary(None if verdict is None else dataclasses.asdict(verdict))
+    if agreed is None:
+        return None
+    return Verdict(**{**agreed, "devices": tuple(agreed["devices"])})
+
+
+def _updated_health(health: Health, verdict: Verdict) -> Health:
+    if verdict.kind == "stopped":
+        return health.with_changes(dead=verdict.devices)
+    update = {d: 1.0 / max(verdict.slowdown, 1.0) for d in verdict.devices}
+    if verdict.kind == "link":
+        return health.with_changes(link=update)
+    return health.with_changes(compute=update)

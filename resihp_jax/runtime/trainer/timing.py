@@ -1,0 +1,88 @@
+"""Per-step host time and per-stage busy times from the Instrument's host callbacks.
+
+`StageTimer` is an Instrument host function: it reads the clock at the start and end of the
+one region the train step times on each device, the forward of the group's micro-batch slot
+`TIMED_SLOT` through the stage's layers (tick = stage + TIMED_SLOT), and ignores every other
+event (a slowed device's markers fire on all its ticks, for the fault injector). Each
+device's callbacks arrive in order from one thread and every device writes only its own
+slot, so no lock is needed; the cost is two callbacks and two clock reads per device and step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from resihp_jax.meshes.plan import TIMED_SLOT
+from resihp_jax.train.instrument import FWD_END, FWD_START, RegionTimer
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    step_time_s: float  # host wall time of the whole step (dispatch to results ready)
+    fwd_DxPxT: np.ndarray  # each device's timed forward (0: not timed)
+
+    def gathered(self) -> StepTiming:
+        """This step as the whole job saw it: each process times only its own devices, and
+        the step took as long as its slowest process waited for it."""
+        from resihp_jax.meshes.agree import max_over_processes  # noqa: PLC0415
+
+        flat = max_over_processes(np.concatenate([[self.step_time_s], self.fwd_DxPxT.ravel()]))
+        return StepTiming(float(flat[0]), flat[1:].reshape(self.fwd_DxPxT.shape))
+
+    @property
+    def stage_DxP(self) -> np.ndarray | None:
+        """Timed forward of each (dp, pp) stage (slowest tp member); None if not timed."""
+        stage = self.fwd_DxPxT.max(axis=2)
+        return stage if np.all(stage > 0) else None
+
+
+class StageTimer:
+    """Each device's timed forward between `begin()` and `end()`."""
+
+    def __init__(self, shape_DxPxT: tuple[int, int, int],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.shape = tuple(shape_DxPxT)
+        self._regions = RegionTimer(clock)
+        self._fwd = np.zeros(self.shape)
+        self._t0 = 0.0
+
+    def __call__(self, event: int, dp: int, pp: int, tp: int, knob: float, busy: bool,
+                 tick: int) -> None:
+        if not busy or tick - pp != TIMED_SLOT:
+            return
+        key = (dp, pp, tp)
+        if event == FWD_START:
+            self._regions.start(key)
+        elif event == FWD_END:
+            elapsed = self._regions.stop(key)
+            if elapsed is not None:
+                self._fwd[key] = elapsed
+
+    def begin(self) -> None:
+        self._fwd[:] = 0.0
+        self._regions.clear()
+        self._t0 = self._regions.clock()
+
+    def end(self) -> StepTiming:
+        return StepTiming(self._regions.clock() - self._t0, self._fwd.copy())
+
+    def in_flight(self) -> list[tuple[int, int, int]]:
+        """Coordinates that started their timed work and never finished it (a hung device)."""
+        return sorted(self._regions.open_keys())  # type: ignore[arg-type]
+
+
+def timed_step(program: Any, state: Any, batch: Any, knobs_DxPxT: np.ndarray | None,
+               timer: StageTimer | None = None) -> tuple[Any, dict[str, Any], StepTiming]:
+    """Run one step to completion and time it with `timer` (per-stage times too when it is
+    the program's Instrument host, or part of it; a fresh one times the step alone)."""
+    if timer is None:
+        timer = StageTimer((program.plan.dp, program.plan.pp, program.plan.tp))
+    timer.begin()
+    state, metrics = program.step(state, batch, knobs_DxPxT)
+    jax.block_until_ready(metrics)
+    return state, metrics, timer.end()

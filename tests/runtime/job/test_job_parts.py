@@ -1,0 +1,236 @@
+"""The pieces of a multi-process job that need no second process: who a process is, the plan
+on the devices a job has, step deadlines, the watchdog, the supervisor's blame, metrics kept
+across a relaunch. Time is injected everywhere: nothing here waits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from resihp_jax.errors import ConfigError, HostsLeftOut, PlanError
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model.config import get_model_config
+from resihp_jax.runtime.job import distributed
+from resihp_jax.runtime.recovery import health_record
+from resihp_jax.runtime.job.deadline import Ladder, StepDeadline
+from resihp_jax.runtime.job.heartbeat import Beat
+from resihp_jax.runtime.job.plan import cover_processes, plan_for_devices
+from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor
+from resihp_jax.runtime.run.plain import metrics_file
+from resihp_jax.runtime.job.watchdog import HUNG_EXIT, Watchdog
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base = dict(coordinator=None, num_processes=None, process_id=None, host_id=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_job_spec_from_flags_variables_or_cluster() -> None:
+    spec = distributed.spec_from_args(_args(coordinator="10.0.0.1:8476", num_processes=4,
+                                            process_id=3, host_id="node7"), {})
+    assert (spec.coordinator, spec.num_processes, spec.process_id, spec.host_id) == \
+        ("10.0.0.1:8476", 4, 3, "node7") and not spec.single
+    env = {"RESIHP_COORDINATOR": "head:1234", "RESIHP_NUM_PROCESSES": "2",
+           "RESIHP_PROCESS_ID": "1", "RESIHP_HOST_ID": "pod-1"}
+    spec = distributed.spec_from_args(_args(), env)
+    assert (spec.num_processes, spec.process_id, spec.host_id) == (2, 1, "pod-1")
+    slurm = {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "16", "SLURM_PROCID": "3", "SLURM_LOCALID": "3"}
+    spec = distributed.spec_from_args(_args(), slurm)
+    assert spec.cluster == "SLURM" and spec.host_id.endswith(":3") and not spec.single
+    assert distributed.spec_from_args(_args(), {**slurm, "SLURM_NTASKS": "1"}).single
+    assert distributed.spec_from_args(_args(), {}).single
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(coordinator="h:1", num_processes=2), "missing: --process-id"),
+    (dict(coordinator="h:1", num_processes=2, process_id=2), "--process-id=2: valid are 0..1"),
+    (dict(coordinator="nohost", num_processes=2, process_id=0), "--coordinator='nohost'"),
+    (dict(coordinator="h:70000", num_processes=2, process_id=0), "1..65535"),
+    (dict(host_id="bad host"), "--host-id='bad host'"),
+])
+def test_bad_job_spec_is_named(kw: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        distributed.spec_from_args(_args(**kw), {})
+
+
+def test_bad_job_variable_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"\$RESIHP_NUM_PROCESSES='four'"):
+        distributed.spec_from_args(_args(), {"RESIHP_NUM_PROCESSES": "four"})
+
+
+def _requested(dp: int = 2, pp: int = 2, tp: int = 2) -> Plan:
+    return Plan.uniform(dp, pp, tp, n_layers=4, n_microbatches=4, microbatch_size=2,
+                        seq_len=64)
+
+
+def test_plan_as_requested_when_the_devices_allow() -> None:
+    ids = [0, 1, 2048, 2049, 4096, 4097, 6144, 6145]
+    plan, why = plan_for_devices(_requested(), get_model_config("tiny"), ids)
+    assert why == "as requested" and plan.device_ids == tuple(ids)
+
+
+def test_scheduler_plans_for_fewer_devices_keeping_the_global_batch() -> None:
+    ids = [0, 1, 2048, 2049, 6144, 6145]  # a relaunch without the process that held 4096
+    plan, why = plan_for_devices(_requested(), get_model_config("tiny"), ids)
+    assert set(plan.device_ids) <= set(ids) and "6 usable" in why
+    assert plan.n_microbatches == 4 and plan.microbatch_size == 2  # same batches, same order
+    with pytest.raises(PlanError, match="no usable devices"):
+        plan_for_devices(_requested(), get_model_config("tiny"), [])
+
+
+def test_every_process_gets_a_device() -> None:
+    process_of = {0: 0, 1: 0, 2048: 1, 2049: 1, 6144: 2, 6145: 2}
+    plan = _requested(4, 1, 1).replace(device_ids=(0, 1, 2048, 2049))  # process 2 left out
+    covered = cover_processes(plan, process_of)
+    assert {process_of[d] for d in covered.device_ids} == {0, 1, 2}
+    assert len(set(covered.device_ids)) == 4
+    with pytest.raises(PlanError, match="each of the job's 3 processes"):
+        cover_processes(_requested(2, 1, 1).replace(device_ids=(0, 1)), process_of)
+
+
+def test_deadline_from_the_cost_model_with_a_floor() -> None:
+    ladder = Ladder(floor_s=2.0, factor=3.0, startup_s=60.0)
+    assert ladder.deadline_s(None) == 60.0 and ladder.deadline_s(0.1) == 2.0
+    assert ladder.deadline_s(5.0) == 15.0
+    assert ladder.heartbeat_timeout_s > ladder.startup_s and ladder.init_timeout_s > 60
+    deadline = StepDeadline(get_model_config("tiny"), ladder)
+    plan, rng = _requested(), np.random.default_rng(0)
+    l2 = rng.uniform(1e3, 4e3, 4)
+    assert deadline.deadline_s(plan, l2) == 60.0  # nothing measured: the start-up limit
+    deadline.observe(plan, l2, 50.0)  # the first step compiles: not learned
+    assert deadline.deadline_s(plan, l2) == 60.0
+    for _ in range(3):
+        deadline.observe(plan, l2, 4.0)
+    assert deadline.deadline_s(plan, l2) == 12.0  # 3x the slowest healthy step so far
+    for _ in range(12):
+        sums = rng.uniform(1e3, 4e3, 4)
+        deadline.observe(plan, sums, 1.0 + sums.sum() / 4e3)
+    assert deadline.cost.ready and deadline.deadline_s(plan, l2) == pytest.approx(
+        3 * deadline.predicted_s(plan, l2))
+
+
+@pytest.mark.parametrize("kw", [dict(floor_s=0.0), dict(factor=1.0),
+                                dict(floor_s=5.0, startup_s=1.0)])
+def test_bad_ladder_is_refused(kw: dict) -> None:
+    with pytest.raises(ConfigError):
+        Ladder(**kw)
+
+
+def test_watchdog_fires_only_past_the_deadline() -> None:
+    now, fired = [0.0], []
+    dog = Watchdog(on_expiry=fired.append, clock=lambda: now[0], poll_s=3600)
+    try:
+        dog.arm(7, 5.0)
+        now[0] = 4.9
+        assert not dog.check()
+        now[0] = 5.1
+        assert dog.check() and "step 7" in fired[0] and "5.0 s" in fired[0]
+        assert not dog.check()  # fires once
+        dog.arm(8, 5.0)
+        dog.disarm()
+        now[0] = 100.0
+        assert not dog.check()
+    finally:
+        dog.close()
+
+
+def _supervisor(tmp_path: Path) -> Supervisor:
+    return Supervisor(LaunchConfig(4, 2, tmp_path, ("--steps", "3")), clock=lambda: 0.0)
+
+
+def _beat(age_s: float, step: int = 5) -> Beat:
+    import time
+
+    return Beat(1, step, 10.0, "p", time.time() - age_s)
+
+
+def test_supervisor_blames_the_frozen_process_not_those_that_gave_up(tmp_path: Path) -> None:
+    sup = _supervisor(tmp_path)
+    beats = {"p0": _beat(0.1), "p1": _beat(30.0), "p2": _beat(0.1), "p3": _beat(0.1)}
+    failure = sup._died({"p0": HUNG_EXIT, "p2": HUNG_EXIT}, beats, 5)
+    assert (failure.kind, failure.host) == ("hung", "p1")
+    killed = sup._died({"p3": -9, "p0": HUNG_EXIT}, beats, 5)
+    assert (killed.kind, killed.host) == ("died", "p3") and "SIGKILL" in killed.detail
+
+
+def test_launch_config_names_a_bad_fault(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--kill names process 4; valid: 0..3"):
+        LaunchConfig(4, 2, tmp_path, (), (Fault("kill", 4, 2),))
+
+
+def test_metrics_of_lost_steps_are_dropped_on_resume(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8)))
+    with metrics_file(str(path), 4) as f:
+        f.write(json.dumps({"step": 5, "loss": 2.0}) + "\n")
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    path.write_text("not json\n")
+    with pytest.raises(ConfigError, match="not a metrics file"):
+        metrics_file(str(path), 4)
+
+
+def test_the_record_of_the_restored_step_is_added_when_its_writer_died(tmp_path: Path) -> None:
+    """Step 3's state survived in the copies, its record did not reach the file: the copies'
+    record of it is written, once."""
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2)))
+    metrics_file(str(path), 3, {"step": 3, "loss": 0.5}).close()
+    metrics_file(str(path), 3, {"step": 3, "loss": 9.9}).close()  # present now: kept as is
+    assert [json.loads(x) for x in path.read_text().splitlines()][2:] == \
+        [{"step": 3, "loss": 0.5}]
+
+
+def test_slowdowns_seen_go_into_the_health_record(tmp_path: Path) -> None:
+    from resihp_jax.runtime.recovery import health_record
+    from resihp_jax.runtime.job.join import Job
+
+    job = Job(distributed.JobSpec(host_id="p0"), ("p0",))
+    job.record_slowdown((5,), 3.0, tmp_path)
+    job.record_slowdown((5,), 2.0, tmp_path)  # the worst slowdown seen is kept
+    assert health_record.load(tmp_path).slow == {"p0": 3.0}
+    assert set(job.slow_devices().values()) == {3.0}  # every device of that host
+
+
+def test_launch_refuses_train_arguments_before_starting_anything(tmp_path: Path,
+                                                                 capsys) -> None:
+    from resihp_jax.cli import main
+
+    assert main(["launch", "--procs", "2", "--checkpoint-dir", str(tmp_path), "--",
+                 "--bogus", "3"]) == 2
+    assert "train argument refused: unrecognized arguments: --bogus 3" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()  # no process was started
+
+
+def test_a_refused_argument_is_not_relaunched(tmp_path: Path) -> None:
+    sup = _supervisor(tmp_path)
+    failure = sup._died({"p1": 2}, {}, 0)
+    with pytest.raises(ConfigError, match="process p1 refused its arguments"):
+        sup._failed(failure, 0)
+
+
+def test_a_replan_that_leaves_a_slow_host_out_restarts_the_job_without_it(
+        tmp_path: Path) -> None:
+    sup = _supervisor(tmp_path)
+    left_out, replan = HostsLeftOut.LEFT_OUT_EXIT, HostsLeftOut.REPLAN_EXIT
+    failure = sup._left_out({"p0": replan, "p1": left_out, "p2": replan, "p3": replan}, 30)
+    assert (failure.kind, failure.hosts) == ("excluded", ("p1",))
+    sup._failed(failure, 30)
+    record = health_record.load(tmp_path)
+    assert record.usable(["p0", "p1", "p2", "p3"]) == ["p0", "p2", "p3"]
+    assert record.excluded["p1"].step == 30 and sup.summary.restarts == 1
+
+
+def test_processes_left_out_are_those_without_a_device_of_the_plan() -> None:
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from resihp_jax.runtime.trainer.resilient import _processes_left_out  # noqa: PLC0415
+
+    devices = [SimpleNamespace(id=i, process_index=i // 2) for i in range(8)]
+    plan = _requested(3, 1, 2).replace(device_ids=(0, 1, 4, 5, 6, 7))
+    assert _processes_left_out(devices, plan) == (1,)
+    assert _processes_left_out(devices, _requested(2, 2, 2)) == ()

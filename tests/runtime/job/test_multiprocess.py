@@ -1,0 +1,104 @@
+"""A job of 4 processes x 2 fake devices (gloo, loopback) under `resihp launch`: a killed and
+a frozen process are survived, the job relaunches on the survivors with the scheduler's plan,
+and every step's loss equals the uninterrupted single-process run's (none skipped or
+repeated). With dp=2 the relaunch rebuilds the last completed step from the survivors'
+copies (no step lost, no checkpoint needed); with dp=1 a dead process takes the only copy of
+its shards and the relaunch falls back to the periodic checkpoint. These start real
+processes: few and small (the `tiny` model, 8 steps)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from resihp_jax.cli import main
+from resihp_jax.runtime.recovery import health_record
+from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor
+
+STEPS = 8
+TRAIN = ("--model", "tiny", "--steps", str(STEPS), "--seed", "3", "--seq-len", "64",
+         "--hang-floor-s", "5")
+NEVER = ("--checkpoint-every", "100")  # no periodic checkpoint within the run
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The losses of the same job, uninterrupted, in this one process on 8 devices."""
+    path = tmp_path_factory.mktemp("ref") / "ref.jsonl"
+    assert main(["train", *TRAIN, "--no-progress", "--metrics", str(path)]) == 0
+    return [r["loss"] for r in _records(path)]
+
+
+def _launch(tmp_path: Path, fault: Fault, *extra: str) -> tuple[Supervisor, list[dict]]:
+    metrics = tmp_path / "m.jsonl"
+    config = LaunchConfig(4, 2, tmp_path / "job", (*TRAIN, *extra, "--metrics", str(metrics)),
+                          (fault,), max_restarts=2)
+    supervisor = Supervisor(config, out=io.StringIO())
+    supervisor.run()
+    return supervisor, _records(metrics)
+
+
+def _check_survived(supervisor: Supervisor, records: list[dict], reference: list[float],
+                    host: str, kind: str, tmp_path: Path) -> None:
+    summary = supervisor.summary
+    assert summary.final_step == STEPS and summary.restarts == 1
+    assert [f.kind for f in summary.failures] == [kind]
+    assert summary.failures[0].host == host  # the culprit, not a peer blocked by it
+    # every step once, in order, with the uninterrupted run's loss
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
+    # the relaunch ran on the 6 devices left, with the scheduler's plan
+    assert health_record.load(tmp_path / "job").excluded.keys() == {host}
+    first, second = summary.plans
+    assert second != first
+
+
+def _from_survivors(supervisor: Supervisor) -> None:
+    """The relaunch started from the step the failure interrupted: nothing lost."""
+    summary = supervisor.summary
+    assert summary.sources[0] == "init" and summary.sources[1].startswith("survivors@")
+    assert summary.steps_lost == 0 and summary.restored[1] >= 5
+
+
+def test_kill_loses_no_step_with_dp2(tmp_path: Path, reference: list[float]) -> None:
+    supervisor, records = _launch(tmp_path, Fault("kill", 2, 5), *NEVER)
+    _check_survived(supervisor, records, reference, "p2", "died", tmp_path)
+    _from_survivors(supervisor)
+    assert len(supervisor.summary.detect_s) == 1  # timed from the kill (benchmarks/multiprocess.py)
+    # dp=2 over 4 processes: each process reads only its own group's half of every batch
+    for p in range(4):
+        log = (tmp_path / "job" / "logs" / f"incarnation0-p{p}.log").read_text()
+        share = re.search(r"reads (\d+) of the (\d+) micro-batches", log)
+        assert share is not None and 2 * int(share[1]) == int(share[2]), log
+
+
+def test_kill_of_the_only_copy_falls_back_to_the_checkpoint(tmp_path: Path,
+                                                            reference: list[float]) -> None:
+    # dp=1: process p1 holds the only copy of its stage's shards
+    supervisor, records = _launch(tmp_path, Fault("kill", 1, 5), "--plan", "dp=1,pp=4,tp=2",
+                                  "--microbatches", "4", "--checkpoint-every", "2")
+    _check_survived(supervisor, records, reference, "p1", "died", tmp_path)
+    summary = supervisor.summary
+    restored = summary.restored[1]
+    assert summary.sources[1] == f"checkpoint@{restored}" and restored in (4, 6)
+    assert summary.steps_lost <= 2  # at most the steps since the checkpoint 2 steps back
+    log = (tmp_path / "job" / "logs" / "incarnation1-p0.log").read_text()
+    assert "copies of step" in log and "incomplete" in log and "falling back" in log
+
+
+def test_hang_is_caught_by_the_deadline(tmp_path: Path, reference: list[float]) -> None:
+    supervisor, records = _launch(tmp_path, Fault("hang", 1, 5), *NEVER)
+    _check_survived(supervisor, records, reference, "p1", "hung", tmp_path)
+    _from_survivors(supervisor)
+    # not before the deadline: 3x the slowest healthy step so far, floored at
+    # --hang-floor-s 5 (the tiny model's steps are far shorter, so the floor decides)
+    assert supervisor.summary.detect_s[0] >= 5.0

@@ -1,0 +1,186 @@
+"""Checkpoints restore into any plan (also onto fewer devices) with the data position, fall
+back from a damaged newest step, and refuse another run's steps."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from resihp_jax.data import BatchIterator
+from resihp_jax.errors import CheckpointError, CheckpointFallbackWarning
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model.config import get_model_config
+from resihp_jax.runtime.recovery.checkpoint import Checkpointer
+from resihp_jax.runtime.trainer.loop import run_step
+from resihp_jax.runtime.recovery.run_identity import run_identity
+from resihp_jax.train.config import TrainConfig
+from resihp_jax.train.reshard import to_canonical
+from resihp_jax.train.step import build_step
+from tests.helpers import max_relative_error
+
+CFG = get_model_config("tiny")
+M, B, S = 6, 2, 64
+
+
+def _data(seed: int = 0, state: dict | None = None) -> BatchIterator:
+    return BatchIterator("synthetic:bimodal", n_microbatches=M, microbatch_size=B, seq_len=S,
+                         seed=seed, state=state)
+
+
+def test_restore_onto_fewer_devices_continues_exactly(tmp_path: Path) -> None:
+    big = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    small = Plan(3, 2, 1, (6, 1, 0, 3, 4, 2), (1, 3), (2, 2, 2), B, S)
+    program = build_step(CFG, TrainConfig(), big, jax.devices())
+    state, data = program.init_state(0), _data()
+    ckpt = Checkpointer(tmp_path / "ckpt", interval=2)
+    for _ in range(2):
+        state, record = run_step(program, state, data.next_batch())
+    assert ckpt.save(record.step, state, program, data.state())
+    ckpt.wait()
+    expected_params = jax.device_get(to_canonical(state, program).params)
+    _, expected = run_step(program, state, data.next_batch())  # the uninterrupted next step
+
+    target = build_step(CFG, TrainConfig(), small, jax.devices())
+    restored = Checkpointer(tmp_path / "ckpt").restore(target)
+    assert restored.step == 2 and restored.plan == big
+    assert max_relative_error(jax.device_get(to_canonical(restored.state, target).params),
+                              expected_params) == 0.0
+    _, record = run_step(target, restored.state, _data(state=restored.data_state).next_batch())
+    np.testing.assert_allclose(record.loss, expected.loss, rtol=1e-5)
+    assert record.step == expected.step == 3
+
+
+def test_missing_checkpoints_are_clear_errors(tmp_path: Path) -> None:
+    program = build_step(CFG, TrainConfig(), Plan.uniform(
+        1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S), jax.devices())
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        Checkpointer(tmp_path / "empty").restore(program)
+    ckpt = Checkpointer(tmp_path / "one", interval=1)
+    ckpt.save(1, program.init_state(0), program, _data().state())
+    ckpt.wait()
+    with pytest.raises(CheckpointError, match="no checkpoint for step 7"):
+        ckpt.restore(program, step=7)
+    with pytest.raises(CheckpointError, match="interval=0"):
+        Checkpointer(tmp_path / "x", interval=0)
+
+
+def test_restoring_into_another_model_is_refused(tmp_path: Path) -> None:
+    plan = Plan.uniform(1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    program = build_step(CFG, TrainConfig(), plan, jax.devices())
+    ckpt = Checkpointer(tmp_path / "c", interval=1)
+    ckpt.save(1, program.init_state(0), program, _data().state())
+    ckpt.wait()
+    other = get_model_config("tiny", d_model=32, d_ff=64)
+    with pytest.raises(CheckpointError, match="does not match"):
+        ckpt.restore(build_step(other, TrainConfig(), plan, jax.devices()))
+
+
+def _trained(program, steps: int, data: BatchIterator, state=None):
+    state = program.init_state(0) if state is None else state
+    for _ in range(steps):
+        state, _ = run_step(program, state, data.next_batch())
+    return state
+
+
+def _canonical_params(state, program):
+    return jax.device_get(to_canonical(state, program).params)
+
+
+@functools.cache
+def _program():  # noqa: ANN202 - one compiled program shared by the tests below
+    plan = Plan.uniform(1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    return build_step(CFG, TrainConfig(), plan, jax.devices())
+
+
+def test_async_save_keeps_the_saved_step_although_buffers_are_donated(tmp_path: Path) -> None:
+    program = _program()
+    data = _data()
+    state = _trained(program, 3, data)
+    expected = _canonical_params(state, program)
+    ckpt = Checkpointer(tmp_path / "c", interval=3, asynchronous=True)
+    assert ckpt.save(3, state, program, data.state())
+    later = _trained(program, 2, data, state)  # donates the saved state's buffers
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state.params))
+    ckpt.wait()
+    restored = ckpt.restore(program)
+    assert restored.step == 3
+    assert max_relative_error(_canonical_params(restored.state, program), expected) == 0.0
+    assert max_relative_error(_canonical_params(later, program), expected) > 0.0
+
+
+def _largest_file(step_dir: Path) -> Path:
+    return max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _flip_a_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def _two_saves(directory: Path, program) -> tuple[Checkpointer, dict]:
+    """Checkpoints at steps 2 and 4; returns the checkpointer and step 2's parameters."""
+    data = _data()
+    ckpt = Checkpointer(directory, interval=2, keep=2)
+    state = _trained(program, 2, data)
+    ckpt.save(2, state, program, data.state())
+    step2 = _canonical_params(state, program)
+    state = _trained(program, 2, data, state)
+    ckpt.save(4, state, program, data.state())
+    ckpt.wait()
+    return ckpt, step2
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: _flip_a_bit(_largest_file(d / "state")),  # orbax itself reads it "fine"
+    lambda d: _truncate(_largest_file(d / "state")),
+    lambda d: (d / "meta" / "metadata").unlink(),
+    lambda d: (d / "state" / "_METADATA").unlink(),
+], ids=["flipped-bit", "truncated", "no-meta", "no-array-metadata"])
+def test_a_damaged_newest_step_falls_back_to_the_previous_good_one(tmp_path: Path,
+                                                                   damage) -> None:
+    program = _program()
+    ckpt, step2 = _two_saves(tmp_path / "c", program)
+    damage(tmp_path / "c" / "4")
+    with pytest.warns(CheckpointFallbackWarning, match="step 4 .* restored step 2") as seen:
+        restored = ckpt.restore(program)
+    assert len(seen) == 1 and "\n" not in str(seen[0].message)
+    assert restored.step == 2 and restored.skipped == (4,)
+    assert max_relative_error(_canonical_params(restored.state, program), step2) == 0.0
+    assert (tmp_path / "c" / "4.corrupt").is_dir() and ckpt.latest_step() == 2
+    assert ckpt.save(4, restored.state, program, _data().state())  # step 4 can be written anew
+
+
+def test_no_good_step_or_a_damaged_explicit_step_is_an_error(tmp_path: Path) -> None:
+    program = _program()
+    ckpt, _ = _two_saves(tmp_path / "c", program)
+    (tmp_path / "c" / "4" / "meta" / "metadata").unlink()
+    with pytest.raises(CheckpointError, match="step 4 .* is unreadable"):
+        ckpt.restore(program, step=4)
+    (tmp_path / "c" / "2" / "meta" / "metadata").unlink()
+    with pytest.raises(CheckpointError, match="no good checkpoint in .*step 4.*step 2"):
+        ckpt.restore(program)
+
+
+def test_another_runs_checkpoint_is_refused_naming_both_values(tmp_path: Path) -> None:
+    program = _program()
+    data = _data()
+    ours = run_identity(CFG, TrainConfig(), data.state())
+    ckpt = Checkpointer(tmp_path / "c", interval=1, identity=ours)
+    ckpt.save(1, program.init_state(0), program, data.state())
+    ckpt.wait()
+    theirs = run_identity(CFG, TrainConfig(learning_rate=1e-3), _data(seed=5).state())
+    with pytest.raises(CheckpointError, match=r"optimizer\.learning_rate=0\.003 in the "
+                                              r"checkpoint, 0\.001 in this run.*"
+                                              r"data\.seed=0 in the checkpoint, 5 in this run"):
+        Checkpointer(tmp_path / "c", identity=theirs).restore(program)
+    assert Checkpointer(tmp_path / "c", identity=ours).restore(program).step == 1

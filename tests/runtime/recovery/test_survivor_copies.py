@@ -1,0 +1,177 @@
+"""The survivors' copies of the last step (host_snapshot.py, survivor_copies.py): with dp=2
+the processes left after one dies hold every shard, and the state they wrote restores onto
+a smaller plan with the same values and the same next losses; with dp=1 some shard has no
+copy left and the resume falls back to the periodic checkpoint, saying so. One process poses
+as four (two devices each) through the snapshot's injected device list."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+import pytest
+
+from resihp_jax.data import BatchIterator
+from resihp_jax.errors import CheckpointError
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model.config import get_model_config
+from resihp_jax.runtime.recovery import survivor_copies
+from resihp_jax.runtime.recovery.checkpoint import Checkpointer, canonical_target
+from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots
+from resihp_jax.runtime.trainer.loop import run_step
+from resihp_jax.runtime.recovery.resume import start_state
+from resihp_jax.train.config import TrainConfig
+from resihp_jax.train.reshard import to_canonical
+from resihp_jax.train.step import build_step
+from tests.helpers import max_relative_error
+
+CFG = get_model_config("tiny")
+M, B, S = 4, 2, 64
+
+
+def _data(state: dict | None = None) -> BatchIterator:
+    return BatchIterator("synthetic:bimodal", n_microbatches=M, microbatch_size=B, seq_len=S,
+                         seed=1, state=state)
+
+
+def _trained(plan: Plan, steps: int, donate: bool = True) -> tuple:
+    program = build_step(CFG, TrainConfig(donate_state=donate), plan, jax.devices())
+    state, data = program.init_state(0), _data()
+    for _ in range(steps):
+        state, _ = run_step(program, state, data.next_batch())
+    return program, state, data
+
+
+def _survivors_write(directory: Path, program, state, data, dead: set[int],  # noqa: ANN001
+                     mode: str = "host", then: Callable[[], None] = lambda: None) -> None:
+    """Four posing processes of two devices each keep the state; `then` runs (e.g. the next
+    step, which fails); all but `dead` write."""
+    step = int(jax.device_get(state.step))
+    kept = [HostSnapshots(directory, f"p{process}", mode=mode,
+                          devices=(2 * process, 2 * process + 1)) for process in range(4)]
+    for copies in kept:
+        copies.capture(step, state, program, data.state())
+    then()
+    for process, copies in enumerate(kept):
+        if process not in dead:
+            assert copies.dump("a peer died")
+
+
+@pytest.mark.parametrize("mode", ["host", "keep"])
+def test_copies_of_one_dead_process_restore_onto_a_smaller_plan(tmp_path: Path,
+                                                                mode: str) -> None:
+    big = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    program, state, data = _trained(big, 2, donate=mode == "host")
+    expected = jax.device_get(to_canonical(state, program))
+    position = data.state()
+    after: list = []
+
+    def next_step() -> None:  # the step the failure interrupts consumes (donates) the state
+        after.append(run_step(program, state, data.next_batch())[1])
+
+    _survivors_write(tmp_path, program, state, data, dead={0}, mode=mode, then=next_step)
+    [next_record] = after  # what the uninterrupted step 3 gives
+    # with donation the consumed state is gone from the devices: only the host copy has it
+    assert state.params["embed"]["table"].is_deleted() == (mode == "host")
+    data = _data(state=position)
+
+    [copies] = survivor_copies.find(tmp_path)
+    assert copies.complete and copies.step == 2 and sorted(copies.hosts) == ["p1", "p2", "p3"]
+    small = Plan(1, 2, 2, (2, 3, 4, 5), (1, 3), (4,), B, S)  # what is left, another split
+    target = build_step(CFG, TrainConfig(), small, jax.devices())
+    restored = survivor_copies.restore(copies, target, canonical_target(target))
+    got = jax.device_get(to_canonical(restored, target))
+    assert max_relative_error(got.params, expected.params) == 0.0
+    assert max_relative_error(got.opt_state, expected.opt_state) == 0.0  # Adam moments, count
+    assert int(got.step) == 2
+    _, record = run_step(target, restored, _data(state=copies.data_state).next_batch())
+    assert record.step == 3 and record.batch_crc == next_record.batch_crc  # the same batch
+    np.testing.assert_allclose(record.loss, next_record.loss, rtol=1e-5)
+
+
+def _checkpointed_at_1_then_trained_to_3(plan: Plan, directory: Path) -> tuple:
+    """A run with a periodic checkpoint of step 1 in `directory` and its state at step 3."""
+    program, state, data = _trained(plan, 1)
+    ckpt = Checkpointer(directory, interval=1)
+    ckpt.save(1, state, program, data.state())
+    ckpt.wait()
+    for _ in range(2):
+        state, _ = run_step(program, state, data.next_batch())
+    return program, state, data, ckpt
+
+
+def test_resume_prefers_complete_copies_over_an_older_checkpoint(tmp_path: Path) -> None:
+    plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    program, state, data, ckpt = _checkpointed_at_1_then_trained_to_3(plan, tmp_path)
+    _survivors_write(tmp_path, program, state, data, dead={3})
+    out = io.StringIO()
+    start = start_state(program, ckpt, _data(), resume=True, seed=0, primary=True, out=out)
+    assert (start.step, start.source) == (3, "survivors@3")
+    assert "newest periodic checkpoint: step 1" in out.getvalue()
+
+
+def test_copies_missing_a_shard_fall_back_to_the_checkpoint(tmp_path: Path) -> None:
+    plan = Plan.uniform(1, 4, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    program, state, data, ckpt = _checkpointed_at_1_then_trained_to_3(plan, tmp_path)
+    _survivors_write(tmp_path, program, state, data, dead={2})  # dp=1: stage 2 has no copy
+    [copies] = survivor_copies.find(tmp_path)
+    assert not copies.complete and "no surviving copy" in copies.missing
+    with pytest.raises(CheckpointError, match="no surviving copy"):
+        survivor_copies.restore(copies, program, canonical_target(program))
+    out = io.StringIO()
+    fresh = _data()
+    start = start_state(program, ckpt, fresh, resume=True, seed=0, primary=True, out=out)
+    assert (start.step, start.source) == (1, "checkpoint@1")
+    assert "incomplete" in out.getvalue() and "falling back to checkpoint step 1" in out.getvalue()
+    assert fresh.batches_served == 1  # the data position is the checkpoint's
+
+
+def test_copies_of_another_model_are_refused(tmp_path: Path) -> None:
+    plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    program, state, data = _trained(plan, 1)
+    _survivors_write(tmp_path, program, state, data, dead=set())
+    other = build_step(get_model_config("tiny", d_ff=96), TrainConfig(), plan, jax.devices())
+    [copies] = survivor_copies.find(tmp_path)
+    with pytest.raises(CheckpointError, match="do not match this model"):
+        survivor_copies.restore(copies, other, canonical_target(other))
+
+
+def test_processes_stopped_a_step_apart_restore_the_step_they_share(tmp_path: Path) -> None:
+    """p2 finished step 3 before it stopped, p1 was still in it: p1 wrote step 2 only, p2
+    steps 3 and 2. Step 3 lacks p1's shards; step 2 is whole and is restored."""
+    plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    program, state, data = _trained(plan, 2, donate=False)
+    expected = jax.device_get(to_canonical(state, program))
+    p1 = HostSnapshots(tmp_path, "p1", mode="keep", devices=(2, 3))
+    p2 = HostSnapshots(tmp_path, "p2", mode="keep", devices=(4, 5))
+    for copies in (p1, p2):
+        copies.capture(2, state, program, data.state())
+    ahead, _ = run_step(program, state, data.next_batch())
+    p2.capture(3, ahead, program, data.state())
+    assert len(p1.dump("terminated")) == 1 and len(p2.dump("terminated")) == 2
+    newest, shared = survivor_copies.find(tmp_path)
+    assert (newest.step, newest.complete) == (3, False)
+    assert (shared.step, shared.complete) == (2, True)
+    out = io.StringIO()
+    start = start_state(program, Checkpointer(tmp_path), _data(), resume=True,
+                        seed=0, primary=True, out=out)
+    assert start.source == "survivors@2" and "copies of step 3 are incomplete" in out.getvalue()
+    got = jax.device_get(to_canonical(start.state, program))
+    assert max_relative_error(got.params, expected.params) == 0.0
+
+
+def test_auto_keeps_the_states_on_the_devices_only_where_two_more_fit() -> None:
+    from resihp_jax.runtime.recovery.host_snapshot import auto_mode  # noqa: PLC0415
+
+    gib = 2**30
+    # an 80 GB accelerator: a 1B model's 14 GB state twice beside a 30 GB step fits
+    assert auto_mode("gpu", 30 * gib, 14 * gib, 80 * gib) == "keep"
+    # a 70B shard that fills most of the device: copies go to host memory instead
+    assert auto_mode("gpu", 60 * gib, 14 * gib, 80 * gib) == "host"
+    # a device that reports no memory limit: assume it does not fit
+    assert auto_mode("tpu", 1 * gib, 1 * gib, None) == "host"
+    # CPU "device memory" is host memory: keeping costs nothing there
+    assert auto_mode("cpu", 60 * gib, 14 * gib, None) == "keep"

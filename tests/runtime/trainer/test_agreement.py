@@ -1,0 +1,62 @@
+"""Two real processes (gloo, loopback) that see a step differently end with one view and one
+decision: timings are combined across processes, and process 0's verdict and plan are
+everyone's, so a verdict on a slow process leads every process to the same new plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from resihp_jax.runtime.job.supervisor import free_port
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    pid, port = int(sys.argv[1]), sys.argv[2]
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid, initialization_timeout=120)
+    from resihp_jax.detector.verdict import Verdict
+    from resihp_jax.meshes.plan import Plan
+    from resihp_jax.meshes.agree import from_primary
+    from resihp_jax.runtime.trainer.resilient import _agreed
+    from resihp_jax.runtime.trainer.timing import StepTiming
+
+    # each process timed only its own devices (the other's entries are 0)
+    fwd = np.zeros((1, 2, 1)); fwd[0, pid, 0] = 0.5 + pid
+    timing = StepTiming(1.0 + pid, fwd).gathered()
+    # process 1 reaches a different verdict and plan than process 0
+    mine = Verdict(7, (2048,), "compute", 3.0, 0.9, "resihp") if pid == 0 else None
+    verdict = _agreed(mine)
+    plan = Plan.uniform(2, 1, 1, n_layers=2, n_microbatches=4, microbatch_size=1, seq_len=8,
+                        device_ids=(0, 2048))
+    plan = plan.replace(microbatches_per_group=(3, 1) if pid == 0 else (2, 2))
+    agreed = Plan.from_dict(from_primary(plan.to_dict()))
+    nothing = from_primary(None if pid == 0 else {"verdict": "only process 1 has one"})
+    print("RESULT " + json.dumps({
+        "step_time_s": timing.step_time_s, "fwd": timing.fwd_DxPxT.ravel().tolist(),
+        "verdict": None if verdict is None else [list(verdict.devices), verdict.slowdown],
+        "plan": list(agreed.microbatches_per_group), "nothing": nothing}), flush=True)
+""")
+
+
+def test_every_process_sees_the_same_step_and_follows_process_0() -> None:
+    port = str(free_port())
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(i), port], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    results = []
+    for proc, text in zip(procs, outputs):
+        assert proc.returncode == 0, text
+        line = next(x for x in text.splitlines() if x.startswith("RESULT "))
+        results.append(json.loads(line[len("RESULT "):]))
+    first, second = results
+    assert first == second  # one view, one decision
+    assert first["step_time_s"] == 2.0 and first["fwd"] == [0.5, 1.5]
+    assert first["verdict"] == [[2048], 3.0] and first["plan"] == [3, 1]
+    assert first["nothing"] is None

@@ -1,0 +1,149 @@
+"""ResilientTrainer: a stopped device is re-planned around with nothing lost or repeated, and a
+switch compiles only what was not prepared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from resihp_jax.data import BatchIterator
+from resihp_jax.detector.verdict import Verdict
+from resihp_jax.errors import TrainingDiverged
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model.config import get_model_config
+from resihp_jax.faults.injector import FaultInjector
+from resihp_jax.runtime.trainer.loop import StepRecord, train
+from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
+from resihp_jax.train.config import TrainConfig
+from resihp_jax.train.step import build_step
+
+CFG = get_model_config("tiny")
+PLAN = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=6, microbatch_size=2, seq_len=64)
+TRAIN = TrainConfig(microbatch_slots=3)
+
+
+def _data() -> BatchIterator:
+    return BatchIterator("synthetic:lognormal", n_microbatches=6, microbatch_size=2,
+                         seq_len=64, seed=3)
+
+
+def _reference_losses(steps: int) -> list[float]:
+    program = build_step(CFG, TRAIN, PLAN, jax.devices())
+    return [r.loss for _, r in train(program, program.init_state(0), _data(), steps)]
+
+
+def _resilient_run(tmp_path: Path | None, steps: int) -> tuple[list, list]:
+    injector = FaultInjector(PLAN)
+    injector.kill(6, at_step=3)
+    config = ResilienceConfig(checkpoint_dir=str(tmp_path) if tmp_path else None,
+                              checkpoint_interval=2, precompile=0, compile_cache_dir=None)
+    trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(), config,
+                               fault_hook=injector)
+    items = list(trainer.run(steps))
+    return ([i for i in items if isinstance(i, StepRecord)],
+            [i for i in items if isinstance(i, Replan)])
+
+
+def test_stopped_device_is_replanned_in_memory() -> None:
+    records, replans = _resilient_run(None, 5)
+    assert len(replans) == 1
+    replan = replans[0]
+    assert replan.verdict.kind == "stopped" and replan.verdict.devices == (6,)
+    assert 6 not in replan.new_plan.device_ids
+    assert replan.new_plan.n_microbatches == PLAN.n_microbatches  # same global batch
+    assert [r.step for r in records] == [1, 2, 3, 4, 5]  # step 3 re-ran, nothing skipped
+    np.testing.assert_allclose([r.loss for r in records], _reference_losses(5), rtol=2e-5)
+
+
+def test_stopped_device_restores_from_checkpoint(tmp_path: Path) -> None:
+    records, replans = _resilient_run(tmp_path / "ckpt", 4)
+    assert replans[0].restored_from_step == 2
+    assert [r.step for r in records] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r.loss for r in records], _reference_losses(4), rtol=2e-5)
+
+
+def test_switches_compile_only_what_was_not_prepared() -> None:
+    """Split-only: the program is reused; a prepared mesh: compiled ahead in the background;
+    only an unforeseen mesh compiles on the training thread. Losses stay the reference's."""
+    trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(),
+                               ResilienceConfig(precompile=0, compile_cache_dir=None))
+    split = PLAN.replace(layers_per_stage=(1, 3))
+    warm = Plan.uniform(2, 1, 2, n_layers=4, n_microbatches=6, microbatch_size=2,
+                        seq_len=64).replace(device_ids=(0, 1, 2, 4))
+    cold = Plan.uniform(1, 2, 2, n_layers=4, n_microbatches=6, microbatch_size=2,
+                        seq_len=64).replace(device_ids=(4, 5, 6, 7))
+    trainer.precompiler.prepare([warm])
+    trainer.precompiler.wait()
+    records, switches = [], []
+    for step, plan in enumerate((split, warm, cold), start=1):
+        records += list(trainer.run(step))
+        switches.append(trainer.switch_to(plan))
+        assert trainer.plan == plan
+    records += list(trainer.run(4))
+    trainer.close()
+    assert [s.kind for s in switches] == ["split_only", "mesh_warm", "mesh_cold"]
+    assert [s.compiles for s in switches[:2]] == [0, 0]
+    assert switches[2].compiles >= 1  # the counter sees a compile when there is one
+    np.testing.assert_allclose([r.loss for r in records], _reference_losses(4), rtol=2e-5)
+
+
+def test_a_slow_device_trains_an_interim_split_while_the_new_mesh_compiles() -> None:
+    """After a fail-slow verdict whose best plan needs a new program, the trainer moves at once
+    to a split of the current program and switches to the new mesh at the first step after
+    its background compile is ready: no compile on the training thread, no step lost, the
+    reference's losses."""
+    trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(),
+                               ResilienceConfig(precompile=0, compile_cache_dir=None))
+    records = list(trainer.run(2))
+    first = trainer.react(Verdict(2, (5,), "compute", 4.0, 1.0))
+    target = trainer.pending_plan
+    assert first.kind == "split_only" and first.new_plan.same_mesh(PLAN)
+    assert target is not None and not target.same_mesh(PLAN) and 5 not in target.device_ids
+    trainer.precompiler.wait()
+    items = list(trainer.run(4))
+    trainer.close()
+    (done,) = [i for i in items if isinstance(i, Replan)]
+    assert (done.new_plan, done.kind, done.compiles) == (target, "mesh_warm", 0)
+    assert trainer.pending_plan is None and trainer.plan == target
+    records += [i for i in items if isinstance(i, StepRecord)]
+    assert [r.step for r in records] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r.loss for r in records], _reference_losses(4), rtol=2e-5)
+
+
+class _Predicts:
+    """A detector stand-in that predicts a fixed healthy step time (or nothing)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+
+    def healthy_time_s(self, *_: object) -> float | None:
+        return self.seconds
+
+
+def test_hang_deadline_follows_the_predicted_time_of_the_batch() -> None:
+    config = ResilienceConfig(precompile=0, compile_cache_dir=None, step_timeout_s=120.0,
+                              hang_factor=3.0, hang_floor_s=10.0)
+    trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(), config)
+    batch = _data().next_batch()
+    deadlines = []
+    for seconds in (None, 2.0, 5.0):
+        trainer.detector = _Predicts(seconds)  # type: ignore[assignment]
+        deadlines.append(trainer.deadline_s(batch))
+    trainer.close()
+    assert deadlines == [120.0, 10.0, 15.0]  # no prediction yet, the floor, 3x the prediction
+
+
+def test_a_non_finite_step_stops_the_trainer_unsaved(tmp_path: Path) -> None:
+    config = ResilienceConfig(precompile=0, compile_cache_dir=None,
+                              checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=1)
+    trainer = ResilientTrainer(CFG, TrainConfig(microbatch_slots=3, learning_rate=1e30,
+                                                warmup_steps=0), PLAN, jax.devices(),
+                               _data(), config)
+    with pytest.raises(TrainingDiverged, match=r"step (\d+).*not finite.*newest checkpoint"):
+        list(trainer.run(6))
+    trainer.close()
+    assert trainer.checkpointer.latest_step() is not None
+    assert trainer.checkpointer.latest_step() < int(trainer.state.step)

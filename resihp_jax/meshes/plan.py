@@ -46,6 +46,7 @@ def even_split(total: int, parts: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Plan:
+    """How one step runs: dp x pp x tp over `device_ids`, the layer and micro-batch splits."""
     dp: int
     pp: int
     tp: int

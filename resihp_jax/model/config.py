@@ -10,6 +10,7 @@ from resihp_jax.errors import ConfigError
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A decoder's sizes (frozen, validated on construction); presets via `get_model_config`."""
     name: str = "tiny"
     vocab_size: int = 256  # byte-level tokens
     d_model: int = 64

@@ -41,6 +41,7 @@ def _factor_map(name: str, values: Mapping[int, float]) -> Mapping[int, float]:
 
 @dataclass(frozen=True)
 class Health:
+    """Per-device speed factors in (0, 1] (`compute`, `link`) and the `dead` device ids."""
     compute: Mapping[int, float] = field(default_factory=dict)
     link: Mapping[int, float] = field(default_factory=dict)
     dead: frozenset[int] = frozenset()

@@ -13,6 +13,7 @@ from resihp_jax.errors import ConfigError
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """Optimizer (AdamW, warmup, clipping) and step-compilation settings; frozen, validated."""
     learning_rate: float = 3e-3
     warmup_steps: int = 10
     weight_decay: float = 0.1

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # loop users without checkpoints never import orbax
 
 @dataclass(frozen=True)
 class StepRecord:
+    """One trained step, as `ResilientTrainer.run` yields it: loss, timing, tokens, plan."""
     step: int
     loss: float
     step_time_s: float

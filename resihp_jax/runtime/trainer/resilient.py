@@ -60,6 +60,7 @@ LIKELY_SLOWDOWNS = (2.0, 4.0)  # the fail-slow factors the precompiler plans for
 
 @dataclass(frozen=True)
 class ResilienceConfig:
+    """How the ResilientTrainer detects, re-plans and checkpoints (detector, policy, deadlines)."""
     detector: str = "resihp"
     policy: str = "resihp"
     # A step with no result by its deadline counts as hung (its busy devices stopped): the
@@ -141,6 +142,7 @@ class _Host:
 
 @dataclass
 class ResilientTrainer:
+    """Trains `plan` on `devices`, watching every step; `run(n)` yields StepRecords and Replans."""
     model: ModelConfig
     train_cfg: TrainConfig
     plan: Plan

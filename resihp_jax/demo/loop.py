@@ -4,18 +4,19 @@ happens (progress, event lines, a JSON line per step and per event)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from resihp_jax.errors import PlanError, ResihpError
+from resihp_jax.demo.config import DemoConfig
 from resihp_jax.demo.progress import Progress, progress_mode
 from resihp_jax.demo.summary import ReplanPoint, StepPoint, plan_label
+from resihp_jax.errors import PlanError, ResihpError
 
 if TYPE_CHECKING:
     from resihp_jax.data import BatchIterator
-    from resihp_jax.cli.demo import Setup
+    from resihp_jax.faults.injector import FaultInjector
+    from resihp_jax.runtime.trainer.resilient import ResilienceConfig
 
 CHECKPOINT_INTERVAL = 8
 
@@ -30,34 +31,24 @@ class DemoLog:
     error: ResihpError | None = None  # a user-caused error met mid-run (e.g. no plan left)
 
 
-def run_demo(setup: Setup, args: argparse.Namespace, data: BatchIterator, out: TextIO,
-             err: TextIO) -> DemoLog:
+def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO) -> DemoLog:
     from resihp_jax.runtime.job.devices import select_devices
-    from resihp_jax.faults.injector import FaultInjector
-    from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer
+    from resihp_jax.runtime.trainer.resilient import ResilientTrainer
     from resihp_jax.train.config import TrainConfig
 
-    devices = select_devices(setup.n_devices)
-    injector = FaultInjector(setup.plan)
-    if setup.slow is not None:
-        injector.slow(setup.slow.device, setup.slow.factor, start_step=setup.slow.step)
-    if setup.kill is not None:
-        injector.kill(setup.kill.device, at_step=setup.kill.step)
-    config = ResilienceConfig(checkpoint_dir=args.checkpoint_dir,
-                              checkpoint_interval=CHECKPOINT_INTERVAL,
-                              precompile=args.precompile, compile_cache_dir=setup.compile_cache,
-                              background_compile=not args.no_background_compile)
-    trainer = ResilientTrainer(setup.model, TrainConfig(), setup.plan, devices, data, config,
-                               fault_hook=injector)
-    faults = "; ".join(f.describe() for f in setup.faults) or "none (a healthy run)"
-    print(f"resihp demo: {setup.model.name} ({setup.model.dtype}) on {setup.n_devices} "
-          f"{devices[0].platform} device(s), data {args.data}, plan {setup.plan.describe()}; "
-          f"faults: {faults}", file=out, flush=True)
-    log = DemoLog(metrics=args.metrics)
-    progress = Progress(args.steps, progress_mode(args.no_progress, err), out, err)
-    metrics = open(args.metrics, "w") if args.metrics else None  # noqa: SIM115
+    devices = select_devices(config.n_devices)
+    injector = _injector(config)
+    trainer = ResilientTrainer(config.model, TrainConfig(), config.plan, devices, data,
+                               _resilience(config), fault_hook=injector)
+    faults = "; ".join(f.describe() for f in config.faults) or "none (a healthy run)"
+    print(f"resihp demo: {config.model.name} ({config.model.dtype}) on {config.n_devices} "
+          f"{devices[0].platform} device(s), data {config.data}, plan "
+          f"{config.plan.describe()}; faults: {faults}", file=out, flush=True)
+    log = DemoLog(metrics=config.metrics)
+    progress = Progress(config.steps, progress_mode(not config.progress, err), out, err)
+    metrics = open(config.metrics, "w") if config.metrics else None  # noqa: SIM115
     try:
-        _consume(trainer, args, log, progress, metrics)
+        _consume(trainer, config, log, progress, metrics)
     except ResihpError as error:
         log.error = error
     except KeyboardInterrupt:
@@ -71,11 +62,32 @@ def run_demo(setup: Setup, args: argparse.Namespace, data: BatchIterator, out: T
     return log
 
 
-def _consume(trainer: Any, args: argparse.Namespace, log: DemoLog, progress: Progress,
+def _injector(config: DemoConfig) -> FaultInjector:
+    from resihp_jax.faults.injector import FaultInjector
+
+    injector = FaultInjector(config.plan)
+    if config.slow is not None:
+        injector.slow(config.slow.device, config.slow.factor, start_step=config.slow.step)
+    if config.kill is not None:
+        injector.kill(config.kill.device, at_step=config.kill.step)
+    return injector
+
+
+def _resilience(config: DemoConfig) -> ResilienceConfig:
+    from resihp_jax.runtime.trainer.resilient import ResilienceConfig
+
+    return ResilienceConfig(checkpoint_dir=config.checkpoint_dir,
+                            checkpoint_interval=CHECKPOINT_INTERVAL,
+                            precompile=config.precompile,
+                            compile_cache_dir=config.compile_cache,
+                            background_compile=config.background_compile)
+
+
+def _consume(trainer: Any, config: DemoConfig, log: DemoLog, progress: Progress,
              metrics: TextIO | None) -> None:
     from resihp_jax.runtime.trainer.resilient import Replan
 
-    for item in trainer.run(args.steps, seed=args.seed):
+    for item in trainer.run(config.steps, seed=config.seed):
         if isinstance(item, Replan):
             point = replan_point(item, len(log.points))
             log.replans.append(point)

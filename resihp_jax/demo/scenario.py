@@ -81,6 +81,13 @@ def _float(text: str) -> float | None:
 def check_faults(slow: SlowSpec | None, kill: KillSpec | None, *, steps: int,
                  plan_devices: Sequence[int], warmup: int) -> list[str]:
     """Raise ConfigError for a fault the run cannot show; return warnings for risky ones."""
+    check_fault_range(slow, kill, steps=steps, plan_devices=plan_devices)
+    return check_fault_timing(slow, kill, steps=steps, warmup=warmup)
+
+
+def check_fault_range(slow: SlowSpec | None, kill: KillSpec | None, *, steps: int,
+                      plan_devices: Sequence[int]) -> None:
+    """Raise ConfigError for a fault on a device outside the plan or a step outside the run."""
     for flag, fault in (("--slow", slow), ("--kill", kill)):
         if fault is None:
             continue
@@ -90,10 +97,13 @@ def check_faults(slow: SlowSpec | None, kill: KillSpec | None, *, steps: int,
         if not 1 <= fault.step <= steps:
             raise ConfigError(f"{flag}: step {fault.step} is outside the run; valid steps are "
                               f"1..{steps} (--steps={steps})")
-    warnings: list[str] = []
-    if slow is not None:
-        warnings += _check_slow(slow, kill, steps, warmup)
-    return warnings
+
+
+def check_fault_timing(slow: SlowSpec | None, kill: KillSpec | None, *, steps: int,
+                       warmup: int) -> list[str]:
+    """Raise ConfigError for a slowdown inside the detector's warm-up (`warmup` steps, known
+    only once the detector is imported); return warnings for risky timings."""
+    return [] if slow is None else _check_slow(slow, kill, steps, warmup)
 
 
 def _check_slow(slow: SlowSpec, kill: KillSpec | None, steps: int, warmup: int) -> list[str]:

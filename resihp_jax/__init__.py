@@ -19,8 +19,8 @@ _EXPORTS: dict[str, str] = {
     "Plan": "resihp_jax.meshes.plan",
     "BatchIterator": "resihp_jax.data.iterator",
     # devices
-    "use_cpu_devices": "resihp_jax.cpu_devices",
-    "devices": "resihp_jax.cpu_devices",
+    "use_cpu_devices": "resihp_jax.runtime.job.devices",
+    "devices": "resihp_jax.runtime.job.devices",
     # the step
     "TrainConfig": "resihp_jax.train.config",
     "build_step": "resihp_jax.train.step",
@@ -31,6 +31,11 @@ _EXPORTS: dict[str, str] = {
     "Replan": "resihp_jax.runtime.trainer.resilient",
     "StepRecord": "resihp_jax.runtime.trainer.loop",
     "Checkpointer": "resihp_jax.runtime.recovery.checkpoint",
+    # the run `resihp train` performs (one process, a job's process, --adapt), from configs
+    "RunConfig": "resihp_jax.runtime.run.config",
+    "TrainingRun": "resihp_jax.runtime.run.training",
+    "JobSpec": "resihp_jax.runtime.job.distributed",
+    "job_spec": "resihp_jax.runtime.job.distributed",
     # detection and re-planning on their own
     "Health": "resihp_jax.perfmodel.health",
     "make_detector": "resihp_jax.detector.base",
@@ -50,6 +55,7 @@ __all__ = [
     "Checkpointer",
     "ConfigError",
     "Health",
+    "JobSpec",
     "ModelConfig",
     "Plan",
     "PlanError",
@@ -57,12 +63,15 @@ __all__ = [
     "ResihpError",
     "ResilienceConfig",
     "ResilientTrainer",
+    "RunConfig",
     "StepRecord",
     "TrainConfig",
     "TrainingDiverged",
+    "TrainingRun",
     "build_step",
     "devices",
     "get_model_config",
+    "job_spec",
     "make_detector",
     "move_state",
     "run_policy",
@@ -70,7 +79,6 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from resihp_jax.cpu_devices import devices, use_cpu_devices
     from resihp_jax.data.iterator import BatchIterator
     from resihp_jax.detector.base import make_detector
     from resihp_jax.errors import (
@@ -83,7 +91,11 @@ if TYPE_CHECKING:
     from resihp_jax.meshes.plan import Plan
     from resihp_jax.model.config import ModelConfig, get_model_config
     from resihp_jax.perfmodel.health import Health
+    from resihp_jax.runtime.job.devices import devices, use_cpu_devices
+    from resihp_jax.runtime.job.distributed import JobSpec, job_spec
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
+    from resihp_jax.runtime.run.config import RunConfig
+    from resihp_jax.runtime.run.training import TrainingRun
     from resihp_jax.runtime.trainer.loop import StepRecord
     from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
     from resihp_jax.scheduler.policies import run_policy

@@ -3,7 +3,7 @@
 Pure numpy on top of the performance model; nothing here imports JAX.
 """
 
-from resihp_jax.scheduler.context import PlanningContext, SwitchCosts
+from resihp_jax.scheduler.context import PlanningContext, Policy, Proposal, SwitchCosts
 from resihp_jax.perfmodel.health_spec import build_health, parse_dead, parse_slowdowns
 from resihp_jax.scheduler.ours import resihp
 from resihp_jax.scheduler.policies import (
@@ -17,7 +17,6 @@ from resihp_jax.scheduler.policies import (
     reference,
     run_policy,
 )
-from resihp_jax.scheduler.proposal import Policy, Proposal
 from resihp_jax.scheduler.search import Candidate, clear_caches, search_plans
 
 __all__ = [

@@ -23,10 +23,9 @@ import numpy as np
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel import Health, fits_memory
 from resihp_jax.scheduler.candidates import Layout, build_plan, layer_options, rank_splits
-from resihp_jax.scheduler.context import PlanningContext
+from resihp_jax.scheduler.context import PlanningContext, Proposal, faulty_in, keep_current
 from resihp_jax.scheduler.memory_caps import layer_cap, microbatch_cap
 from resihp_jax.scheduler.placement import base_grid, place
-from resihp_jax.scheduler.proposal import Proposal, faulty_in, keep_current
 from resihp_jax.scheduler.scoring import refine_microbatches, step_time_s
 from resihp_jax.scheduler.search import device_pool, memory_limits
 from resihp_jax.scheduler.stagecost import healthy_unit_costs, scaled_costs

@@ -8,9 +8,8 @@ from collections.abc import Callable
 from resihp_jax.errors import PlanError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel import Health, memory_bytes_per_device
-from resihp_jax.scheduler.context import PlanningContext
+from resihp_jax.scheduler.context import PlanningContext, Proposal, keep_current
 from resihp_jax.scheduler.memory_caps import MemoryLimits, fits
-from resihp_jax.scheduler.proposal import Proposal, keep_current
 from resihp_jax.scheduler.scoring import step_time_s
 from resihp_jax.scheduler.search import memory_limits, search_plans
 from resihp_jax.scheduler.shapes import ShapeSpace, mesh_shapes

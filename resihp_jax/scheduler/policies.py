@@ -17,9 +17,8 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel import Health
 from resihp_jax.scheduler import baselines
-from resihp_jax.scheduler.context import PlanningContext
+from resihp_jax.scheduler.context import PlanningContext, Policy
 from resihp_jax.scheduler.ours import resihp
-from resihp_jax.scheduler.proposal import Policy
 from resihp_jax.scheduler.scoring import step_time_s
 
 OURS = "resihp"

@@ -19,8 +19,7 @@ import yaml
 
 from resihp_jax.cli import build_parser
 from resihp_jax.model.config import PRESETS
-from resihp_jax.runtime.job import distributed
-from resihp_jax.cli.train import plan_from_args
+from resihp_jax.cli.train import job_spec_from_args, plan_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
@@ -202,7 +201,7 @@ def test_yaml_train_commands_parse_and_join_the_job(path: Path) -> None:
         gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
         args = check_train_invocation(argv, n_procs * gpus)
         assert {v["name"] for v in container["env"]} == ENV_NAMES
-        spec = distributed.spec_from_args(args, pod_environ(container, 1, "gpu-node-7"))
+        spec = job_spec_from_args(args, pod_environ(container, 1, "gpu-node-7"))
         assert (spec.num_processes, spec.process_id, spec.host_id) == (n_procs, 1, "gpu-node-7")
         claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
                   for v in pod["volumes"] if "persistentVolumeClaim" in v}

@@ -14,7 +14,6 @@ before any device starts.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
@@ -56,28 +55,15 @@ class JobSpec:
                 f"{self.coordinator}), host {self.host_id}")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                        help="address of process 0's coordination service, for a job of "
-                             f"several processes (or ${ENV['coordinator']}); with none given "
-                             "under SLURM or Open MPI, JAX finds it itself")
-    parser.add_argument("--num-processes", type=int, default=None,
-                        help=f"processes in the job (or ${ENV['num_processes']})")
-    parser.add_argument("--process-id", type=int, default=None,
-                        help=f"this process's index, 0..N-1 (or ${ENV['process_id']})")
-    parser.add_argument("--host-id", default=None,
-                        help="stable name of this process in the job's health record (or "
-                             f"${ENV['host_id']}; default: the host name, plus the local rank "
-                             "when the cluster sets one)")
-
-
-def spec_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ
-                   ) -> JobSpec:
-    """The job this process belongs to; ConfigError naming the first bad value."""
-    coordinator = args.coordinator or environ.get(ENV["coordinator"]) or None
-    num = _int_value(args.num_processes, "--num-processes", environ, "num_processes")
-    pid = _int_value(args.process_id, "--process-id", environ, "process_id")
-    host = args.host_id or environ.get(ENV["host_id"]) or default_host_id(environ)
+def job_spec(coordinator: str | None = None, num_processes: int | None = None,
+             process_id: int | None = None, host_id: str | None = None,
+             environ: Mapping[str, str] = os.environ) -> JobSpec:
+    """The job this process belongs to, from the values given, else the RESIHP_* variables,
+    else the cluster's own (auto-detected); ConfigError naming the first bad value."""
+    coordinator = coordinator or environ.get(ENV["coordinator"]) or None
+    num = _int_value(num_processes, "--num-processes", environ, "num_processes")
+    pid = _int_value(process_id, "--process-id", environ, "process_id")
+    host = host_id or environ.get(ENV["host_id"]) or default_host_id(environ)
     if not re.fullmatch(r"[A-Za-z0-9_.:\-]{1,64}", host):
         raise ConfigError(f"--host-id={host!r}: use 1-64 letters, digits, '_', '.', ':' or '-'")
     given = {"--coordinator": coordinator, "--num-processes": num, "--process-id": pid}

@@ -1,4 +1,4 @@
-"""`resihp train --adapt`: the steps of one process under the ResilientTrainer.
+"""The steps of one training process under the ResilientTrainer (`resihp train --adapt`).
 
 Every process of the job runs the trainer: it times its own devices, the timings are
 combined across processes so every detector sees the same step, process 0's verdict and
@@ -9,7 +9,6 @@ in place by a job of several processes: the process exits for a relaunch on the 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from typing import Any, Iterator, TextIO
@@ -21,6 +20,7 @@ from resihp_jax.runtime.job.heartbeat import Heartbeat
 from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
 from resihp_jax.runtime.recovery.resume import start_state
+from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.run.plain import RecordSink, close_host_copies, host_copies
 
 
@@ -38,30 +38,31 @@ def _excluding_left_out(events: Iterator[Any], job: Any,
 
 
 class AdaptRun:
-    def __init__(self, args: argparse.Namespace, job: Any, model: Any, train_cfg: Any,
-                 plan: Plan, data: Any, ladder: Ladder, phases: dict[str, float],
-                 cache: str | None, out: TextIO) -> None:
+    def __init__(self, config: RunConfig, copies: str | None, job: Any, model: Any,
+                 train_cfg: Any, plan: Plan, data: Any, ladder: Ladder,
+                 phases: dict[str, float], out: TextIO) -> None:
         import jax  # noqa: PLC0415
 
-        self.args, self.job, self.data, self.out, self.phases = args, job, data, out, phases
+        self.config, self.job, self.data, self.out, self.phases = config, job, data, out, phases
         self.ladder = ladder
         self.heartbeat = Heartbeat.from_env(job.spec.host_id)
         config = ResilienceConfig(
             step_timeout_s=ladder.startup_s, hang_factor=ladder.factor,
-            hang_floor_s=ladder.floor_s, checkpoint_dir=args.checkpoint_dir,
-            checkpoint_interval=args.checkpoint_every or 10, precompile=args.precompile,
-            compile_cache_dir=cache, background_compile=not args.no_background_compile)
+            hang_floor_s=ladder.floor_s, checkpoint_dir=config.checkpoint_dir,
+            checkpoint_interval=config.checkpoint_every, precompile=config.precompile,
+            compile_cache_dir=config.compile_cache_dir,
+            background_compile=config.background_compile)
         t0 = time.perf_counter()
         self.trainer = ResilientTrainer(model, train_cfg, plan, jax.devices(), data, config,
                                         on_long_work=self._long_work)
         phases["compile_s"] = time.perf_counter() - t0
-        self.snapshots = host_copies(args, job, self.trainer.checkpointer)
+        self.snapshots = host_copies(copies, job, self.trainer.checkpointer)
 
     def run(self) -> list[StepRecord]:
         start = self._initial_state()
         self._beat(start, self.ladder.startup_s)
-        if start >= self.args.steps:
-            print(f"step {start} already reaches --steps {self.args.steps}: nothing to train",
+        if start >= self.config.steps:
+            print(f"step {start} already reaches --steps {self.config.steps}: nothing to train",
                   file=self.out)
             return []
         return self._steps(start)
@@ -81,7 +82,7 @@ class AdaptRun:
         t0 = time.perf_counter()
         trainer = self.trainer
         start = start_state(trainer.program, trainer.checkpointer, self.data,
-                            resume=self.args.resume, seed=self.args.seed,
+                            resume=self.config.resume, seed=self.config.seed,
                             primary=self.job.primary, out=self.out)
         trainer.state = start.state
         self.phases["restore_s"] = time.perf_counter() - t0
@@ -110,10 +111,10 @@ class AdaptRun:
         return self.ladder.deadline_s(predicted)
 
     def _steps(self, start: int) -> list[StepRecord]:
-        sink = RecordSink(self.args, start, self.job.primary, self.phases, self.start_record)
+        sink = RecordSink(self.config, start, self.job.primary, self.phases, self.start_record)
         try:
-            events = self.trainer.run(self.args.steps, seed=self.args.seed)
-            for event in _excluding_left_out(events, self.job, self.args.checkpoint_dir):
+            events = self.trainer.run(self.config.steps, seed=self.config.seed)
+            for event in _excluding_left_out(events, self.job, self.config.checkpoint_dir):
                 if isinstance(event, Replan):
                     self._replanned(event)
                     continue
@@ -130,8 +131,8 @@ class AdaptRun:
 
     def _replanned(self, replan: Replan) -> None:
         verdict = replan.verdict
-        if verdict.kind in ("compute", "link") and self.args.checkpoint_dir is not None:
-            self.job.record_slowdown(verdict.devices, verdict.slowdown, self.args.checkpoint_dir)
+        if verdict.kind in ("compute", "link") and self.config.checkpoint_dir is not None:
+            self.job.record_slowdown(verdict.devices, verdict.slowdown, self.config.checkpoint_dir)
         what = (f"devices {list(verdict.devices)} {verdict.kind} x{verdict.slowdown:.2f}"
                 if verdict.kind != "stopped" else f"devices {list(verdict.devices)} stopped")
         if replan.new_plan == replan.old_plan:

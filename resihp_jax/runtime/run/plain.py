@@ -1,5 +1,6 @@
-"""The steps of one `resihp train` process: restore or initialize, compile, train, and while
-doing so keep the job's supervisor informed (heartbeat) and never hang (watchdog).
+"""The steps of one training process without re-planning: restore or initialize, compile,
+train, and while doing so keep the job's supervisor informed (heartbeat) and never hang
+(watchdog).
 
 Every process of a job runs this same loop; only process 0 writes the metrics file and
 draws the progress bar. The phases of start-up (join, plan, restore, compile, first step)
@@ -9,7 +10,6 @@ its parts.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -23,20 +23,23 @@ from resihp_jax.runtime.job.heartbeat import Heartbeat
 from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots, activate, deactivate
 from resihp_jax.runtime.trainer.loop import StepRecord, train
 from resihp_jax.runtime.recovery.resume import start_state
+from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.job.watchdog import Watchdog
 from resihp_jax.train.aot import compile_program
 from resihp_jax.train.step import build_step
 
 
 class TrainRun:
-    def __init__(self, args: argparse.Namespace, job: Any, model: Any, train_cfg: Any,
-                 plan: Plan, data: Any, ckpt: Any, ladder: Ladder, phases: dict[str, float],
-                 out: TextIO) -> None:
-        self.args, self.job, self.plan, self.data, self.ckpt = args, job, plan, data, ckpt
+    def __init__(self, config: RunConfig, copies: str | None, job: Any, model: Any,
+                 train_cfg: Any, plan: Plan, data: Any, ckpt: Any, ladder: Ladder,
+                 phases: dict[str, float], out: TextIO) -> None:
+        """`copies`: how the survivors' copies are kept (None: none; see host_snapshot.py)."""
+        self.config, self.job, self.plan, self.data, self.ckpt = config, job, plan, data, ckpt
         self.out, self.phases = out, phases
         # compiled before the first step, so that step times the step alone and gives the
         # next one a deadline (a hang just after a relaunch is caught as fast as any)
-        self.deadline = StepDeadline(model, ladder, remat=args.remat, first_compiles=False)
+        self.deadline = StepDeadline(model, ladder, remat=train_cfg.remat,
+                                     first_compiles=False)
         self.heartbeat = Heartbeat.from_env(job.spec.host_id)
         self.watchdog = Watchdog()
         import jax  # noqa: PLC0415
@@ -44,7 +47,7 @@ class TrainRun:
         t0 = time.perf_counter()
         self.program = compile_program(build_step(model, train_cfg, plan, jax.devices()))
         phases["compile_s"] = time.perf_counter() - t0
-        self.snapshots = host_copies(args, job, ckpt)
+        self.snapshots = host_copies(copies, job, ckpt)
 
     def run(self) -> list[StepRecord]:
         state, start = self._initial_state()
@@ -52,8 +55,8 @@ class TrainRun:
             self.snapshots.capture(start, state, self.program, self.data.state(),
                                    self.start_record)
         self._beat(start, self.deadline.ladder.startup_s)
-        if start >= self.args.steps:
-            print(f"step {start} already reaches --steps {self.args.steps}: nothing to train",
+        if start >= self.config.steps:
+            print(f"step {start} already reaches --steps {self.config.steps}: nothing to train",
                   file=self.out)
             return []
         return self._steps(state, start)
@@ -73,8 +76,8 @@ class TrainRun:
         """(state, step) to train from: see resume.start_state."""
         t0 = time.perf_counter()
         try:
-            start = start_state(self.program, self.ckpt, self.data, resume=self.args.resume,
-                                seed=self.args.seed, primary=self.job.primary, out=self.out)
+            start = start_state(self.program, self.ckpt, self.data, resume=self.config.resume,
+                                seed=self.config.seed, primary=self.job.primary, out=self.out)
         finally:
             self.phases["restore_s"] = time.perf_counter() - t0
         if self.heartbeat is not None:
@@ -110,11 +113,11 @@ class TrainRun:
         return record
 
     def _steps(self, state: Any, start: int) -> list[StepRecord]:
-        self.sink = RecordSink(self.args, start, self.job.primary, self.phases,
+        self.sink = RecordSink(self.config, start, self.job.primary, self.phases,
                                self.start_record)
         self.data_step = start
         try:
-            for _, record in train(self.program, state, self.data, self.args.steps - start,
+            for _, record in train(self.program, state, self.data, self.config.steps - start,
                                    self.ckpt, before_step=self._before_step,
                                    after_step=self._after_step):
                 self.watchdog.disarm()
@@ -125,10 +128,9 @@ class TrainRun:
         return self.sink.records
 
 
-def host_copies(args: argparse.Namespace, job: Any, ckpt: Any) -> HostSnapshots | None:
+def host_copies(mode: str | None, job: Any, ckpt: Any) -> HostSnapshots | None:
     """This process's copies of the last completed step (None without a checkpoint directory
-    or with --survivor-copies off), written out by the process's exit paths and on SIGTERM."""
-    mode = getattr(args, "copies_mode", None)
+    or with copies off), written out by the process's exit paths and on SIGTERM."""
     if ckpt is None or mode is None:
         return None
     snapshots = HostSnapshots(ckpt.directory, job.spec.host_id, ckpt.identity, mode=mode)
@@ -147,7 +149,7 @@ class RecordSink:
     """Where finished steps go: the records, process 0's metrics file and progress bar, and
     the first step's time among the start-up phases."""
 
-    def __init__(self, args: argparse.Namespace, start: int, primary: bool,
+    def __init__(self, config: RunConfig, start: int, primary: bool,
                  phases: dict[str, float], start_record: dict | None = None) -> None:
         """`start_record`: the record of step `start` if known (the survivors' copies carry
         it), written when the metrics file lacks it."""
@@ -155,12 +157,12 @@ class RecordSink:
 
         self.phases = phases
         self.records: list[StepRecord] = []
-        self.bar = tqdm(total=args.steps, initial=start, unit="step", file=sys.stderr,
-                        disable=args.no_progress or not primary)
+        self.bar = tqdm(total=config.steps, initial=start, unit="step", file=sys.stderr,
+                        disable=not config.progress or not primary)
         # a resumed run continues the metrics of the run it resumes, from its checkpoint:
         # records of steps after it (lost with the failed incarnation) are dropped
-        self.metrics = (metrics_file(args.metrics, start, start_record)
-                        if args.metrics and primary else None)
+        self.metrics = (metrics_file(config.metrics, start, start_record)
+                        if config.metrics and primary else None)
 
     def add(self, record: StepRecord) -> None:
         if not self.records:

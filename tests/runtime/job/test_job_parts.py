@@ -4,7 +4,6 @@ across a relaunch. Time is injected everywhere: nothing here waits."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -24,25 +23,20 @@ from resihp_jax.runtime.run.plain import metrics_file
 from resihp_jax.runtime.job.watchdog import HUNG_EXIT, Watchdog
 
 
-def _args(**kw: object) -> argparse.Namespace:
-    base = dict(coordinator=None, num_processes=None, process_id=None, host_id=None)
-    return argparse.Namespace(**{**base, **kw})
-
-
 def test_job_spec_from_flags_variables_or_cluster() -> None:
-    spec = distributed.spec_from_args(_args(coordinator="10.0.0.1:8476", num_processes=4,
-                                            process_id=3, host_id="node7"), {})
+    spec = distributed.job_spec(coordinator="10.0.0.1:8476", num_processes=4, process_id=3,
+                                host_id="node7", environ={})
     assert (spec.coordinator, spec.num_processes, spec.process_id, spec.host_id) == \
         ("10.0.0.1:8476", 4, 3, "node7") and not spec.single
     env = {"RESIHP_COORDINATOR": "head:1234", "RESIHP_NUM_PROCESSES": "2",
            "RESIHP_PROCESS_ID": "1", "RESIHP_HOST_ID": "pod-1"}
-    spec = distributed.spec_from_args(_args(), env)
+    spec = distributed.job_spec(environ=env)
     assert (spec.num_processes, spec.process_id, spec.host_id) == (2, 1, "pod-1")
     slurm = {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "16", "SLURM_PROCID": "3", "SLURM_LOCALID": "3"}
-    spec = distributed.spec_from_args(_args(), slurm)
+    spec = distributed.job_spec(environ=slurm)
     assert spec.cluster == "SLURM" and spec.host_id.endswith(":3") and not spec.single
-    assert distributed.spec_from_args(_args(), {**slurm, "SLURM_NTASKS": "1"}).single
-    assert distributed.spec_from_args(_args(), {}).single
+    assert distributed.job_spec(environ={**slurm, "SLURM_NTASKS": "1"}).single
+    assert distributed.job_spec(environ={}).single
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -54,12 +48,12 @@ def test_job_spec_from_flags_variables_or_cluster() -> None:
 ])
 def test_bad_job_spec_is_named(kw: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
-        distributed.spec_from_args(_args(**kw), {})
+        distributed.job_spec(**kw, environ={})
 
 
 def test_bad_job_variable_is_named() -> None:
     with pytest.raises(ConfigError, match=r"\$RESIHP_NUM_PROCESSES='four'"):
-        distributed.spec_from_args(_args(), {"RESIHP_NUM_PROCESSES": "four"})
+        distributed.job_spec(environ={"RESIHP_NUM_PROCESSES": "four"})
 
 
 def _requested(dp: int = 2, pp: int = 2, tp: int = 2) -> Plan:

@@ -1,0 +1,61 @@
+"""RunConfig: what one training run does beyond the model, the optimizer and the plan.
+
+How long it trains, on which data, where its state is kept and how it recovers. `resihp
+train` builds one from its flags; a script builds the same one and runs exactly what the
+command runs (`TrainingRun`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from resihp_jax.errors import ConfigError
+from resihp_jax.runtime.job.deadline import Ladder
+
+SURVIVOR_COPY_MODES = ("auto", "keep", "host", "off")
+DEFAULT_CHECKPOINT_EVERY = 10
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run's length, data and recovery settings (frozen, validated on construction)."""
+    steps: int = 20  # train until this step, counted from the start of the run
+    seed: int = 0  # seed of the weights and the data
+    data: str = "synthetic:lognormal"  # synthetic:uniform|lognormal|bimodal, corpus[:PATH]
+    checkpoint_dir: str | None = None  # orbax checkpoints, health record, survivors' copies
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY  # the last step is always saved too
+    resume: bool = False  # continue from the newest good state in checkpoint_dir
+    # how each process keeps the last completed step for a relaunch: auto picks keep where
+    # two more states fit in device memory, else host (see recovery/host_snapshot.py)
+    survivor_copies: str = "auto"
+    metrics: str | None = None  # one JSON line per step, written by process 0
+    progress: bool = True  # a progress bar on process 0
+    adapt: bool = False  # detector + scheduler: re-plan around slow devices in place
+    precompile: int = 0  # with adapt: likely next plans compiled in the background
+    background_compile: bool = True  # with adapt: train a split while a new mesh compiles
+    hang_floor_s: float = 10.0  # a step deadline is never below this
+    step_timeout_s: float = 120.0  # the deadline before the cost model predicts one
+    compile_cache_dir: str | None = None  # JAX's persistent compilation cache (None: off)
+    devices: int | None = None  # one process: devices to use (default: the plan's count)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"RunConfig.{name}={getattr(self, name)!r}: must be >= 1")
+        if self.survivor_copies not in SURVIVOR_COPY_MODES:
+            raise ConfigError(f"RunConfig.survivor_copies={self.survivor_copies!r}: valid are "
+                              f"{', '.join(SURVIVOR_COPY_MODES)}")
+        if self.resume and self.checkpoint_dir is None:
+            raise ConfigError("RunConfig.resume needs a checkpoint_dir")
+        if self.precompile < 0:
+            raise ConfigError(f"RunConfig.precompile={self.precompile}: must be >= 0")
+        if (self.precompile or not self.background_compile) and not self.adapt:
+            raise ConfigError("RunConfig.precompile and background_compile=False need adapt=True "
+                              "(only an adapting run switches plans)")
+        self.ladder()  # checks the two times
+        if self.devices is not None and self.devices < 1:
+            raise ConfigError(f"RunConfig.devices={self.devices}: must be >= 1 or None")
+
+    def ladder(self) -> Ladder:
+        """The run's time limits: step deadline < heartbeat < initialization."""
+        return Ladder(floor_s=self.hang_floor_s, startup_s=self.step_timeout_s)

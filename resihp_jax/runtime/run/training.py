@@ -1,0 +1,174 @@
+"""TrainingRun: the run `resihp train` performs, as a library object built from typed configs.
+
+One process, or one process of a multi-controller job: join the job, read its health record,
+take the requested plan on the devices it leaves usable (the scheduler's plan when they are
+too few: a relaunch on the survivors), restore or initialize, train under step deadlines and
+keep the survivors' copies. With `RunConfig.adapt` the ResilientTrainer watches every step and
+re-plans in place. A script that builds the same configs runs exactly what the command runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+from resihp_jax.errors import ResihpError
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model.config import ModelConfig
+from resihp_jax.runtime.job.devices import select_devices
+from resihp_jax.runtime.job.distributed import JobSpec
+from resihp_jax.runtime.run.config import RunConfig
+from resihp_jax.train.config import TrainConfig
+
+
+class TrainingRun:
+    """`TrainingRun(model, train_cfg, plan, config).run()` -> the records of the steps trained.
+
+    `plan` is the requested plan; a job of several processes (`job`, default: this process
+    alone) trains it on the devices its health record leaves usable, re-planned by the
+    scheduler when they are fewer than it needs. JAX starts inside `run()`: a one-process run
+    on fake CPU devices must ask for them first (`use_cpu_devices`).
+    """
+
+    def __init__(self, model: ModelConfig, train_cfg: TrainConfig, plan: Plan,
+                 config: RunConfig, job: JobSpec | None = None,
+                 out: TextIO | None = None) -> None:
+        self.model, self.train_cfg, self.requested = model, train_cfg, plan
+        self.config = config
+        self.spec = job or JobSpec()
+        self.out = out or sys.stdout
+        self.ladder = config.ladder()
+        self.phases: dict[str, float] = {}
+
+    def run(self) -> list[Any]:
+        t0 = time.perf_counter()
+        from resihp_jax.runtime.job.join import join  # noqa: PLC0415 - JAX starts here
+
+        job = join(self.spec, self.ladder, self.config.checkpoint_dir)
+        self.phases["init_s"] = time.perf_counter() - t0
+        from resihp_jax.runtime.trainer.compile_cache import enable_compilation_cache  # noqa: PLC0415,E501
+
+        enable_compilation_cache(self.config.compile_cache_dir)
+        t0 = time.perf_counter()
+        plan = self._job_plan(job)
+        self.phases["plan_s"] = time.perf_counter() - t0
+        run = self._build(job, plan)
+        try:
+            records = run.run()
+        except ResihpError:
+            raise  # refused input or a diverged run: a relaunch would not do better from a copy
+        except BaseException:
+            from resihp_jax.runtime.recovery.host_snapshot import dump_active  # noqa: PLC0415
+
+            # a peer died (a collective failed) or this process must stop: the relaunch
+            # rebuilds the last completed step from the copies the processes left write now
+            dump_active("training stopped by an error")
+            raise
+        finally:
+            run.close()
+        if records:
+            print(report(records), file=self.out)
+        return records
+
+    def _build(self, job: Any, plan: Plan) -> Any:
+        """The loop for this run: the plain one, or the ResilientTrainer's with `adapt`."""
+        from resihp_jax.data import BatchIterator  # noqa: PLC0415 - after the device flag is set
+
+        config = self.config
+        copies = copies_mode(config, plan, self.model)
+        train_cfg = self.train_cfg.replace(microbatch_slots=max(plan.microbatches_per_group),
+                                           donate_state=copies != "keep")
+        data = BatchIterator(config.data, n_microbatches=plan.n_microbatches,
+                             microbatch_size=plan.microbatch_size, seq_len=plan.seq_len,
+                             seed=config.seed)
+        self._describe(job, plan, copies)
+        if config.adapt:
+            from resihp_jax.runtime.run.adapt import AdaptRun  # noqa: PLC0415
+
+            return AdaptRun(config, copies, job, self.model, train_cfg, plan, data,
+                            self.ladder, self.phases, self.out)
+        from resihp_jax.runtime.recovery.checkpoint import Checkpointer  # noqa: PLC0415
+        from resihp_jax.runtime.recovery.run_identity import run_identity  # noqa: PLC0415
+        from resihp_jax.runtime.run.plain import TrainRun  # noqa: PLC0415
+
+        ckpt = None
+        if config.checkpoint_dir is not None:  # (the adapting trainer keeps its own)
+            ckpt = Checkpointer(config.checkpoint_dir, interval=config.checkpoint_every,
+                                asynchronous=True,
+                                identity=run_identity(self.model, train_cfg, data.state()))
+        return TrainRun(config, copies, job, self.model, train_cfg, plan, data, ckpt,
+                        self.ladder, self.phases, self.out)
+
+    def _describe(self, job: Any, plan: Plan, copies: str | None) -> None:
+        model, out = self.model, self.out
+        print(f"model {model.name} ({model.param_count() / 1e6:.2f}M params, {model.dtype}), "
+              f"plan {plan.describe()}, {plan.tokens_per_step} tokens/step, data "
+              f"{self.config.data}", file=out)
+        if not job.spec.single:
+            print(data_share(plan), file=out)
+        if copies is not None:
+            auto = " (auto)" if self.config.survivor_copies == "auto" else ""
+            print(f"survivor copies: {copies}{auto}", file=out)
+
+    def _job_plan(self, job: Any) -> Plan:
+        """The requested plan on this job's usable devices, or the scheduler's plan for them."""
+        from resihp_jax.runtime.job.plan import cover_processes, plan_for_devices  # noqa: PLC0415
+
+        requested, out = self.requested, self.out
+        if job.spec.single:
+            needed = requested.n_devices
+            devices = select_devices(self.config.devices or needed)
+            if len(devices) > needed:
+                print(f"using the first {needed} of the {len(devices)} devices for plan "
+                      f"dp={requested.dp},pp={requested.pp},tp={requested.tp}", file=out)
+        else:
+            print(f"job: {job.spec.describe()}, {len(job.hosts)} process(es)", file=out)
+            for host in job.excluded_here():
+                print(f"job: host {host} is excluded by the health record "
+                      f"({job.record.excluded[host].reason})", file=out)
+            devices = job.usable_devices()
+        plan, why = plan_for_devices(requested, self.model, [int(d.id) for d in devices],
+                                     slow=job.slow_devices(), remat=self.train_cfg.remat)
+        if not job.spec.single:
+            plan = cover_processes(plan, {int(d.id): d.process_index for d in devices})
+        if why != "as requested":
+            print(f"plan: {why}", file=out)
+        return plan
+
+
+def data_share(plan: Plan) -> str:
+    """What this process reads of each batch: its DP groups' micro-batches, nothing else."""
+    import jax  # noqa: PLC0415
+
+    own = plan.microbatches_of(int(d.id) for d in jax.local_devices())
+    return (f"data: this process reads {len(own)} of the {plan.n_microbatches} micro-batches "
+            "of every batch (those of its data-parallel groups)")
+
+
+def copies_mode(config: RunConfig, plan: Plan, model: ModelConfig) -> str | None:
+    """How this process keeps the survivors' copy of each step (host_snapshot.py), if at all."""
+    if config.checkpoint_dir is None or config.survivor_copies == "off":
+        return None
+    if config.survivor_copies != "auto":
+        return config.survivor_copies
+    import jax  # noqa: PLC0415
+
+    from resihp_jax.perfmodel import memory_bytes_per_device  # noqa: PLC0415
+    from resihp_jax.perfmodel.costs import MASTER_BYTES  # noqa: PLC0415
+    from resihp_jax.perfmodel.work import stage_param_counts  # noqa: PLC0415
+    from resihp_jax.runtime.recovery.host_snapshot import auto_mode  # noqa: PLC0415
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    step_bytes = float(memory_bytes_per_device(plan, model).max())
+    # a kept state: float32 parameters and Adam's two moments
+    state_bytes = float(stage_param_counts(plan, model, None).max()) * 3 * MASTER_BYTES \
+        / plan.tp
+    return auto_mode(jax.default_backend(), step_bytes, state_bytes, stats.get("bytes_limit"))
+
+
+def report(records: list) -> str:
+    steady = records[1:] or records  # the first step includes compilation
+    tokens_per_s = sum(r.tokens for r in steady) / sum(r.step_time_s for r in steady)
+    return (f"final loss {records[-1].loss:.4f} (first {records[0].loss:.4f}); "
+            f"{tokens_per_s:,.0f} tokens/s after the first (compiling) step")

@@ -1,4 +1,6 @@
-"""Documents -> packed micro-batches: length distributions, sources, packing, resumable iterator.
+"""Documents -> packed micro-batches: length distributions, sources, packing, resumable iterator;
+the user's own data as documents (in memory, a token file, a map-style dataset) or as batches
+they packed themselves.
 
 Pure numpy; nothing here needs JAX.
 """
@@ -15,6 +17,9 @@ from resihp_jax.data.lengths import (
 )
 from resihp_jax.data.packing import GlobalBatch, PackedRows, fill_row, pack_documents, pack_rows
 from resihp_jax.data.sources import DocumentSource, SyntheticSource, make_source, valid_specs
+from resihp_jax.data.token_file import TokenFileSource, write_token_file
+from resihp_jax.data.user import from_documents, from_grain, from_hf_dataset
+from resihp_jax.data.user_batches import PackedBatch, PackedBatchIterator, packed_batches
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -24,18 +29,26 @@ __all__ = [
     "DocumentSource",
     "DocumentStream",
     "GlobalBatch",
+    "PackedBatch",
+    "PackedBatchIterator",
     "PackedRows",
     "SyntheticSource",
+    "TokenFileSource",
     "coefficient_of_variation",
     "default_corpus_dir",
     "fill_row",
+    "from_documents",
+    "from_grain",
+    "from_hf_dataset",
     "get_distribution",
     "index_files",
     "length_summary",
     "make_source",
     "pack_documents",
     "pack_rows",
+    "packed_batches",
     "sum_sq",
     "sum_sq_cv",
     "valid_specs",
+    "write_token_file",
 ]

@@ -110,6 +110,24 @@ def _check_positive(name: str, value: Any) -> int:
     return int(value)
 
 
+_SOURCE_METHODS = ("items_per_epoch", "item_size", "item", "fingerprint")
+
+
+def _as_source(source: str | DocumentSource, seed: int, seq_len: int) -> DocumentSource:
+    """The source a spec names, or `source` itself if it is a DocumentSource object (such as
+    from_documents(docs) or TokenFileSource(path))."""
+    if isinstance(source, str):
+        return make_source(source, seed, seq_len)
+    lacking = [name for name in _SOURCE_METHODS if not callable(getattr(source, name, None))]
+    lacking += [name for name in ("spec", "max_doc_len") if not hasattr(source, name)]
+    if lacking:
+        raise ConfigError(
+            f"data source must be a spec string or a DocumentSource (from_documents, "
+            f"TokenFileSource, from_hf_dataset, ...); {type(source).__name__} lacks "
+            f"{', '.join(lacking)} (for batches packed by hand use packed_batches)")
+    return source
+
+
 def _check_seed(seed: Any) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
         raise ConfigError(f"seed must be a non-negative int, got {seed!r}")
@@ -133,9 +151,7 @@ class BatchIterator:
         self.microbatch_size = _check_positive("microbatch_size", microbatch_size)
         self.seq_len = _check_positive("seq_len", seq_len)
         self.seed = _check_seed(seed)
-        if isinstance(source_spec, str):
-            source_spec = make_source(source_spec, self.seed, self.seq_len)
-        self.source = source_spec
+        self.source = _as_source(source_spec, self.seed, self.seq_len)
         self._stream = DocumentStream(self.source)
         self._batches = 0
         if state is not None:

@@ -35,7 +35,6 @@ from resihp_jax.runtime.job.devices import devices_to_request, request_host_devi
 from resihp_jax.runtime.job.exits import run_as_job_process
 from resihp_jax.runtime.recovery.quiet import orbax_read_noise_silenced
 from resihp_jax.runtime.run.config import RunConfig
-from resihp_jax.train.config import TrainConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -165,7 +164,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     elif args.devices is not None:
         raise ConfigError(f"--devices={args.devices}: in a job of several processes each "
                           "process uses the devices it was given; remove --devices")
-    from resihp_jax.runtime.run.training import TrainingRun  # noqa: PLC0415
+    from resihp_jax.runtime.run.training import TrainingRun  # noqa: PLC0415 - JAX from here
+    from resihp_jax.train.config import TrainConfig  # noqa: PLC0415
 
     training = TrainingRun(model, TrainConfig(learning_rate=args.lr, remat=args.remat), plan,
                            config, spec, out)

@@ -30,7 +30,16 @@ def logical_names(path: tuple[Any, ...]) -> tuple[str, ...] | None:
     return None
 
 
+# A user's model trains as {"shell": ..., "blocks": ...} (train/user_model.py): every leaf
+# under "blocks" (in the parameters and in each optimizer moment that mirrors them) is a
+# layer leaf stacked [n_layers, ...]; the built-in decoder's names say it themselves.
+USER_LAYERS_KEY = "blocks"
+
+
 def is_layer_leaf(path: tuple[Any, ...]) -> bool:
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    if keys[:1] == [USER_LAYERS_KEY]:
+        return True
     names = logical_names(path)
     return names is not None and names[0] == "layers"
 

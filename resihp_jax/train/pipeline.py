@@ -37,12 +37,12 @@ ALL_AXES = ("dp", "pp", "tp")
 def _when(active: jax.Array, compute: Callable[[], Any], like: Any,
           axes: tuple[str, ...] = ALL_AXES) -> Any:
     """compute() if active, else zeros shaped like `like`; collective-free on both sides."""
-    zeros = lambda: vma.vary(jax.tree.map(jnp.zeros_like, like), axes)  # noqa: E731
+    zeros = lambda: vma.vary(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), like), axes)  # noqa: E731,E501
     return jax.lax.cond(active, lambda: vma.vary(compute(), axes), zeros)
 
 
-def _gated(fn: Callable[..., Any], on: jax.Array, masters: Any, compute: Any,
-           acts: tuple[Any, ...], aux: tuple[Any, ...]) -> Any:
+def gated(fn: Callable[..., Any], on: jax.Array, masters: Any, compute: Any,
+          acts: tuple[Any, ...], aux: tuple[Any, ...], axes: tuple[str, ...] = ALL_AXES) -> Any:
     """fn(compute, *acts, *aux) if `on`, else zeros; reverse mode is gated the same way.
 
     `compute` is `masters` cast to the compute dtype once per step, outside the tick scan.
@@ -55,14 +55,15 @@ def _gated(fn: Callable[..., Any], on: jax.Array, masters: Any, compute: Any,
     every tick). Here the saved residuals are the inputs themselves, which the enclosing
     scans recognise as loop-invariant weights and never copy; the backward re-derives what
     it needs inside its own cond. The inputs must already vary over every mesh axis, so no
-    reduction (a collective) is ever needed inside either cond.
+    reduction (a collective) is ever needed inside either cond. `axes`: the manual mesh
+    axes of the enclosing shard_map.
     """
     like = jax.eval_shape(fn, compute, *acts, *aux)
 
     @jax.custom_vjp
     def run(masters: Any, acts: tuple[Any, ...], fixed: tuple[Any, ...]) -> Any:
         on_, compute_, aux_ = fixed
-        return _when(on_, lambda: fn(compute_, *acts, *aux_), like)
+        return _when(on_, lambda: fn(compute_, *acts, *aux_), like, axes)
 
     def run_fwd(masters: Any, acts: tuple[Any, ...], fixed: tuple[Any, ...]):
         return run(masters, acts, fixed), (masters, acts, fixed)
@@ -76,11 +77,11 @@ def _gated(fn: Callable[..., Any], on: jax.Array, masters: Any, compute: Any,
             d_masters = jax.tree.map(lambda d, m: d.astype(m.dtype), d_compute, masters)
             return d_masters, tuple(d_acts)
 
-        d_masters, d_acts = _when(on_, grads, (masters, acts))
+        d_masters, d_acts = _when(on_, grads, (masters, acts), axes)
         return d_masters, d_acts, jax.tree.map(lambda _: None, (on_, compute_, aux_))
 
     run.defvjp(run_fwd, run_bwd)
-    masters, compute, acts = vma.vary((masters, compute, acts), ALL_AXES)
+    masters, compute, acts = vma.vary((masters, compute, acts), axes)
     return run(masters, acts, (on, compute, aux))
 
 
@@ -96,10 +97,10 @@ def run_stage(masters: dict[str, jax.Array], compute: dict[str, jax.Array],
     def one_slot(x: jax.Array, slot: tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array]]):
         i, p, c = slot
         on = active & (i < n_layers)
-        attn = _gated(lambda c_, x_, s_, q_: layers.attention_partial(c_, x_, s_, q_, cfg),
+        attn = gated(lambda c_, x_, s_, q_: layers.attention_partial(c_, x_, s_, q_, cfg),
                       on, p, c, (x,), (seg_BxS, pos_BxS))
         x = x + jax.lax.psum(attn, "tp")
-        mlp = _gated(lambda c_, x_: layers.mlp_partial(c_, x_, cfg), on, p, c, (x,), ())
+        mlp = gated(lambda c_, x_: layers.mlp_partial(c_, x_, cfg), on, p, c, (x,), ())
         return x + jax.lax.psum(mlp, "tp"), None  # idle: both sums are zero, x passes through
 
     return jax.lax.scan(one_slot, x_BxSxD, (slot_ids, masters, compute))[0]
@@ -117,7 +118,7 @@ def _tick_loss(params: dict[str, Any], head: dict[str, jax.Array], on_head: jax.
                  off: jax.Array) -> layers.LossPartials:
         return layers.loss_partials(layers.logits(h["norm"], h["w"], x, cfg), targets, off)
 
-    local = _gated(partials, on_head, params["head"], head, (x_BxSxD,), (targets_BxS, offset))
+    local = gated(partials, on_head, params["head"], head, (x_BxSxD,), (targets_BxS, offset))
     parts = layers.reduce_loss_partials(local, "tp")
     return jax.lax.cond(on_head, lambda: vma.vary(layers.nll_sum(parts, weights_BxS), STEP_AXES),
                         lambda: vma.vary(jnp.zeros((), jnp.float32), STEP_AXES))
@@ -139,7 +140,7 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
     params = vma.vary(params, ALL_AXES)
     # The float32 masters are cast to the compute dtype here, once per step, outside the
     # tick scan: every tick reuses the same loop-invariant copy. Gradients reach the masters
-    # through `_gated`, never through this cast, so the copy carries no tangent (else the
+    # through `gated`, never through this cast, so the copy carries no tangent (else the
     # scans would hold zero cotangent buffers for it, two more weight-sized arrays).
     compute = jax.lax.stop_gradient(layers.compute_weights(
         {"layers": params["layers"], "head": params["head"]}, cfg.dtype))

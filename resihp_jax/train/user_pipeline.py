@@ -1,0 +1,91 @@
+"""The per-device body of a user's model's train step: the same GPipe schedule as the
+built-in model's (pipeline.py), over 'dp' and 'pp' only.
+
+The shard_map is manual over 'dp' and 'pp'; 'tp' stays automatic, so the tensor parallelism
+comes from the parameters' shardings (logical names -> 'tp') and XLA inserts its collectives
+itself, also inside the layer gates: every member of a tp group takes the same branch of a
+gate (the predicate depends on 'dp' and 'pp' only), so a collective inside a branch is always
+joined by the whole group. The user's code has no collectives of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from resihp_jax import vma
+from resihp_jax.model.layers import next_token_targets
+from resihp_jax.train.pipeline import STEP_AXES, gated
+from resihp_jax.train.user_model import ModelParts
+
+
+def token_nll_sum(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
+                  weights_BxS: jax.Array) -> jax.Array:
+    """Sum of next-token negative log-likelihoods, in float32, over weighted positions."""
+    logits = logits_BxSxV.astype(jnp.float32)
+    logz_BxS = jax.nn.logsumexp(logits, axis=-1)
+    target_BxS = jnp.take_along_axis(logits, targets_BxS[..., None], axis=-1)[..., 0]
+    return jnp.sum((logz_BxS - target_BxS) * weights_BxS)
+
+
+def _run_stage(parts: ModelParts, layers: Any, active: jax.Array, n_layers: jax.Array,
+               x_BxSxD: jax.Array, seg_BxS: jax.Array, pos_BxS: jax.Array) -> jax.Array:
+    """This stage's first `n_layers` slots when `active`; the others are skipped."""
+    slot_ids = jnp.arange(jax.tree.leaves(layers)[0].shape[0])
+
+    def one_slot(x: jax.Array, slot: tuple[jax.Array, Any]) -> tuple[jax.Array, None]:
+        i, p = slot
+        on = active & (i < n_layers)
+        out = gated(parts.block, on, p, p, (x,), (seg_BxS, pos_BxS), STEP_AXES)
+        return jnp.where(on, out, x), None  # an idle slot passes x through
+
+    return jax.lax.scan(one_slot, x_BxSxD, (slot_ids, layers))[0]
+
+
+def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
+                           pos: jax.Array, n_layers_P: jax.Array, n_mb_D: jax.Array, *,
+                           parts: ModelParts, pp: int, remat: bool) -> jax.Array:
+    """Sum of token losses over all DP groups' micro-batches (same value on every device).
+
+    Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...]."""
+    # one reduction of the shell's and the layers' gradients per step, not one per tick
+    params = vma.vary(params, STEP_AXES)
+    shell = params["shell"]
+    layers = jax.tree.map(lambda a: a[0], params["blocks"])
+    stage = jax.lax.axis_index("pp")
+    my_layers = n_layers_P[stage]
+    my_microbatches = n_mb_D[jax.lax.axis_index("dp")]
+    tokens_MxBxS, seg_MxBxS, pos_MxBxS = tokens[0], seg[0], pos[0]
+    mb_slots = tokens_MxBxS.shape[0]
+    h_like = jax.eval_shape(parts.embed, shell, tokens_MxBxS[0], pos_MxBxS[0])
+    x_like = jnp.zeros(h_like.shape, h_like.dtype)
+
+    def work(x_recv: jax.Array, m: jax.Array, busy: jax.Array):
+        tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
+        emb = gated(lambda c, t, q: parts.embed(c, t, q), busy & (stage == 0), shell, shell,
+                    (), (tok_BxS, pos_BxS), STEP_AXES)
+        x_BxSxD = jnp.where(stage == 0, emb, x_recv)
+        x_BxSxD = _run_stage(parts, layers, busy, my_layers, x_BxSxD, seg_BxS, pos_BxS)
+        targets_BxS, weights_BxS = next_token_targets(tok_BxS, seg_BxS)
+        loss = gated(lambda c, x_, t, w: token_nll_sum(parts.head(c, x_), t, w),
+                     busy & (stage == pp - 1), shell, shell, (x_BxSxD,),
+                     (targets_BxS, weights_BxS), STEP_AXES)
+        return x_BxSxD, loss
+
+    if remat:
+        work = jax.checkpoint(work)
+
+    def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array):
+        x_recv, loss_acc = carry
+        m = t - stage
+        busy = (m >= 0) & (m < my_microbatches)
+        x_out, loss = work(x_recv, jnp.clip(m, 0, mb_slots - 1), busy)
+        if pp > 1:
+            x_out = jax.lax.ppermute(x_out, "pp", [(s, s + 1) for s in range(pp - 1)])
+        return (x_out, loss_acc + loss), None
+
+    carry0 = vma.vary((x_like, jnp.zeros((), jnp.float32)), STEP_AXES)
+    (_, loss_sum), _ = jax.lax.scan(tick, carry0, jnp.arange(mb_slots + pp - 1))
+    return jax.lax.psum(loss_sum, STEP_AXES)

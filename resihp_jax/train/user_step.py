@@ -1,0 +1,163 @@
+"""Build the jitted train step of a user's NNX model under any Plan (the same `StepProgram`
+interface as the built-in model's, so every split, re-plan and state move works alike).
+
+The state's parameters are `{"shell": ..., "blocks": ...}` (train/user_model.py), the blocks
+in the stage layout `[pp, slots, ...]`. The optimizer is the user's optax transformation,
+applied as given. Shardings come from the parameters' logical names and `axis_rules`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from resihp_jax.meshes import layout
+from resihp_jax.meshes.mesh import make_mesh
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.train.config import TrainConfig
+from resihp_jax.train.step import Batch, KNOB_SPEC, Splits, StepProgram, TrainState, token_count
+from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, check_divisible,
+                                         mesh_specs)
+from resihp_jax.train.user_pipeline import user_pipeline_loss_sum
+
+
+@dataclass(frozen=True)
+class UserStepProgram(StepProgram):
+    """A StepProgram for a user's model; its state starts from the model's own parameters."""
+    param_specs: Any = None  # mesh PartitionSpecs of {"shell", "blocks"} (canonical blocks)
+
+    def init_state(self, params: Any) -> TrainState:  # type: ignore[override]
+        """State from canonical parameters `{"shell": ..., "blocks": [n_layers, ...]}`,
+        placed straight into this program's shardings."""
+        def init(params: Any, index_PxL: jax.Array) -> TrainState:
+            staged = layout.to_stage_layout(params, index_PxL)
+            return TrainState(jnp.zeros((), jnp.int32), staged, self.optimizer.init(staged))
+
+        return jax.jit(init, out_shardings=self.state_shardings)(
+            params, jnp.asarray(self.stage_index()))
+
+    def canonical_params(self, state: TrainState) -> Any:
+        """The state's parameters with the blocks in canonical order `[n_layers, ...]`."""
+        return self.to_canonical_fn(state, self.canonical_positions()).params
+
+
+def _layer_spec(spec: P, stage_layout: bool) -> P:
+    return P(*(("pp", None) if stage_layout else (None,)), *spec)
+
+
+def param_specs(parts: ModelParts, rules: Sequence[tuple[str, str | None]],
+                stage_layout: bool) -> dict[str, Any]:
+    blocks = mesh_specs(parts.layer_logical, rules)
+    return {"shell": mesh_specs(parts.shell_logical, rules),
+            "blocks": jax.tree.map(lambda s: _layer_spec(s, stage_layout), blocks,
+                                   is_leaf=lambda x: isinstance(x, P))}
+
+
+def _state_specs(optimizer: optax.GradientTransformation, shapes: TrainState,
+                 params: dict[str, Any]) -> TrainState:
+    """Specs of a whole state: optimizer moments are sharded like the parameters they mirror,
+    everything else (counts) replicated."""
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    opt = optax.tree_map_params(optimizer, lambda _, spec: spec, shapes.opt_state, params,
+                                transform_non_params=lambda _: P(), is_leaf=is_spec)
+    return TrainState(P(), params, opt)
+
+
+def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, plan: Plan,
+                    devices: Sequence[jax.Device], example_params: Any, *,
+                    axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES,
+                    train: TrainConfig | None = None) -> UserStepProgram:
+    """Compile-ready program of a user's model for `plan` on `devices`.
+
+    `example_params`: canonical parameters (arrays or shapes) fixing every leaf's shape;
+    `train` carries the step's slot counts, remat and donation (its optimizer fields are
+    ignored: `optimizer` is applied as given)."""
+    train = train or TrainConfig()
+    if plan.n_layers != parts.n_layers:
+        from resihp_jax.errors import PlanError  # noqa: PLC0415
+
+        raise PlanError(f"Plan.layers_per_stage={plan.layers_per_stage} sums to "
+                        f"{plan.n_layers} layers; the model has {parts.n_layers} blocks")
+    mesh = make_mesh(plan, devices)
+    canonical_specs = param_specs(parts, axis_rules, stage_layout=False)
+    check_divisible(example_params, canonical_specs, dict(mesh.shape), "model parameter ")
+    layer_slots = layout.layer_slots_for(plan, train.layer_slots)
+    mb_slots = layout.microbatch_slots_for(plan, train.microbatch_slots)
+    index_PxL = jnp.asarray(layout.stage_index(plan.layers_per_stage, layer_slots))
+    shapes = jax.eval_shape(
+        lambda p: _fresh_state(optimizer, layout.to_stage_layout(p, index_PxL)), example_params)
+    specs = _state_specs(optimizer, shapes, param_specs(parts, axis_rules, stage_layout=True))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                             is_leaf=lambda x: isinstance(x, P))
+    replicated = NamedSharding(mesh, P())
+    batch_sharding = NamedSharding(mesh, P("dp"))
+    manual = jax.tree.map(lambda s: P(*s[:1]) if s and s[0] == "pp" else P(), specs.params,
+                          is_leaf=lambda x: isinstance(x, P))
+    sharded_loss = jax.shard_map(
+        functools.partial(user_pipeline_loss_sum, parts=parts, pp=plan.pp, remat=train.remat),
+        mesh=mesh, in_specs=(manual, P("dp"), P("dp"), P("dp"), P(), P()), out_specs=P(),
+        axis_names={"dp", "pp"})
+
+    def loss_and_grads(params: Any, batch: Batch, splits: Splits):
+        count = jnp.maximum(token_count(batch.segment_ids), 1.0)
+
+        def mean_loss(p: Any) -> jax.Array:
+            return sharded_loss(p, batch.tokens, batch.segment_ids, batch.positions,
+                                splits.layers_per_stage, splits.microbatches_per_group) / count
+
+        loss, grads = jax.value_and_grad(mean_loss)(params)
+        return loss, grads, count
+
+    def train_step(state: TrainState, batch: Batch, splits: Splits):
+        loss, grads, count = loss_and_grads(state.params, batch, splits)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    batch_shardings = Batch(batch_sharding, batch_sharding, batch_sharding)
+    split_shardings = Splits(replicated, replicated, NamedSharding(mesh, KNOB_SPEC))
+    step_fn = jax.jit(train_step, in_shardings=(shardings, batch_shardings, split_shardings),
+                      out_shardings=(shardings, replicated),
+                      donate_argnums=0 if train.donate_state else ())
+    grads_fn = jax.jit(lambda p, b, s: loss_and_grads(p, b, s)[:2],
+                       in_shardings=(shardings.params, batch_shardings, split_shardings),
+                       out_shardings=(replicated, shardings.params))
+    canonical = jax.eval_shape(layout.to_canonical_layout, shapes,
+                               jax.ShapeDtypeStruct((parts.n_layers,), jnp.int32))
+    canonical_sh = jax.tree.map(
+        lambda s: NamedSharding(mesh, s),
+        _state_specs(optimizer, canonical, canonical_specs), is_leaf=lambda x: isinstance(x, P))
+    to_canonical_fn = jax.jit(layout.to_canonical_layout, in_shardings=(shardings, replicated),
+                              out_shardings=canonical_sh)
+    to_stage_fn = jax.jit(layout.to_stage_layout, in_shardings=(canonical_sh, replicated),
+                          out_shardings=shardings)
+    restage_fn = jax.jit(
+        lambda s, pos, idx: layout.to_stage_layout(layout.to_canonical_layout(s, pos), idx),
+        in_shardings=(shardings, replicated, replicated), out_shardings=shardings)
+    train = train.replace(layer_slots=layer_slots, microbatch_slots=mb_slots)
+    return UserStepProgram(parts, train, plan, mesh, layer_slots, mb_slots, optimizer,
+                           shardings, batch_sharding, replicated, step_fn, grads_fn,
+                           canonical_sh, to_canonical_fn, to_stage_fn, restage_fn,
+                           param_specs=canonical_specs)
+
+
+def _fresh_state(optimizer: optax.GradientTransformation, params: Any) -> TrainState:
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+
+def with_devices(program: UserStepProgram, plan: Plan, devices: Sequence[jax.Device],
+                 example_params: Any, axis_rules: Sequence[tuple[str, str | None]]
+                 ) -> UserStepProgram:
+    """The same model and optimizer compiled for another plan (a new mesh)."""
+    return build_user_step(program.model, program.optimizer, plan, devices, example_params,
+                           axis_rules=axis_rules,
+                           train=dataclasses.replace(program.train, layer_slots=None,
+                                                     microbatch_slots=None))

@@ -1,0 +1,59 @@
+"""A script runs exactly what `resihp train` runs: the same typed configs, the same run."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+import resihp_jax as rh
+from resihp_jax.cli import main
+
+FLAGS = ["--plan", "dp=2,pp=2,tp=2", "--layers", "1,3", "--microbatches", "3,1", "--steps",
+         "3", "--seed", "7", "--seq-len", "64", "--no-progress", "--no-compile-cache"]
+
+
+def _losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def _script_run(tmp_path: Path, adapt: bool) -> tuple[list, str]:
+    model = rh.get_model_config("tiny")
+    plan = rh.Plan.uniform(2, 2, 2, n_layers=model.n_layers, n_microbatches=4,
+                           microbatch_size=2, seq_len=64).replace(
+        layers_per_stage=(1, 3), microbatches_per_group=(3, 1))
+    config = rh.RunConfig(steps=3, seed=7, progress=False, adapt=adapt,
+                          checkpoint_dir=str(tmp_path / "ckpt"),
+                          metrics=str(tmp_path / "script.jsonl"))
+    out = io.StringIO()
+    records = rh.TrainingRun(model, rh.TrainConfig(), plan, config, out=out).run()
+    return records, out.getvalue()
+
+
+@pytest.mark.parametrize("adapt", [False, True], ids=["plain", "adapt"])
+def test_a_script_runs_what_the_command_runs(tmp_path: Path, adapt: bool) -> None:
+    cli_metrics = tmp_path / "cli.jsonl"
+    argv = ["train", *FLAGS, "--checkpoint-dir", str(tmp_path / "cli-ckpt"), "--metrics",
+            str(cli_metrics)] + (["--adapt"] if adapt else [])
+    assert main(argv) == 0
+    records, out = _script_run(tmp_path, adapt)
+    assert [r.step for r in records] == [1, 2, 3]
+    assert [r.loss for r in records] == _losses(cli_metrics)  # bit for bit
+    assert _losses(tmp_path / "script.jsonl") == _losses(cli_metrics)
+    assert "plan dp=2,pp=2,tp=2 layers=1,3 microbatches=3,1" in out
+    assert "survivor copies: keep (auto)" in out and "final loss" in out
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(steps=0), "RunConfig.steps=0: must be >= 1"),
+    (dict(survivor_copies="always"), "survivor_copies='always': valid are auto, keep"),
+    (dict(resume=True), "resume needs a checkpoint_dir"),
+    (dict(precompile=2), "need adapt=True"),
+    (dict(hang_floor_s=-1.0), "--hang-floor-s=-1.0: must be a time > 0"),
+    (dict(step_timeout_s=5.0), "--step-timeout-s=5.0: must be >= --hang-floor-s=10.0"),
+])
+def test_a_bad_run_config_is_named(changes: dict, message: str) -> None:
+    with pytest.raises(rh.ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        rh.RunConfig(**changes)

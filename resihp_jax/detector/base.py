@@ -16,8 +16,8 @@ import numpy as np
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel.costs import CostParams
+from resihp_jax.perfmodel.facts import ModelFacts
 
 ProbeFn = Callable[[int], ProbeResult]
 
@@ -27,7 +27,7 @@ class Detector:
 
     name = "base"
 
-    def __init__(self, prober: ProbeFn | None = None, *, model: ModelConfig | None = None,
+    def __init__(self, prober: ProbeFn | None = None, *, model: ModelFacts | None = None,
                  clock: Callable[[], float] = time.perf_counter, margin: float = 0.12,
                  probe_runs: int = 2) -> None:
         if isinstance(probe_runs, bool) or not isinstance(probe_runs, int) or probe_runs < 1:

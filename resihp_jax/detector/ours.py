@@ -39,8 +39,8 @@ from resihp_jax.detector.base import Detector, register
 from resihp_jax.detector.verdict import StepObservation
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel.costs import CostParams
+from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.perfmodel.fit import OnlineCostModel
 from resihp_jax.perfmodel import features
 from resihp_jax.perfmodel.work import group_data
@@ -53,7 +53,7 @@ WARMUP_STEPS = 24
 class ResiHPDetector(Detector):
     name = "resihp"
 
-    def __init__(self, model: ModelConfig | None = None, *,
+    def __init__(self, model: ModelFacts | None = None, *,
                  cost_model: OnlineCostModel | None = None, warmup: int = WARMUP_STEPS,
                  k: float = 3.0, min_excess: float = 0.05, persist: int = 3, strong: float = 2.0,
                  drift: float = 0.2,

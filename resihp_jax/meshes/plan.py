@@ -9,16 +9,27 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import numpy as np
 
 from resihp_jax.errors import PlanError
-from resihp_jax.model.config import ModelConfig
 
 # The micro-batch slot of every DP group whose forward the train step times on each device.
 # It lives here, below both train/ (which times it) and perfmodel/ (which predicts it).
 TIMED_SLOT = 0
+
+
+class PlannedModel(Protocol):
+    """What `Plan.check` asks of a model: the part of perfmodel.facts.ModelFacts it needs
+    (meshes sits below perfmodel, so it names the members rather than import the protocol)."""
+
+    n_layers: int
+
+    @property
+    def seq_multiple(self) -> int: ...
+
+    def tp_dims(self) -> tuple[int, ...]: ...
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -159,21 +170,20 @@ class Plan:
         return self.mesh_key() == other.mesh_key()
 
     # ---- validation against a model and a device pool -----------------------------------
-    def check(self, model: ModelConfig, available_devices: Sequence[int] | None = None) -> Plan:
-        """Raise PlanError if this plan cannot run `model` on `available_devices`."""
+    def check(self, model: PlannedModel, available_devices: Sequence[int] | None = None
+              ) -> Plan:
+        """Raise PlanError if this plan cannot run `model` (any perfmodel.facts.ModelFacts)
+        on `available_devices`."""
         if self.n_layers != model.n_layers:
             raise PlanError(f"Plan.layers_per_stage={self.layers_per_stage} sums to "
                             f"{self.n_layers}; the model has {model.n_layers} layers")
-        if model.n_heads % self.tp or model.n_kv_heads % self.tp:
-            raise PlanError(
-                f"Plan.tp={self.tp} must divide the model's n_heads={model.n_heads} and "
-                f"n_kv_heads={model.n_kv_heads}")
-        if model.d_ff % self.tp or model.vocab_size % self.tp:
-            raise PlanError(f"Plan.tp={self.tp} must divide d_ff={model.d_ff} and "
-                            f"vocab_size={model.vocab_size}")
-        if self.seq_len % model.attn_block:
+        dims = tuple(model.tp_dims())
+        if any(d % self.tp for d in dims):
+            raise PlanError(f"Plan.tp={self.tp} must divide the model's tensor-parallel "
+                            f"dimensions {dims}")
+        if self.seq_len % model.seq_multiple:
             raise PlanError(f"Plan.seq_len={self.seq_len} must be a multiple of the attention "
-                            f"block size {model.attn_block}")
+                            f"block size {model.seq_multiple} (the model's seq_multiple)")
         if available_devices is not None:
             missing = sorted(set(self.device_ids) - set(int(d) for d in available_devices))
             if missing:

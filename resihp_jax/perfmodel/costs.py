@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.model.config import ModelConfig
+from resihp_jax.perfmodel.facts import ModelFacts
 
 _POSITIVE = ("bwd_ratio", "p2p_bandwidth", "tp_bandwidth", "dp_bandwidth")
 _NON_NEGATIVE = ("c", "alpha", "beta", "head_alpha", "embed_alpha", "tick_overhead",
@@ -22,7 +22,7 @@ _NON_NEGATIVE = ("c", "alpha", "beta", "head_alpha", "embed_alpha", "tick_overhe
 
 
 # Parameters, their gradients and the optimizer moments are float32 whatever the compute
-# dtype (`ModelConfig.dtype`, which sets activations and the per-step weight copy).
+# dtype (`ModelFacts.dtype`, which sets activations and the per-step weight copy).
 MASTER_BYTES = 4
 
 
@@ -70,7 +70,7 @@ class CostParams:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def for_model(cls, model: ModelConfig, *, device_flops: float = 300e12, mfu: float = 0.5,
+    def for_model(cls, model: ModelFacts, *, device_flops: float = 300e12, mfu: float = 0.5,
                   layer_overhead_s: float = 30e-6, tick_overhead_s: float = 20e-6,
                   nvlink_bandwidth: float = 200e9, nvlink_latency: float = 10e-6,
                   network_bandwidth: float = 25e9, network_latency: float = 15e-6,
@@ -80,12 +80,13 @@ class CostParams:
             raise ConfigError(f"device_flops={device_flops!r} must be > 0 and mfu={mfu!r} in "
                               "(0, 1]")
         rate = device_flops * mfu
-        # 2 FLOPs per multiply-add; causal attention does QK^T and AV over l^2 / 2 pairs.
+        # the model's own forward FLOPs: per token of a layer, per attended (query, key)
+        # pair of a layer (the l^2 term), per token of the head
         return cls(
             c=layer_overhead_s,
-            alpha=2.0 * model.layer_param_count() / rate,
-            beta=2.0 * model.d_model / rate,
-            head_alpha=(2.0 * model.vocab_size * model.d_model + 5.0 * model.vocab_size) / rate,
+            alpha=model.layer_flops_per_token() / rate,
+            beta=model.attention_flops_per_token_pair() / rate,
+            head_alpha=model.head_flops_per_token() / rate,
             embed_alpha=0.0,
             tick_overhead=tick_overhead_s,
             p2p_bandwidth=network_bandwidth, p2p_latency=network_latency,

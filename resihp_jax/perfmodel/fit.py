@@ -20,6 +20,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel import features
 from resihp_jax.perfmodel.costs import CostParams
+from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.perfmodel.health import Health
 from resihp_jax.perfmodel.robust import RobustFit, robust_relative_fit
 from resihp_jax.perfmodel.simulator import StepSim, check_schedule, simulate_step
@@ -46,7 +47,7 @@ class _Obs:
 
 
 class OnlineCostModel:
-    def __init__(self, model: ModelConfig | None = None, *, schedule: str = "gpipe",
+    def __init__(self, model: ModelFacts | None = None, *, schedule: str = "gpipe",
                  remat: bool = False, bwd_ratio: float = 2.0, window: int = 256,
                  min_steps: int = 8, refit_every: int = 4, mode: str = "auto") -> None:
         check_schedule(schedule)
@@ -189,7 +190,7 @@ class OnlineCostModel:
         return CostParams(c=c, alpha=alpha, beta=beta, bwd_ratio=self.bwd_ratio,
                           head_alpha=head, tick_overhead=tick, step_overhead=step)
 
-    def _model_for(self, plan: Plan) -> ModelConfig:
+    def _model_for(self, plan: Plan) -> ModelFacts:
         if self.model is not None and self.model.n_layers == plan.n_layers:
             return self.model
         return ModelConfig(n_layers=plan.n_layers)  # communication is folded: sizes unused

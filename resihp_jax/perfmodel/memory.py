@@ -13,23 +13,15 @@ import numpy as np
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel.costs import MASTER_BYTES, dtype_bytes
+from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.perfmodel.simulator import check_schedule
 from resihp_jax.perfmodel.work import stage_param_counts
 
 LOGIT_BYTES = 4  # the loss is computed from float32 logits
 
 
-def layer_activation_elements(model: ModelConfig, tp: int) -> float:
-    """Elements per token one layer saves for its backward (norms, QKV, attention out, MLP)."""
-    kv_dim = model.n_kv_heads * model.head_dim
-    replicated = 4 * model.d_model  # residual stream and norm outputs around attention and MLP
-    sharded = 2 * model.d_model + 2 * kv_dim + 3 * model.d_ff  # q, attn out, k, v, gate/up/act
-    return replicated + sharded / tp
-
-
-def static_bytes_S(plan: Plan, model: ModelConfig, layer_slots: int | None,
+def static_bytes_S(plan: Plan, model: ModelFacts, layer_slots: int | None,
                    optimizer_bytes_per_param: float | None) -> np.ndarray:
     """[S] parameters + gradients + optimizer state per device of each stage, all float32,
     plus the step's copy of the layer and head weights in a narrower compute dtype."""
@@ -38,7 +30,7 @@ def static_bytes_S(plan: Plan, model: ModelConfig, layer_slots: int | None,
     static_S = params_S * (2.0 * MASTER_BYTES + opt)
     width = dtype_bytes(model.dtype)
     if width < MASTER_BYTES:  # the embedding gathers float32 rows: no copy of its table
-        copied_S = params_S - np.eye(plan.pp)[0] * model.vocab_size * model.d_model
+        copied_S = params_S - np.eye(plan.pp)[0] * model.first_stage_param_count()
         static_S = static_S + copied_S * width
     return static_S / plan.tp
 
@@ -51,7 +43,7 @@ def _slots(name: str, value: int | None, minimum: int) -> int:
     return int(value)
 
 
-def memory_bytes_per_device(plan: Plan, model: ModelConfig, *, schedule: str = "gpipe",
+def memory_bytes_per_device(plan: Plan, model: ModelFacts, *, schedule: str = "gpipe",
                             remat: bool = False, layer_slots: int | None = None,
                             mb_slots: int | None = None,
                             optimizer_bytes_per_param: float | None = None) -> np.ndarray:
@@ -62,7 +54,7 @@ def memory_bytes_per_device(plan: Plan, model: ModelConfig, *, schedule: str = "
     slots = _slots("mb_slots", mb_slots, max(plan.microbatches_per_group))
     tokens = plan.microbatch_size * plan.seq_len
     width = dtype_bytes(model.dtype)
-    full_layer = tokens * layer_activation_elements(model, plan.tp) * width
+    full_layer = tokens * model.layer_activation_elements(plan.tp) * width
     saved_per_layer = tokens * model.d_model * width if remat else full_layer
     logits = tokens * model.vocab_size / plan.tp * LOGIT_BYTES
     stash_S = np.full(plan.pp, layers * saved_per_layer)
@@ -80,7 +72,7 @@ def memory_bytes_per_device(plan: Plan, model: ModelConfig, *, schedule: str = "
     return np.broadcast_to(total_S[None, :, None], (plan.dp, plan.pp, plan.tp)).copy()
 
 
-def fits_memory(plan: Plan, model: ModelConfig, device_memory_bytes: float, **kw: object
+def fits_memory(plan: Plan, model: ModelFacts, device_memory_bytes: float, **kw: object
                 ) -> bool:
     """True when every device's footprint fits `device_memory_bytes`."""
     if not device_memory_bytes > 0:

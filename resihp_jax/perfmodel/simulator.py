@@ -13,9 +13,9 @@ import numpy as np
 
 from resihp_jax.errors import ConfigError, PlanError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel import gpipe, onef1b
 from resihp_jax.perfmodel.costs import CostParams
+from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.perfmodel.health import Health
 from resihp_jax.perfmodel.work import (
     Factors,
@@ -50,7 +50,7 @@ def check_schedule(schedule: str) -> str:
     return schedule
 
 
-def simulate_step(plan: Plan, model: ModelConfig, costs: CostParams, *,
+def simulate_step(plan: Plan, model: ModelFacts, costs: CostParams, *,
                   mb_tokens: np.ndarray | None = None, mb_sum_l2: np.ndarray | None = None,
                   health: Health | None = None, schedule: str = "gpipe", remat: bool = False,
                   mb_slots: int | None = None, trace: bool = True) -> StepSim:
@@ -79,7 +79,7 @@ def simulate_step(plan: Plan, model: ModelConfig, costs: CostParams, *,
                    work.dp_allreduce_s, int(rep_U[slow_u]), work.timed_fwd_GxS[inverse_G])
 
 
-def tokens_per_second(plan: Plan, model: ModelConfig, costs: CostParams, *,
+def tokens_per_second(plan: Plan, model: ModelFacts, costs: CostParams, *,
                       health: Health | None = None, schedule: str = "gpipe",
                       mb_tokens: np.ndarray | None = None, mb_sum_l2: np.ndarray | None = None,
                       remat: bool = False, mb_slots: int | None = None) -> float:

@@ -12,8 +12,8 @@ import numpy as np
 
 from resihp_jax.errors import ConfigError, PlanError
 from resihp_jax.meshes.plan import TIMED_SLOT, Plan
-from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel.costs import MASTER_BYTES, CostParams, dtype_bytes
+from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.perfmodel.health import Health
 
 
@@ -99,17 +99,17 @@ def _allreduce_s(n_bytes: np.ndarray | float, width: int, bandwidth: float, late
     return volume / (bandwidth * np.asarray(link)) + 2.0 * (width - 1) * latency
 
 
-def activation_bytes(plan: Plan, model: ModelConfig) -> float:
+def activation_bytes(plan: Plan, model: ModelFacts) -> float:
     return float(plan.microbatch_size * plan.seq_len * model.d_model * dtype_bytes(model.dtype))
 
 
-def stage_param_counts(plan: Plan, model: ModelConfig, layer_slots: int | None = None
+def stage_param_counts(plan: Plan, model: ModelFacts, layer_slots: int | None = None
                        ) -> np.ndarray:
     """[S] parameters held by one device of each stage (before TP sharding)."""
     slots = max(plan.layers_per_stage) if layer_slots is None else layer_slots
     counts = np.full(plan.pp, float(slots * model.layer_param_count()))
-    counts[0] += model.vocab_size * model.d_model
-    counts[-1] += model.vocab_size * model.d_model + model.d_model
+    counts[0] += model.first_stage_param_count()
+    counts[-1] += model.last_stage_param_count()
     return counts
 
 
@@ -123,7 +123,7 @@ class StageWork:
     timed_fwd_GxS: np.ndarray  # layers' forward of slot TIMED_SLOT: what the step times
 
 
-def stage_work(plan: Plan, model: ModelConfig, costs: CostParams, data: GroupData,
+def stage_work(plan: Plan, model: ModelFacts, costs: CostParams, data: GroupData,
                factors: Factors, remat: bool) -> StageWork:
     layers_S = np.asarray(plan.layers_per_stage, dtype=np.float64)
     base_GxM = (costs.c * data.valid_GxM + costs.alpha * data.tokens_GxM
@@ -154,7 +154,7 @@ def _p2p_times(plan: Plan, costs: CostParams, factors: Factors, act: float) -> n
     return p2p
 
 
-def _dp_allreduce(plan: Plan, model: ModelConfig, costs: CostParams, factors: Factors) -> float:
+def _dp_allreduce(plan: Plan, model: ModelFacts, costs: CostParams, factors: Factors) -> float:
     if plan.dp == 1:
         return 0.0
     grad_bytes_S = stage_param_counts(plan, model) / plan.tp * MASTER_BYTES  # float32 grads

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel import CostParams, Health
+from resihp_jax.perfmodel.facts import ModelFacts
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -51,7 +51,7 @@ class SwitchCosts:
 class PlanningContext:
     """Everything a policy needs besides the current plan and the health map."""
 
-    model: ModelConfig
+    model: ModelFacts
     costs: CostParams
     device_memory_bytes: float
     pool: tuple[int, ...]  # every device the job may use; capacity is measured over these
@@ -80,7 +80,7 @@ class PlanningContext:
             raise ConfigError(f"PlanningContext.simulate_top={self.simulate_top}: must be >= 1")
 
     @classmethod
-    def for_plan(cls, plan: Plan, model: ModelConfig, costs: CostParams,
+    def for_plan(cls, plan: Plan, model: ModelFacts, costs: CostParams,
                  device_memory_bytes: float, pool: Sequence[int] | None = None,
                  **options: object) -> PlanningContext:
         """Context whose pool defaults to the plan's own devices."""

@@ -12,15 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel import fits_memory
+from resihp_jax.perfmodel.facts import ModelFacts
 
 
 @dataclass(frozen=True)
 class MemoryLimits:
     """Everything besides the shape that decides whether a plan fits a device."""
 
-    model: ModelConfig
+    model: ModelFacts
     device_memory_bytes: float
     microbatch_size: int
     seq_len: int

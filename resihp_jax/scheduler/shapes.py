@@ -1,6 +1,6 @@
 """Candidate mesh shapes (dp, pp, tp) for a number of usable devices.
 
-tp must be a power of two dividing the heads, KV heads, MLP width and vocabulary (the Plan's
+tp must be a power of two dividing every dimension the model shards (`tp_dims`, the Plan's
 own check); pp at most the layer count; dp at most the micro-batch count (every DP group
 needs one). For each (pp, tp) the widest dp is the natural choice; narrower dps are kept only
 when they let the slowest devices sit out.
@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from resihp_jax.model.config import ModelConfig
+from resihp_jax.perfmodel.facts import ModelFacts
 
 Shape = tuple[int, int, int]  # (dp, pp, tp)
 
 
-def tp_degrees(model: ModelConfig) -> list[int]:
+def tp_degrees(model: ModelFacts) -> list[int]:
     """Powers of two that divide every tensor-parallel-sharded dimension of `model`."""
+    dims = model.tp_dims()
     out, tp = [], 1
-    while tp <= model.n_kv_heads:
-        dims = (model.n_heads, model.n_kv_heads, model.d_ff, model.vocab_size)
+    while tp <= min(dims, default=1):
         if all(d % tp == 0 for d in dims):
             out.append(tp)
         tp *= 2
@@ -38,7 +38,7 @@ class ShapeSpace:
     min_dp: int = 1  # shapes with fewer DP groups are dropped while any shape has this many
 
 
-def mesh_shapes(model: ModelConfig, space: ShapeSpace) -> list[Shape]:
+def mesh_shapes(model: ModelFacts, space: ShapeSpace) -> list[Shape]:
     """Every (dp, pp, tp) worth considering, widest first within a (pp, tp)."""
     shapes: list[Shape] = []
     for tp in tp_degrees(model):

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel import CostParams, Health, simulate_step
+from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.scheduler.splits import min_max_split
 
 
@@ -33,7 +33,7 @@ class StageCosts:
         return (np.asarray(layers_S)[None, :] * self.unit_GxS + self.fixed_GxS).max(axis=1)
 
 
-def probe_stage_costs(grid_DxPxT: np.ndarray, model: ModelConfig, costs: CostParams, *,
+def probe_stage_costs(grid_DxPxT: np.ndarray, model: ModelFacts, costs: CostParams, *,
                       microbatch_size: int, seq_len: int, remat: bool,
                       health: Health | None) -> StageCosts:
     """Exact per-(group, stage) unit and fixed costs of this placement under `health`."""
@@ -42,14 +42,14 @@ def probe_stage_costs(grid_DxPxT: np.ndarray, model: ModelConfig, costs: CostPar
     for per_stage in (1, 2):
         plan = Plan(dp, pp, tp, tuple(grid_DxPxT.ravel().tolist()), (per_stage,) * pp,
                     (1,) * dp, microbatch_size, seq_len)
-        probe_model = model.replace(n_layers=per_stage * pp)
+        probe_model = model.with_layers(per_stage * pp)
         sim = simulate_step(plan, probe_model, costs, health=health, remat=remat, trace=False)
         busy.append(np.asarray(sim.stage_busy_s, dtype=np.float64))
     unit_GxS = busy[1] - busy[0]
     return StageCosts(unit_GxS, busy[0] - unit_GxS)
 
 
-def healthy_unit_costs(model: ModelConfig, costs: CostParams, pp: int, tp: int,
+def healthy_unit_costs(model: ModelFacts, costs: CostParams, pp: int, tp: int,
                        microbatch_size: int, seq_len: int, remat: bool) -> StageCosts:
     """Unit and fixed costs of one healthy DP group of shape (pp, tp)."""
     unit, embed, head = _healthy_layer_costs(model, costs, tp, microbatch_size, seq_len, remat)
@@ -60,7 +60,7 @@ def healthy_unit_costs(model: ModelConfig, costs: CostParams, pp: int, tp: int,
 
 
 @functools.lru_cache(maxsize=64)
-def _healthy_layer_costs(model: ModelConfig, costs: CostParams, tp: int, microbatch_size: int,
+def _healthy_layer_costs(model: ModelFacts, costs: CostParams, tp: int, microbatch_size: int,
                          seq_len: int, remat: bool) -> tuple[float, float, float]:
     """(per layer, embedding, head) busy seconds per micro-batch on healthy devices; healthy
     stages differ only by these, so one two-stage probe serves every pipeline depth."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig
+from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.scheduler.context import SwitchCosts
 
 
@@ -37,7 +37,7 @@ class Option:
         return max(0.0, horizon_s - self.switch_s) / self.step_time_s
 
 
-def reshard_seconds(old: Plan, new: Plan, model: ModelConfig, costs: SwitchCosts) -> float:
+def reshard_seconds(old: Plan, new: Plan, model: ModelFacts, costs: SwitchCosts) -> float:
     """Time for the busiest device to receive the training state it does not already hold."""
     if old == new:
         return 0.0
@@ -83,7 +83,7 @@ def _within(split: tuple[int, ...], slots: int | None) -> bool:
     return slots is None or max(split) <= slots
 
 
-def switch_seconds(old: Plan, new: Plan, model: ModelConfig, costs: SwitchCosts) -> float:
+def switch_seconds(old: Plan, new: Plan, model: ModelFacts, costs: SwitchCosts) -> float:
     """Reshard time plus what the new program costs to have ready (`compile_seconds`)."""
     return reshard_seconds(old, new, model, costs) + compile_seconds(old, new, costs)
 

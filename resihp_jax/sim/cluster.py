@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig, get_model_config
+from resihp_jax.model.config import get_model_config
 from resihp_jax.perfmodel import CostParams, Health, fits_memory
+from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.scheduler.context import PlanningContext
 from resihp_jax.scheduler.scoring import simulate
 from resihp_jax.scheduler.memory_caps import layer_cap
@@ -42,7 +43,7 @@ class ShapeCost:
     fixed_s: float  # gradient all-reduce and step overhead
 
 
-def nominal_plan(n_gpus: int, model: ModelConfig) -> Plan:
+def nominal_plan(n_gpus: int, model: ModelFacts) -> Plan:
     if isinstance(n_gpus, bool) or not isinstance(n_gpus, int) or n_gpus < MIN_GPUS:
         raise ConfigError(f"gpus={n_gpus!r}: must be an integer >= {MIN_GPUS}")
     tp, pp = (4 if n_gpus < 4096 else 8), 16
@@ -54,7 +55,7 @@ def nominal_plan(n_gpus: int, model: ModelConfig) -> Plan:
 class ClusterModel:
     """Healthy reference and per-shape costs of one cluster size (build with `get_cluster`)."""
 
-    def __init__(self, n_gpus: int, model: ModelConfig) -> None:
+    def __init__(self, n_gpus: int, model: ModelFacts) -> None:
         self.n_gpus, self.model, self.node_size = n_gpus, model, NODE_SIZE
         nominal = nominal_plan(n_gpus, model)
         self.n_microbatches = nominal.n_microbatches

@@ -36,6 +36,10 @@ _EXPORTS: dict[str, str] = {
     "TrainingRun": "resihp_jax.runtime.run.training",
     "JobSpec": "resihp_jax.runtime.job.distributed",
     "job_spec": "resihp_jax.runtime.job.distributed",
+    # the user's own NNX model and data
+    "fit": "resihp_jax.runtime.run.fit",
+    "FitResult": "resihp_jax.runtime.run.fit",
+    "PackedBatch": "resihp_jax.data.user_batches",
     # detection and re-planning on their own
     "Health": "resihp_jax.perfmodel.health",
     "make_detector": "resihp_jax.detector.base",
@@ -54,9 +58,11 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "ConfigError",
+    "FitResult",
     "Health",
     "JobSpec",
     "ModelConfig",
+    "PackedBatch",
     "Plan",
     "PlanError",
     "Replan",
@@ -70,6 +76,7 @@ __all__ = [
     "TrainingRun",
     "build_step",
     "devices",
+    "fit",
     "get_model_config",
     "job_spec",
     "make_detector",
@@ -80,6 +87,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from resihp_jax.data.iterator import BatchIterator
+    from resihp_jax.data.user_batches import PackedBatch
     from resihp_jax.detector.base import make_detector
     from resihp_jax.errors import (
         CheckpointError,
@@ -95,6 +103,7 @@ if TYPE_CHECKING:
     from resihp_jax.runtime.job.distributed import JobSpec, job_spec
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
     from resihp_jax.runtime.run.config import RunConfig
+    from resihp_jax.runtime.run.fit import FitResult, fit
     from resihp_jax.runtime.run.training import TrainingRun
     from resihp_jax.runtime.trainer.loop import StepRecord
     from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
@@ -104,7 +113,13 @@ if TYPE_CHECKING:
     from resihp_jax.train.step import build_step
 
 
+# submodules a user reaches as attributes: rh.data.from_documents(...), rh.nn.segment_attention
+_SUBMODULES = {"data": "resihp_jax.data", "nn": "resihp_jax.nn"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(_SUBMODULES[name])
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'resihp_jax' has no attribute {name!r}; "
@@ -115,4 +130,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))

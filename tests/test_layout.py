@@ -22,7 +22,7 @@ MAX_MODULES_PER_FOLDER = 15
 LAYERS: list[set[str]] = [
     {"errors", "vma"},
     {"model", "data"},
-    {"meshes"},
+    {"meshes", "nn"},
     {"train", "perfmodel"},
     {"detector", "scheduler", "faults"},
     {"sim", "runtime.recovery"},

@@ -282,12 +282,17 @@ _sparse.defvjp(_sparse_fwd, _sparse_bwd)
 
 # ----------------------------------------------------------------------------- public API
 
+# How many times `segment_attention` was traced: a model's facts read it around tracing one
+# block to learn whether its attention cost grows per document (train/user_facts.py).
+TRACED_CALLS = [0]
+
 
 def segment_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
                       segment_ids_BxS: jax.Array, *, block_size: int) -> jax.Array:
     """Block-sparse causal attention within segments; padding (id 0) outputs exactly 0."""
     _check_inputs(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS)
     _check_block_size(q_BxSxHxK.shape[1], block_size)
+    TRACED_CALLS[0] += 1
     args = (q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS.astype(jnp.int32))
     # Inside shard_map, give all inputs the same varying axes up front: the kernel's carries
     # and branches then agree, and autodiff of the pcast sums dk/dv over replicated kv heads.

@@ -53,8 +53,46 @@ class ModelConfig:
         return attn + mlp + 2 * self.d_model
 
     def param_count(self) -> int:
-        embed_and_head = 2 * self.vocab_size * self.d_model + self.d_model
-        return embed_and_head + self.n_layers * self.layer_param_count()
+        return (self.first_stage_param_count() + self.last_stage_param_count()
+                + self.n_layers * self.layer_param_count())
+
+    # ---- ModelFacts (perfmodel/facts.py): what the planner and cost models ask -----------
+    @property
+    def seq_multiple(self) -> int:
+        return self.attn_block
+
+    @property
+    def attention_cost(self) -> str:
+        return "document"  # the block-sparse kernel skips pairs of different documents
+
+    def first_stage_param_count(self) -> int:
+        return self.vocab_size * self.d_model  # the embedding table
+
+    def last_stage_param_count(self) -> int:
+        return self.vocab_size * self.d_model + self.d_model  # output projection and norm
+
+    def layer_flops_per_token(self) -> float:
+        return 2.0 * self.layer_param_count()  # one multiply-add per weight
+
+    def attention_flops_per_token_pair(self) -> float:
+        # QK^T and AV: 2 multiply-adds per pair and model dimension, over l^2 / 2 pairs
+        return 2.0 * self.d_model
+
+    def head_flops_per_token(self) -> float:
+        return 2.0 * self.vocab_size * self.d_model + 5.0 * self.vocab_size
+
+    def layer_activation_elements(self, tp: int) -> float:
+        """Elements per token one layer saves for its backward (norms, QKV, attention out, MLP)."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        replicated = 4 * self.d_model  # residual stream and norm outputs around attn and MLP
+        sharded = 2 * self.d_model + 2 * kv_dim + 3 * self.d_ff  # q, attn out, k, v, MLP
+        return replicated + sharded / tp
+
+    def tp_dims(self) -> tuple[int, ...]:
+        return (self.n_heads, self.n_kv_heads, self.d_ff, self.vocab_size)
+
+    def with_layers(self, n_layers: int) -> ModelConfig:
+        return self.replace(n_layers=n_layers)
 
     def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -11,8 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from resihp_jax.train.step import (KNOB_SPEC, Batch, Splits, StepProgram, abstract_state,
-                                   canonical_state_shapes)
+from resihp_jax.train.step import KNOB_SPEC, Batch, Splits, StepProgram, canonical_state_shapes
 
 
 def _placed(shapes: Any, shardings: Any) -> Any:
@@ -23,8 +22,7 @@ def _placed(shapes: Any, shardings: Any) -> Any:
 def abstract_args(program: StepProgram) -> tuple[Any, Batch, Splits]:
     """(state, batch, splits) of `program.step_fn` as placed shapes."""
     plan, mesh = program.plan, program.mesh
-    state = _placed(abstract_state(program.model, program.optimizer, plan, program.layer_slots),
-                    program.state_shardings)
+    state = _placed(program.abstract_state(), program.state_shardings)
     rows = jax.ShapeDtypeStruct((plan.dp, program.mb_slots, plan.microbatch_size, plan.seq_len),
                                 jnp.int32, sharding=program.batch_sharding)
     rep = program.replicated

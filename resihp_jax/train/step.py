@@ -181,6 +181,10 @@ class StepProgram:
     def loss_and_grads(self, params: dict[str, Any], batch: Batch) -> tuple[jax.Array, Any]:
         return self.loss_and_grads_fn(params, batch, self.splits())
 
+    def abstract_state(self) -> TrainState:
+        """Shapes of this program's state (stage layout), e.g. to compile ahead of time."""
+        return abstract_state(self.model, self.optimizer, self.plan, self.layer_slots)
+
 
 def abstract_state(model: ModelConfig, optimizer: optax.GradientTransformation, plan: Plan,
                    layer_slots: int) -> TrainState:

@@ -41,6 +41,7 @@ class ModelParts:
     n_layers: int
     shell_logical: Any  # pure dict of PartitionSpecs with logical names, like the shell
     layer_logical: Any  # the same for one block (without the layer dimension)
+    name: str = "model"  # the user's class name (checkpoints record it)
 
     def embed(self, shell: Any, tokens_BxS: jax.Array, positions_BxS: jax.Array) -> jax.Array:
         return self._shell(shell).embed(tokens_BxS, positions_BxS)
@@ -79,7 +80,7 @@ def _treedef(params: nnx.State) -> Any:
         flat = jax.tree_util.tree_flatten_with_path(tree)[0]
         return [jax.tree_util.keystr(p).removesuffix(".value") for p, _ in flat]
 
-    if keys(params) != keys(params.to_pure_dict()):
+    if keys(params) != keys(nnx.to_pure_dict(params)):
         raise ConfigError("model parameters: their nnx.State and pure-dict orders differ "
                           "(unsupported Variable layout)")
     return jax.tree.structure(params)
@@ -101,10 +102,17 @@ def split_model(model: Any) -> tuple[ModelParts, Any, Any]:
     _check_same_blocks([(d, p) for d, p, _ in layer_splits])
     parts = ModelParts(shell_def, _treedef(shell_params), shell_rest, block_def,
                        _treedef(layer_splits[0][1]), block_rest, blocks_type, len(blocks),
-                       _logical(shell_params), _logical(layer_splits[0][1]))
-    layers = jax.tree.map(lambda *xs: jnp.stack(xs),
-                          *(p.to_pure_dict() for _, p, _ in layer_splits))
-    return parts, shell_params.to_pure_dict(), layers
+                       _logical(shell_params), _logical(layer_splits[0][1]),
+                       type(model).__name__)
+    layers = jax.tree.map(_stack, *(nnx.to_pure_dict(p) for _, p, _ in layer_splits))
+    return parts, nnx.to_pure_dict(shell_params), layers
+
+
+def _stack(*leaves: Any) -> Any:
+    """The blocks' copies of one parameter stacked [n_layers, ...] (shapes stay shapes)."""
+    if isinstance(leaves[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(leaves),) + tuple(leaves[0].shape), leaves[0].dtype)
+    return jnp.stack(leaves)
 
 
 def check_contract(model: Any) -> None:
@@ -133,7 +141,7 @@ def check_contract(model: Any) -> None:
 
 def _check_same_blocks(splits: list[tuple[Any, Any]]) -> None:
     def shapes(params: Any) -> Any:
-        return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), params.to_pure_dict())
+        return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), nnx.to_pure_dict(params))
 
     first_def, first = splits[0]
     for i, (graphdef, params) in enumerate(splits[1:], start=1):
@@ -144,7 +152,7 @@ def _check_same_blocks(splits: list[tuple[Any, Any]]) -> None:
 
 def _logical(params: nnx.State) -> Any:
     """A pure dict of PartitionSpecs of logical names (P() for unannotated parameters)."""
-    specs = nnx.get_partition_spec(params).to_pure_dict()
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(params))
     return jax.tree.map(lambda s: s if isinstance(s, P) else P(), specs,
                         is_leaf=lambda x: isinstance(x, P) or x is None)
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from resihp_jax.errors import PlanError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.mesh import make_mesh
 from resihp_jax.meshes.plan import Plan
@@ -32,6 +33,10 @@ from resihp_jax.train.user_pipeline import user_pipeline_loss_sum
 class UserStepProgram(StepProgram):
     """A StepProgram for a user's model; its state starts from the model's own parameters."""
     param_specs: Any = None  # mesh PartitionSpecs of {"shell", "blocks"} (canonical blocks)
+    state_shapes: Any = None  # the state's shapes in the stage layout
+
+    def abstract_state(self) -> TrainState:
+        return self.state_shapes
 
     def init_state(self, params: Any) -> TrainState:  # type: ignore[override]
         """State from canonical parameters `{"shell": ..., "blocks": [n_layers, ...]}`,
@@ -81,8 +86,6 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
     ignored: `optimizer` is applied as given)."""
     train = train or TrainConfig()
     if plan.n_layers != parts.n_layers:
-        from resihp_jax.errors import PlanError  # noqa: PLC0415
-
         raise PlanError(f"Plan.layers_per_stage={plan.layers_per_stage} sums to "
                         f"{plan.n_layers} layers; the model has {parts.n_layers} blocks")
     mesh = make_mesh(plan, devices)
@@ -146,7 +149,7 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
     return UserStepProgram(parts, train, plan, mesh, layer_slots, mb_slots, optimizer,
                            shardings, batch_sharding, replicated, step_fn, grads_fn,
                            canonical_sh, to_canonical_fn, to_stage_fn, restage_fn,
-                           param_specs=canonical_specs)
+                           param_specs=canonical_specs, state_shapes=shapes)
 
 
 def _fresh_state(optimizer: optax.GradientTransformation, params: Any) -> TrainState:

@@ -26,8 +26,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.recovery.checksum import leaf_shapes, state_checksums
 from resihp_jax.runtime.recovery.run_identity import check_identity
 from resihp_jax.train.reshard import from_canonical, to_canonical
-from resihp_jax.train.step import (StepProgram, TrainState, abstract_state,
-                                   canonical_state_shapes)
+from resihp_jax.train.step import StepProgram, TrainState, canonical_state_shapes
 
 
 @dataclass(frozen=True)
@@ -205,7 +204,7 @@ def _check_shapes(saved: Mapping[str, Any] | None, target: Mapping[str, Any], wh
 
 def canonical_target(program: StepProgram) -> TrainState:
     """Shapes, dtypes and shardings of a canonical state on `program`'s mesh."""
-    shapes = abstract_state(program.model, program.optimizer, program.plan, program.layer_slots)
+    shapes = program.abstract_state()
     canonical = canonical_state_shapes(shapes, program.plan.n_layers)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         canonical, program.canonical_shardings)

@@ -37,8 +37,8 @@ from resihp_jax.detector.probes import gathered_probe
 from resihp_jax.errors import ConfigError, HostsLeftOut, JobStepFailed, PlanError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig
 from resihp_jax.perfmodel import CostParams, Health
+from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.meshes.agree import from_primary, multi_process
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
 from resihp_jax.runtime.trainer.compile_cache import default_cache_dir, enable_compilation_cache
@@ -142,8 +142,11 @@ class _Host:
 
 @dataclass
 class ResilientTrainer:
-    """Trains `plan` on `devices`, watching every step; `run(n)` yields StepRecords and Replans."""
-    model: ModelConfig
+    """Trains `plan` on `devices`, watching every step; `run(n)` yields StepRecords and Replans.
+
+    `model`: the built-in decoder's ModelConfig, or the facts of a user's model
+    (perfmodel/facts.py) with `programs` building its step for each plan."""
+    model: ModelFacts
     train_cfg: TrainConfig
     plan: Plan
     devices: Sequence[jax.Device]
@@ -154,6 +157,9 @@ class ResilientTrainer:
     # told before work between steps that may take long (a probe, a switch), so a
     # supervisor watching for progress can allow for it
     on_long_work: Callable[[str], None] | None = None
+    # (train_cfg, plan, devices, instrument) -> the StepProgram of a user's model; None:
+    # the built-in decoder's (`build_step`). Set `state` before `run` for a user's model.
+    programs: Callable[..., StepProgram] | None = None
 
     def __post_init__(self) -> None:
         enable_compilation_cache(self.config.compile_cache_dir)
@@ -186,8 +192,12 @@ class ResilientTrainer:
         """`plan`'s program, built and compiled now (any thread)."""
         slots = max(self.train_cfg.microbatch_slots or layout.default_microbatch_slots(
             plan.n_microbatches, plan.dp), max(plan.microbatches_per_group))
-        program = build_step(self.model, self.train_cfg.replace(microbatch_slots=slots), plan,
-                             self.devices, instrument=self._instrument)
+        train_cfg = self.train_cfg.replace(microbatch_slots=slots)
+        if self.programs is not None:
+            program = self.programs(train_cfg, plan, self.devices, self._instrument)
+        else:
+            program = build_step(self.model, train_cfg, plan, self.devices,
+                                 instrument=self._instrument)
         return compile_program(program)
 
     def _install(self, program: StepProgram, plan: Plan) -> None:

@@ -1,0 +1,157 @@
+"""`rh.fit`: train the user's own Flax NNX model on the user's data, resiliently, in one call.
+
+The model keeps its own class and code; the library stacks its blocks into the pipeline's
+layer layout, maps its logical axis names to the mesh, computes the next-token loss and runs
+the ResilientTrainer's loop (detector, scheduler, switches, checkpoints) over it. The trained
+model comes back as an instance of the user's class.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import optax
+from flax import nnx
+
+from resihp_jax.data import BatchIterator, packed_batches
+from resihp_jax.errors import ConfigError
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.runtime.trainer.loop import StepRecord
+from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
+from resihp_jax.train.config import TrainConfig
+from resihp_jax.train.user_facts import UserModelFacts, model_facts
+from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
+                                         split_model)
+from resihp_jax.train.user_step import UserStepProgram, build_user_step
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What `fit` trained: the model (the user's class), each step's loss, the re-plans."""
+    model: Any
+    losses: dict[int, float]  # step (from 1) -> loss, for the steps this call trained
+    replans: list[Replan] = field(default_factory=list)
+    records: list[StepRecord] = field(default_factory=list)
+    facts: UserModelFacts | None = None  # what the planner knew of the model
+
+
+def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan: Plan,
+        steps: int, seed: int = 0, devices: Sequence[jax.Device] | None = None,
+        checkpoint_dir: str | None = None, resilience: ResilienceConfig | None = None,
+        axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES,
+        on_step: Callable[[StepRecord], None] | None = None, progress: bool | None = None,
+        attention_cost: str | None = None, remat: bool = False) -> FitResult:
+    """Train `model` for `steps` steps under `plan` and return the trained model.
+
+    model: an `nnx.Module` with `embed(tokens, positions)`, `blocks` (identical blocks,
+        `block(h, segment_ids, positions)`) and `head(h)`, its kernels named with
+        `nnx.with_partitioning`; or a function `rngs -> model`, then built sharded (never
+        whole on one device).
+    data: a sequence of `rh.PackedBatch` (rows = plan's micro-batches x micro-batch size),
+        a function returning an iterator of them, a document source (`rh.data.from_documents`,
+        `rh.data.TokenFileSource`, ...) that the library packs, or a `BatchIterator`.
+    optimizer: any optax transformation, applied as given. plan: an `rh.Plan`.
+    on_step: called after every step with its StepRecord (`.step`, `.loss`, ...).
+    """
+    _check_args(steps, plan, optimizer)
+    devices = list(devices) if devices is not None else jax.devices()
+    parts, params = _split(model, seed)
+    facts = model_facts(parts, params["shell"], params["blocks"], parts.name, axis_rules,
+                        attention_cost)
+    train_cfg = TrainConfig(remat=remat, microbatch_slots=max(plan.microbatches_per_group))
+
+    def programs(cfg: TrainConfig, plan_: Plan, devices_: Sequence[jax.Device],
+                 instrument: Any = None) -> UserStepProgram:
+        del instrument  # stage timing of users' models: not yet (the probes still localize)
+        return build_user_step(parts, optimizer, plan_, devices_, params,
+                               axis_rules=axis_rules, train=cfg)
+
+    config = resilience or ResilienceConfig(checkpoint_dir=checkpoint_dir)
+    if checkpoint_dir is not None and config.checkpoint_dir != checkpoint_dir:
+        raise ConfigError(f"checkpoint_dir={checkpoint_dir!r} and resilience.checkpoint_dir="
+                          f"{config.checkpoint_dir!r}: give it once")
+    trainer = ResilientTrainer(facts, train_cfg, plan, devices, _batches(data, plan, seed),
+                               config, programs=programs)
+    try:
+        trainer.state = _initial_state(trainer.program, params, model, seed)
+        return _train(trainer, parts, steps, facts, on_step, progress)
+    finally:
+        trainer.close()
+
+
+def _check_args(steps: int, plan: Any, optimizer: Any) -> None:
+    if isinstance(plan, str):
+        raise ConfigError(f"plan={plan!r}: give an rh.Plan (e.g. rh.Plan.uniform(dp, pp, tp, "
+                          "n_layers=..., n_microbatches=..., microbatch_size=..., seq_len=...))")
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"plan: expected an rh.Plan, got {type(plan).__name__}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ConfigError(f"steps={steps!r}: must be an integer >= 1")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise ConfigError(f"optimizer: expected an optax GradientTransformation, got "
+                          f"{type(optimizer).__name__}")
+
+
+def _split(model: Any, seed: int) -> tuple[ModelParts, dict[str, Any]]:
+    """(parts, canonical parameters): arrays of a built model, shapes of a model function."""
+    if not isinstance(model, nnx.Module) and callable(model):
+        model = abstract_model(model, seed)
+    parts, shell, blocks = split_model(model)
+    return parts, {"shell": shell, "blocks": blocks}
+
+
+def _initial_state(program: UserStepProgram, params: dict[str, Any], model: Any,
+                   seed: int) -> Any:
+    if isinstance(model, nnx.Module):
+        return program.init_state(params)
+
+    def build() -> dict[str, Any]:  # the whole model built inside one sharded program
+        with nnx.use_eager_sharding(False):
+            _, shell, blocks = split_model(model(nnx.Rngs(seed)))
+        return {"shell": shell, "blocks": blocks}
+
+    built = jax.jit(build, out_shardings=program.canonical_shardings.params)()
+    return program.init_state(built)
+
+
+def _batches(data: Any, plan: Plan, seed: int) -> Any:
+    shape = dict(n_microbatches=plan.n_microbatches, microbatch_size=plan.microbatch_size,
+                 seq_len=plan.seq_len)
+    if hasattr(data, "next_batch") and hasattr(data, "state") and hasattr(data, "restore"):
+        return data  # an iterator of ours (or one like it)
+    if all(hasattr(data, m) for m in ("item", "item_size", "items_per_epoch", "fingerprint")):
+        return BatchIterator(data, seed=seed, **shape)
+    if callable(data) or isinstance(data, Sequence):
+        return packed_batches(data, **shape)
+    raise ConfigError(f"data: expected a sequence of rh.PackedBatch, a function returning an "
+                      f"iterator of them, or a document source; got {type(data).__name__}")
+
+
+def _train(trainer: ResilientTrainer, parts: ModelParts, steps: int, facts: UserModelFacts,
+           on_step: Callable[[StepRecord], None] | None, progress: bool | None) -> FitResult:
+    from tqdm import tqdm  # noqa: PLC0415
+
+    start = int(trainer.state.step)
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = tqdm(total=steps, initial=start, unit="step", disable=not show)
+    records: list[StepRecord] = []
+    try:
+        for event in trainer.run(steps):
+            if isinstance(event, Replan):
+                continue  # kept in trainer.replans
+            records.append(event)
+            bar.set_postfix(loss=f"{event.loss:.4f}")
+            bar.update()
+            if on_step is not None:
+                on_step(event)
+    finally:
+        bar.close()
+    program = trainer.program
+    params = jax.device_get(program.canonical_params(trainer.state))
+    model = parts.assemble(params["shell"], params["blocks"])
+    return FitResult(model, {r.step: r.loss for r in records}, list(trainer.replans), records,
+                     facts)
+

@@ -8,10 +8,9 @@ applied as given. Shardings come from the parameters' logical names and `axis_ru
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +33,21 @@ class UserStepProgram(StepProgram):
     """A StepProgram for a user's model; its state starts from the model's own parameters."""
     param_specs: Any = None  # mesh PartitionSpecs of {"shell", "blocks"} (canonical blocks)
     state_shapes: Any = None  # the state's shapes in the stage layout
+    # seed -> canonical parameters: what `init_state(seed)` starts from (the user's model)
+    initial_params: Callable[[int], Any] | None = None
 
     def abstract_state(self) -> TrainState:
         return self.state_shapes
 
-    def init_state(self, params: Any) -> TrainState:  # type: ignore[override]
-        """State from canonical parameters `{"shell": ..., "blocks": [n_layers, ...]}`,
-        placed straight into this program's shardings."""
+    def init_state(self, seed_or_params: Any) -> TrainState:  # type: ignore[override]
+        """State from canonical parameters `{"shell": ..., "blocks": [n_layers, ...]}` (or
+        from `initial_params(seed)`), placed straight into this program's shardings."""
+        params = seed_or_params
+        if isinstance(seed_or_params, int):
+            if self.initial_params is None:
+                raise ValueError("this program has no initial parameters: pass them")
+            params = self.initial_params(seed_or_params)
+
         def init(params: Any, index_PxL: jax.Array) -> TrainState:
             staged = layout.to_stage_layout(params, index_PxL)
             return TrainState(jnp.zeros((), jnp.int32), staged, self.optimizer.init(staged))
@@ -78,7 +85,8 @@ def _state_specs(optimizer: optax.GradientTransformation, shapes: TrainState,
 def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, plan: Plan,
                     devices: Sequence[jax.Device], example_params: Any, *,
                     axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES,
-                    train: TrainConfig | None = None) -> UserStepProgram:
+                    train: TrainConfig | None = None,
+                    initial_params: Callable[[int], Any] | None = None) -> UserStepProgram:
     """Compile-ready program of a user's model for `plan` on `devices`.
 
     `example_params`: canonical parameters (arrays or shapes) fixing every leaf's shape;
@@ -149,18 +157,10 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
     return UserStepProgram(parts, train, plan, mesh, layer_slots, mb_slots, optimizer,
                            shardings, batch_sharding, replicated, step_fn, grads_fn,
                            canonical_sh, to_canonical_fn, to_stage_fn, restage_fn,
-                           param_specs=canonical_specs, state_shapes=shapes)
+                           param_specs=canonical_specs, state_shapes=shapes,
+                           initial_params=initial_params)
 
 
 def _fresh_state(optimizer: optax.GradientTransformation, params: Any) -> TrainState:
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
-
-def with_devices(program: UserStepProgram, plan: Plan, devices: Sequence[jax.Device],
-                 example_params: Any, axis_rules: Sequence[tuple[str, str | None]]
-                 ) -> UserStepProgram:
-    """The same model and optimizer compiled for another plan (a new mesh)."""
-    return build_user_step(program.model, program.optimizer, plan, devices, example_params,
-                           axis_rules=axis_rules,
-                           train=dataclasses.replace(program.train, layer_slots=None,
-                                                     microbatch_slots=None))

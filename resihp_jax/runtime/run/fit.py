@@ -8,6 +8,7 @@ model comes back as an instance of the user's class.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -19,6 +20,7 @@ from flax import nnx
 from resihp_jax.data import BatchIterator, packed_batches
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
+from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
 from resihp_jax.train.config import TrainConfig
@@ -66,8 +68,9 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     def programs(cfg: TrainConfig, plan_: Plan, devices_: Sequence[jax.Device],
                  instrument: Any = None) -> UserStepProgram:
         del instrument  # stage timing of users' models: not yet (the probes still localize)
-        return build_user_step(parts, optimizer, plan_, devices_, params,
-                               axis_rules=axis_rules, train=cfg)
+        program = build_user_step(parts, optimizer, plan_, devices_, params,
+                                  axis_rules=axis_rules, train=cfg)
+        return dataclasses.replace(program, initial_params=_initializer(program, model, params))
 
     config = resilience or ResilienceConfig(checkpoint_dir=checkpoint_dir)
     if checkpoint_dir is not None and config.checkpoint_dir != checkpoint_dir:
@@ -76,7 +79,10 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     trainer = ResilientTrainer(facts, train_cfg, plan, devices, _batches(data, plan, seed),
                                config, programs=programs)
     try:
-        trainer.state = _initial_state(trainer.program, params, model, seed)
+        start = start_state(trainer.program, trainer.checkpointer, trainer.data,
+                            resume=trainer.checkpointer is not None, seed=seed,
+                            primary=jax.process_index() == 0, out=sys.stdout)
+        trainer.state = start.state
         return _train(trainer, parts, steps, facts, on_step, progress)
     finally:
         trainer.close()
@@ -103,18 +109,22 @@ def _split(model: Any, seed: int) -> tuple[ModelParts, dict[str, Any]]:
     return parts, {"shell": shell, "blocks": blocks}
 
 
-def _initial_state(program: UserStepProgram, params: dict[str, Any], model: Any,
-                   seed: int) -> Any:
+def _initializer(program: UserStepProgram, model: Any,
+                 params: dict[str, Any]) -> Callable[[int], Any]:
+    """seed -> the canonical parameters training starts from: a built model's own, or a
+    model function's, built inside one program straight into its shardings."""
     if isinstance(model, nnx.Module):
-        return program.init_state(params)
+        return lambda seed: params
 
-    def build() -> dict[str, Any]:  # the whole model built inside one sharded program
-        with nnx.use_eager_sharding(False):
-            _, shell, blocks = split_model(model(nnx.Rngs(seed)))
-        return {"shell": shell, "blocks": blocks}
+    def initial(seed: int) -> Any:
+        def build() -> dict[str, Any]:
+            with nnx.use_eager_sharding(False):
+                _, shell, blocks = split_model(model(nnx.Rngs(seed)))
+            return {"shell": shell, "blocks": blocks}
 
-    built = jax.jit(build, out_shardings=program.canonical_shardings.params)()
-    return program.init_state(built)
+        return jax.jit(build, out_shardings=program.canonical_shardings.params)()
+
+    return initial
 
 
 def _batches(data: Any, plan: Plan, seed: int) -> Any:

@@ -33,6 +33,7 @@ import numpy as np
 from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.detector import (Prober, StepFailed, StepObservation, Verdict, make_detector,
                                  run_guarded)
+from resihp_jax.detector.attention_work import mb_attention_l2
 from resihp_jax.detector.probes import gathered_probe
 from resihp_jax.errors import ConfigError, HostsLeftOut, JobStepFailed, PlanError
 from resihp_jax.meshes import layout
@@ -311,7 +312,7 @@ class ResilientTrainer:
     def deadline_s(self, batch: GlobalBatch) -> float:
         """How long this batch's step may take before it counts as hung."""
         predicted = self.detector.healthy_time_s(self.plan, self._mb_tokens(),
-                                                 batch.sum_sq_lengths())
+                                                 mb_attention_l2(self.model, batch))
         if predicted is None or (self.checkpointer is not None and self.checkpointer.saving()):
             return self.config.step_timeout_s  # an overlapping save makes no prediction hold
         return max(self.config.hang_floor_s, self.config.hang_factor * predicted)
@@ -325,7 +326,8 @@ class ResilientTrainer:
         return tuple(int(grid[c]) for c in self._host.timer.in_flight())
 
     def _observation(self, record: StepRecord, batch: GlobalBatch) -> StepObservation:
-        return StepObservation(record.step, self.plan, self._mb_tokens(), batch.sum_sq_lengths(),
+        return StepObservation(record.step, self.plan, self._mb_tokens(),
+                               mb_attention_l2(self.model, batch),
                                record.step_time_s, self._last_timing.stage_DxP)
 
     # ---- reacting to a verdict -------------------------------------------------------------

@@ -154,3 +154,16 @@ def test_bad_fit_arguments_are_named(kwargs: dict, message: str) -> None:
     args = dict(optimizer=optax.sgd(0.1), plan=_plan("1/1/1"), steps=1, progress=False)
     with pytest.raises(rh.ConfigError, match=message):
         rh.fit(make_gpt2(), _packed(1), **{**args, **kwargs})
+
+
+def test_fit_resumes_from_its_checkpoint_loss_for_loss(tmp_path, capsys) -> None:
+    data, plan, opt = _packed(6), _plan("2/2/2 uneven"), optax.adam(1e-2)
+    whole = rh.fit(make_gpt2(), data, optimizer=opt, plan=plan, steps=6, progress=False)
+    first = rh.fit(make_gpt2(), data, optimizer=opt, plan=plan, steps=3, progress=False,
+                   checkpoint_dir=str(tmp_path / "ckpt"))
+    again = rh.fit(make_gpt2(), data, optimizer=opt, plan=_plan("1/1/1"), steps=6,
+                   progress=False, checkpoint_dir=str(tmp_path / "ckpt"))
+    assert "resumed from checkpoint step 3" in capsys.readouterr().out
+    assert list(first.losses) == [1, 2, 3] and list(again.losses) == [4, 5, 6]
+    np.testing.assert_allclose([*first.losses.values(), *again.losses.values()],
+                               list(whole.losses.values()), rtol=1e-5)

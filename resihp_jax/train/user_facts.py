@@ -94,7 +94,8 @@ def _tokens(seq: int) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def model_facts(parts: ModelParts, shell: Any, layers: Any, name: str,
                 axis_rules: Sequence[tuple[str, str | None]],
-                attention_cost: str | None = None) -> UserModelFacts:
+                attention_cost: str | None = None,
+                compute_dtype: str | None = None) -> UserModelFacts:
     """The facts of a model split by `split_model` (arrays or shapes)."""
     layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layers)
     shell = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), shell)
@@ -115,7 +116,8 @@ def model_facts(parts: ModelParts, shell: Any, layers: Any, name: str,
     linear = max(f1 / s1 - quadratic * s1, 0.0)
     head = _flops(parts.head, shell, jax.ShapeDtypeStruct((1, s1, h.shape[-1]), h.dtype)) / s1
     return UserModelFacts(
-        name=name, n_layers=parts.n_layers, dtype=str(np.dtype(h.dtype)), d_model=h.shape[-1],
+        name=name, n_layers=parts.n_layers, dtype=compute_dtype or str(np.dtype(h.dtype)),
+        d_model=h.shape[-1],
         vocab_size=logits.shape[-1], layer_params=_size(layer), shell_params=_size(shell),
         layer_flops=linear, pair_flops=2.0 * quadratic, head_flops=head,
         activation_elements=_residual_elements(parts, layer, h) / s1,

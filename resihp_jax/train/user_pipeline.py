@@ -30,23 +30,36 @@ def token_nll_sum(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
     return jnp.sum((logz_BxS - target_BxS) * weights_BxS)
 
 
-def _run_stage(parts: ModelParts, layers: Any, active: jax.Array, n_layers: jax.Array,
-               x_BxSxD: jax.Array, seg_BxS: jax.Array, pos_BxS: jax.Array) -> jax.Array:
-    """This stage's first `n_layers` slots when `active`; the others are skipped."""
+def _run_stage(parts: ModelParts, layers: Any, compute: Any, active: jax.Array,
+               n_layers: jax.Array, x_BxSxD: jax.Array, seg_BxS: jax.Array,
+               pos_BxS: jax.Array) -> jax.Array:
+    """This stage's first `n_layers` slots when `active`; the others are skipped. `layers`
+    are the float32 masters [slots, ...], `compute` the same in the compute dtype."""
     slot_ids = jnp.arange(jax.tree.leaves(layers)[0].shape[0])
 
-    def one_slot(x: jax.Array, slot: tuple[jax.Array, Any]) -> tuple[jax.Array, None]:
-        i, p = slot
+    def one_slot(x: jax.Array, slot: tuple[jax.Array, Any, Any]) -> tuple[jax.Array, None]:
+        i, p, c = slot
         on = active & (i < n_layers)
-        out = gated(parts.block, on, p, p, (x,), (seg_BxS, pos_BxS), STEP_AXES)
+        out = gated(parts.block, on, p, c, (x,), (seg_BxS, pos_BxS), STEP_AXES)
         return jnp.where(on, out, x), None  # an idle slot passes x through
 
-    return jax.lax.scan(one_slot, x_BxSxD, (slot_ids, layers))[0]
+    return jax.lax.scan(one_slot, x_BxSxD, (slot_ids, layers, compute))[0]
+
+
+def compute_copy(params: Any, dtype: str | None) -> Any:
+    """The float32 masters cast to the compute dtype (None: computed in their own dtype).
+    Taken once per step, outside the tick scan; gradients reach the masters through the
+    gates, never through this cast."""
+    if dtype is None:
+        return params
+    return jax.lax.stop_gradient(jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params))
 
 
 def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
                            pos: jax.Array, n_layers_P: jax.Array, n_mb_D: jax.Array, *,
-                           parts: ModelParts, pp: int, remat: bool) -> jax.Array:
+                           parts: ModelParts, pp: int, remat: bool,
+                           compute_dtype: str | None = None) -> jax.Array:
     """Sum of token losses over all DP groups' micro-batches (same value on every device).
 
     Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...]."""
@@ -54,23 +67,25 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
     params = vma.vary(params, STEP_AXES)
     shell = params["shell"]
     layers = jax.tree.map(lambda a: a[0], params["blocks"])
+    shell_c, layers_c = compute_copy((shell, layers), compute_dtype)
     stage = jax.lax.axis_index("pp")
     my_layers = n_layers_P[stage]
     my_microbatches = n_mb_D[jax.lax.axis_index("dp")]
     tokens_MxBxS, seg_MxBxS, pos_MxBxS = tokens[0], seg[0], pos[0]
     mb_slots = tokens_MxBxS.shape[0]
-    h_like = jax.eval_shape(parts.embed, shell, tokens_MxBxS[0], pos_MxBxS[0])
+    h_like = jax.eval_shape(parts.embed, shell_c, tokens_MxBxS[0], pos_MxBxS[0])
     x_like = jnp.zeros(h_like.shape, h_like.dtype)
 
     def work(x_recv: jax.Array, m: jax.Array, busy: jax.Array):
         tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
-        emb = gated(lambda c, t, q: parts.embed(c, t, q), busy & (stage == 0), shell, shell,
-                    (), (tok_BxS, pos_BxS), STEP_AXES)
+        emb = gated(parts.embed, busy & (stage == 0), shell, shell_c, (), (tok_BxS, pos_BxS),
+                    STEP_AXES)
         x_BxSxD = jnp.where(stage == 0, emb, x_recv)
-        x_BxSxD = _run_stage(parts, layers, busy, my_layers, x_BxSxD, seg_BxS, pos_BxS)
+        x_BxSxD = _run_stage(parts, layers, layers_c, busy, my_layers, x_BxSxD, seg_BxS,
+                             pos_BxS)
         targets_BxS, weights_BxS = next_token_targets(tok_BxS, seg_BxS)
         loss = gated(lambda c, x_, t, w: token_nll_sum(parts.head(c, x_), t, w),
-                     busy & (stage == pp - 1), shell, shell, (x_BxSxD,),
+                     busy & (stage == pp - 1), shell, shell_c, (x_BxSxD,),
                      (targets_BxS, weights_BxS), STEP_AXES)
         return x_BxSxD, loss
 

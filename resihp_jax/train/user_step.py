@@ -86,12 +86,14 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
                     devices: Sequence[jax.Device], example_params: Any, *,
                     axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES,
                     train: TrainConfig | None = None,
-                    initial_params: Callable[[int], Any] | None = None) -> UserStepProgram:
+                    initial_params: Callable[[int], Any] | None = None,
+                    compute_dtype: str | None = None) -> UserStepProgram:
     """Compile-ready program of a user's model for `plan` on `devices`.
 
     `example_params`: canonical parameters (arrays or shapes) fixing every leaf's shape;
     `train` carries the step's slot counts, remat and donation (its optimizer fields are
-    ignored: `optimizer` is applied as given)."""
+    ignored: `optimizer` is applied as given). `compute_dtype` ('bfloat16'): the blocks,
+    embedding and head compute in it from float32 master weights; the loss stays float32."""
     train = train or TrainConfig()
     if plan.n_layers != parts.n_layers:
         raise PlanError(f"Plan.layers_per_stage={plan.layers_per_stage} sums to "
@@ -112,7 +114,8 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
     manual = jax.tree.map(lambda s: P(*s[:1]) if s and s[0] == "pp" else P(), specs.params,
                           is_leaf=lambda x: isinstance(x, P))
     sharded_loss = jax.shard_map(
-        functools.partial(user_pipeline_loss_sum, parts=parts, pp=plan.pp, remat=train.remat),
+        functools.partial(user_pipeline_loss_sum, parts=parts, pp=plan.pp, remat=train.remat,
+                          compute_dtype=compute_dtype),
         mesh=mesh, in_specs=(manual, P("dp"), P("dp"), P("dp"), P(), P()), out_specs=P(),
         axis_names={"dp", "pp"})
 

@@ -45,7 +45,8 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         checkpoint_dir: str | None = None, resilience: ResilienceConfig | None = None,
         axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES,
         on_step: Callable[[StepRecord], None] | None = None, progress: bool | None = None,
-        attention_cost: str | None = None, remat: bool = False) -> FitResult:
+        attention_cost: str | None = None, remat: bool = False,
+        compute_dtype: str | None = None) -> FitResult:
     """Train `model` for `steps` steps under `plan` and return the trained model.
 
     model: an `nnx.Module` with `embed(tokens, positions)`, `blocks` (identical blocks,
@@ -57,19 +58,25 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         `rh.data.TokenFileSource`, ...) that the library packs, or a `BatchIterator`.
     optimizer: any optax transformation, applied as given. plan: an `rh.Plan`.
     on_step: called after every step with its StepRecord (`.step`, `.loss`, ...).
+    compute_dtype: None (the parameters' own dtype, float32) or 'bfloat16' (bf16 compute from
+        float32 master weights; loss, softmax statistics and gradients in float32).
     """
     _check_args(steps, plan, optimizer)
+    if compute_dtype not in (None, "float32", "bfloat16"):
+        raise ConfigError(f"compute_dtype={compute_dtype!r}: valid are None, 'float32', "
+                          "'bfloat16'")
     devices = list(devices) if devices is not None else jax.devices()
     parts, params = _split(model, seed)
     facts = model_facts(parts, params["shell"], params["blocks"], parts.name, axis_rules,
-                        attention_cost)
+                        attention_cost, compute_dtype)
     train_cfg = TrainConfig(remat=remat, microbatch_slots=max(plan.microbatches_per_group))
 
     def programs(cfg: TrainConfig, plan_: Plan, devices_: Sequence[jax.Device],
                  instrument: Any = None) -> UserStepProgram:
         del instrument  # stage timing of users' models: not yet (the probes still localize)
         program = build_user_step(parts, optimizer, plan_, devices_, params,
-                                  axis_rules=axis_rules, train=cfg)
+                                  axis_rules=axis_rules, train=cfg,
+                                  compute_dtype=compute_dtype)
         return dataclasses.replace(program, initial_params=_initializer(program, model, params))
 
     config = resilience or ResilienceConfig(checkpoint_dir=checkpoint_dir)

@@ -167,3 +167,15 @@ def test_fit_resumes_from_its_checkpoint_loss_for_loss(tmp_path, capsys) -> None
     assert list(first.losses) == [1, 2, 3] and list(again.losses) == [4, 5, 6]
     np.testing.assert_allclose([*first.losses.values(), *again.losses.values()],
                                list(whole.losses.values()), rtol=1e-5)
+
+
+def test_bf16_compute_from_float32_masters_stays_close(plain_sgd) -> None:
+    result = rh.fit(make_gpt2(), _packed(), optimizer=optax.sgd(0.1), plan=_plan("2/2/2 uneven"),
+                    steps=STEPS, progress=False, compute_dtype="bfloat16")
+    np.testing.assert_allclose(list(result.losses.values()), plain_sgd[0], rtol=2e-2)
+    assert result.facts.dtype == "bfloat16"
+    leaf = result.model.blocks[0].up.kernel[...]
+    assert leaf.dtype == jnp.float32  # the masters stay float32
+    with pytest.raises(rh.ConfigError, match="compute_dtype='fp8': valid are"):
+        rh.fit(make_gpt2(), _packed(1), optimizer=optax.sgd(0.1), plan=_plan("1/1/1"),
+               steps=1, progress=False, compute_dtype="fp8")

@@ -126,6 +126,15 @@ def initialize(spec: JobSpec, init_timeout_s: int, heartbeat_timeout_s: int) -> 
         return
     import jax  # noqa: PLC0415 - JAX starts here, after every argument was checked
 
+    if jax.distributed.is_initialized():
+        return  # the script joined already (rh.join_job), before it built its model
+    from jax._src import xla_bridge  # noqa: PLC0415
+
+    if xla_bridge.backends_are_initialized():
+        raise ConfigError(f"this process is {spec.describe()}, but JAX started before it "
+                          "joined the job: call rh.join_job() at the top of the script, before "
+                          "anything uses JAX (building a model does), or give rh.fit a "
+                          "function rngs -> model")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs = dict(initialization_timeout=init_timeout_s,
                   heartbeat_timeout_seconds=heartbeat_timeout_s)

@@ -97,3 +97,12 @@ def _all_hosts(host: str) -> tuple[str, ...]:
     mine[:len(raw)] = np.frombuffer(raw, np.uint8)
     rows = np.asarray(multihost_utils.process_allgather(mine))
     return tuple(bytes(row).rstrip(b"\0").decode() for row in rows.reshape(-1, _HOST_BYTES))
+
+
+def join_job(checkpoint_dir: str | Path | None = None, ladder: Ladder | None = None) -> Job:
+    """Join the job this process was started in (`resihp launch`, SLURM, Kubernetes: read
+    from the RESIHP_* variables or the cluster's own) before anything uses JAX; alone, a job
+    of one. Call it at the top of a training script whose model is built before `rh.fit`."""
+    from resihp_jax.runtime.job.distributed import job_spec  # noqa: PLC0415
+
+    return join(job_spec(), ladder or Ladder(), checkpoint_dir)

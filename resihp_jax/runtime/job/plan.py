@@ -31,6 +31,8 @@ def plan_for_devices(requested: Plan, model: ModelConfig, device_ids: Sequence[i
         raise PlanError("no usable devices: every device of the job is excluded")
     slow = {d: f for d, f in (slow or {}).items() if d in ids and f > 1}
     n = requested.n_devices
+    if not slow and set(requested.device_ids) <= set(ids):
+        return requested, "as requested"  # its own placement, when every device is usable
     if len(ids) >= n and not slow:
         return requested.replace(device_ids=tuple(ids[:n])), "as requested"
     top = max(ids) + 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterator, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 from resihp_jax.errors import HostsLeftOut
 from resihp_jax.meshes.plan import Plan
@@ -40,13 +40,18 @@ def _excluding_left_out(events: Iterator[Any], job: Any,
 class AdaptRun:
     def __init__(self, config: RunConfig, copies: str | None, job: Any, model: Any,
                  train_cfg: Any, plan: Plan, data: Any, ladder: Ladder,
-                 phases: dict[str, float], out: TextIO) -> None:
+                 phases: dict[str, float], out: TextIO, *, programs: Any = None,
+                 on_step: Callable[[StepRecord], None] | None = None,
+                 resilience: ResilienceConfig | None = None) -> None:
+        """`programs`, `on_step`, `resilience`: a user's model's step builder, a callback
+        after every step, and the detector/scheduler settings (see ResilientTrainer)."""
         import jax  # noqa: PLC0415
 
         self.config, self.job, self.data, self.out, self.phases = config, job, data, out, phases
-        self.ladder = ladder
+        self.ladder, self.on_step = ladder, on_step
         self.heartbeat = Heartbeat.from_env(job.spec.host_id)
-        config = ResilienceConfig(
+        config = dataclasses.replace(
+            resilience or ResilienceConfig(),
             step_timeout_s=ladder.startup_s, hang_factor=ladder.factor,
             hang_floor_s=ladder.floor_s, checkpoint_dir=config.checkpoint_dir,
             checkpoint_interval=config.checkpoint_every, precompile=config.precompile,
@@ -54,7 +59,7 @@ class AdaptRun:
             background_compile=config.background_compile)
         t0 = time.perf_counter()
         self.trainer = ResilientTrainer(model, train_cfg, plan, jax.devices(), data, config,
-                                        on_long_work=self._long_work)
+                                        on_long_work=self._long_work, programs=programs)
         phases["compile_s"] = time.perf_counter() - t0
         self.snapshots = host_copies(copies, job, self.trainer.checkpointer)
 
@@ -123,6 +128,8 @@ class AdaptRun:
                         event.step, self.trainer.state, self.trainer.program,
                         self.data.state(), event.to_json()))
                 sink.add(event)
+                if self.on_step is not None:
+                    self.on_step(event)
                 self.data_step = event.step
                 self._beat(event.step, self._next_deadline())
         finally:

@@ -9,6 +9,7 @@ model comes back as an instance of the user's class.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -20,14 +21,22 @@ from flax import nnx
 from resihp_jax.data import BatchIterator, packed_batches
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.runtime.recovery.resume import start_state
+from resihp_jax.runtime.job.distributed import job_spec
+from resihp_jax.runtime.job.exits import run_as_job_process
+from resihp_jax.runtime.job.join import join_job
+from resihp_jax.runtime.run.config import RunConfig
+from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.trainer.loop import StepRecord
-from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
+from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.user_facts import UserModelFacts, model_facts
 from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
                                          split_model)
 from resihp_jax.train.user_step import UserStepProgram, build_user_step
+
+
+# where `resihp launch` keeps the job's checkpoints, health record and survivors' copies
+CHECKPOINT_DIR_ENV = "RESIHP_CHECKPOINT_DIR"
 
 
 @dataclass(frozen=True)
@@ -65,11 +74,13 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     if compute_dtype not in (None, "float32", "bfloat16"):
         raise ConfigError(f"compute_dtype={compute_dtype!r}: valid are None, 'float32', "
                           "'bfloat16'")
-    devices = list(devices) if devices is not None else jax.devices()
+    spec = job_spec()
+    if not spec.single:  # a job's process: the job's directory unless one is given
+        checkpoint_dir = checkpoint_dir or os.environ.get(CHECKPOINT_DIR_ENV)
+        join_job(checkpoint_dir)  # before anything below starts JAX
     parts, params = _split(model, seed)
     facts = model_facts(parts, params["shell"], params["blocks"], parts.name, axis_rules,
                         attention_cost, compute_dtype)
-    train_cfg = TrainConfig(remat=remat, microbatch_slots=max(plan.microbatches_per_group))
 
     def programs(cfg: TrainConfig, plan_: Plan, devices_: Sequence[jax.Device],
                  instrument: Any = None) -> UserStepProgram:
@@ -79,20 +90,31 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
                                   compute_dtype=compute_dtype)
         return dataclasses.replace(program, initial_params=_initializer(program, model, params))
 
-    config = resilience or ResilienceConfig(checkpoint_dir=checkpoint_dir)
-    if checkpoint_dir is not None and config.checkpoint_dir != checkpoint_dir:
-        raise ConfigError(f"checkpoint_dir={checkpoint_dir!r} and resilience.checkpoint_dir="
-                          f"{config.checkpoint_dir!r}: give it once")
-    trainer = ResilientTrainer(facts, train_cfg, plan, devices, _batches(data, plan, seed),
-                               config, programs=programs)
-    try:
-        start = start_state(trainer.program, trainer.checkpointer, trainer.data,
-                            resume=trainer.checkpointer is not None, seed=seed,
-                            primary=jax.process_index() == 0, out=sys.stdout)
-        trainer.state = start.state
-        return _train(trainer, parts, steps, facts, on_step, progress)
-    finally:
-        trainer.close()
+    resilience = resilience or ResilienceConfig(compile_cache_dir=None)
+    config = RunConfig(
+        steps=steps, seed=seed, data=type(data).__name__, checkpoint_dir=checkpoint_dir,
+        resume=checkpoint_dir is not None, progress=_show_progress(progress), adapt=True,
+        precompile=resilience.precompile, background_compile=resilience.background_compile,
+        hang_floor_s=resilience.hang_floor_s,
+        step_timeout_s=max(resilience.step_timeout_s, resilience.hang_floor_s),
+        compile_cache_dir=resilience.compile_cache_dir,
+        survivor_copies="auto" if checkpoint_dir is not None else "off")
+    training = TrainingRun(facts, TrainConfig(remat=remat), plan, config, spec,
+                           data=_batches(data, plan, seed), programs=programs, on_step=on_step,
+                           resilience=resilience, devices=devices)
+    records: list[StepRecord] = []
+    if spec.single:
+        records = training.run()
+    else:  # a failure must end the process at once, with the code the job restarts on
+        run_as_job_process(lambda: records.extend(training.run()), "rh.fit")
+    trainer = training.active.trainer
+    canonical = jax.device_get(trainer.program.canonical_params(trainer.state))
+    return FitResult(parts.assemble(canonical["shell"], canonical["blocks"]),
+                     {r.step: r.loss for r in records}, list(trainer.replans), records, facts)
+
+
+def _show_progress(progress: bool | None) -> bool:
+    return sys.stderr.isatty() if progress is None else progress
 
 
 def _check_args(steps: int, plan: Any, optimizer: Any) -> None:
@@ -145,30 +167,3 @@ def _batches(data: Any, plan: Plan, seed: int) -> Any:
         return packed_batches(data, **shape)
     raise ConfigError(f"data: expected a sequence of rh.PackedBatch, a function returning an "
                       f"iterator of them, or a document source; got {type(data).__name__}")
-
-
-def _train(trainer: ResilientTrainer, parts: ModelParts, steps: int, facts: UserModelFacts,
-           on_step: Callable[[StepRecord], None] | None, progress: bool | None) -> FitResult:
-    from tqdm import tqdm  # noqa: PLC0415
-
-    start = int(trainer.state.step)
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = tqdm(total=steps, initial=start, unit="step", disable=not show)
-    records: list[StepRecord] = []
-    try:
-        for event in trainer.run(steps):
-            if isinstance(event, Replan):
-                continue  # kept in trainer.replans
-            records.append(event)
-            bar.set_postfix(loss=f"{event.loss:.4f}")
-            bar.update()
-            if on_step is not None:
-                on_step(event)
-    finally:
-        bar.close()
-    program = trainer.program
-    params = jax.device_get(program.canonical_params(trainer.state))
-    model = parts.assemble(params["shell"], params["blocks"])
-    return FitResult(model, {r.step: r.loss for r in records}, list(trainer.replans), records,
-                     facts)
-

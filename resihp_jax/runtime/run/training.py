@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
-from resihp_jax.errors import ResihpError
+from resihp_jax.errors import ConfigError, ResihpError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig
+from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.runtime.job.devices import select_devices
 from resihp_jax.runtime.job.distributed import JobSpec
 from resihp_jax.runtime.run.config import RunConfig
@@ -31,15 +31,26 @@ class TrainingRun:
     on fake CPU devices must ask for them first (`use_cpu_devices`).
     """
 
-    def __init__(self, model: ModelConfig, train_cfg: TrainConfig, plan: Plan,
+    def __init__(self, model: ModelFacts, train_cfg: TrainConfig, plan: Plan,
                  config: RunConfig, job: JobSpec | None = None,
-                 out: TextIO | None = None) -> None:
+                 out: TextIO | None = None, *, data: Any = None, programs: Any = None,
+                 on_step: Callable[[Any], None] | None = None,
+                 resilience: Any = None, devices: Sequence[Any] | None = None) -> None:
+        """The keywords serve a user's model (`rh.fit`): its batches (default: from
+        `config.data`), its step builder (`programs`, with `config.adapt`), a callback after
+        every step, the detector/scheduler settings, and the devices of a one-process run."""
         self.model, self.train_cfg, self.requested = model, train_cfg, plan
         self.config = config
         self.spec = job or JobSpec()
         self.out = out or sys.stdout
         self.ladder = config.ladder()
         self.phases: dict[str, float] = {}
+        self.data, self.programs, self.on_step = data, programs, on_step
+        self.resilience, self.devices = resilience, devices
+        if programs is not None and not config.adapt:
+            raise ConfigError("a user's model trains under the ResilientTrainer: "
+                              "RunConfig(adapt=True)")
+        self.active: Any = None  # the loop of the current run (AdaptRun or TrainRun)
 
     def run(self) -> list[Any]:
         t0 = time.perf_counter()
@@ -53,7 +64,7 @@ class TrainingRun:
         t0 = time.perf_counter()
         plan = self._job_plan(job)
         self.phases["plan_s"] = time.perf_counter() - t0
-        run = self._build(job, plan)
+        run = self.active = self._build(job, plan)
         try:
             records = run.run()
         except ResihpError:
@@ -79,15 +90,16 @@ class TrainingRun:
         copies = copies_mode(config, plan, self.model)
         train_cfg = self.train_cfg.replace(microbatch_slots=max(plan.microbatches_per_group),
                                            donate_state=copies != "keep")
-        data = BatchIterator(config.data, n_microbatches=plan.n_microbatches,
-                             microbatch_size=plan.microbatch_size, seq_len=plan.seq_len,
-                             seed=config.seed)
+        data = self.data or BatchIterator(config.data, n_microbatches=plan.n_microbatches,
+                                          microbatch_size=plan.microbatch_size,
+                                          seq_len=plan.seq_len, seed=config.seed)
         self._describe(job, plan, copies)
         if config.adapt:
             from resihp_jax.runtime.run.adapt import AdaptRun  # noqa: PLC0415
 
             return AdaptRun(config, copies, job, self.model, train_cfg, plan, data,
-                            self.ladder, self.phases, self.out)
+                            self.ladder, self.phases, self.out, programs=self.programs,
+                            on_step=self.on_step, resilience=self.resilience)
         from resihp_jax.runtime.recovery.checkpoint import Checkpointer  # noqa: PLC0415
         from resihp_jax.runtime.recovery.run_identity import run_identity  # noqa: PLC0415
         from resihp_jax.runtime.run.plain import TrainRun  # noqa: PLC0415
@@ -118,7 +130,8 @@ class TrainingRun:
         requested, out = self.requested, self.out
         if job.spec.single:
             needed = requested.n_devices
-            devices = select_devices(self.config.devices or needed)
+            devices = (list(self.devices) if self.devices is not None
+                       else select_devices(self.config.devices or needed))
             if len(devices) > needed:
                 print(f"using the first {needed} of the {len(devices)} devices for plan "
                       f"dp={requested.dp},pp={requested.pp},tp={requested.tp}", file=out)
@@ -146,7 +159,7 @@ def data_share(plan: Plan) -> str:
             "of every batch (those of its data-parallel groups)")
 
 
-def copies_mode(config: RunConfig, plan: Plan, model: ModelConfig) -> str | None:
+def copies_mode(config: RunConfig, plan: Plan, model: ModelFacts) -> str | None:
     """How this process keeps the survivors' copy of each step (host_snapshot.py), if at all."""
     if config.checkpoint_dir is None or config.survivor_copies == "off":
         return None

@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "TrainingRun": "resihp_jax.runtime.run.training",
     "JobSpec": "resihp_jax.runtime.job.distributed",
     "job_spec": "resihp_jax.runtime.job.distributed",
+    "join_job": "resihp_jax.runtime.job.join",
     # the user's own NNX model and data
     "fit": "resihp_jax.runtime.run.fit",
     "FitResult": "resihp_jax.runtime.run.fit",
@@ -79,6 +80,7 @@ __all__ = [
     "fit",
     "get_model_config",
     "job_spec",
+    "join_job",
     "make_detector",
     "move_state",
     "run_policy",
@@ -101,6 +103,7 @@ if TYPE_CHECKING:
     from resihp_jax.perfmodel.health import Health
     from resihp_jax.runtime.job.devices import devices, use_cpu_devices
     from resihp_jax.runtime.job.distributed import JobSpec, job_spec
+    from resihp_jax.runtime.job.join import join_job
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
     from resihp_jax.runtime.run.config import RunConfig
     from resihp_jax.runtime.run.fit import FitResult, fit

@@ -37,7 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=8,
                         help="give up after this many relaunches (default 8)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
-                        help="-- then the arguments of `resihp train` for every process")
+                        help="-- then either your own command for every process (e.g. -- "
+                             "python my_train.py ARGS, a script that calls rh.fit: it joins "
+                             "the job from the RESIHP_* variables) or, when the first "
+                             "argument starts with '-', the arguments of `resihp train`")
 
 
 def parse_fault(kind: str, text: str) -> Fault:
@@ -53,6 +56,16 @@ def parse_fault(kind: str, text: str) -> Fault:
             raise ConfigError(f"--slow={text!r}: FACTOR must be > 1")
         return Fault(kind, int(match.group(1)), int(match.group(3)), factor)
     return Fault(kind, int(match.group(1)), int(match.group(2)))
+
+
+def _user_command(raw: list[str]) -> tuple[str, ...] | None:
+    """The user's own command after `--` (its first word does not start with '-'), if any."""
+    args = raw[1:] if raw[:1] == ["--"] else raw
+    if not args or args[0].startswith("-"):
+        return None
+    if args[0] in ("python", "python3"):  # the interpreter this command runs under
+        return (sys.executable, *args[1:])
+    return tuple(args)
 
 
 def _train_args(raw: list[str]) -> tuple[str, ...]:
@@ -80,16 +93,19 @@ def _check_parses(args: list[str]) -> None:
     parser.parse_args(args)
 
 
-def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout  # looked up per call, so a redirected stdout is honoured
     faults = tuple(parse_fault(kind, text) for kind in ("kill", "hang", "slow")
                    for text in getattr(args, kind))
     check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
     directory = Path(args.checkpoint_dir or tempfile.mkdtemp(prefix="resihp-launch-"))
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts={args.max_restarts}: must be >= 0")
+    command = _user_command(args.train_args)
     config = LaunchConfig(args.procs, args.devices_per_proc, directory.absolute(),
-                          _train_args(args.train_args), faults, args.max_restarts,
-                          readmit_after_steps=args.readmit_after)
+                          () if command else _train_args(args.train_args), faults,
+                          args.max_restarts, readmit_after_steps=args.readmit_after,
+                          command=command)
     print(f"resihp launch: {config.procs} processes x {config.devices_per_proc} devices, "
           f"job directory {directory}", file=out)
     summary = Supervisor(config, out=sys.stderr).run()

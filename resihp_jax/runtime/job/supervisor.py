@@ -32,6 +32,8 @@ from resihp_jax.faults.throttle import Throttle
 from resihp_jax.runtime.job.watchdog import HUNG_EXIT
 
 USER_ERROR = 2  # the exit code of a bad argument: nothing to restart
+# the job's directory, for a user's own command (rh.fit checkpoints there by default)
+CHECKPOINT_DIR_ENV = "RESIHP_CHECKPOINT_DIR"
 PLANNED_EXITS = frozenset({HostsLeftOut.LEFT_OUT_EXIT, HostsLeftOut.REPLAN_EXIT})
 
 
@@ -72,6 +74,9 @@ class LaunchConfig:
     # an excluded host returns (repaired) once the job is this many steps past its
     # exclusion: the job restarts to take it in (a planned restart; None: never)
     readmit_after_steps: int | None = None
+    # the user's own command (e.g. python my_train.py ARGS), run as each process instead of
+    # `resihp train train_args`; it learns its place in the job from the RESIHP_* variables
+    command: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.readmit_after_steps is not None and self.readmit_after_steps < 1:
@@ -157,16 +162,30 @@ class Supervisor:
                    **{heartbeat.ENV_VAR: str(beat_dir), distributed.EXTERNAL_SERVICE_ENV: "1"})
         procs = {}
         for index, host in enumerate(hosts):
-            cmd = [sys.executable, "-m", "resihp_jax.cli", "train", *cfg.train_args,
-                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(len(hosts)),
-                   "--process-id", str(index), "--host-id", host,
-                   "--checkpoint-dir", str(cfg.checkpoint_dir), "--resume", "--no-progress"]
             log = open(logs / f"incarnation{self._incarnation}-{host}.log", "w")  # noqa: SIM115
+            cmd, own_env = self._command(f"127.0.0.1:{port}", len(hosts), index, host)
             procs[host] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, env=env,
+                                           stdin=subprocess.DEVNULL, env={**env, **own_env},
                                            start_new_session=True)
             log.close()
         return procs
+
+    def _command(self, coordinator: str, n: int, index: int, host: str
+                 ) -> tuple[list[str], dict[str, str]]:
+        """One process's command line and its own variables: `resihp train` with the job's
+        flags, or the user's command with the same facts as RESIHP_* variables."""
+        cfg = self.config
+        if cfg.command is None:
+            return ([sys.executable, "-m", "resihp_jax.cli", "train", *cfg.train_args,
+                     "--coordinator", coordinator, "--num-processes", str(n),
+                     "--process-id", str(index), "--host-id", host,
+                     "--checkpoint-dir", str(cfg.checkpoint_dir), "--resume", "--no-progress"],
+                    {})
+        env = distributed.ENV
+        return list(cfg.command), {
+            env["coordinator"]: coordinator, env["num_processes"]: str(n),
+            env["process_id"]: str(index), env["host_id"]: host,
+            CHECKPOINT_DIR_ENV: str(cfg.checkpoint_dir)}
 
     def _inject(self, procs: dict[str, subprocess.Popen], step: int) -> None:
         live = list(procs)

@@ -24,6 +24,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.job.distributed import job_spec
 from resihp_jax.runtime.job.exits import run_as_job_process
 from resihp_jax.runtime.job.join import join_job
+from resihp_jax.runtime.job.supervisor import CHECKPOINT_DIR_ENV
 from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.trainer.loop import StepRecord
@@ -33,10 +34,6 @@ from resihp_jax.train.user_facts import UserModelFacts, model_facts
 from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
                                          split_model)
 from resihp_jax.train.user_step import UserStepProgram, build_user_step
-
-
-# where `resihp launch` keeps the job's checkpoints, health record and survivors' copies
-CHECKPOINT_DIR_ENV = "RESIHP_CHECKPOINT_DIR"
 
 
 @dataclass(frozen=True)

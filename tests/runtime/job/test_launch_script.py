@@ -1,0 +1,119 @@
+"""`resihp launch -- python my_train.py`: a user's own script (its own NNX model, rh.fit) runs
+as a job of 4 processes x 2 fake devices; a killed process (process 0 too) is survived, the
+job relaunches on the survivors and the script's own log holds every step once, with the
+losses of the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from resihp_jax.cli import main
+
+STEPS = 6
+SCRIPT = textwrap.dedent('''
+    import json, sys
+    import jax, numpy as np, optax
+    from flax import nnx
+    import resihp_jax as rh
+
+    rh.join_job()  # before the model is built: it starts JAX
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.normal(0.05)
+            named = lambda *axes: nnx.with_partitioning(init, axes)
+            self.ln = nnx.LayerNorm(32, rngs=rngs)
+            self.up = nnx.Linear(32, 64, kernel_init=named("embed", "mlp"), rngs=rngs)
+            self.down = nnx.Linear(64, 32, kernel_init=named("mlp", "embed"), rngs=rngs)
+
+        def __call__(self, h, segment_ids, positions):
+            return h + self.down(jax.nn.gelu(self.up(self.ln(h))))
+
+    class MLPLM(nnx.Module):
+        def __init__(self, rngs):
+            self.tok = nnx.Embed(256, 32, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(4)])
+            self.out = nnx.Linear(32, 256, rngs=rngs)
+
+        def embed(self, tokens, positions):
+            return self.tok(tokens)
+
+        def head(self, h):
+            return self.out(h)
+
+    with nnx.use_eager_sharding(False):
+        model = MLPLM(nnx.Rngs(0))
+    docs = [np.arange(i, i + 5 + (7 * i) %% 50) %% 256 for i in range(300)]
+    plan = rh.Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=2, seq_len=64)
+
+    def log(record):
+        if jax.process_index() == 0:
+            with open(sys.argv[1], "a") as f:
+                f.write(json.dumps({"step": record.step, "loss": record.loss}) + "\\n")
+
+    rh.fit(model, rh.data.from_documents(docs), optimizer=optax.adam(3e-3), plan=plan,
+           steps=%d, on_step=log, progress=False)
+''' % STEPS)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
+    """The script, and its losses uninterrupted in one process on 8 devices."""
+    root = tmp_path_factory.mktemp("script")
+    path = root / "my_train.py"
+    path.write_text(SCRIPT)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    done = subprocess.run([sys.executable, str(path), str(root / "ref.jsonl")], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return path, [r["loss"] for r in _records(root / "ref.jsonl")]
+
+
+@pytest.mark.parametrize("victim", [2, 0])
+def test_a_users_script_survives_a_killed_process(script, victim: int, tmp_path: Path,
+                                                 capsys) -> None:
+    path, reference = script
+    log = tmp_path / "log.jsonl"
+    code = main(["launch", "--procs", "4", "--devices-per-proc", "2", "--kill", f"{victim}@3",
+                 "--max-restarts", "2", "--checkpoint-dir", str(tmp_path / "job"), "--",
+                 "python", str(path), str(log)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["restarts"] == 1 and summary["steps_lost"] == 0
+    assert summary["final_step"] == STEPS
+    records = _records(log)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # every step once
+    np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
+
+
+def test_a_command_runs_as_given_and_dashes_still_mean_resihp_train(tmp_path: Path) -> None:
+    from resihp_jax.cli.launch import _user_command
+    from resihp_jax.runtime.job.supervisor import LaunchConfig, Supervisor
+
+    assert _user_command(["--", "--model", "tiny", "--steps", "3"]) is None
+    assert _user_command(["--", "python", "my_train.py", "--lr", "1"]) == \
+        (sys.executable, "my_train.py", "--lr", "1")
+    assert _user_command(["--", "./train.sh"]) == ("./train.sh",)
+    config = LaunchConfig(2, 1, tmp_path, (), command=(sys.executable, "x.py"))
+    cmd, env = Supervisor(config)._command("127.0.0.1:1234", 2, 1, "p1")
+    assert cmd == [sys.executable, "x.py"]
+    assert env == {"RESIHP_COORDINATOR": "127.0.0.1:1234", "RESIHP_NUM_PROCESSES": "2",
+                   "RESIHP_PROCESS_ID": "1", "RESIHP_HOST_ID": "p1",
+                   "RESIHP_CHECKPOINT_DIR": str(tmp_path)}
+    train_cmd, train_env = Supervisor(LaunchConfig(2, 1, tmp_path, ("--steps", "3")))._command(
+        "127.0.0.1:1234", 2, 0, "p0")
+    assert train_cmd[1:4] == ["-m", "resihp_jax.cli", "train"] and "--steps" in train_cmd
+    assert train_env == {}

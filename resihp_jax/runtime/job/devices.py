@@ -13,6 +13,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from resihp_jax.errors import ConfigError
+from resihp_jax.runtime.job.distributed import ENV
 
 if TYPE_CHECKING:
     import jax
@@ -65,8 +66,12 @@ def use_cpu_devices(n: int) -> None:
 
     Call it before JAX starts (before anything creates an array or lists devices); it sets
     the XLA flag the CLI's `--devices` sets and never lowers a larger count already asked
-    for. Raises ConfigError if `n < 1`, or if JAX already started on fewer CPU devices.
+    for. In a process of a job (`resihp launch` and clusters set RESIHP_NUM_PROCESSES) it
+    changes nothing: the job gave each process its devices. Raises ConfigError if `n < 1`,
+    or if JAX already started on fewer CPU devices.
     """
+    if n >= 1 and int(os.environ.get(ENV["num_processes"]) or 1) > 1:
+        return  # a job's process: its devices are the ones the job gave it
     request_host_devices(n)  # validates n; sets XLA_FLAGS while JAX is not imported yet
     jax = sys.modules.get("jax")
     if jax is None:

@@ -16,7 +16,7 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -55,21 +55,31 @@ class SurvivorCopies:
 
 
 def find(checkpoint_dir: str | Path, identity: Mapping[str, Any] | None = None,
-         ) -> list[SurvivorCopies]:
-    """Every step with copies under `checkpoint_dir`, newest first (complete or not)."""
+         ) -> Iterator[SurvivorCopies]:
+    """Every step with copies under `checkpoint_dir`, newest first (complete or not), read
+    lazily: the caller stops at the first it can use, and process 0 may meanwhile remove
+    older steps (a step that vanished is passed over). Copies of one step written under
+    different plans (a relaunch that failed again before its first step rewrote them) are
+    judged apart, a complete plan's first: their shards do not tile each other."""
     root = Path(checkpoint_dir) / SUBDIR
-    found = []
     for step_dir in sorted(root.glob("step*"), key=_step_of, reverse=True):
-        manifests = [_read(d / MANIFEST) for d in sorted(step_dir.iterdir())
+        try:
+            entries = sorted(step_dir.iterdir())
+        except FileNotFoundError:
+            continue  # removed by process 0 after it resumed from a newer step
+        manifests = [_read(d / MANIFEST) for d in entries
                      if d.is_dir() and not d.name.endswith(".tmp") and (d / MANIFEST).exists()]
         manifests = [m for m in manifests if m is not None]
-        if manifests:
-            for manifest, _ in manifests:
-                if identity is not None:
-                    check_identity(manifest.get("identity"), identity,
-                                   f"the survivors' copies in {step_dir}")
-            found.append(_combine(step_dir, manifests))
-    return found
+        for manifest, _ in manifests:
+            if identity is not None:
+                check_identity(manifest.get("identity"), identity,
+                               f"the survivors' copies in {step_dir}")
+        by_plan: dict[str, list[tuple[dict[str, Any], Path]]] = {}
+        for manifest, directory in manifests:
+            key = json.dumps(manifest.get("plan"), sort_keys=True)
+            by_plan.setdefault(key, []).append((manifest, directory))
+        combined = [_combine(step_dir, group) for group in by_plan.values()]
+        yield from sorted(combined, key=lambda c: not c.complete)
 
 
 def _step_of(path: Path) -> int:

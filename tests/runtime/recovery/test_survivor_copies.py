@@ -175,3 +175,30 @@ def test_auto_keeps_the_states_on_the_devices_only_where_two_more_fit() -> None:
     assert auto_mode("tpu", 1 * gib, 1 * gib, None) == "host"
     # CPU "device memory" is host memory: keeping costs nothing there
     assert auto_mode("cpu", 60 * gib, 14 * gib, None) == "keep"
+
+
+def test_copies_rewritten_under_another_plan_are_judged_apart(tmp_path: Path) -> None:
+    """A relaunch that fails again before its first step rewrites the step it restored under
+    its own plan: the step then holds two plans' shards, which do not tile each other. The
+    complete plan's copies are found first; a step removed meanwhile is passed over."""
+    big = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    program, state, data = _trained(big, 2)
+    _survivors_write(tmp_path, program, state, data, dead={0})  # 3 of 4 hosts: complete
+    small = Plan(1, 2, 2, (2, 3, 4, 5), (1, 3), (4,), B, S)
+    target = build_step(CFG, TrainConfig(), small, jax.devices())
+    [copies] = survivor_copies.find(tmp_path)
+    moved = survivor_copies.restore(copies, target, canonical_target(target))
+    # one process of the relaunch (its own name: another pid) rewrites step 2 and fails
+    again = HostSnapshots(tmp_path, "p1-relaunched", mode="host", devices=(2, 3))
+    again.capture(2, moved, target, data.state())
+    assert again.dump("the relaunch failed too")
+    whole, partial = survivor_copies.find(tmp_path)
+    assert whole.complete and sorted(whole.hosts) == ["p1", "p2", "p3"]
+    assert not partial.complete and partial.hosts == ("p1-relaunched",)
+    assert "no surviving copy of" in partial.missing and " -" not in partial.missing
+    older = tmp_path / survivor_copies.SUBDIR / "step1"
+    older.mkdir()
+    found = survivor_copies.find(tmp_path)
+    assert next(found).step == 2
+    older.rmdir()  # process 0, resumed from step 2, tidies older steps away meanwhile
+    assert [c.step for c in found] == [2]  # the partial copies of step 2; step 1 passed over

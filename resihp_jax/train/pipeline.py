@@ -172,13 +172,19 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
                           tok_BxS, seg_BxS, cfg)
         return x_BxSxD, loss
 
-    if remat:
-        work = jax.checkpoint(work)
+    return run_ticks(jax.checkpoint(work) if remat else work, stage, pp, mb_slots,
+                     my_microbatches, x_like)
 
+
+def run_ticks(work: Callable[..., tuple[jax.Array, jax.Array]], stage: jax.Array, pp: int,
+              mb_slots: int, n_microbatches: jax.Array, x_like: jax.Array) -> jax.Array:
+    """The GPipe schedule: at tick t stage s runs micro-batch t - s when its group has it
+    (`work(x_received, m, busy, t) -> (x_out, loss)`), then passes its activation on with one
+    collective permute. The summed losses of every stage and group."""
     def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array):
         x_recv, loss_acc = carry
         m = t - stage
-        busy = (m >= 0) & (m < my_microbatches)
+        busy = (m >= 0) & (m < n_microbatches)
         x_out, loss = work(x_recv, jnp.clip(m, 0, mb_slots - 1), busy, t)
         if pp > 1:
             x_out = jax.lax.ppermute(x_out, "pp", [(s, s + 1) for s in range(pp - 1)])

@@ -223,33 +223,13 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
                   KNOB_SPEC),
         out_specs=P())
 
-    def loss_and_grads(params: dict[str, Any], batch: Batch, splits: Splits):
-        count = jnp.maximum(token_count(batch.segment_ids), 1.0)
+    def loss_sum(params: dict[str, Any], batch: Batch, splits: Splits) -> jax.Array:
+        return sharded_loss(params, batch.tokens, batch.segment_ids, batch.positions,
+                            splits.layers_per_stage, splits.microbatches_per_group,
+                            splits.knobs)
 
-        def mean_loss(p: dict[str, Any]) -> jax.Array:
-            total = sharded_loss(p, batch.tokens, batch.segment_ids, batch.positions,
-                                 splits.layers_per_stage, splits.microbatches_per_group,
-                                 splits.knobs)
-            return total / count
-
-        loss, grads = jax.value_and_grad(mean_loss)(params)
-        return loss, grads, count
-
-    def train_step(state: TrainState, batch: Batch, splits: Splits):
-        loss, grads, count = loss_and_grads(state.params, batch, splits)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads)}
-        return TrainState(state.step + 1, params, opt_state), metrics
-
-    batch_shardings = Batch(batch_sharding, batch_sharding, batch_sharding)
-    split_shardings = Splits(replicated, replicated, NamedSharding(mesh, KNOB_SPEC))
-    step_fn = jax.jit(train_step, in_shardings=(shardings, batch_shardings, split_shardings),
-                      out_shardings=(shardings, replicated),
-                      donate_argnums=0 if train.donate_state else ())
-    grads_fn = jax.jit(lambda p, b, s: loss_and_grads(p, b, s)[:2],
-                       in_shardings=(shardings.params, batch_shardings, split_shardings),
-                       out_shardings=(replicated, shardings.params))
+    step_fn, grads_fn = step_functions(loss_sum, optimizer, shardings, mesh,
+                                       train.donate_state)
     # The layout programs a re-plan runs; the split is an input, so one pair serves every
     # split of this mesh.
     canonical = canonical_state_shapes(shapes, model.n_layers)
@@ -278,6 +258,37 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
     return StepProgram(model, train, plan, mesh, layer_slots, mb_slots, optimizer, shardings,
                        batch_sharding, replicated, step_fn, grads_fn, canonical_sh,
                        to_canonical_fn, to_stage_fn, restage_fn)
+
+
+def step_functions(loss_sum: Callable[[Any, Batch, Splits], jax.Array],
+                   optimizer: optax.GradientTransformation, shardings: TrainState,
+                   mesh: jax.sharding.Mesh, donate: bool) -> tuple[Callable, Callable]:
+    """(train step, loss-and-gradients) jitted around `loss_sum` (the batch's summed token
+    losses): the loss is its token-weighted mean over the global batch, the update the
+    optimizer's, the same for every plan and every model."""
+    replicated = NamedSharding(mesh, P())
+    batch_sharding = NamedSharding(mesh, P("dp"))
+
+    def loss_and_grads(params: Any, batch: Batch, splits: Splits):
+        count = jnp.maximum(token_count(batch.segment_ids), 1.0)
+        loss, grads = jax.value_and_grad(lambda p: loss_sum(p, batch, splits) / count)(params)
+        return loss, grads, count
+
+    def train_step(state: TrainState, batch: Batch, splits: Splits):
+        loss, grads, count = loss_and_grads(state.params, batch, splits)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    batch_shardings = Batch(batch_sharding, batch_sharding, batch_sharding)
+    split_shardings = Splits(replicated, replicated, NamedSharding(mesh, KNOB_SPEC))
+    step_fn = jax.jit(train_step, in_shardings=(shardings, batch_shardings, split_shardings),
+                      out_shardings=(shardings, replicated), donate_argnums=0 if donate else ())
+    grads_fn = jax.jit(lambda p, b, s: loss_and_grads(p, b, s)[:2],
+                       in_shardings=(shardings.params, batch_shardings, split_shardings),
+                       out_shardings=(replicated, shardings.params))
+    return step_fn, grads_fn
 
 
 def canonical_state_shapes(stage_shapes: TrainState, n_layers: int) -> TrainState:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from resihp_jax import vma
 from resihp_jax.model.layers import next_token_targets
-from resihp_jax.train.pipeline import STEP_AXES, gated
+from resihp_jax.train.pipeline import STEP_AXES, gated, run_ticks
 from resihp_jax.train.user_model import ModelParts
 
 
@@ -76,7 +76,8 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
     h_like = jax.eval_shape(parts.embed, shell_c, tokens_MxBxS[0], pos_MxBxS[0])
     x_like = jnp.zeros(h_like.shape, h_like.dtype)
 
-    def work(x_recv: jax.Array, m: jax.Array, busy: jax.Array):
+    def work(x_recv: jax.Array, m: jax.Array, busy: jax.Array, t: jax.Array):
+        del t  # the tick: the built-in model's stage timing keys on it
         tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
         emb = gated(parts.embed, busy & (stage == 0), shell, shell_c, (), (tok_BxS, pos_BxS),
                     STEP_AXES)
@@ -89,18 +90,5 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
                      (targets_BxS, weights_BxS), STEP_AXES)
         return x_BxSxD, loss
 
-    if remat:
-        work = jax.checkpoint(work)
-
-    def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array):
-        x_recv, loss_acc = carry
-        m = t - stage
-        busy = (m >= 0) & (m < my_microbatches)
-        x_out, loss = work(x_recv, jnp.clip(m, 0, mb_slots - 1), busy)
-        if pp > 1:
-            x_out = jax.lax.ppermute(x_out, "pp", [(s, s + 1) for s in range(pp - 1)])
-        return (x_out, loss_acc + loss), None
-
-    carry0 = vma.vary((x_like, jnp.zeros((), jnp.float32)), STEP_AXES)
-    (_, loss_sum), _ = jax.lax.scan(tick, carry0, jnp.arange(mb_slots + pp - 1))
-    return jax.lax.psum(loss_sum, STEP_AXES)
+    return run_ticks(jax.checkpoint(work) if remat else work, stage, pp, mb_slots,
+                     my_microbatches, x_like)

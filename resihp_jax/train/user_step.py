@@ -22,7 +22,7 @@ from resihp_jax.meshes import layout
 from resihp_jax.meshes.mesh import make_mesh
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.step import Batch, KNOB_SPEC, Splits, StepProgram, TrainState, token_count
+from resihp_jax.train.step import Batch, Splits, StepProgram, TrainState, step_functions
 from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, check_divisible,
                                          mesh_specs)
 from resihp_jax.train.user_pipeline import user_pipeline_loss_sum
@@ -119,31 +119,11 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
         mesh=mesh, in_specs=(manual, P("dp"), P("dp"), P("dp"), P(), P()), out_specs=P(),
         axis_names={"dp", "pp"})
 
-    def loss_and_grads(params: Any, batch: Batch, splits: Splits):
-        count = jnp.maximum(token_count(batch.segment_ids), 1.0)
+    def loss_sum(params: Any, batch: Batch, splits: Splits) -> jax.Array:
+        return sharded_loss(params, batch.tokens, batch.segment_ids, batch.positions,
+                            splits.layers_per_stage, splits.microbatches_per_group)
 
-        def mean_loss(p: Any) -> jax.Array:
-            return sharded_loss(p, batch.tokens, batch.segment_ids, batch.positions,
-                                splits.layers_per_stage, splits.microbatches_per_group) / count
-
-        loss, grads = jax.value_and_grad(mean_loss)(params)
-        return loss, grads, count
-
-    def train_step(state: TrainState, batch: Batch, splits: Splits):
-        loss, grads, count = loss_and_grads(state.params, batch, splits)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads)}
-        return TrainState(state.step + 1, params, opt_state), metrics
-
-    batch_shardings = Batch(batch_sharding, batch_sharding, batch_sharding)
-    split_shardings = Splits(replicated, replicated, NamedSharding(mesh, KNOB_SPEC))
-    step_fn = jax.jit(train_step, in_shardings=(shardings, batch_shardings, split_shardings),
-                      out_shardings=(shardings, replicated),
-                      donate_argnums=0 if train.donate_state else ())
-    grads_fn = jax.jit(lambda p, b, s: loss_and_grads(p, b, s)[:2],
-                       in_shardings=(shardings.params, batch_shardings, split_shardings),
-                       out_shardings=(replicated, shardings.params))
+    step_fn, grads_fn = step_functions(loss_sum, optimizer, shardings, mesh, train.donate_state)
     canonical = jax.eval_shape(layout.to_canonical_layout, shapes,
                                jax.ShapeDtypeStruct((parts.n_layers,), jnp.int32))
     canonical_sh = jax.tree.map(

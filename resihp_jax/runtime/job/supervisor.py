@@ -101,6 +101,7 @@ class Failure:
     detail: str
     exit_code: int | None = None  # the culprit's, when it exited
     end_s: float = 0.0  # from detection until every process had ended (copies written)
+    stalled_s: float | None = None  # hung: how long the job's step had not advanced
     hosts: tuple[str, ...] = ()  # every host to exclude, when several (else `host`)
 
     def excluded(self) -> tuple[str, ...]:
@@ -249,7 +250,9 @@ class Supervisor:
             limit = cfg.startup_s if not started else \
                 max((b.deadline_s for b in beats.values()), default=cfg.startup_s)
             if self.clock() - advanced_at > limit:
-                return self._hung(beats, step, limit), step, beats
+                hung = self._hung(beats, step, limit)
+                hung.stalled_s = self.clock() - advanced_at
+                return hung, step, beats
 
     def _left_out(self, failed: dict[str, int], step: int) -> Failure:
         out = sorted(h for h, c in failed.items() if c == HostsLeftOut.LEFT_OUT_EXIT)

@@ -177,10 +177,12 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
 
 
 def run_ticks(work: Callable[..., tuple[jax.Array, jax.Array]], stage: jax.Array, pp: int,
-              mb_slots: int, n_microbatches: jax.Array, x_like: jax.Array) -> jax.Array:
+              mb_slots: int, n_microbatches: jax.Array, x_like: jax.Array,
+              axes: tuple[str, ...] = STEP_AXES) -> jax.Array:
     """The GPipe schedule: at tick t stage s runs micro-batch t - s when its group has it
     (`work(x_received, m, busy, t) -> (x_out, loss)`), then passes its activation on with one
-    collective permute. The summed losses of every stage and group."""
+    collective permute. The summed losses of every stage and group (`axes`: the manual axes
+    they are summed over; none outside a shard_map)."""
     def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array):
         x_recv, loss_acc = carry
         m = t - stage
@@ -190,6 +192,6 @@ def run_ticks(work: Callable[..., tuple[jax.Array, jax.Array]], stage: jax.Array
             x_out = jax.lax.ppermute(x_out, "pp", [(s, s + 1) for s in range(pp - 1)])
         return (x_out, loss_acc + loss), None
 
-    carry0 = vma.vary((x_like, jnp.zeros((), jnp.float32)), STEP_AXES)
+    carry0 = vma.vary((x_like, jnp.zeros((), jnp.float32)), axes)
     (_, loss_sum), _ = jax.lax.scan(tick, carry0, jnp.arange(mb_slots + pp - 1))
-    return jax.lax.psum(loss_sum, STEP_AXES)
+    return jax.lax.psum(loss_sum, axes) if axes else loss_sum

@@ -32,7 +32,7 @@ def token_nll_sum(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
 
 def _run_stage(parts: ModelParts, layers: Any, compute: Any, active: jax.Array,
                n_layers: jax.Array, x_BxSxD: jax.Array, seg_BxS: jax.Array,
-               pos_BxS: jax.Array) -> jax.Array:
+               pos_BxS: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """This stage's first `n_layers` slots when `active`; the others are skipped. `layers`
     are the float32 masters [slots, ...], `compute` the same in the compute dtype."""
     slot_ids = jnp.arange(jax.tree.leaves(layers)[0].shape[0])
@@ -40,7 +40,7 @@ def _run_stage(parts: ModelParts, layers: Any, compute: Any, active: jax.Array,
     def one_slot(x: jax.Array, slot: tuple[jax.Array, Any, Any]) -> tuple[jax.Array, None]:
         i, p, c = slot
         on = active & (i < n_layers)
-        out = gated(parts.block, on, p, c, (x,), (seg_BxS, pos_BxS), STEP_AXES)
+        out = gated(parts.block, on, p, c, (x,), (seg_BxS, pos_BxS), axes)
         return jnp.where(on, out, x), None  # an idle slot passes x through
 
     return jax.lax.scan(one_slot, x_BxSxD, (slot_ids, layers, compute))[0]
@@ -59,18 +59,23 @@ def compute_copy(params: Any, dtype: str | None) -> Any:
 def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
                            pos: jax.Array, n_layers_P: jax.Array, n_mb_D: jax.Array, *,
                            parts: ModelParts, pp: int, remat: bool,
-                           compute_dtype: str | None = None) -> jax.Array:
+                           compute_dtype: str | None = None, manual: bool = True
+                           ) -> jax.Array:
     """Sum of token losses over all DP groups' micro-batches (same value on every device).
 
-    Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...]."""
+    Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...].
+    `manual`: inside a shard_map manual over 'dp' and 'pp'. With dp = pp = 1 the step runs
+    outside any shard_map (XLA:SPMD refuses a partially manual program whose manual axes all
+    have one device: its reductions over them become cross-partition all-reduces)."""
+    axes = STEP_AXES if manual else ()
     # one reduction of the shell's and the layers' gradients per step, not one per tick
-    params = vma.vary(params, STEP_AXES)
+    params = vma.vary(params, axes)
     shell = params["shell"]
     layers = jax.tree.map(lambda a: a[0], params["blocks"])
     shell_c, layers_c = compute_copy((shell, layers), compute_dtype)
-    stage = jax.lax.axis_index("pp")
+    stage = jax.lax.axis_index("pp") if manual else 0
     my_layers = n_layers_P[stage]
-    my_microbatches = n_mb_D[jax.lax.axis_index("dp")]
+    my_microbatches = n_mb_D[jax.lax.axis_index("dp") if manual else 0]
     tokens_MxBxS, seg_MxBxS, pos_MxBxS = tokens[0], seg[0], pos[0]
     mb_slots = tokens_MxBxS.shape[0]
     h_like = jax.eval_shape(parts.embed, shell_c, tokens_MxBxS[0], pos_MxBxS[0])
@@ -80,15 +85,15 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
         del t  # the tick: the built-in model's stage timing keys on it
         tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
         emb = gated(parts.embed, busy & (stage == 0), shell, shell_c, (), (tok_BxS, pos_BxS),
-                    STEP_AXES)
+                    axes)
         x_BxSxD = jnp.where(stage == 0, emb, x_recv)
         x_BxSxD = _run_stage(parts, layers, layers_c, busy, my_layers, x_BxSxD, seg_BxS,
-                             pos_BxS)
+                             pos_BxS, axes)
         targets_BxS, weights_BxS = next_token_targets(tok_BxS, seg_BxS)
         loss = gated(lambda c, x_, t, w: token_nll_sum(parts.head(c, x_), t, w),
                      busy & (stage == pp - 1), shell, shell_c, (x_BxSxD,),
-                     (targets_BxS, weights_BxS), STEP_AXES)
+                     (targets_BxS, weights_BxS), axes)
         return x_BxSxD, loss
 
     return run_ticks(jax.checkpoint(work) if remat else work, stage, pp, mb_slots,
-                     my_microbatches, x_like)
+                     my_microbatches, x_like, axes)

@@ -113,11 +113,12 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
     batch_sharding = NamedSharding(mesh, P("dp"))
     manual = jax.tree.map(lambda s: P(*s[:1]) if s and s[0] == "pp" else P(), specs.params,
                           is_leaf=lambda x: isinstance(x, P))
-    sharded_loss = jax.shard_map(
-        functools.partial(user_pipeline_loss_sum, parts=parts, pp=plan.pp, remat=train.remat,
-                          compute_dtype=compute_dtype),
-        mesh=mesh, in_specs=(manual, P("dp"), P("dp"), P("dp"), P(), P()), out_specs=P(),
-        axis_names={"dp", "pp"})
+    body = functools.partial(user_pipeline_loss_sum, parts=parts, pp=plan.pp,
+                             remat=train.remat, compute_dtype=compute_dtype,
+                             manual=plan.dp * plan.pp > 1)
+    sharded_loss = body if plan.dp * plan.pp == 1 else jax.shard_map(
+        body, mesh=mesh, in_specs=(manual, P("dp"), P("dp"), P("dp"), P(), P()),
+        out_specs=P(), axis_names={"dp", "pp"})
 
     def loss_sum(params: Any, batch: Batch, splits: Splits) -> jax.Array:
         return sharded_loss(params, batch.tokens, batch.segment_ids, batch.positions,

@@ -35,7 +35,8 @@ def _reference(model, batch) -> tuple[float, dict]:
 
 
 @pytest.mark.parametrize("mesh, layers, mbs", [
-    ((1, 1, 1), (4,), (4,)), ((2, 2, 2), (1, 3), (3, 1)), ((1, 4, 2), (1, 1, 1, 1), (4,))])
+    ((1, 1, 1), (4,), (4,)), ((2, 2, 2), (1, 3), (3, 1)), ((1, 4, 2), (1, 1, 1, 1), (4,)),
+    ((1, 1, 4), (4,), (4,))])  # tp alone: no manual axis with more than one device
 def test_loss_and_every_gradient_equal_the_models_own(mesh, layers, mbs) -> None:
     model = make_gpt2()
     parts, shell, blocks = split_model(model)

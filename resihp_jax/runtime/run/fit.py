@@ -71,6 +71,11 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     if compute_dtype not in (None, "float32", "bfloat16"):
         raise ConfigError(f"compute_dtype={compute_dtype!r}: valid are None, 'float32', "
                           "'bfloat16'")
+    if resilience is not None and resilience.checkpoint_dir is not None:
+        if checkpoint_dir is not None and checkpoint_dir != resilience.checkpoint_dir:
+            raise ConfigError(f"checkpoint_dir={checkpoint_dir!r} and resilience.checkpoint_dir="
+                              f"{resilience.checkpoint_dir!r}: give it once")
+        checkpoint_dir = resilience.checkpoint_dir
     spec = job_spec()
     if not spec.single:  # a job's process: the job's directory unless one is given
         checkpoint_dir = checkpoint_dir or os.environ.get(CHECKPOINT_DIR_ENV)

@@ -159,7 +159,7 @@ class ResilientTrainer:
     # supervisor watching for progress can allow for it
     on_long_work: Callable[[str], None] | None = None
     # (train_cfg, plan, devices, instrument) -> the StepProgram of a user's model; None:
-    # the built-in decoder's (`build_step`). Set `state` before `run` for a user's model.
+    # the built-in decoder's (`build_step`); a user's program starts from its own parameters.
     programs: Callable[..., StepProgram] | None = None
 
     def __post_init__(self) -> None:

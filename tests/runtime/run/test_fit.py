@@ -149,6 +149,8 @@ def test_a_dimension_tp_does_not_divide_is_named() -> None:
     (dict(steps=0), "steps=0: must be an integer >= 1"),
     (dict(optimizer="sgd"), "expected an optax GradientTransformation"),
     (dict(axis_rules=[("mlp", "model")]), r"'mlp' -> 'model': valid mesh axes"),
+    (dict(checkpoint_dir="a", resilience=rh.ResilienceConfig(checkpoint_dir="b")),
+     "give it once"),
 ])
 def test_bad_fit_arguments_are_named(kwargs: dict, message: str) -> None:
     args = dict(optimizer=optax.sgd(0.1), plan=_plan("1/1/1"), steps=1, progress=False)

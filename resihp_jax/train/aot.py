@@ -38,6 +38,7 @@ def compile_program(program: StepProgram) -> StepProgram:
     state, batch, splits = abstract_args(program)
     rep, plan = program.replicated, program.plan
     step = program.step_fn.lower(state, batch, splits).compile()
+    program.check_compiled(step)
     positions = jax.ShapeDtypeStruct((plan.n_layers,), jnp.int32, sharding=rep)
     to_canonical = program.to_canonical_fn.lower(state, positions).compile()
     canonical = _placed(canonical_state_shapes(state, plan.n_layers),

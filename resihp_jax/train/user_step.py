@@ -22,7 +22,9 @@ from resihp_jax.meshes import layout
 from resihp_jax.meshes.mesh import make_mesh
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.step import Batch, Splits, StepProgram, TrainState, step_functions
+from resihp_jax.train.param_gathers import parameter_gathers, warn_parameter_gathers
+from resihp_jax.train.step import (Batch, Splits, StepProgram, TrainState,
+                                   canonical_state_shapes, step_functions)
 from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, check_divisible,
                                          mesh_specs)
 from resihp_jax.train.user_pipeline import user_pipeline_loss_sum
@@ -54,6 +56,16 @@ class UserStepProgram(StepProgram):
 
         return jax.jit(init, out_shardings=self.state_shardings)(
             params, jnp.asarray(self.stage_index()))
+
+    def check_compiled(self, compiled_step: Any) -> None:
+        """Warn (ParameterGatherWarning) naming each tp-sharded parameter the compiled step
+        gathers whole: sharding propagation's fallback for code it cannot split."""
+        if self.plan.tp == 1:
+            return
+        canonical = canonical_state_shapes(self.state_shapes, self.plan.n_layers).params
+        warn_parameter_gathers(
+            parameter_gathers(compiled_step.as_text(), canonical, self.param_specs),
+            self.plan.tp)
 
     def canonical_params(self, state: TrainState) -> Any:
         """The state's parameters with the blocks in canonical order `[n_layers, ...]`."""

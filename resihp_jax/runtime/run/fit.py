@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
@@ -25,6 +26,7 @@ from resihp_jax.runtime.job.distributed import job_spec
 from resihp_jax.runtime.job.exits import run_as_job_process
 from resihp_jax.runtime.job.join import join_job
 from resihp_jax.runtime.job.supervisor import CHECKPOINT_DIR_ENV
+from resihp_jax.runtime.run.auto_plan import auto_plan
 from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.trainer.loop import StepRecord
@@ -44,9 +46,11 @@ class FitResult:
     replans: list[Replan] = field(default_factory=list)
     records: list[StepRecord] = field(default_factory=list)
     facts: UserModelFacts | None = None  # what the planner knew of the model
+    plan: Plan | None = None  # the plan the last step ran
+    first_plan: Plan | None = None  # the plan training started on
 
 
-def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan: Plan,
+def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan: Plan | str,
         steps: int, seed: int = 0, devices: Sequence[jax.Device] | None = None,
         checkpoint_dir: str | None = None, resilience: ResilienceConfig | None = None,
         axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES,
@@ -62,7 +66,10 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     data: a sequence of `rh.PackedBatch` (rows = plan's micro-batches x micro-batch size),
         a function returning an iterator of them, a document source (`rh.data.from_documents`,
         `rh.data.TokenFileSource`, ...) that the library packs, or a `BatchIterator`.
-    optimizer: any optax transformation, applied as given. plan: an `rh.Plan`.
+    optimizer: any optax transformation, applied as given.
+    plan: an `rh.Plan`, or "auto": the scheduler's fastest plan for the devices present and
+        the batches' rows and length (data must then be a sequence of rh.PackedBatch);
+        `result.plan` says which it chose.
     on_step: called after every step with its StepRecord (`.step`, `.loss`, ...).
     compute_dtype: None (the parameters' own dtype, float32) or 'bfloat16' (bf16 compute from
         float32 master weights; loss, softmax statistics and gradients in float32).
@@ -83,6 +90,11 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     parts, params = _split(model, seed)
     facts = model_facts(parts, params["shell"], params["blocks"], parts.name, axis_rules,
                         attention_cost, compute_dtype)
+    resilience = resilience or ResilienceConfig(compile_cache_dir=None)
+    if isinstance(plan, str):  # "auto", checked above
+        rows, seq_len = _batch_shape(data)
+        plan, _ = auto_plan(facts, [d.id for d in (devices or jax.devices())], rows, seq_len,
+                            device_memory_gb=resilience.device_memory_gb, remat=remat)
 
     def programs(cfg: TrainConfig, plan_: Plan, devices_: Sequence[jax.Device],
                  instrument: Any = None) -> UserStepProgram:
@@ -92,7 +104,6 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
                                   compute_dtype=compute_dtype)
         return dataclasses.replace(program, initial_params=_initializer(program, model, params))
 
-    resilience = resilience or ResilienceConfig(compile_cache_dir=None)
     config = RunConfig(
         steps=steps, seed=seed, data=type(data).__name__, checkpoint_dir=checkpoint_dir,
         resume=checkpoint_dir is not None, progress=_show_progress(progress), adapt=True,
@@ -112,7 +123,8 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     trainer = training.active.trainer
     canonical = jax.device_get(trainer.program.canonical_params(trainer.state))
     return FitResult(parts.assemble(canonical["shell"], canonical["blocks"]),
-                     {r.step: r.loss for r in records}, list(trainer.replans), records, facts)
+                     {r.step: r.loss for r in records}, list(trainer.replans), records, facts,
+                     trainer.plan, plan)
 
 
 def _show_progress(progress: bool | None) -> bool:
@@ -120,9 +132,12 @@ def _show_progress(progress: bool | None) -> bool:
 
 
 def _check_args(steps: int, plan: Any, optimizer: Any) -> None:
-    if isinstance(plan, str):
+    if isinstance(plan, str) and plan != "auto":
         raise ConfigError(f"plan={plan!r}: give an rh.Plan (e.g. rh.Plan.uniform(dp, pp, tp, "
-                          "n_layers=..., n_microbatches=..., microbatch_size=..., seq_len=...))")
+                          "n_layers=..., n_microbatches=..., microbatch_size=..., seq_len=...)) "
+                          "or 'auto'")
+    if isinstance(plan, str):
+        return
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan: expected an rh.Plan, got {type(plan).__name__}")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -130,6 +145,17 @@ def _check_args(steps: int, plan: Any, optimizer: Any) -> None:
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise ConfigError(f"optimizer: expected an optax GradientTransformation, got "
                           f"{type(optimizer).__name__}")
+
+
+def _batch_shape(data: Any) -> tuple[int, int]:
+    """(rows, seq_len) of the user's batches, for plan='auto' (read off the first one)."""
+    if isinstance(data, Sequence) and len(data) and hasattr(data[0], "tokens"):
+        shape = tuple(np.shape(data[0].tokens))
+        if len(shape) == 2 and min(shape) > 0:
+            return int(shape[0]), int(shape[1])
+        raise ConfigError(f"data[0].tokens has shape {shape}: expected [rows, seq_len]")
+    raise ConfigError(f"plan='auto' reads the batch shape off a sequence of rh.PackedBatch; "
+                      f"data is a {type(data).__name__}: give an rh.Plan for it")
 
 
 def _split(model: Any, seed: int) -> tuple[ModelParts, dict[str, Any]]:

@@ -145,7 +145,7 @@ def test_a_dimension_tp_does_not_divide_is_named() -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(plan="auto"), "plan='auto': give an rh.Plan"),
+    (dict(plan="best"), "plan='best': give an rh.Plan"),
     (dict(steps=0), "steps=0: must be an integer >= 1"),
     (dict(optimizer="sgd"), "expected an optax GradientTransformation"),
     (dict(axis_rules=[("mlp", "model")]), r"'mlp' -> 'model': valid mesh axes"),
@@ -156,6 +156,19 @@ def test_bad_fit_arguments_are_named(kwargs: dict, message: str) -> None:
     args = dict(optimizer=optax.sgd(0.1), plan=_plan("1/1/1"), steps=1, progress=False)
     with pytest.raises(rh.ConfigError, match=message):
         rh.fit(make_gpt2(), _packed(1), **{**args, **kwargs})
+
+
+def test_auto_plan_is_the_schedulers_and_trains_the_same_losses(plain_sgd) -> None:
+    result = rh.fit(make_gpt2(), _packed(2), optimizer=optax.sgd(0.1), plan="auto", steps=2,
+                    progress=False)
+    chosen = result.first_plan
+    assert chosen.n_microbatches * chosen.microbatch_size == N_MB * MB_SIZE
+    assert chosen.seq_len == SEQ and chosen.n_layers == 4
+    assert set(chosen.device_ids) <= {d.id for d in jax.devices()}
+    np.testing.assert_allclose(list(result.losses.values()), plain_sgd[0][:2], rtol=1e-5)
+    with pytest.raises(rh.ConfigError, match="plan='auto' reads the batch shape"):
+        rh.fit(make_gpt2(), rh.data.from_documents([np.arange(9, dtype=np.int32)]),
+               optimizer=optax.sgd(0.1), plan="auto", steps=1, progress=False)
 
 
 def test_fit_resumes_from_its_checkpoint_loss_for_loss(tmp_path, capsys) -> None:

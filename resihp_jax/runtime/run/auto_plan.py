@@ -1,0 +1,48 @@
+"""`plan="auto"`: the scheduler's best plan for the devices present and a global batch.
+
+The scheduler searches meshes, layouts, layer and micro-batch splits for a fixed global batch
+(micro-batch count x size). A user's batch fixes only its rows and row length, so every way
+of cutting the rows into micro-batches is searched too (more, smaller micro-batches fill the
+pipeline better; fewer, larger ones pay less overhead per micro-batch); the predicted
+fastest plan wins. Deterministic: every process of a job computes the same plan.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from resihp_jax.errors import PlanError
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.perfmodel import CostParams, Health
+from resihp_jax.perfmodel.facts import ModelFacts
+from resihp_jax.scheduler import PlanningContext, search_plans
+
+MAX_MICROBATCH_SIZES = 6  # the divisors of the rows tried as micro-batch sizes, smallest first
+
+
+def microbatch_sizes(rows: int) -> list[int]:
+    """Micro-batch sizes that cut `rows` evenly, the smallest first (most micro-batches)."""
+    return [d for d in range(1, rows + 1) if rows % d == 0][:MAX_MICROBATCH_SIZES]
+
+
+def auto_plan(model: ModelFacts, device_ids: Sequence[int], rows: int, seq_len: int, *,
+              device_memory_gb: float, remat: bool = False) -> tuple[Plan, float]:
+    """(plan, predicted step seconds): the fastest plan of `rows` x `seq_len` batches on
+    `device_ids` that fits `device_memory_gb` per device, by the scheduler's cost model."""
+    ids = tuple(int(d) for d in device_ids)
+    if not ids:
+        raise PlanError("plan='auto': no devices to plan for")
+    best: tuple[float, Plan] | None = None
+    for size in microbatch_sizes(rows):
+        seed = Plan.uniform(1, 1, 1, n_layers=model.n_layers, n_microbatches=rows // size,
+                            microbatch_size=size, seq_len=seq_len, device_ids=ids[:1])
+        context = PlanningContext(model, CostParams.for_model(model), device_memory_gb * 2**30,
+                                  ids, remat=remat)
+        for candidate in search_plans(seed, Health.healthy(), context)[:1]:
+            if best is None or candidate.step_time_s < best[0]:
+                best = (candidate.step_time_s, candidate.plan)
+    if best is None:
+        raise PlanError(f"plan='auto': no plan of the model ({model.n_layers} layers, batches "
+                        f"of {rows} x {seq_len}) fits {len(ids)} device(s) of "
+                        f"{device_memory_gb:g} GB; give a Plan, or more devices")
+    return best[1], best[0]

@@ -90,6 +90,7 @@ def split_model(model: Any) -> tuple[ModelParts, Any, Any]:
     """(parts, shell params, canonical layer params) of a user's model; ConfigError naming
     what breaks the contract."""
     check_contract(model)
+    check_state(model)
     blocks = model.blocks
     blocks_type = type(blocks) if isinstance(blocks, (list, nnx.List)) else list
     try:
@@ -137,6 +138,23 @@ def check_contract(model: Any) -> None:
         if not isinstance(block, nnx.Module) or not callable(block):
             raise ConfigError(f"model {name}.blocks[{i}] is a {type(block).__name__}: expected "
                               "a callable nnx.Module block(h, segment_ids, positions)")
+
+
+def check_state(model: Any) -> None:
+    """ConfigError for state that training would have to update besides the parameters:
+    the step carries the parameters and the optimizer's state only, so a running statistic
+    (BatchNorm) would stay frozen and a dropout would draw the same mask at every step."""
+    name = type(model).__name__
+    for path, node in nnx.iter_graph(model):
+        where = f"model {name}." + ".".join(str(p) for p in path)
+        if isinstance(node, nnx.Dropout) and node.rate > 0 and not node.deterministic:
+            raise ConfigError(f"{where} is a Dropout with rate {node.rate}: rh.fit draws no "
+                              "fresh random numbers inside the step; set rate=0 (or "
+                              "deterministic=True) for training with rh.fit")
+        if isinstance(node, nnx.BatchStat):
+            raise ConfigError(f"{where} is a BatchStat (running statistics, e.g. BatchNorm): "
+                              "rh.fit trains nnx.Param only and would leave it frozen; use "
+                              "a normalization without running statistics (LayerNorm, RMSNorm)")
 
 
 def _check_same_blocks(splits: list[tuple[Any, Any]]) -> None:

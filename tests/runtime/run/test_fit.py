@@ -123,8 +123,19 @@ def _uneven_model() -> GPT2:
     return model
 
 
+def _with_block_part(name: str, module_fn) -> GPT2:
+    model = make_gpt2()
+    for block in model.blocks:  # identical blocks: the structure check must not fire first
+        setattr(block, name, module_fn())
+    return model
+
+
 @pytest.mark.parametrize("model, message", [
     (lambda: NoBlocks(nnx.Rngs(0)), "model NoBlocks has no `blocks`"),
+    (lambda: _with_block_part("drop", lambda: nnx.Dropout(0.1, rngs=nnx.Rngs(0))),
+     r"blocks.0.drop is a Dropout with rate 0.1: rh.fit draws no fresh random numbers"),
+    (lambda: _with_block_part("bn", lambda: nnx.BatchNorm(32, rngs=nnx.Rngs(0))),
+     r"blocks.0.bn.mean is a BatchStat"),
     (_uneven_model, r"blocks\[2\] differs in structure from blocks\[0\]"),
     (lambda: "gpt2", "expected an nnx.Module"),
 ])

@@ -1,11 +1,20 @@
-"""Healthy step throughput: our dp=8 plan against a plain `jax.jit` data-parallel step.
+"""Healthy step throughput: our dp=8 plan against a plain `jax.jit` data-parallel step, and
+the generic path (`rh.models.Llama` through `build_user_step`) against the built-in.
 
 The baseline is the obvious data-parallel step: `jax.jit` of value_and_grad of the
 token-weighted mean loss (`decoder.loss_sum_and_count` on all rows at once), the same optax
 AdamW update and metrics, parameters replicated (`P()`), rows sharded over the 8 devices
 (`P('dp')`), state donated. Same model, dtype, initial weights, global batches and devices.
-Every round times each program once in turn (ours dp=8, plain, 2/2/2, 1/4/2), so load that
-comes and goes hits all alike; medians over rounds. No faults are injected: healthy devices.
+Every round times each program once in turn (ours dp=8, plain, 2/2/2, 2/2/2 generic, 1/4/2,
+1/4/2 generic), so load that comes and goes hits all alike; medians over rounds. No faults are
+injected: healthy devices.
+
+The generic path trains the same Llama written as a plain NNX model (`rh.models.Llama`, the
+built-in decoder's parameters converted), as a user's model trains: tensor parallelism from
+the parameters' shardings, collectives inserted by XLA. It is timed beside the built-in step
+(hand-written Megatron collectives) on the same plans, weights and batches, and each compiled
+step's per-device memory (XLA's memory analysis: arguments + outputs - donated aliases +
+temporaries) is compared.
 Usage: python benchmarks/healthy_throughput.py [--quick] [--model small|tiny] [--seed S]
        [--with-gspmd]
 """
@@ -32,16 +41,20 @@ from resihp_jax.data import BatchIterator, GlobalBatch  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.model import decoder  # noqa: E402
 from resihp_jax.model.config import ModelConfig, get_model_config  # noqa: E402
+from resihp_jax.models.llama import from_builtin  # noqa: E402
 from resihp_jax.perfmodel.costs import CostParams  # noqa: E402
 from resihp_jax.perfmodel.simulator import simulate_step  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
-from resihp_jax.train.step import build_step  # noqa: E402
+from resihp_jax.train.step import StepProgram, build_step  # noqa: E402
+from resihp_jax.train.user_model import split_model  # noqa: E402
+from resihp_jax.train.user_step import build_user_step  # noqa: E402
 
 SHAPES = ((8, 1, 1), (2, 2, 2), (1, 4, 2))  # (dp, pp, tp)
 BASE = "8/1/1"  # one micro-batch per DP group: each device's rows in one tick, like plain jit
 TICKS = "8/1/1 x2"  # the global micro-batch split: two ticks per group (micro-batching cost)
 PLAIN = "plain_jit"
 GSPMD = "plain_gspmd"
+GENERIC = ((2, 2, 2), (1, 4, 2))  # plans also run through the generic path
 
 
 class PlainState(NamedTuple):
@@ -58,6 +71,10 @@ class Runner(NamedTuple):
 
 def name_of(dp: int, pp: int, tp: int) -> str:
     return f"{dp}/{pp}/{tp}"
+
+
+def generic_name(plan_name: str) -> str:
+    return f"{plan_name} gen"
 
 
 def plain_runner(model: ModelConfig, train: TrainConfig, devices: list[jax.Device],
@@ -110,8 +127,20 @@ def plain_runner(model: ModelConfig, train: TrainConfig, devices: list[jax.Devic
 
 
 def plan_runner(plan: Plan, model: ModelConfig, train: TrainConfig,
-                batches: list[GlobalBatch], seed: int) -> tuple[Runner, Any]:
-    program = build_step(model, train, plan, jax.devices())
+                batches: list[GlobalBatch], seed: int,
+                generic: bool = False) -> tuple[Runner, StepProgram, int]:
+    """(runner, program, per-device bytes of its compiled step) of the built-in step, or
+    with `generic` of `rh.models.Llama` through the user's-model step from the same weights."""
+    if generic:
+        params = decoder.init_params(model, seed)
+        parts, shell, blocks = split_model(from_builtin(model, params))
+        canonical = {"shell": shell, "blocks": blocks}
+        program = build_user_step(parts, train.optimizer(), plan, jax.devices(), canonical,
+                                  train=train)
+        state = program.init_state(canonical)
+    else:
+        program = build_step(model, train, plan, jax.devices())
+        state = program.init_state(seed)
 
     def regroup(a_MxBxS: np.ndarray) -> np.ndarray:
         # The same rows in the same order, cut into this plan's micro-batch size.
@@ -119,7 +148,16 @@ def plan_runner(plan: Plan, model: ModelConfig, train: TrainConfig,
 
     sharded = [program.shard_batch(*(regroup(a) for a in (
         b.tokens_MxBxS, b.segment_ids_MxBxS, b.positions_MxBxS))) for b in batches]
-    return Runner(lambda s, i: program.step(s, sharded[i]), program.init_state(seed)), program
+    memory = step_memory(program, state, sharded[0])
+    return Runner(lambda s, i: program.step(s, sharded[i]), state), program, memory
+
+
+def step_memory(program: StepProgram, state: Any, batch: Any) -> int:
+    """Per-device bytes of the compiled step: its arguments, its outputs less those that
+    reuse donated arguments, and its temporaries (XLA's memory analysis)."""
+    stats = program.step_fn.lower(state, batch, program.splits()).compile().memory_analysis()
+    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+               - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
 
 
 def expected_bubble(plan: Plan, model: ModelConfig) -> tuple[float, float]:
@@ -160,18 +198,44 @@ def spread(values: list[float]) -> float:
     return float((q3 - q1) / med)
 
 
+def generic_rows(samples: dict, memory: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Per plan run both ways: generic/built-in step time (of medians, and the median of
+    per-round ratios) and per-device memory."""
+    rows = {}
+    for name in samples:
+        twin = generic_name(name)
+        if twin not in samples:
+            continue
+        built, gen = np.asarray(samples[name]), np.asarray(samples[twin])
+        rows[name] = {"time": float(np.median(gen) / np.median(built)),
+                      "paired": float(np.median(gen / built)),
+                      "memory": memory[twin] / memory[name]}
+    return rows
+
+
+def print_generic(rows: dict[str, dict[str, float]], memory: dict[str, int]) -> None:
+    print("\ngeneric path (rh.models.Llama, build_user_step) / built-in (build_step), same plan:")
+    print(f"{'plan':<8} {'time':>7} {'paired':>7} {'built MB':>9} {'gen MB':>8} {'memory':>7}")
+    for name, r in rows.items():
+        print(f"{name:<8} {r['time']:7.3f} {r['paired']:7.3f} {memory[name] / 2**20:9.2f} "
+              f"{memory[generic_name(name)] / 2**20:8.2f} {r['memory']:7.3f}")
+
+
 def report(samples: dict, first: dict, plans: dict[str, Plan], model: ModelConfig,
-           tokens: int, load: tuple[float, float]) -> dict[str, Any]:
+           tokens: int, load: tuple[float, float], memory: dict[str, int]) -> dict[str, Any]:
     median = {name: float(np.median(s)) for name, s in samples.items()}
     tok_s = {name: tokens / t for name, t in median.items()}
     bubbles = {name: expected_bubble(plan, model) for name, plan in plans.items()}
     print(f"\n{'program':<10} {'step s':>8} {'IQR/med':>8} {'tokens/s':>10} {'vs 8/1/1':>9} "
-          f"{'bubble':>7} {'perfmod':>7} {'1/(1-b)':>7}")
+          f"{'bubble':>7} {'perfmod':>7} {'1/(1-b)':>7} {'MB/dev':>7}")
     for name in samples:
         closed, sim = bubbles.get(name, (0.0, 0.0))
+        mb = f"{memory[name] / 2**20:7.2f}" if name in memory else f"{'-':>7}"
         print(f"{name:<10} {median[name]:8.4f} {spread(samples[name]):8.3f} {tok_s[name]:10.0f} "
               f"{median[name] / median[BASE]:9.3f} {closed:7.3f} {sim:7.3f} "
-              f"{1 / (1 - closed):7.3f}")
+              f"{1 / (1 - closed):7.3f} {mb}")
+    rows = generic_rows(samples, memory)
+    print_generic(rows, memory)
     loss_gap = max(abs(float(first[n]["loss"]) - float(first[PLAIN]["loss"])) for n in first)
     ratio = tok_s[BASE] / tok_s[PLAIN]
     paired = float(np.median(np.asarray(samples[PLAIN]) / np.asarray(samples[BASE])))
@@ -184,6 +248,9 @@ def report(samples: dict, first: dict, plans: dict[str, Plan], model: ModelConfi
     print(f"load average before/after: {load[0]:.2f} / {load[1]:.2f} on {os.cpu_count()} cores")
     print(f"ratio ours(8/1/1) / plain jit, tokens/s: {ratio:.3f} of medians, {paired:.3f} "
           f"median of per-round ratios (target >= 0.95)")
+    print("generic / built-in: step time " + ", ".join(
+        f"{n} {r['time']:.3f}" for n, r in rows.items()) + "; memory " + ", ".join(
+        f"{n} {r['memory']:.3f}" for n, r in rows.items()) + " (target <= 1.10)")
     print("faults: none (all 8 devices healthy, no slowdown injected)")
     return {"ratio_vs_plain_jit": round(ratio, 4),
             "tokens_per_s": {n: round(v, 1) for n, v in tok_s.items()},
@@ -191,7 +258,12 @@ def report(samples: dict, first: dict, plans: dict[str, Plan], model: ModelConfi
             "bubble_fraction": {n: round(b[0], 4) for n, b in bubbles.items()},
             "bubble_fraction_perfmodel": {n: round(b[1], 4) for n, b in bubbles.items()},
             "iqr_over_median": {n: round(spread(s), 4) for n, s in samples.items()},
-            **extra, "first_step_loss_max_gap": loss_gap, "tokens_per_step": tokens,
+            **extra,
+            "generic_over_builtin": {n: round(r["time"], 4) for n, r in rows.items()},
+            "generic_over_builtin_paired": {n: round(r["paired"], 4) for n, r in rows.items()},
+            "generic_memory_ratio": {n: round(r["memory"], 4) for n, r in rows.items()},
+            "memory_bytes_per_device": memory,
+            "first_step_loss_max_gap": loss_gap, "tokens_per_step": tokens,
             "loadavg_before_after": [round(x, 2) for x in load], "faults": "none"}
 
 
@@ -224,20 +296,28 @@ def main() -> None:
                                microbatch_size=n_mb * mb_size // 8, seq_len=seq_len)
     plans = {name: plans[name] for name in (BASE, TICKS, *list(plans)[1:len(SHAPES)])}
     runners: dict[str, Runner] = {}
+    memory: dict[str, int] = {}
+    generic = {name_of(*s) for s in GENERIC}
     for name, plan in plans.items():
         # No empty headroom ticks: the plan is fixed here, as `resihp train` does it.
         fitted = train.replace(microbatch_slots=max(plan.microbatches_per_group))
-        runners[name], program = plan_runner(plan, model, fitted, batches, args.seed)
+        runners[name], program, memory[name] = plan_runner(plan, model, fitted, batches,
+                                                           args.seed)
         print(f"  {name}: {plan.describe()} mb_slots={program.mb_slots} "
               f"ticks={program.mb_slots + plan.pp - 1} layer_slots={program.layer_slots}")
         if name == BASE:  # plain right after ours: the A, B pair leads every round
             runners[PLAIN] = plain_runner(model, train, devices, batches, args.seed, False)
             if args.with_gspmd:
                 runners[GSPMD] = plain_runner(model, train, devices, batches, args.seed, True)
+        if name in generic:  # the generic twin right after its built-in: a pair per round
+            twin = generic_name(name)
+            runners[twin], _, memory[twin] = plan_runner(plan, model, fitted, batches,
+                                                         args.seed, generic=True)
+    plans.update({generic_name(n): plans[n] for n in generic})  # same plans, same bubbles
     load_before = os.getloadavg()[0]
     samples, first = measure(runners, len(batches), warmup, rounds)
     result = report(samples, first, plans, model, n_mb * mb_size * seq_len,
-                    (load_before, os.getloadavg()[0]))
+                    (load_before, os.getloadavg()[0]), memory)
     print(json.dumps(result))
 
 

@@ -116,8 +116,9 @@ if TYPE_CHECKING:
     from resihp_jax.train.step import build_step
 
 
-# submodules a user reaches as attributes: rh.data.from_documents(...), rh.nn.segment_attention
-_SUBMODULES = {"data": "resihp_jax.data", "nn": "resihp_jax.nn"}
+# submodules a user reaches as attributes: rh.data.from_documents(...), rh.nn.segment_attention,
+# rh.models.Llama (ready-made models behind the same contract as a user's own)
+_SUBMODULES = {"data": "resihp_jax.data", "nn": "resihp_jax.nn", "models": "resihp_jax.models"}
 
 
 def __getattr__(name: str) -> Any:

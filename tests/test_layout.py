@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"errors", "vma"},
     {"model", "data"},
     {"meshes", "nn"},
-    {"train", "perfmodel"},
+    {"train", "perfmodel", "models"},
     {"detector", "scheduler", "faults"},
     {"sim", "runtime.recovery"},
     {"runtime.job", "runtime.trainer"},

@@ -1,0 +1,192 @@
+"""Llama as a plain Flax NNX model behind the user's-model contract (train/user_model.py):
+`embed`, `blocks` (identical `LlamaBlock`s), `head`, kernels named with logical axes, so it
+trains through the same generic step as any user's model (tensor parallelism from shardings).
+
+Its math is the built-in decoder's (model/layers.py), op for op: RMSNorm with float32
+statistics, rotary positions per document, grouped KV heads, SwiGLU, our block-sparse
+`segment_attention`, an untied head whose logits are float32. It computes in
+`config.dtype` (float32 masters cast at use, as the built-in does), or lower where the step
+hands it weights already cast lower.
+`from_builtin` / `to_builtin` convert the built-in model's canonical parameters, so both
+start from, and can be compared on, the same weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from resihp_jax.model import layers
+from resihp_jax.model.config import ModelConfig
+from resihp_jax.nn import segment_attention
+
+# Built-in (model/decoder.py) layer parameter name -> this model's block attribute path.
+_BLOCK_NAMES = {"attn_norm": ("attn_norm", "scale"), "wq": ("wq",), "wk": ("wk",),
+                "wv": ("wv",), "wo": ("wo",), "mlp_norm": ("mlp_norm", "scale"),
+                "w_gate": ("w_gate",), "w_up": ("w_up",), "w_down": ("w_down",)}
+
+
+def _param(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
+    # Logical names only: the train step shards from them, nothing is placed at creation.
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float,
+            names: tuple[str, ...]) -> nnx.Param:
+    return _param(std * jax.random.normal(rngs.params(), shape, jnp.float32), names)
+
+
+def _compute(x: jax.Array, dtype: str) -> jax.Array:
+    """`x` in the compute dtype: float32 masters are cast to the config's `dtype`; a copy the
+    step already cast lower (`rh.fit(..., compute_dtype='bfloat16')`) stays as it is, so
+    either knob gives bf16 compute."""
+    if jnp.finfo(x.dtype).bits < jnp.finfo(dtype).bits:
+        return x
+    return x.astype(dtype)
+
+
+def _cast(w: nnx.Param, dtype: str) -> jax.Array:
+    return _compute(w[...], dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, d: int, eps: float, dtype: str) -> None:
+        self.eps, self.dtype = eps, dtype
+        self.scale = _param(jnp.ones((d,), jnp.float32), ("embed",))
+
+    def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
+        return layers.rms_norm(x_BxSxD, _cast(self.scale, self.dtype), self.eps)
+
+
+class LlamaBlock(nnx.Module):
+    """One pre-norm decoder layer: grouped-KV attention with rotary positions, then SwiGLU."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
+        d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+        std = d ** -0.5
+        # the built-in's init: output projections scaled down with depth, so the residual
+        # stream's scale stays flat however many layers there are
+        depth = (2 * cfg.n_layers) ** -0.5
+        self.cfg = cfg
+        self.attn_norm = RMSNorm(d, cfg.norm_eps, cfg.dtype)
+        self.wq = _normal(rngs, (d, h, k), std, ("embed", "heads", "head_dim"))
+        self.wk = _normal(rngs, (d, g, k), std, ("embed", "kv", "head_dim"))
+        self.wv = _normal(rngs, (d, g, k), std, ("embed", "kv", "head_dim"))
+        self.wo = _normal(rngs, (h, k, d), std * depth, ("heads", "head_dim", "embed"))
+        self.mlp_norm = RMSNorm(d, cfg.norm_eps, cfg.dtype)
+        self.w_gate = _normal(rngs, (d, f), std, ("embed", "mlp"))
+        self.w_up = _normal(rngs, (d, f), std, ("embed", "mlp"))
+        self.w_down = _normal(rngs, (f, d), f ** -0.5 * depth, ("mlp", "embed"))
+
+    def attention(self, x_BxSxD: jax.Array, seg_BxS: jax.Array,
+                  pos_BxS: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, self.cfg.dtype
+        h_BxSxD = self.attn_norm(x_BxSxD)
+        q_BxSxHxK = layers.rotary(jnp.einsum("bsd,dhk->bshk", h_BxSxD, _cast(self.wq, dt)),
+                                  pos_BxS, cfg.rope_theta)
+        k_BxSxGxK = layers.rotary(jnp.einsum("bsd,dgk->bsgk", h_BxSxD, _cast(self.wk, dt)),
+                                  pos_BxS, cfg.rope_theta)
+        v_BxSxGxK = jnp.einsum("bsd,dgk->bsgk", h_BxSxD, _cast(self.wv, dt))
+        o_BxSxHxK = segment_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, seg_BxS,
+                                      block_size=cfg.attn_block)
+        return jnp.einsum("bshk,hkd->bsd", o_BxSxHxK, _cast(self.wo, dt))
+
+    def mlp(self, x_BxSxD: jax.Array) -> jax.Array:
+        dt = self.cfg.dtype
+        h_BxSxD = self.mlp_norm(x_BxSxD)
+        gate_BxSxF = jnp.einsum("bsd,df->bsf", h_BxSxD, _cast(self.w_gate, dt))
+        up_BxSxF = jnp.einsum("bsd,df->bsf", h_BxSxD, _cast(self.w_up, dt))
+        return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate_BxSxF) * up_BxSxF,
+                          _cast(self.w_down, dt))
+
+    def __call__(self, x_BxSxD: jax.Array, seg_BxS: jax.Array,
+                 pos_BxS: jax.Array) -> jax.Array:
+        x_BxSxD = x_BxSxD + self.attention(x_BxSxD, seg_BxS, pos_BxS)
+        return x_BxSxD + self.mlp(x_BxSxD)
+
+
+class Llama(nnx.Module):
+    """Llama-style decoder for `config` (a `ModelConfig`, e.g. `rh.get_model_config('tiny')`)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs) -> None:
+        d, v = config.d_model, config.vocab_size
+        self.config = config
+        self.table = _normal(rngs, (v, d), 1.0, ("vocab", "embed"))
+        self.blocks = nnx.List([LlamaBlock(config, rngs=rngs) for _ in range(config.n_layers)])
+        self.final_norm = RMSNorm(d, config.norm_eps, config.dtype)
+        self.lm_head = _normal(rngs, (d, v), d ** -0.5, ("embed", "vocab"))
+
+    def embed(self, tokens_BxS: jax.Array, positions_BxS: jax.Array) -> jax.Array:
+        del positions_BxS  # positions enter through the blocks' rotary embedding
+        # gather float32 rows, then cast only those (the built-in's order)
+        return _compute(jnp.take(self.table[...], tokens_BxS, axis=0), self.config.dtype)
+
+    def head(self, h_BxSxD: jax.Array) -> jax.Array:
+        """Float32 logits [B, S, V] whatever the compute dtype (the loss never sees bf16)."""
+        return layers.logits(_cast(self.final_norm.scale, self.config.dtype),
+                             _cast(self.lm_head, self.config.dtype), h_BxSxD, self.config)
+
+    def __call__(self, tokens_BxS: jax.Array, seg_BxS: jax.Array,
+                 pos_BxS: jax.Array) -> jax.Array:
+        h_BxSxD = self.embed(tokens_BxS, pos_BxS)
+        for block in self.blocks:
+            h_BxSxD = block(h_BxSxD, seg_BxS, pos_BxS)
+        return self.head(h_BxSxD)
+
+
+def _abstract(config: ModelConfig) -> Llama:
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+
+
+def pure_params_from_builtin(params: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """The built-in decoder's canonical parameters (`decoder.init_params`, a `StepProgram`'s
+    canonical state) as this model's pure parameter dict (`nnx.to_pure_dict` layout)."""
+    stacked = params["layers"]
+
+    def block(i: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, path in _BLOCK_NAMES.items():
+            node = out
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = stacked[name][i]
+        return out
+
+    return {"table": params["embed"]["table"],
+            "blocks": {i: block(i) for i in range(n_layers)},
+            "final_norm": {"scale": params["head"]["norm"]},
+            "lm_head": params["head"]["w"]}
+
+
+def from_builtin(config: ModelConfig, params: dict[str, Any]) -> Llama:
+    """A Llama holding the built-in decoder's canonical parameters `params` (same math)."""
+    model = _abstract(config)
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, pure_params_from_builtin(params, config.n_layers))
+    nnx.update(model, state)
+    return model
+
+
+def to_builtin(model: Llama) -> dict[str, Any]:
+    """This model's parameters as the built-in decoder's canonical dict (layers stacked)."""
+    return pure_params_to_builtin(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def pure_params_to_builtin(pure: dict[str, Any]) -> dict[str, Any]:
+    """A pure dict in this model's layout (its parameters, or gradients of them) in the
+    built-in decoder's canonical layout."""
+    blocks = [pure["blocks"][i] for i in range(len(pure["blocks"]))]
+
+    def leaf(tree: dict[str, Any], path: tuple[str, ...]) -> jax.Array:
+        for key in path:
+            tree = tree[key]
+        return tree  # type: ignore[return-value]
+
+    stacked = {name: jnp.stack([leaf(b, path) for b in blocks])
+               for name, path in _BLOCK_NAMES.items()}
+    return {"embed": {"table": pure["table"]}, "layers": stacked,
+            "head": {"norm": pure["final_norm"]["scale"], "w": pure["lm_head"]}}

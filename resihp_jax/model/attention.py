@@ -5,6 +5,8 @@ math under `lax.cond` only when the two blocks' ranges of segment ids overlap, s
 with the sum of squared document lengths instead of the squared row length. A custom VJP
 recomputes probabilities block by block (flash-attention style), so the backward pass skips the
 same blocks and never holds an S x S matrix. `dense_attention` is the masked O(S^2) reference.
+`segment_attention(..., implementation=)` picks the kernel: this one ("blocksparse", the CPU
+default), the fused Pallas kernel of `flash.py` ("pallas", the GPU default) or "dense".
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from jax import lax
 
 from resihp_jax import vma
 from resihp_jax.errors import ConfigError
+from resihp_jax.model import flash
 
 _F32 = jnp.float32
 # Finite stand-in for -inf: exp(_MASKED - _MASKED) stays finite, so rows with no key yet
@@ -282,17 +285,58 @@ _sparse.defvjp(_sparse_fwd, _sparse_bwd)
 
 # ----------------------------------------------------------------------------- public API
 
-# How many times `segment_attention` was traced: a model's facts read it around tracing one
-# block to learn whether its attention cost grows per document (train/user_facts.py).
+# How many times `segment_attention` was traced with a kernel whose cost grows per document:
+# a model's facts read it around tracing one block to learn how its attention cost grows
+# (train/user_facts.py).
 TRACED_CALLS = [0]
+
+IMPLEMENTATIONS = ("auto", "blocksparse", "pallas", "dense")
+
+
+def _auto_mesh_axes() -> tuple[str, ...]:
+    """Mesh axes of more than one device left to the partitioner here (not manual)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = jax.sharding.AxisType.Manual
+    return tuple(name for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes,
+                                                  mesh.axis_types, strict=True)
+                 if size > 1 and kind != manual)
+
+
+def resolve_implementation(implementation: str, platform: str | None = None, *,
+                           seq_len: int | None = None, block_size: int | None = None) -> str:
+    """The kernel `implementation` names; "auto" is the fused Pallas kernel on GPUs (where it
+    compiles for these sizes and no mesh axis is left to the partitioner, which cannot split
+    a Triton call) and the block-sparse scan elsewhere. `platform`: the devices' platform
+    (default: JAX's default backend)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ConfigError(f"attention implementation {implementation!r}: valid are "
+                          f"{', '.join(IMPLEMENTATIONS)}")
+    if implementation != "auto":
+        return implementation
+    on_gpu = (platform or jax.default_backend()) in flash.GPU_PLATFORMS
+    fits = seq_len is None or block_size is None or flash.supports(seq_len, block_size)
+    return "pallas" if on_gpu and fits and not _auto_mesh_axes() else "blocksparse"
 
 
 def segment_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
-                      segment_ids_BxS: jax.Array, *, block_size: int) -> jax.Array:
-    """Block-sparse causal attention within segments; padding (id 0) outputs exactly 0."""
+                      segment_ids_BxS: jax.Array, *, block_size: int,
+                      implementation: str = "auto") -> jax.Array:
+    """Causal attention within segments; padding (id 0) outputs exactly 0.
+
+    `implementation`: "blocksparse" (a scan of conds over block pairs), "pallas" (fused flash
+    kernel; Triton on GPUs, interpreted elsewhere), "dense" (masked O(S^2) reference), or
+    "auto" (see `resolve_implementation`). Both sparse kernels do work growing with the sum of
+    squared document lengths, in blocks of `block_size` tokens."""
     _check_inputs(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS)
-    _check_block_size(q_BxSxHxK.shape[1], block_size)
+    s = q_BxSxHxK.shape[1]
+    kind = resolve_implementation(implementation, seq_len=s, block_size=block_size)
+    if kind == "dense":
+        return dense_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS)
+    _check_block_size(s, block_size)
     TRACED_CALLS[0] += 1
+    if kind == "pallas":
+        return flash.flash_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS,
+                                     block_q=block_size, block_k=block_size)
     args = (q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS.astype(jnp.int32))
     # Inside shard_map, give all inputs the same varying axes up front: the kernel's carries
     # and branches then agree, and autodiff of the pcast sums dk/dv over replicated kv heads.

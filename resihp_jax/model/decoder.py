@@ -101,7 +101,7 @@ def init_params(cfg: ModelConfig, seed: int) -> dict[str, Any]:
 
 
 def forward_logits(params: dict[str, Any], tokens_BxS: jax.Array, seg_BxS: jax.Array,
-                   pos_BxS: jax.Array, cfg: ModelConfig) -> jax.Array:
+                   pos_BxS: jax.Array, cfg: ModelConfig, attention: str = "auto") -> jax.Array:
     # Layers and head compute in cfg.dtype from a copy of the float32 masters; autodiff
     # through the cast hands the gradients back in float32. The embedding gathers float32
     # rows and casts only those.
@@ -110,15 +110,16 @@ def forward_logits(params: dict[str, Any], tokens_BxS: jax.Array, seg_BxS: jax.A
     head = layers.compute_weights(params["head"], cfg.dtype)
 
     def one_layer(x: jax.Array, p_layer: dict[str, jax.Array]) -> tuple[jax.Array, None]:
-        return layers.block(p_layer, x, seg_BxS, pos_BxS, cfg), None
+        return layers.block(p_layer, x, seg_BxS, pos_BxS, cfg, attention=attention), None
 
     x_BxSxD, _ = jax.lax.scan(one_layer, x_BxSxD, layer_weights)
     return layers.logits(head["norm"], head["w"], x_BxSxD, cfg)
 
 
 def loss_sum_and_count(params: dict[str, Any], tokens_BxS: jax.Array, seg_BxS: jax.Array,
-                       pos_BxS: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+                       pos_BxS: jax.Array, cfg: ModelConfig,
+                       attention: str = "auto") -> tuple[jax.Array, jax.Array]:
     """(sum of next-token cross-entropy, number of trained tokens) for one micro-batch."""
-    logits_BxSxV = forward_logits(params, tokens_BxS, seg_BxS, pos_BxS, cfg)
+    logits_BxSxV = forward_logits(params, tokens_BxS, seg_BxS, pos_BxS, cfg, attention)
     targets_BxS, weights_BxS = layers.next_token_targets(tokens_BxS, seg_BxS)
     return layers.token_loss_sum(logits_BxSxV, targets_BxS, weights_BxS), jnp.sum(weights_BxS)

@@ -50,14 +50,15 @@ def rotary(x_BxSxHxK: jax.Array, pos_BxS: jax.Array, theta: float) -> jax.Array:
 
 
 def attention_partial(p: Params, x_BxSxD: jax.Array, seg_BxS: jax.Array, pos_BxS: jax.Array,
-                      cfg: ModelConfig) -> jax.Array:
-    """This device's heads' contribution to the attention output (sum over tp to finish)."""
+                      cfg: ModelConfig, attention: str = "auto") -> jax.Array:
+    """This device's heads' contribution to the attention output (sum over tp to finish);
+    `attention` names the kernel (`attention.IMPLEMENTATIONS`)."""
     h_BxSxD = rms_norm(x_BxSxD, p["attn_norm"], cfg.norm_eps)
     q_BxSxHxK = rotary(jnp.einsum("bsd,dhk->bshk", h_BxSxD, p["wq"]), pos_BxS, cfg.rope_theta)
     k_BxSxGxK = rotary(jnp.einsum("bsd,dgk->bsgk", h_BxSxD, p["wk"]), pos_BxS, cfg.rope_theta)
     v_BxSxGxK = jnp.einsum("bsd,dgk->bsgk", h_BxSxD, p["wv"])
     o_BxSxHxK = segment_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, seg_BxS,
-                                  block_size=cfg.attn_block)
+                                  block_size=cfg.attn_block, implementation=attention)
     return jnp.einsum("bshk,hkd->bsd", o_BxSxHxK, p["wo"])
 
 
@@ -70,9 +71,10 @@ def mlp_partial(p: Params, x_BxSxD: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def block(p: Params, x_BxSxD: jax.Array, seg_BxS: jax.Array, pos_BxS: jax.Array,
-          cfg: ModelConfig, tp_axis: str | None = None) -> jax.Array:
+          cfg: ModelConfig, tp_axis: str | None = None, attention: str = "auto") -> jax.Array:
     """One pre-norm decoder layer; `p` holds this layer's (shard of the) weights."""
-    x_BxSxD = x_BxSxD + _psum(attention_partial(p, x_BxSxD, seg_BxS, pos_BxS, cfg), tp_axis)
+    x_BxSxD = x_BxSxD + _psum(attention_partial(p, x_BxSxD, seg_BxS, pos_BxS, cfg, attention),
+                              tp_axis)
     return x_BxSxD + _psum(mlp_partial(p, x_BxSxD, cfg), tp_axis)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import optax
 
 from resihp_jax.errors import ConfigError
+from resihp_jax.model.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class TrainConfig:
     # let the step reuse the state's buffers for the new state (False: the state a step
     # consumes stays intact, e.g. for the survivors' copies; one more state in memory)
     donate_state: bool = True
+    # attention kernel: "auto" (fused Pallas kernel on GPUs, block-sparse scan elsewhere),
+    # "blocksparse", "pallas" or "dense" (model/attention.py)
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("learning_rate", "grad_clip"):
@@ -39,6 +43,9 @@ class TrainConfig:
                 raise ConfigError(f"TrainConfig.{name}={getattr(self, name)!r}: valid is [0, 1)")
         if self.warmup_steps < 0:
             raise ConfigError(f"TrainConfig.warmup_steps={self.warmup_steps}: must be >= 0")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ConfigError(f"TrainConfig.attention={self.attention!r}: valid are "
+                              f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
         for name in ("layer_slots", "microbatch_slots"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -87,18 +87,19 @@ def gated(fn: Callable[..., Any], on: jax.Array, masters: Any, compute: Any,
 
 def run_stage(masters: dict[str, jax.Array], compute: dict[str, jax.Array],
               active: jax.Array, n_layers: jax.Array, x_BxSxD: jax.Array, seg_BxS: jax.Array,
-              pos_BxS: jax.Array, cfg: ModelConfig) -> jax.Array:
+              pos_BxS: jax.Array, cfg: ModelConfig, attention: str = "auto") -> jax.Array:
     """Apply this stage's first `n_layers` slots when `active`; other slots are skipped.
 
     `masters` are the stage's layer weights [slots, ...], `compute` the same cast to the
-    compute dtype (what the layers run with)."""
+    compute dtype (what the layers run with); `attention` names the attention kernel."""
     slot_ids = jnp.arange(jax.tree.leaves(masters)[0].shape[0])
 
     def one_slot(x: jax.Array, slot: tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array]]):
         i, p, c = slot
         on = active & (i < n_layers)
-        attn = gated(lambda c_, x_, s_, q_: layers.attention_partial(c_, x_, s_, q_, cfg),
-                      on, p, c, (x,), (seg_BxS, pos_BxS))
+        attn = gated(lambda c_, x_, s_, q_: layers.attention_partial(c_, x_, s_, q_, cfg,
+                                                                      attention),
+                     on, p, c, (x,), (seg_BxS, pos_BxS))
         x = x + jax.lax.psum(attn, "tp")
         mlp = gated(lambda c_, x_: layers.mlp_partial(c_, x_, cfg), on, p, c, (x,), ())
         return x + jax.lax.psum(mlp, "tp"), None  # idle: both sums are zero, x passes through
@@ -127,7 +128,8 @@ def _tick_loss(params: dict[str, Any], head: dict[str, jax.Array], on_head: jax.
 def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
                       pos: jax.Array, n_layers_P: jax.Array, n_mb_D: jax.Array,
                       knob: jax.Array, *, cfg: ModelConfig, pp: int, remat: bool,
-                      instrument: Instrument | None = None) -> jax.Array:
+                      instrument: Instrument | None = None,
+                      attention: str = "auto") -> jax.Array:
     """Sum of token losses over all DP groups' micro-batches (same value on every device).
 
     Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...]; knob
@@ -165,7 +167,7 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
             coords = instrument.coords(knob.reshape(()), busy, t, timed=m == TIMED_SLOT)
             x_BxSxD = instrument.enter(x_BxSxD, coords)
         x_BxSxD = run_stage(masters, layer_compute, busy, my_layers, x_BxSxD, seg_BxS,
-                            pos_BxS, cfg)
+                            pos_BxS, cfg, attention)
         if instrument is not None:
             x_BxSxD = instrument.exit(x_BxSxD, coords)
         loss = _tick_loss(params, compute["head"], busy & (stage == pp - 1), x_BxSxD,

@@ -23,6 +23,7 @@ from resihp_jax.meshes.mesh import make_mesh, put_global
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.meshes.rules import spread_shardings, state_shardings, state_specs
 from resihp_jax.model import decoder, layers
+from resihp_jax.model.attention_check import step_attention
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.instrument import Instrument
@@ -211,6 +212,7 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
     per-device `knobs` input of the step is handed to them (e.g. a slowdown factor).
     """
     plan.check(model, [int(d.id) for d in devices])
+    attention = step_attention(train.attention, model, plan.seq_len, devices[0])
     mesh = make_mesh(plan, devices)
     layer_slots = layout.layer_slots_for(plan, train.layer_slots)
     mb_slots = layout.microbatch_slots_for(plan, train.microbatch_slots)
@@ -222,7 +224,7 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
 
     sharded_loss = jax.shard_map(
         functools.partial(pipeline_loss_sum, cfg=model, pp=plan.pp, remat=train.remat,
-                          instrument=instrument),
+                          instrument=instrument, attention=attention),
         mesh=mesh,
         in_specs=(state_specs(shapes.params), batch_spec, batch_spec, batch_spec, P(), P(),
                   KNOB_SPEC),

@@ -1,0 +1,133 @@
+"""Start-up check of the selected attention kernel against the dense masked reference.
+
+Packed kernels are known to leak attention across documents when their block bookkeeping is
+wrong for some batch row or block boundary (maxtext#4476). Before a step is built with a
+kernel other than the reference ones, `check_attention` runs it once on cheap inputs made to
+catch that: two rows packed differently, documents crossing block boundaries, a one-token
+document, padding, grouped KV heads, the model's block size, head size and dtype. It compares
+outputs and gradients with `dense_attention`, and checks that changing the keys and values of
+some documents leaves every other document's outputs as they were. Once per process per
+configuration.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from resihp_jax.errors import ConfigError
+from resihp_jax.model.attention import dense_attention, resolve_implementation, segment_attention
+from resihp_jax.model.config import ModelConfig
+from resihp_jax.model.flash import GPU_PLATFORMS
+
+# Implementations that need no start-up check: the reference itself, and the block-sparse
+# kernel that the test suite holds to it.
+UNCHECKED = ("dense", "blocksparse")
+_passed: set[tuple] = set()
+
+
+class AttentionMismatch(RuntimeError):
+    """The selected attention kernel disagrees with the dense masked reference."""
+
+
+def packed_rows(block: int) -> np.ndarray:
+    """[2, 4 * block] segment ids: documents crossing block boundaries, a one-token document,
+    padding, and a different packing in each row."""
+    s = 4 * block
+    rows = np.zeros((2, s), np.int32)
+    first = [block // 2 + 1, block + 3, 1, max(1, block - 5), s]
+    rows[0] = np.repeat(np.arange(1, 6), first)[:s]
+    second = [1, 2 * block - 1, block + block // 2]
+    rows[1, :sum(second)] = np.repeat([4, 2, 7], second)
+    return rows
+
+
+def _inputs(block: int, head_dim: int, heads: tuple[int, int], dtype: str, seed: int):
+    h, g = heads
+    keys = jax.random.split(jax.random.key(seed), 5)
+    s = 4 * block
+    q = jax.random.normal(keys[0], (2, s, h, head_dim), jnp.float32)
+    k = jax.random.normal(keys[1], (2, s, g, head_dim), jnp.float32)
+    v = jax.random.normal(keys[2], (2, s, g, head_dim), jnp.float32)
+    w = jax.random.normal(keys[3], (2, s, h, head_dim), jnp.float32)
+    # The same inputs in the compute dtype; the reference sees the rounded values in float32.
+    return tuple(x.astype(dtype).astype(jnp.float32) for x in (q, k, v)), w, keys[4]
+
+
+def _value_and_grads(attention, q, k, v, seg, w):
+    def loss(q_, k_, v_):
+        o = attention(q_, k_, v_, seg)
+        return jnp.sum(o.astype(jnp.float32) * w), o
+    (_, o), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    return o.astype(jnp.float32), grads
+
+
+def _worst(got, want) -> float:
+    """Largest difference relative to the reference's largest magnitude."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-6))
+
+
+def check_attention(implementation: str, *, block_size: int, head_dim: int, n_heads: int,
+                    n_kv_heads: int, dtype: str = "float32",
+                    device: jax.Device | None = None) -> None:
+    """Raise AttentionMismatch if `implementation` leaks across documents or disagrees with
+    `dense_attention`; a no-op for the reference kernels and for a configuration already
+    checked in this process."""
+    platform = (device or jax.devices()[0]).platform
+    kind = resolve_implementation(implementation, platform, seq_len=4 * block_size,
+                                  block_size=block_size)
+    config = (kind, platform, block_size, head_dim, n_heads // n_kv_heads, dtype)
+    if kind in UNCHECKED or config in _passed:
+        return
+    heads = (n_heads // n_kv_heads * min(n_kv_heads, 2), min(n_kv_heads, 2))
+    (q, k, v), w, key = _inputs(block_size, head_dim, heads, dtype, seed=0)
+    seg_np = packed_rows(block_size)
+    seg = jnp.asarray(seg_np)
+    kernel = functools.partial(segment_attention, block_size=block_size, implementation=kind)
+    cast = lambda f: lambda q_, k_, v_, s_: f(*(x.astype(dtype) for x in (q_, k_, v_)), s_)  # noqa: E731
+    run = jax.jit(functools.partial(_value_and_grads, cast(kernel)))
+    put = functools.partial(jax.device_put, device=device)
+    o, grads = run(*map(put, (q, k, v, seg, w)))
+    o_ref, grads_ref = _value_and_grads(dense_attention, q, k, v, seg, w)
+    tol = 1e-3 if dtype == "float32" else 3e-2  # TF32 matmuls on GPUs; bf16 rounding
+    errors = {"output": _worst(o, o_ref)}
+    errors.update({f"d{n}": _worst(a, b) for n, a, b in zip("qkv", grads, grads_ref,
+                                                              strict=True)})
+    # Leakage shows exactly: new keys and values for the odd documents must leave the even
+    # documents' outputs as they were (masked terms are zero, not merely small).
+    odd_S = (seg_np % 2 == 1)[:, :, None, None]
+    k2 = jnp.where(odd_S, jax.random.normal(key, k.shape), k)
+    v2 = jnp.where(odd_S, v + 100.0, v)
+    o2, _ = run(*map(put, (q, k2, v2, seg, w)))
+    even = (seg_np > 0) & (seg_np % 2 == 0)
+    errors["leak"] = float(np.max(np.abs(np.asarray(o2) - np.asarray(o))[even]))
+    bad = {n: e for n, e in errors.items() if e > (1e-2 if n == "leak" else tol)}
+    if bad:
+        raise AttentionMismatch(
+            f"attention implementation {kind!r} on {platform} (block {block_size}, head dim "
+            f"{head_dim}, {heads[0]} heads over {heads[1]} kv heads, {dtype}) disagrees with "
+            f"the dense masked reference on packed rows: {bad} (relative to the reference's "
+            f"largest value; 'leak' is how far other documents moved an output, tolerance "
+            f"{tol} / 1e-2). Train with TrainConfig(attention='blocksparse') and report this.")
+    _passed.add(config)
+
+
+def step_attention(implementation: str, model: ModelConfig, seq_len: int,
+                   device: jax.Device) -> str:
+    """The kernel a train step of `model` on `device`'s platform runs (`implementation` as
+    TrainConfig.attention names it), checked once per process before the first step."""
+    kind = resolve_implementation(implementation, device.platform, seq_len=seq_len,
+                                  block_size=model.attn_block)
+    if kind == "pallas" and device.platform not in GPU_PLATFORMS:
+        raise ConfigError(f"TrainConfig.attention='pallas' needs GPUs (devices here: "
+                          f"{device.platform}): elsewhere the kernel only runs interpreted, "
+                          "which JAX cannot do inside the step's shard_map; valid here: auto, "
+                          "blocksparse, dense")
+    check_attention(kind, block_size=model.attn_block, head_dim=model.head_dim,
+                    n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, dtype=model.dtype,
+                    device=device)
+    return kind

@@ -1,0 +1,46 @@
+"""TrainConfig.attention reaches the pipeline's layers: the dense kernel selected there gives
+the block-sparse step's loss and gradients, and the block-sparse kernel is never traced."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from resihp_jax.errors import ConfigError
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model import attention, decoder
+from resihp_jax.model.config import get_model_config
+from resihp_jax.train.config import TrainConfig
+from resihp_jax.train.step import build_step
+from tests.helpers import (canonical_grads, make_batches, max_relative_error,
+                           reference_loss_and_grads)
+
+CFG = get_model_config("tiny", n_layers=2)
+M, B, S = 2, 2, 64
+
+
+def test_dense_attention_in_the_step_matches_the_block_sparse_reference() -> None:
+    batch = make_batches(M, B, S)[0]
+    ref_loss, ref_grads = reference_loss_and_grads(CFG, decoder.init_params(CFG, 0), batch)
+    plan = Plan.uniform(2, 2, 2, n_layers=CFG.n_layers, n_microbatches=M, microbatch_size=B,
+                        seq_len=S)
+    program = build_step(CFG, TrainConfig(attention="dense", microbatch_slots=1), plan,
+                         jax.devices())
+    traced_before = attention.TRACED_CALLS[0]
+    state = program.init_state(0)
+    loss, grads = program.loss_and_grads(
+        state.params, program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
+                                          batch.positions_MxBxS))
+    assert attention.TRACED_CALLS[0] == traced_before  # no block-sparse call was traced
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert max_relative_error(canonical_grads(program, grads), jax.device_get(ref_grads)) < 1e-4
+
+
+def test_pallas_is_refused_for_a_cpu_step_and_unknown_names_at_the_door() -> None:
+    plan = Plan.uniform(1, 1, 1, n_layers=CFG.n_layers, n_microbatches=1, microbatch_size=B,
+                        seq_len=S)
+    with pytest.raises(ConfigError, match="attention='pallas' needs GPUs"):
+        build_step(CFG, TrainConfig(attention="pallas"), plan, jax.devices())
+    with pytest.raises(ConfigError, match="TrainConfig.attention='flash': valid are auto"):
+        TrainConfig(attention="flash")

@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.runtime.job.distributed import ENV
+from resihp_jax.runtime.job.distributed import ENV, detected_cluster
 
 if TYPE_CHECKING:
     import jax
@@ -66,11 +66,12 @@ def use_cpu_devices(n: int) -> None:
 
     Call it before JAX starts (before anything creates an array or lists devices); it sets
     the XLA flag the CLI's `--devices` sets and never lowers a larger count already asked
-    for. In a process of a job (`resihp launch` and clusters set RESIHP_NUM_PROCESSES) it
-    changes nothing: the job gave each process its devices. Raises ConfigError if `n < 1`,
-    or if JAX already started on fewer CPU devices.
+    for. In a process of a job (`resihp launch` and clusters set RESIHP_NUM_PROCESSES; a SLURM
+    job of several tasks) it changes nothing: the job gave each process its devices (on
+    CPUs through XLA_FLAGS, as examples/slurm/train-cpu.sbatch does). Raises ConfigError if
+    `n < 1`, or if JAX already started on fewer CPU devices.
     """
-    if n >= 1 and int(os.environ.get(ENV["num_processes"]) or 1) > 1:
+    if n >= 1 and _in_a_job(os.environ):
         return  # a job's process: its devices are the ones the job gave it
     request_host_devices(n)  # validates n; sets XLA_FLAGS while JAX is not imported yet
     jax = sys.modules.get("jax")
@@ -89,6 +90,14 @@ def use_cpu_devices(n: int) -> None:
         raise ConfigError(
             f"use_cpu_devices({n}): JAX already started with {len(found)} CPU device(s); "
             f"call it before anything uses JAX (or set XLA_FLAGS={_FLAG}={n})")
+
+
+def _in_a_job(environ: Mapping[str, str]) -> bool:
+    try:
+        several = int(environ.get(ENV["num_processes"]) or 1) > 1
+    except ValueError:
+        several = False  # job_spec names the bad value when the job is joined
+    return several or detected_cluster(environ) is not None
 
 
 def devices() -> list[jax.Device]:

@@ -2,9 +2,21 @@
 
 A normal interpreter exit would wait on JAX's distributed shutdown barrier, which the peers
 of a failed process never reach: the job would hang instead of restarting. So a job process
-reports its error in one line and leaves with `os._exit`: 2 for refused input (a restart
-cannot fix it), HUNG_EXIT (75) for a failed or hung step, 76/77 for a re-plan that leaves a
-slow host out, 1 for anything else. A body that returns ends the process as usual.
+reports its error in one line and leaves with `os._exit`. The codes, for whatever restarts
+the job (`resihp launch`, examples/slurm/*.sbatch, a Kubernetes policy):
+
+- 0: trained to the last step.
+- 1: anything else (a crash): restart, counted as a failure.
+- 2 (USER_ERROR): refused input (a bad flag, path or plan, another run's checkpoints, a GPU
+  job that found only CPU devices, a diverged loss): a restart cannot fix it.
+- 74 (PREEMPTED_EXIT): SIGTERM (the scheduler preempts the job, `scancel --signal=TERM`, or
+  the job is ending after another process failed); the newest survivors' copy is written
+  first. A preemption is not the job's fault: requeue it without counting it.
+- 75 (HUNG_EXIT, EX_TEMPFAIL): a step failed (a peer died) or passed its deadline (a peer or
+  a device hangs): restart, counted.
+- 76/77 (HostsLeftOut): a re-plan leaves a slow host out (76 on that host, 77 on the
+  others); the health record excludes it: restart without it.
+A process killed by a signal shows as 128+N in a shell or srun (137: SIGKILL).
 """
 
 from __future__ import annotations
@@ -17,10 +29,22 @@ from typing import Any, Callable
 from resihp_jax.errors import HostsLeftOut, JobStepFailed, ResihpError
 from resihp_jax.runtime.job.watchdog import HUNG_EXIT
 
+USER_ERROR = 2
+# what host_snapshot.py exits with on SIGTERM (it sits below this layer and holds its own
+# copy, JAX-free imports here: a test keeps the two equal)
+PREEMPTED_EXIT = 74
+EXIT_CODES = {0: "finished", 1: "crashed", USER_ERROR: "refused its input",
+              PREEMPTED_EXIT: "preempted (SIGTERM)", HUNG_EXIT: "a step failed or hung",
+              HostsLeftOut.LEFT_OUT_EXIT: "left out by a re-plan (slow host)",
+              HostsLeftOut.REPLAN_EXIT: "restarting without a slow host"}
+
 
 def run_as_job_process(body: Callable[[], Any], prog: str) -> int:
     """Run `body` as one process of a job: 0 when it returns; on any error, exit the process
     at once with the code its end calls for. `prog` names the process in its messages."""
+    from resihp_jax.runtime.recovery.host_snapshot import set_prog  # noqa: PLC0415 - JAX
+
+    set_prog(prog)  # the exit paths elsewhere (SIGTERM, the watchdog) name it the same
     # a process may be killed at any moment: what it printed must already be in its log
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
@@ -29,7 +53,7 @@ def run_as_job_process(body: Callable[[], Any], prog: str) -> int:
         return 0
     except ResihpError as err:
         print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
-        code = 2
+        code = USER_ERROR
     except JobStepFailed as err:
         print(f"{prog}: {err}; exiting so the job restarts", file=sys.stderr, flush=True)
         code = HUNG_EXIT

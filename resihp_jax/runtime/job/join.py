@@ -3,16 +3,23 @@ devices the job's health record leaves usable, and which it saw slow."""
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
+from resihp_jax.errors import ConfigError
 from resihp_jax.runtime.recovery import health_record
 from resihp_jax.runtime.job.deadline import Ladder
 from resihp_jax.runtime.job.distributed import JobSpec, initialize
 
 _HOST_BYTES = 64
+# set by a job script that allocated accelerators (examples/slurm/train.sbatch: gpu): a job
+# that finds only CPU devices then stops at once instead of training a GPU model on CPUs
+EXPECT_PLATFORM_ENV = "RESIHP_EXPECT_PLATFORM"
 
 
 @dataclass(frozen=True)
@@ -79,9 +86,30 @@ class Job:
 def join(spec: JobSpec, ladder: Ladder, checkpoint_dir: str | Path | None) -> Job:
     """Join the job (jax.distributed for several processes) and read its health record."""
     initialize(spec, ladder.init_timeout_s, ladder.heartbeat_timeout_s)
+    check_platform()
     record = (health_record.load(checkpoint_dir) if checkpoint_dir is not None
               else health_record.HealthRecord())
     return Job(spec, _all_hosts(spec.host_id), record)
+
+
+def check_platform(environ: Mapping[str, str] = os.environ) -> None:
+    """ConfigError (exit 2: a restart cannot help) when $RESIHP_EXPECT_PLATFORM names a
+    platform (gpu, tpu, cpu) other than the one JAX started on."""
+    expected = (environ.get(EXPECT_PLATFORM_ENV) or "").strip().lower()
+    if not expected:
+        return
+    import jax  # noqa: PLC0415
+
+    found = jax.default_backend()
+    if found == expected or (expected == "gpu" and found in ("cuda", "rocm")):
+        return
+    where = environ.get("VIRTUAL_ENV") or sys.prefix
+    raise ConfigError(
+        f"${EXPECT_PLATFORM_ENV}={expected}: this job asked for {expected} devices, but JAX "
+        f"found only {len(jax.devices())} {found} device(s) on this process. Install a "
+        f"{expected} build of JAX in the environment ({where}; e.g. pip install "
+        f"'jax[cuda12]'), check the job's allocation (e.g. --gpus-per-node), or run on CPUs "
+        f"with examples/slurm/train-cpu.sbatch")
 
 
 def _all_hosts(host: str) -> tuple[str, ...]:

@@ -3,8 +3,9 @@ allow it, else the scheduler's best plan on those devices.
 
 A relaunch after a fail-stop comes back on fewer devices than the plan on the command line
 needs. The requested plan is then laid over the devices there are, with stand-in devices
-marked dead for the missing ones, and the scheduler re-plans it exactly as it would after
-a device died in place: same global batch (micro-batch count and size), new mesh, layer
+for the missing ones (priced as dead; the messages call them missing: their process was
+excluded, never started or did not join), and the scheduler re-plans it exactly as it would
+after a device died in place: same global batch (micro-batch count and size), new mesh, layer
 split and micro-batch split. Devices of hosts the health record saw slow are priced slow.
 A job that asked for DP replicas keeps at least two when the devices allow: every shard then
 still has a copy in another group, so the next dead process costs no step either.
@@ -47,10 +48,19 @@ def plan_for_devices(requested: Plan, model: ModelConfig, device_ids: Sequence[i
     outcome = run_policy(policy, current, health, context)
     if outcome.plan is None or set(outcome.plan.device_ids) - set(ids):
         raise PlanError(f"no plan of {model.name} fits the {len(ids)} usable device(s): "
-                        f"{outcome.reason}")
-    why = (f"the requested {requested.describe()} needs {n} devices, {len(ids)} usable"
-           if stand_ins else f"devices {sorted(slow)} were seen slow")
-    return outcome.plan, f"scheduler's plan ({why}): {outcome.reason}"
+                        f"{_missing_not_dead(outcome.reason, stand_ins)}")
+    if not stand_ins:
+        return outcome.plan, (f"scheduler's plan (devices {sorted(slow)} were seen slow): "
+                              f"{outcome.reason}")
+    # the missing devices are not dead (a process excluded, never started or not joined):
+    # the scheduler's own words about dead devices and a switch would mislead
+    return outcome.plan, (f"scheduler's plan for the {len(ids)} usable device(s): "
+                          f"{outcome.plan.describe()} (the requested {requested.describe()} "
+                          f"needs {n}{', some seen slow' if slow else ''})")
+
+
+def _missing_not_dead(reason: str, stand_ins: list[int]) -> str:
+    return reason.replace("dead device", "missing device") if stand_ins else reason
 
 
 def cover_processes(plan: Plan, process_of: Mapping[int, int]) -> Plan:

@@ -29,9 +29,9 @@ from resihp_jax.errors import ConfigError, HostsLeftOut
 from resihp_jax.runtime.job import distributed, heartbeat
 from resihp_jax.runtime.recovery import health_record
 from resihp_jax.faults.throttle import Throttle
+from resihp_jax.runtime.job.exits import EXIT_CODES, USER_ERROR
 from resihp_jax.runtime.job.watchdog import HUNG_EXIT
 
-USER_ERROR = 2  # the exit code of a bad argument: nothing to restart
 # the job's directory, for a user's own command (rh.fit checkpoints there by default)
 CHECKPOINT_DIR_ENV = "RESIHP_CHECKPOINT_DIR"
 PLANNED_EXITS = frozenset({HostsLeftOut.LEFT_OUT_EXIT, HostsLeftOut.REPLAN_EXIT})
@@ -238,7 +238,10 @@ class Supervisor:
                     continue
                 return self._left_out(failed, step), step, beats
             if failed:
-                return self._died(failed, beats, step), step, beats
+                failure = self._died(failed, beats, step)
+                if failure.kind == "hung":  # the processes' own deadlines caught it first
+                    failure.stalled_s = self.clock() - advanced_at
+                return failure, step, beats
             if len(exited) == len(procs):
                 return None, step, beats
             self._inject(procs, step)
@@ -420,4 +423,5 @@ def _signal_group(pid: int, sig: int) -> None:
 def _exit_text(code: int) -> str:
     if code < 0:
         return f"signal {signal.Signals(-code).name}"
-    return f"code {code}"
+    meaning = EXIT_CODES.get(code)
+    return f"code {code}" + (f" ({meaning})" if meaning else "")

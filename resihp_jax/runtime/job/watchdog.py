@@ -19,9 +19,10 @@ HUNG_EXIT = 75  # EX_TEMPFAIL: the job may be retried
 
 
 def _exit_hung(message: str) -> None:
-    print(f"resihp train: {message}; exiting so the job restarts", file=sys.stderr, flush=True)
-    from resihp_jax.runtime.recovery.host_snapshot import dump_active  # noqa: PLC0415 - JAX is loaded
+    # JAX is loaded by now
+    from resihp_jax.runtime.recovery.host_snapshot import dump_active, prog  # noqa: PLC0415
 
+    print(f"{prog()}: {message}; exiting so the job restarts", file=sys.stderr, flush=True)
     dump_active("step deadline passed")  # the relaunch rebuilds this step from the survivors
     os._exit(HUNG_EXIT)  # other threads may be blocked in a collective: no clean shutdown
 

@@ -20,7 +20,8 @@ relaunch rebuilds it from their files into its own plan (see survivor_copies.py)
 
 SIGTERM is caught through `signal.set_wakeup_fd`, read by a thread of our own: the main
 thread may be blocked in a collective that never returns, where a Python signal handler
-would never run.
+would never run. The process then exits with PREEMPTED_EXIT, its own code, so a cluster
+script can requeue a preempted job without counting it as a failure.
 """
 
 from __future__ import annotations
@@ -46,7 +47,11 @@ SUBDIR = "survivors"
 MODES = ("keep", "host")
 MANIFEST = "manifest.json"
 VERSION = 1
-TERMINATED_EXIT = 75  # EX_TEMPFAIL, as a watchdog exit: the job may be retried
+# SIGTERM: the scheduler preempts the job, or a failure ends it (srun, resihp launch). Its
+# own code, so a job script tells a preemption from a failure; job/exits.py lists every
+# code (PREEMPTED_EXIT there is this one)
+PREEMPTED_EXIT = 74
+_PROG = ["resihp"]  # how this process names itself in its messages (see set_prog)
 
 # `auto` keeps the states on the devices when the step's footprint (the memory model's,
 # itself an overestimate) plus the two kept states stays under this share of what the
@@ -92,6 +97,15 @@ def shard_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
 
 def leaf_key(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path)
+
+
+def set_prog(prog: str) -> None:
+    """Name this process in the messages of its exit paths ("resihp train", "rh.fit")."""
+    _PROG[0] = prog
+
+
+def prog() -> str:
+    return _PROG[0]
 
 
 class HostSnapshots:
@@ -178,24 +192,27 @@ class HostSnapshots:
                         copy.leaves = self._to_host(copy.state, None, start_copies=False)
                     _write(copy, target, self.host, reason, self.identity)
                 except OSError as err:  # a full disk: say so; the checkpoint is still there
-                    print(f"resihp train: could not write this process's copy of step "
+                    print(f"{prog()}: could not write this process's copy of step "
                           f"{copy.step} to {target}: {err}", file=sys.stderr, flush=True)
                     break
                 self._dumped.append(target)
-                print(f"resihp train: {reason}: wrote this process's copy of step "
+                print(f"{prog()}: {reason}: wrote this process's copy of step "
                       f"{copy.step} ({_nbytes(copy) / 1e6:.1f} MB) in "
                       f"{self.clock() - t0:.2f} s to {target}", file=sys.stderr, flush=True)
             return self._dumped
 
     def exit_on_sigterm(self, exit_fn: Callable[[int], None] = os._exit) -> None:
-        """From now on SIGTERM writes the newest copy and exits with TERMINATED_EXIT."""
+        """From now on SIGTERM writes the newest copy and exits with PREEMPTED_EXIT."""
         if self._terminate is None and threading.current_thread() is threading.main_thread():
             self._terminate = _TermWatcher(lambda: self._on_sigterm(exit_fn))
 
     def _on_sigterm(self, exit_fn: Callable[[int], None]) -> None:
+        print(f"{prog()}: SIGTERM (preempted, or the job is ending after a failure): writing "
+              f"this process's copy of the last step, then exiting with {PREEMPTED_EXIT}",
+              file=sys.stderr, flush=True)
         self.dump("terminated (SIGTERM)")
         sys.stdout.flush()
-        exit_fn(TERMINATED_EXIT)
+        exit_fn(PREEMPTED_EXIT)
 
     def close(self) -> None:
         if self._terminate is not None:
@@ -219,6 +236,12 @@ def deactivate(snapshots: HostSnapshots) -> None:
 def dump_active(reason: str) -> list[Path]:
     """Write the active copies, if any: called on the way out of a failing process."""
     return _ACTIVE[0].dump(reason) if _ACTIVE else []
+
+
+def remove_copies(checkpoint_dir: str | Path) -> None:
+    """Remove every survivors' copy: the run finished and its final checkpoint holds the
+    last step (process 0 calls it once that checkpoint is committed)."""
+    shutil.rmtree(Path(checkpoint_dir).absolute() / SUBDIR, ignore_errors=True)
 
 
 def _copy_into(spare: _Copy | None, key: str, box: Box, host: np.ndarray) -> np.ndarray:

@@ -109,6 +109,9 @@ class AdaptRun:
         self._beat(self.data_step, self.ladder.startup_s)
 
     def _next_deadline(self) -> float:
+        if self.data_step >= self.config.steps:
+            # the final checkpoint and the job's shutdown follow, guarded by no step deadline
+            return float(self.ladder.init_timeout_s)
         ckpt = self.trainer.checkpointer
         if ckpt is not None and ckpt.saving():  # see ResilientTrainer.deadline_s
             return self.ladder.startup_s

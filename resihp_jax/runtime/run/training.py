@@ -77,9 +77,13 @@ class TrainingRun:
             dump_active("training stopped by an error")
             raise
         finally:
-            run.close()
+            run.close()  # waits for the final checkpoint
         if records:
             print(report(records), file=self.out)
+            if job.primary and self.config.checkpoint_dir is not None:
+                from resihp_jax.runtime.recovery.host_snapshot import remove_copies  # noqa: PLC0415
+
+                remove_copies(self.config.checkpoint_dir)  # the final checkpoint supersedes them
         return records
 
     def _build(self, job: Any, plan: Plan) -> Any:

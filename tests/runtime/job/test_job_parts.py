@@ -71,6 +71,7 @@ def test_scheduler_plans_for_fewer_devices_keeping_the_global_batch() -> None:
     ids = [0, 1, 2048, 2049, 6144, 6145]  # a relaunch without the process that held 4096
     plan, why = plan_for_devices(_requested(), get_model_config("tiny"), ids)
     assert set(plan.device_ids) <= set(ids) and "6 usable" in why
+    assert "dead" not in why  # missing devices are not dead ones (their process is gone)
     assert plan.n_microbatches == 4 and plan.microbatch_size == 2  # same batches, same order
     with pytest.raises(PlanError, match="no usable devices"):
         plan_for_devices(_requested(), get_model_config("tiny"), [])
@@ -228,3 +229,41 @@ def test_processes_left_out_are_those_without_a_device_of_the_plan() -> None:
     plan = _requested(3, 1, 2).replace(device_ids=(0, 1, 4, 5, 6, 7))
     assert _processes_left_out(devices, plan) == (1,)
     assert _processes_left_out(devices, _requested(2, 2, 2)) == ()
+
+
+def test_sigterm_exits_with_its_own_code_and_names_the_process(tmp_path: Path,
+                                                               capsys) -> None:
+    """A preemption's SIGTERM writes the newest copy and exits PREEMPTED_EXIT, apart from
+    a failed step's 75; the messages carry the process's own name (rh.fit in a script)."""
+    from resihp_jax.runtime.job import exits
+    from resihp_jax.runtime.recovery import host_snapshot
+
+    assert exits.PREEMPTED_EXIT == host_snapshot.PREEMPTED_EXIT != HUNG_EXIT
+    assert exits.EXIT_CODES[exits.PREEMPTED_EXIT].startswith("preempted")
+    codes: list[int] = []
+    try:
+        host_snapshot.set_prog("rh.fit")
+        host_snapshot.HostSnapshots(tmp_path, "p0")._on_sigterm(codes.append)
+    finally:
+        host_snapshot.set_prog("resihp")
+    assert codes == [exits.PREEMPTED_EXIT]
+    err = capsys.readouterr().err
+    assert err.startswith("rh.fit: SIGTERM") and "resihp train" not in err
+    assert "code 74 (preempted" in _supervisor(tmp_path)._died({"p1": 74}, {}, 3).detail
+
+
+def test_a_job_that_asked_for_gpus_refuses_cpu_devices() -> None:
+    from resihp_jax.runtime.job.join import EXPECT_PLATFORM_ENV, check_platform
+
+    check_platform({})  # nothing asked: anything goes
+    check_platform({EXPECT_PLATFORM_ENV: "cpu"})
+    with pytest.raises(ConfigError, match=r"asked for gpu devices, but JAX found only \d+ cpu"):
+        check_platform({EXPECT_PLATFORM_ENV: "gpu"})
+
+
+def test_use_cpu_devices_leaves_a_slurm_jobs_devices_alone() -> None:
+    from resihp_jax.runtime.job.devices import _in_a_job
+
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "1"}
+    assert _in_a_job(slurm) and _in_a_job({"RESIHP_NUM_PROCESSES": "2"})
+    assert not _in_a_job({**slurm, "SLURM_NTASKS": "1"}) and not _in_a_job({})

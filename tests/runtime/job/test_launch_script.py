@@ -1,6 +1,6 @@
 """`resihp launch -- python my_train.py`: a user's own script (its own NNX model, rh.fit) runs
-as a job of 4 processes x 2 fake devices; killed processes (process 0 too) are survived, the
-job relaunches on the survivors and the script's own log holds every step once, with the
+as a job of 4 processes x 2 fake devices; a killed process 0 and a hung process are survived,
+the job relaunches on the survivors and the script's own log holds every step once, with the
 losses of the uninterrupted run."""
 
 from __future__ import annotations
@@ -18,12 +18,23 @@ import pytest
 from resihp_jax.cli import main
 
 STEPS = 6
+# the job's step deadline before the cost model predicts one (it needs 24 steps): a hang is
+# caught this long after the job's last step, and every healthy step (the first of an
+# incarnation compiles) must finish within it
+STEP_TIMEOUT_S = 10
+# a user's script: python my_train.py LOG [--steps N] [--step-timeout-s S] [--sleep-s X]
 SCRIPT = textwrap.dedent('''
-    import json, sys
+    import argparse, json, time
     import jax, numpy as np, optax
     from flax import nnx
     import resihp_jax as rh
 
+    cli = argparse.ArgumentParser()
+    cli.add_argument("log")
+    cli.add_argument("--steps", type=int, default=6)
+    cli.add_argument("--step-timeout-s", type=float, default=120.0)
+    cli.add_argument("--sleep-s", type=float, default=0.0)  # after each step: time to inject
+    args = cli.parse_args()
     rh.join_job()  # before the model is built: it starts JAX
 
     class Block(nnx.Module):
@@ -51,53 +62,73 @@ SCRIPT = textwrap.dedent('''
 
     with nnx.use_eager_sharding(False):
         model = MLPLM(nnx.Rngs(0))
-    docs = [np.arange(i, i + 5 + (7 * i) %% 50) %% 256 for i in range(300)]
+    docs = [np.arange(i, i + 5 + (7 * i) % 50) % 256 for i in range(300)]
     plan = rh.Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=2, seq_len=64)
 
     def log(record):
         if jax.process_index() == 0:
-            with open(sys.argv[1], "a") as f:
+            with open(args.log, "a") as f:
                 f.write(json.dumps({"step": record.step, "loss": record.loss}) + "\\n")
+        time.sleep(args.sleep_s)
 
+    resilience = rh.ResilienceConfig(step_timeout_s=args.step_timeout_s, compile_cache_dir=None)
     rh.fit(model, rh.data.from_documents(docs), optimizer=optax.adam(3e-3), plan=plan,
-           steps=%d, on_step=log, progress=False)
-''' % STEPS)
+           steps=args.steps, on_step=log, progress=False, resilience=resilience)
+''')
 
 
 def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def reference_losses(script: Path, steps: int) -> list[float]:
+    """The script's losses uninterrupted, in one process on 8 devices."""
+    log = script.with_name(f"reference-{steps}.jsonl")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    for name in ("RESIHP_NUM_PROCESSES", "SLURM_JOB_ID"):  # alone, not in a job of ours
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, str(script), str(log), "--steps", str(steps)],
+                          env=env, capture_output=True, text=True, timeout=600,
+                          cwd=script.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [r["loss"] for r in _records(log)]
+
+
 @pytest.fixture(scope="module")
 def script(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
     """The script, and its losses uninterrupted in one process on 8 devices."""
-    root = tmp_path_factory.mktemp("script")
-    path = root / "my_train.py"
+    path = tmp_path_factory.mktemp("script") / "my_train.py"
     path.write_text(SCRIPT)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    done = subprocess.run([sys.executable, str(path), str(root / "ref.jsonl")], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=root)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return path, [r["loss"] for r in _records(root / "ref.jsonl")]
+    return path, reference_losses(path, STEPS)
 
 
-def test_a_users_script_survives_killed_processes(script, tmp_path: Path, capsys) -> None:
-    """Process 2 killed at step 2, then process 0 (the first incarnation's, the new
-    incarnation's primary) at step 4: two relaunches, on 6 and then 4 devices."""
+def test_a_users_script_survives_a_killed_process_0_and_a_hang(script, tmp_path: Path,
+                                                                capsys) -> None:
+    """Process 0 (the job's primary) killed at step 2, then process 2 frozen (SIGSTOP) at
+    step 4, caught by the step deadline: two relaunches, on 6 and then 4 devices, each from
+    the survivors' copies of the step the fault interrupted."""
     path, reference = script
     log = tmp_path / "log.jsonl"
-    code = main(["launch", "--procs", "4", "--devices-per-proc", "2", "--kill", "2@2",
-                 "--kill", "0@4", "--max-restarts", "2", "--checkpoint-dir",
-                 str(tmp_path / "job"), "--", "python", str(path), str(log)])
+    code = main(["launch", "--procs", "4", "--devices-per-proc", "2", "--kill", "0@2",
+                 "--hang", "2@4", "--max-restarts", "2", "--checkpoint-dir",
+                 str(tmp_path / "job"), "--", "python", str(path), str(log), "--steps",
+                 str(STEPS), "--step-timeout-s", str(STEP_TIMEOUT_S)])
     out = capsys.readouterr().out
     assert code == 0, out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["restarts"] == 2 and summary["steps_lost"] == 0, summary
     assert summary["final_step"] == STEPS and summary["sources"][1:] == [
         "survivors@2", "survivors@4"]
+    assert "failure 1: died, process p0 exited with signal SIGKILL" in out
+    assert "failure 2: hung, no progress for" in out and "frozen: ['p2']" in out
     records = _records(log)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # every step once
     np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
+    # done: the final checkpoint holds the last step, the survivors' copies are gone
+    assert not (tmp_path / "job" / "survivors").exists()
+    logs = "".join(p.read_text() for p in (tmp_path / "job" / "logs").glob("*.log"))
+    assert "rh.fit: terminated (SIGTERM)" in logs and "resihp train" not in logs
+    assert "dead" not in logs  # the missing devices of a relaunch are not called dead
 
 
 def test_a_command_runs_as_given_and_dashes_still_mean_resihp_train(tmp_path: Path) -> None:

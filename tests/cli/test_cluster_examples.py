@@ -1,8 +1,9 @@
 """The cluster examples work as written: the YAML parses into the objects the README promises,
-the sbatch script passes `bash -n` and requeues exactly when it should (run against stand-in
-`srun` and `scontrol` commands), and every `resihp train` in them is accepted by the real
-parser, resumes from a shared checkpoint directory, and asks for a plan of as many devices as
-the example allocates. None of this imports JAX."""
+the sbatch scripts pass `bash -n`, activate their own environment and requeue exactly when
+they should, a preemption uncounted (run against stand-in `srun` and `scontrol` commands),
+and every `resihp train` in them is accepted by the real parser, resumes from a shared
+checkpoint directory, and asks for a plan of as many devices as the example allocates. None
+of this imports JAX. tests/cli/test_slurm_real.py runs the CPU recipe on a real SLURM."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from resihp_jax.cli.train import job_spec_from_args, plan_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
+SBATCH_CPU = ROOT / "examples" / "slurm" / "train-cpu.sbatch"
 JOBSET = ROOT / "examples" / "kubernetes" / "jobset.yaml"
 YAML_FILES = sorted((ROOT / "examples" / "kubernetes").glob("*.yaml"))
 ENV_NAMES = {"RESIHP_COORDINATOR", "RESIHP_NUM_PROCESSES", "RESIHP_PROCESS_ID",
@@ -47,33 +49,57 @@ def check_train_invocation(argv: list[str], n_devices: int):
 
 # ---- SLURM --------------------------------------------------------------------------------
 
-def sbatch_options() -> dict[str, str]:
-    return dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", SBATCH.read_text(), flags=re.M))
+def sbatch_options(script: Path = SBATCH) -> dict[str, str]:
+    return dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script.read_text(), flags=re.M))
+
+
+FAKE_SRUN = r"""#!/bin/bash
+printf "%s\0" "$@" > "$FAKE_DIR/srun-args"
+env > "$FAKE_DIR/srun-env"
+echo $$ > "$FAKE_DIR/srun-pid"
+task=0
+for code in ${FAKE_TASK_CODES:-}; do  # what each task's wrapper would record
+    echo "$code" > "$EXITS/$task"
+    task=$((task + 1))
+done
+[ -n "${FAKE_SRUN_SLEEP:-}" ] && exec sleep "$FAKE_SRUN_SLEEP" >/dev/null 2>&1
+exit "$FAKE_SRUN_RC"
+"""
 
 
 def run_sbatch(tmp_path: Path, srun_rc: int = 0, failures_before: int = 0,
-               srun_sleeps: bool = False) -> tuple[subprocess.Popen, Path]:
-    """Start the script with stand-ins that record their arguments; `srun` exits `srun_rc`."""
+               srun_sleeps: bool = False, script: Path = SBATCH,
+               task_codes: str | None = None, venv: bool = True,
+               args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+    """Start the script with stand-ins that record their arguments; `srun` exits `srun_rc`,
+    its tasks (as the script's per-task wrapper records them) with `task_codes` (default:
+    every task with `srun_rc`)."""
     fake, shared = tmp_path / "bin", tmp_path / "shared"
     fake.mkdir()
     (shared / "ckpt").mkdir(parents=True)
     if failures_before:
         (shared / "ckpt" / "requeue-failures").write_text(f"{failures_before}\n")
-    (fake / "srun").write_text(
-        '#!/bin/bash\nprintf "%s\\0" "$@" > "$FAKE_DIR/srun-args"\necho $$ > "$FAKE_DIR/srun-pid"\n'
-        '[ -n "${FAKE_SRUN_SLEEP:-}" ] && exec sleep "$FAKE_SRUN_SLEEP" >/dev/null 2>&1\n'
-        'exit "$FAKE_SRUN_RC"\n')
+    (fake / "srun").write_text(FAKE_SRUN)
     (fake / "scontrol").write_text('#!/bin/bash\necho "$*" >> "$FAKE_DIR/scontrol"\n')
     for tool in ("srun", "scontrol"):
         (fake / tool).chmod(0o755)
+    if venv:  # the environment the script activates itself
+        (tmp_path / "venv" / "bin").mkdir(parents=True)
+        (tmp_path / "venv" / "bin" / "activate").write_text("export FAKE_VENV_ACTIVE=1\n")
+    ntasks = 2 if script == SBATCH else int(sbatch_options(script)["ntasks"])
     env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}",
            "SHARED": str(shared), "MAX_FAILURES": "2", "FAKE_DIR": str(tmp_path),
            "FAKE_SRUN_RC": str(srun_rc), "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "32",
-           "SLURM_JOB_NODELIST": "gpu[01-02]"}
+           "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NTASKS": str(ntasks),
+           "VENV": str(tmp_path / "venv"),
+           "FAKE_TASK_CODES": " ".join([str(srun_rc)] * ntasks) if task_codes is None
+           else task_codes}
+    for name in ("RESIHP_EXPECT_PLATFORM", "FAKE_VENV_ACTIVE", "SLURM_RESTART_COUNT"):
+        env.pop(name, None)
     if srun_sleeps:
         env["FAKE_SRUN_SLEEP"] = "30"
-    proc = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(["bash", str(script), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     return proc, tmp_path
 
 
@@ -82,14 +108,30 @@ def requeues(tmp_path: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-def test_sbatch_directives_and_syntax() -> None:
-    text = SBATCH.read_text()
+def srun_env(tmp_path: Path) -> dict[str, str]:
+    lines = (tmp_path / "srun-env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if "=" in line)
+
+
+def failures_counted(tmp_path: Path) -> int:
+    counter = tmp_path / "shared" / "ckpt" / "requeue-failures"
+    return int(counter.read_text()) if counter.exists() else 0
+
+
+@pytest.mark.parametrize("script", [SBATCH, SBATCH_CPU], ids=lambda p: p.name)
+def test_sbatch_directives_and_syntax(script: Path) -> None:
+    text = script.read_text()
     for directive in ("#SBATCH --requeue", "#SBATCH --open-mode=append"):
         assert re.search(rf"^{directive}\s*$", text, flags=re.M), directive
-    assert {"nodes", "gpus-per-node", "ntasks-per-node"} <= sbatch_options().keys()
+    assert {"nodes", "signal"} <= sbatch_options(script).keys()
+    assert "--export=ALL" in text  # the tasks get the environment the script activated
     if shutil.which("bash"):
-        check = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
+        check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
+
+
+def test_gpu_sbatch_allocates_what_the_plan_counts() -> None:
+    assert {"nodes", "gpus-per-node", "ntasks-per-node"} <= sbatch_options().keys()
 
 
 @needs_bash
@@ -104,37 +146,88 @@ def test_sbatch_runs_resihp_train_with_resume_on_shared_storage(tmp_path: Path) 
                                   int(options["nodes"]) * int(options["gpus-per-node"]))
     assert Path(args.checkpoint_dir) == tmp_path / "shared" / "ckpt"
     assert requeues(tmp_path) == []  # a finished run is not requeued
+    env = srun_env(tmp_path)
+    assert env["FAKE_VENV_ACTIVE"] == "1"  # the script activated $VENV itself
+    assert env["RESIHP_EXPECT_PLATFORM"] == "gpu"  # no GPU model on CPU devices
 
 
 @needs_bash
-@pytest.mark.parametrize("srun_rc, failures_before, requeued, exit_code", [
-    (75, 0, True, 0),  # a step passed its deadline: restart
-    (1, 1, True, 0),  # any other crash: restart while failures remain
-    (137, 2, False, 137),  # MAX_FAILURES=2 spent: give up with srun's status
-    (2, 0, False, 2),  # a bad flag or path: a restart cannot help
+def test_cpu_sbatch_runs_the_users_script_on_fake_devices(tmp_path: Path) -> None:
+    proc, _ = run_sbatch(tmp_path, script=SBATCH_CPU)
+    assert proc.wait(timeout=30) == 0, proc.stdout.read()
+    argv = (tmp_path / "srun-args").read_text().split("\0")[:-1]
+    user = argv[argv.index("python") + 1:]
+    assert user[0] == "examples/user_model/train_gpt2.py" and (ROOT / user[0]).is_file()
+    assert user[user.index("--tokens") + 1] == str(tmp_path / "shared" / "stdlib.tokens")
+    env = srun_env(tmp_path)
+    assert env["FAKE_VENV_ACTIVE"] == "1" and env["JAX_PLATFORMS"] == "cpu"
+    assert env["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2"]
+    assert env["RESIHP_CHECKPOINT_DIR"] == str(tmp_path / "shared" / "ckpt")
+    # the example's plan (dp=2,pp=2,tp=2) on the recipe's tasks x devices
+    assert int(sbatch_options(SBATCH_CPU)["ntasks"]) * 2 == 8
+    # a script of your own, with its arguments
+    other = tmp_path / "other"
+    other.mkdir()
+    proc, _ = run_sbatch(other, script=SBATCH_CPU, args=("my_train.py", "--lr", "1e-3"))
+    assert proc.wait(timeout=30) == 0, proc.stdout.read()
+    argv = (other / "srun-args").read_text().split("\0")[:-1]
+    assert argv[argv.index("python") + 1:] == ["my_train.py", "--lr", "1e-3"]
+
+
+@needs_bash
+@pytest.mark.parametrize("script", [SBATCH, SBATCH_CPU], ids=lambda p: p.name)
+def test_sbatch_without_its_environment_says_where_it_looked(tmp_path: Path,
+                                                              script: Path) -> None:
+    proc, _ = run_sbatch(tmp_path, script=script, venv=False)
+    assert proc.wait(timeout=30) == 2
+    assert f"no Python environment at VENV={tmp_path / 'venv'}" in proc.stdout.read()
+    assert not (tmp_path / "srun-args").exists()
+
+
+@needs_bash
+@pytest.mark.parametrize("script", [SBATCH, SBATCH_CPU], ids=lambda p: p.name)
+@pytest.mark.parametrize("srun_rc, task_codes, failures_before, requeued, counted, exit_code", [
+    (75, None, 0, True, True, 0),  # a step passed its deadline: restart
+    (1, None, 1, True, True, 0),  # any other crash: restart while failures remain
+    (137, None, 2, False, True, 137),  # MAX_FAILURES=2 spent: give up with srun's status
+    (2, None, 0, False, False, 2),  # a bad flag or path: a restart cannot help
+    # preempted: every task exited 74 (or SIGTERM ended it while starting): not counted,
+    # even with MAX_FAILURES spent
+    (74, None, 2, True, False, 0),
+    (143, "74 143", 2, True, False, 0),
+    # a crash that srun answered with SIGTERM to the other tasks: srun reports 74, the
+    # tasks' own codes tell the crash
+    (74, "1 74", 0, True, True, 0),
+    (74, "74 lost", 0, True, True, 0),  # a task whose code never came: counted
+    (74, "2 74", 0, False, False, 2),  # one task refused its input: not requeued
 ])
 def test_sbatch_requeues_failed_runs_within_the_limit(
-        tmp_path: Path, srun_rc: int, failures_before: int, requeued: bool,
-        exit_code: int) -> None:
-    proc, _ = run_sbatch(tmp_path, srun_rc, failures_before)
+        tmp_path: Path, script: Path, srun_rc: int, task_codes: str | None,
+        failures_before: int, requeued: bool, counted: bool, exit_code: int) -> None:
+    if task_codes is not None and script == SBATCH_CPU:  # 4 tasks: the last code again
+        task_codes = " ".join(task_codes.split() + [task_codes.split()[-1]] * 2)
+    proc, _ = run_sbatch(tmp_path, srun_rc, failures_before, script=script,
+                         task_codes=task_codes)
     assert proc.wait(timeout=30) == exit_code, proc.stdout.read()
     assert requeues(tmp_path) == (["requeue 4242"] if requeued else [])
-    counter = tmp_path / "shared" / "ckpt" / "requeue-failures"
-    expected = failures_before + (srun_rc != 2)
-    assert (int(counter.read_text()) if counter.exists() else 0) == expected
+    assert failures_counted(tmp_path) == failures_before + counted
 
 
-@needs_bash
-def test_sbatch_requeues_itself_before_the_time_limit(tmp_path: Path) -> None:
-    proc, _ = run_sbatch(tmp_path, srun_sleeps=True)
+def _signal_running_sbatch(tmp_path: Path, signum: int, script: Path = SBATCH) -> str:
+    """Run the script with an `srun` that sleeps, send it `signum`; its output."""
+    proc, _ = run_sbatch(tmp_path, srun_sleeps=True, script=script)
     pid_file = tmp_path / "srun-pid"
     try:
         deadline = time.monotonic() + 30
         while not pid_file.exists() or not pid_file.read_text().strip():
             assert time.monotonic() < deadline and proc.poll() is None, "srun never started"
             time.sleep(0.05)
-        proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 sends
+        proc.send_signal(signum)
+        if signum == signal.SIGTERM:  # srun's tasks end (they were signalled too)
+            time.sleep(0.2)
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, proc.stdout.read()
+        return proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -143,8 +236,32 @@ def test_sbatch_requeues_itself_before_the_time_limit(tmp_path: Path) -> None:
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)  # the stand-in srun
             except ProcessLookupError:
                 pass
+
+
+@needs_bash
+def test_sbatch_requeues_itself_before_the_time_limit(tmp_path: Path) -> None:
+    _signal_running_sbatch(tmp_path, signal.SIGUSR1)  # what --signal=B:USR1@300 sends
     assert requeues(tmp_path) == ["requeue 4242"]
-    assert not (tmp_path / "shared" / "ckpt" / "requeue-failures").exists()  # not counted
+    assert failures_counted(tmp_path) == 0  # not counted
+
+
+@needs_bash
+@pytest.mark.parametrize("script", [SBATCH, SBATCH_CPU], ids=lambda p: p.name)
+def test_sbatch_signalled_itself_is_preempted_not_failed(tmp_path: Path, script: Path) -> None:
+    """SIGTERM to the batch script too (scancel --full): srun fails, yet it is a preemption."""
+    out = _signal_running_sbatch(tmp_path, signal.SIGTERM, script)
+    assert "preempted" in out
+    assert requeues(tmp_path) == ["requeue 4242"]
+    assert failures_counted(tmp_path) == 0
+
+
+def test_exit_codes_the_scripts_rely_on() -> None:
+    from resihp_jax.runtime.job import exits
+
+    for script in (SBATCH, SBATCH_CPU):
+        assert f"PREEMPTED={exits.PREEMPTED_EXIT} " in script.read_text()
+    assert exits.USER_ERROR == 2 and exits.HUNG_EXIT == 75
+    assert len(set(exits.EXIT_CODES)) == len(exits.EXIT_CODES) == 7
 
 
 # ---- Kubernetes ---------------------------------------------------------------------------
@@ -239,8 +356,9 @@ def test_readme_cluster_section_points_at_the_examples() -> None:
     start = text.index("\n## Running on a cluster\n")
     assert text.index("\n## Commands\n") < start < text.index("\n## Library\n")
     section = text[start:text.index("\n## ", start + 1)]
-    for example in (SBATCH, JOBSET):
+    for example in (SBATCH, SBATCH_CPU, JOBSET, ROOT / "examples/slurm/local-setup.sh"):
         name = example.relative_to(ROOT).as_posix()
         assert name in section and example.is_file(), name
-    for term in ("--resume", "--checkpoint-dir", "health.json", "75", "resihp launch"):
+    for term in ("--resume", "--checkpoint-dir", "health.json", "75", "74", "resihp launch",
+                 "VENV", "cred_expire", "survivors/", "RESIHP_EXPECT_PLATFORM"):
         assert term in section, term

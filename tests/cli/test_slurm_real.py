@@ -1,0 +1,168 @@
+"""The CPU recipe on a real SLURM (examples/slurm/local-setup.sh starts one on this machine):
+examples/slurm/train-cpu.sbatch runs a user's own script (its own NNX model, rh.fit) as
+4 tasks x 2 fake CPU devices. Task 2 is killed (SIGKILL), then the job is preempted
+(`scancel --signal=TERM JOB`: SIGTERM to the job's tasks, what SLURM's preemption sends at
+the start of its grace time). With MAX_FAILURES=1 the kill spends the only failure allowed,
+so the job finishes only if the preemption is not counted; the script's log holds every
+step once, with the losses of the uninterrupted run. Submitted with the submitting shell's
+environment withheld (`--export=VENV,...`): the recipe activates its environment itself.
+
+Marked slow (about 4 minutes: three incarnations, each starting 4 JAX processes, and two
+requeue holds), so the default run leaves it out: run it with
+`python -m pytest -m slow tests/cli/test_slurm_real.py`. Skipped, with the reason, where no
+SLURM controller answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from tests.runtime.job.test_launch_script import SCRIPT, reference_losses
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "examples" / "slurm" / "train-cpu.sbatch"
+SETUP = "examples/slurm/local-setup.sh"
+STEPS = 10
+KILL_AT, PREEMPT_AFTER = 2, 2  # kill at step 2; preempt 2 steps into the relaunch
+STEP_SLEEP_S = 0.5  # the script rests after each step: time to inject at a chosen step
+CPUS_NEEDED = 8  # 4 tasks x --cpus-per-task=2
+
+
+def _slurm_missing() -> str | None:
+    """Why this test cannot run here, or None."""
+    if shutil.which("sbatch") is None or shutil.which("scontrol") is None:
+        return f"SLURM is not installed (no sbatch): {SETUP} installs and starts one"
+    try:
+        info = subprocess.run(["sinfo", "-h", "-o", "%t %c"], capture_output=True,
+                              text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"no SLURM controller answers ({err}): start one with {SETUP}"
+    if info.returncode != 0:
+        return (f"no SLURM controller answers ({info.stderr.strip()[:200]}): start one "
+                f"with {SETUP}")
+    nodes = [line.split() for line in info.stdout.splitlines() if line.strip()]
+    if not any(state.rstrip("*~#") in ("idle", "mix") and int(cpus) >= CPUS_NEEDED
+               for state, cpus in nodes):
+        return (f"no idle SLURM node with {CPUS_NEEDED} CPUs (sinfo: {nodes}): "
+                f"CPUS={CPUS_NEEDED} {SETUP}")
+    if not (Path(sys.prefix) / "bin" / "activate").is_file():
+        return f"the tests run outside a virtual environment ({sys.prefix}): the recipe needs one"
+    return None
+
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(_slurm_missing() is not None, reason=str(_slurm_missing()))]
+
+
+def _job_state(job: str) -> dict[str, str]:
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                           text=True, timeout=30)
+    return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
+
+
+def _wait(what: str, ready: Callable[[], bool], timeout_s: float, job: str,
+          job_log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        state = _job_state(job).get("JobState", "?")
+        if time.monotonic() > deadline or state in ("FAILED", "CANCELLED", "TIMEOUT"):
+            tail = job_log.read_text()[-4000:] if job_log.exists() else "(no log)"
+            pytest.fail(f"waiting for {what}: job {job} is {state}\n{tail}")
+        time.sleep(0.1)
+
+
+def _steps(log: Path) -> list[dict]:
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def _task_pids(job: str, task: int, script: Path) -> list[int]:
+    """The Python processes of one task of the job (not the recipe's bash wrapper)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (b"python" in Path(cmdline[0].decode()).name.encode() and str(script).encode()
+                in cmdline and f"SLURM_JOB_ID={job}".encode() in environ
+                and f"SLURM_PROCID={task}".encode() in environ):
+            pids.append(int(proc.name))
+    return pids
+
+
+def _cred_expire_s() -> int:
+    """How long SLURM holds a requeued job (AuthInfo=cred_expire, default 120 s)."""
+    config = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
+                            timeout=30).stdout
+    found = re.search(r"cred_expire=(\d+)", config)
+    return int(found.group(1)) if found else 120
+
+
+def test_cpu_recipe_survives_a_killed_task_and_an_uncounted_preemption(tmp_path: Path) -> None:
+    script = tmp_path / "my_train.py"
+    script.write_text(SCRIPT)
+    reference = reference_losses(script, STEPS)
+    shared, log, job_log = tmp_path / "shared", tmp_path / "losses.jsonl", tmp_path / "job.log"
+    exported = f"VENV={sys.prefix},SHARED={shared},MAX_FAILURES=1"
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--output={job_log}", f"--export={exported}",
+         "--job-name=resihp-test", str(RECIPE), str(script), str(log), "--steps", str(STEPS),
+         "--sleep-s", str(STEP_SLEEP_S)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    hold_s = _cred_expire_s()
+    timeout_s = 300 + hold_s
+    t0 = time.monotonic()
+    try:
+        _wait(f"step {KILL_AT}", lambda: len(_steps(log)) >= KILL_AT, timeout_s, job, job_log)
+        pids = _task_pids(job, 2, script)
+        assert pids, "task 2's process not found"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        killed_at = len(_steps(log))
+        _wait("the relaunch", lambda: "incarnation 1 " in job_log.read_text(), timeout_s, job,
+              job_log)
+        _wait(f"{PREEMPT_AFTER} steps of the relaunch",
+              lambda: len(_steps(log)) >= killed_at + PREEMPT_AFTER, timeout_s, job, job_log)
+        preempted_at = len(_steps(log))
+        subprocess.run(["scancel", "--signal=TERM", job], check=True, timeout=30)
+        _wait("the job's end", lambda: _job_state(job).get("JobState") == "COMPLETED",
+              timeout_s, job, job_log)
+    finally:
+        if _job_state(job).get("JobState") not in ("COMPLETED", None):
+            subprocess.run(["scancel", job], timeout=30)
+    took_s = time.monotonic() - t0
+    text = job_log.read_text()
+    state = _job_state(job)
+    assert (state["ExitCode"], state["Restarts"]) == ("0:0", "2"), (state, text[-3000:])
+    assert re.search(r"the tasks with: .*137", text)  # the kill...
+    assert "requeue, failure 1 of 1" in text  # ...counted
+    assert "srun exited with 74; the tasks with: 74 74 74 74" in text  # the preemption...
+    assert "preempted (SIGTERM): requeue, not counted against MAX_FAILURES" in text
+    assert (shared / "ckpt" / "requeue-failures").read_text().strip() == "1"
+    # both relaunches from the copies the tasks wrote: nothing trained twice, none skipped
+    assert len(re.findall(r"0: resumed from step \d+ as \d surviving", text)) == 2, text
+    records = _steps(log)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
+    np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
+    assert not (shared / "ckpt" / "survivors").exists()  # removed after the finished run
+    print(f"job {job}: killed task 2 after step {killed_at}, preempted after step "
+          f"{preempted_at}; {took_s:.0f} s from submission to COMPLETED (cred_expire "
+          f"{hold_s} s per requeue)")

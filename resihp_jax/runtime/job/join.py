@@ -106,7 +106,7 @@ def check_platform(environ: Mapping[str, str] = os.environ) -> None:
     where = environ.get("VIRTUAL_ENV") or sys.prefix
     raise ConfigError(
         f"${EXPECT_PLATFORM_ENV}={expected}: this job asked for {expected} devices, but JAX "
-        f"found only {len(jax.devices())} {found} device(s) on this process. Install a "
+        f"found only {len(jax.local_devices())} {found} device(s) on this process. Install a "
         f"{expected} build of JAX in the environment ({where}; e.g. pip install "
         f"'jax[cuda12]'), check the job's allocation (e.g. --gpus-per-node), or run on CPUs "
         f"with examples/slurm/train-cpu.sbatch")
@@ -132,5 +132,14 @@ def join_job(checkpoint_dir: str | Path | None = None, ladder: Ladder | None = N
     from the RESIHP_* variables or the cluster's own) before anything uses JAX; alone, a job
     of one. Call it at the top of a training script whose model is built before `rh.fit`."""
     from resihp_jax.runtime.job.distributed import job_spec  # noqa: PLC0415
+    from resihp_jax.runtime.job.exits import run_as_job_process  # noqa: PLC0415
 
-    return join(job_spec(), ladder or Ladder(), checkpoint_dir)
+    spec, ladder = job_spec(), ladder or Ladder()
+    if spec.single:
+        return join(spec, ladder, checkpoint_dir)
+    joined: list[Job] = []
+    # a refusal (a GPU job that found only CPU devices) ends the process with the job's
+    # exit code for it (2: not restarted), not as a crash; named after the script
+    run_as_job_process(lambda: joined.append(join(spec, ladder, checkpoint_dir)),
+                       Path(sys.argv[0]).name or "rh.join_job")
+    return joined[0]

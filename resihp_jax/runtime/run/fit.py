@@ -86,9 +86,7 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     spec = job_spec()
     if not spec.single:  # a job's process: the job's directory unless one is given
         checkpoint_dir = checkpoint_dir or os.environ.get(CHECKPOINT_DIR_ENV)
-        # before anything below starts JAX; a refusal (a GPU job that found only CPU
-        # devices) ends the process with the job's exit code for it, as training would
-        run_as_job_process(lambda: join_job(checkpoint_dir), "rh.fit")
+        join_job(checkpoint_dir)  # before anything below starts JAX
     parts, params = _split(model, seed)
     facts = model_facts(parts, params["shell"], params["blocks"], parts.name, axis_rules,
                         attention_cost, compute_dtype)

@@ -131,6 +131,22 @@ def test_a_users_script_survives_a_killed_process_0_and_a_hang(script, tmp_path:
     assert "dead" not in logs  # the missing devices of a relaunch are not called dead
 
 
+def test_a_gpu_job_on_cpu_devices_is_refused_not_restarted(script, tmp_path: Path,
+                                                           monkeypatch, capsys) -> None:
+    """What examples/slurm/train.sbatch sets: every process stops at rh.join_job with exit 2
+    (a restart cannot help), named after the script, instead of training on CPUs."""
+    monkeypatch.setenv("RESIHP_EXPECT_PLATFORM", "gpu")
+    path, _ = script
+    code = main(["launch", "--procs", "2", "--devices-per-proc", "1", "--checkpoint-dir",
+                 str(tmp_path / "job"), "--", "python", str(path), str(tmp_path / "log")])
+    assert code == 2
+    assert "refused its input" in capsys.readouterr().err
+    logs = "".join(p.read_text() for p in (tmp_path / "job" / "logs").glob("*.log"))
+    assert "my_train.py: error: $RESIHP_EXPECT_PLATFORM=gpu: this job asked for gpu " \
+        "devices, but JAX found only 1 cpu device(s)" in logs
+    assert not (tmp_path / "log").exists()
+
+
 def test_a_command_runs_as_given_and_dashes_still_mean_resihp_train(tmp_path: Path) -> None:
     from resihp_jax.cli.launch import _user_command
     from resihp_jax.runtime.job.supervisor import LaunchConfig, Supervisor

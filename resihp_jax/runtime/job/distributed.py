@@ -44,7 +44,10 @@ class JobSpec:
 
     @property
     def single(self) -> bool:
-        return self.cluster is None and (self.num_processes or 1) == 1
+        # a job's process is one even when it is the job's last (a relaunch on one survivor):
+        # it joins, reads the job's directory and plans for the devices it has
+        return self.cluster is None and self.coordinator is None and \
+            (self.num_processes or 1) == 1
 
     def describe(self) -> str:
         if self.single:

@@ -37,6 +37,11 @@ def test_job_spec_from_flags_variables_or_cluster() -> None:
     assert spec.cluster == "SLURM" and spec.host_id.endswith(":3") and not spec.single
     assert distributed.job_spec(environ={**slurm, "SLURM_NTASKS": "1"}).single
     assert distributed.job_spec(environ={}).single
+    # a relaunch on the job's last survivor is still a job's process: it joins, reads the
+    # job's directory and plans for its own devices
+    last = {**env, "RESIHP_NUM_PROCESSES": "1", "RESIHP_PROCESS_ID": "0"}
+    assert not distributed.job_spec(environ=last).single
+    assert distributed.job_spec(num_processes=1, environ={}).single
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -1,20 +1,32 @@
 """Detector benchmark: ours (cost-model prediction of each exact batch) against Greyhound-style
-change points and median + k*MAD on the same real step timings.
+change points and median + k*MAD on the same real step timings, measured against the noise
+floor of the machine in the same run.
 
 Real CPU runs of the training core on 8 fake devices. Faults are injected fail-slow delays:
 the Instrument host callback sleeps (f - 1) x the device's measured busy time at the end of
 each of its stage-work regions (forward, backward and probe kernels), keyed on the device's
 mesh coordinates, with the factors passed as the step's runtime knob array.
 
-Per plan: a healthy run is recorded once and replayed through all three detectors (false
-alarms, predictor MAPE, cost); then, from detectors warmed on it, one real run per fault trial
-(one random device slowed by 1.2x/1.5x/2x/5x from a random step) is fed live to all three,
-each running the real probes when it suspects. Prints a table and one JSON line.
+The noise floor: every `floor_every`-th healthy step is followed by one step of the very same
+batch (drawn once per plan, no faults); the CV of those steps' times is what the machine
+itself adds to a step (`noise_floor_pct`). No predictor can beat it, so each detector's MAPE
+is also given as a ratio to it (`mape_over_floor`).
 
-Host load: the same detectors, warmed the same way, while another process keeps one core
-busy (a Python busy loop) for part of a healthy stretch, and from a few steps before a
-1.5x/2x fault on: false alarms under load and detection delay under load are their own rows.
+Per plan: a healthy run is recorded once and replayed through all three detectors (false
+alarms, predictor MAPE, cost); then one real run per fault trial (one random device slowed by
+1.2x/1.5x/2x/5x from a random step) is fed live to all three, each running the real probes
+when it suspects. The detectors see every healthy step before a trial's onset (alarms there
+are false alarms) and a copy of them sees the faulty steps. Per trial: the step-level
+slowdown the fault caused (median observed / predicted after the onset against the same
+before it) and whether each detector caught it within 5 steps on the right device;
+`step_reach.reliable` is the smallest step-level slowdown caught every time from there up.
+
+Host load: the same detectors while another process keeps one core busy (a Python busy loop)
+for part of a healthy stretch, and from a few steps before a 1.5x/2x fault on: false alarms
+per 50 loaded steps and detection under load are their own rows.
 Usage: python benchmarks/detection.py [--quick] [--data SOURCE] [--seed S]
+       python benchmarks/detection.py --record tests/detector/healthy_run.json
+(--record: a short healthy run with its batch layouts and floor, the replay test's fixture.)
 """
 
 from __future__ import annotations
@@ -54,32 +66,44 @@ MODEL = "tiny"
 # (dp, pp, tp, micro-batches, rows per micro-batch, seq_len). Rows of 1024 tokens, one per
 # micro-batch: attention (sum of l^2) then dominates the step over the fixed per-tick and
 # MLP costs, so healthy step times swing with the batch's lengths (CV about 19% on
-# lognormal; 768-token rows give about 16%, which --quick uses to stay within 2 minutes).
+# lognormal on a quiet host); --quick uses 512-token rows to stay within 2 minutes.
 PLANS = ((1, 4, 2, 4, 1, 1024), (2, 2, 2, 4, 1, 1024))
+QUICK_PLAN = (1, 4, 2, 4, 1, 512)
+RECORD_PLAN, RECORD_STEPS = (1, 4, 2, 4, 1, 512), 120
 LOAD_FACTORS = (1.5, 2.0)
 BUSY_LOOP = "while True: pass"
-QUICK_PLAN = (1, 4, 2, 4, 1, 768)
+CATCH_STEPS = 5  # a fault is caught when the right device is named within this many steps
+MARGIN = 4.0  # every step-level slowdown above 1 + MARGIN x floor must be caught
+MIN_AFTER = 4  # faulty steps a trial runs at least (its step-level slowdown is their median)
+
+
+@dataclass
+class Trial:
+    plan: int  # index of the plan in this run
+    factor: float
+    slowdown: float  # step-level: median observed/predicted after the onset over before it
+    delay: int | None  # steps from the onset to the verdict (None: none)
+    right: bool  # the verdict named the slowed device alone
+
+    @property
+    def caught(self) -> bool:
+        return self.delay is not None and self.delay <= CATCH_STEPS and self.right
 
 
 @dataclass
 class Tally:
     false_alarms: int = 0
     healthy_steps: int = 0
+    loaded_steps: int = 0
     errors: list[float] = field(default_factory=list)
     cost_s: float = 0.0
     judged_steps: int = 0
     step_s: float = 0.0
-    detected: list[bool] = field(default_factory=list)
-    delays: list[int] = field(default_factory=list)
-    localized: list[bool] = field(default_factory=list)
-    per_factor: dict[float, list[bool]] = field(default_factory=dict)
-    # (step-level slowdown the trial caused, detected?): what the cluster simulator needs,
-    # since on 8 devices sharing 2 cores a device's factor f slows the step far less than f
-    by_excess: list[tuple[float, int | None]] = field(default_factory=list)  # (excess, delay)
+    trials: list[Trial] = field(default_factory=list)
 
 
 class Run:
-    """One compiled plan: program, injector, stage timer, prober, data."""
+    """One compiled plan: program, injector, stage timer, prober, data, reference batch."""
 
     def __init__(self, spec: tuple[int, ...], data: str, seed: int) -> None:
         dp, pp, tp, m, b, s = spec
@@ -95,23 +119,55 @@ class Run:
         self.state = self.program.init_state(seed)
         self.data = BatchIterator(data, n_microbatches=m, microbatch_size=b, seq_len=s,
                                   seed=seed)
+        self.reference = self.data.next_batch()  # the batch the floor is timed on
         self.step = 0
+        self.last_layout: tuple = ()
 
     def probe(self, step: int):  # noqa: ANN201
         return self.prober.run(self.injector.knobs(step))
 
+    def _timed(self, batch, knobs):  # noqa: ANN001, ANN202
+        sharded = device_batch(self.program, batch)
+        self.state, _, timing = timed_step(self.program, self.state, sharded, knobs, self.timer)
+        return timing
+
+    def reference_step(self) -> float:
+        """Step time of the reference batch, no fault (the floor's sample)."""
+        return self._timed(self.reference, None).step_time_s
+
     def run_step(self) -> StepObservation:
         batch = self.data.next_batch()
-        sharded = device_batch(self.program, batch)
-        knobs = self.injector.knobs(self.step)
-        self.state, _, timing = timed_step(self.program, self.state, sharded, knobs, self.timer)
-        tokens = (batch.segment_ids_MxBxS > 0).sum(axis=(1, 2)).astype(np.float64)
-        # attention work as the kernel computes it (block pairs), in sum-l^2 units
-        attn = mb_block_pair_l2(batch.segment_ids_MxBxS, self.cfg.attn_block)
+        timing = self._timed(batch, self.injector.knobs(self.step))
+        tokens, attn = features(batch.segment_ids_MxBxS, self.cfg.attn_block)
         obs = StepObservation(self.step, self.plan, tokens, attn,
                               timing.step_time_s, timing.stage_DxP)
+        self.last_layout = batch.doc_lengths
         self.step += 1
         return obs
+
+
+def features(segment_ids_MxBxS: np.ndarray, attn_block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens of each micro-batch, and its attention work as the kernel computes it (block
+    pairs) in sum-l^2 units: what the detector is told of a batch here."""
+    tokens = (segment_ids_MxBxS > 0).sum(axis=(1, 2)).astype(np.float64)
+    return tokens, mb_block_pair_l2(segment_ids_MxBxS, attn_block)
+
+
+def cv(times: list[float]) -> float:
+    t = np.asarray(times)
+    return float(t.std() / t.mean())
+
+
+def record_healthy(run: Run, n: int, floor_every: int) -> tuple[list[StepObservation], list,
+                                                                   list[float]]:
+    """n healthy steps, their batch layouts, and the floor's samples taken between them."""
+    steps, layouts, floor = [], [], []
+    for i in range(n):
+        steps.append(run.run_step())
+        layouts.append(run.last_layout)
+        if i % floor_every == floor_every - 1:
+            floor.append(run.reference_step())
+    return steps, layouts, floor
 
 
 class HostLoad:
@@ -141,24 +197,31 @@ def _copies(warmed: dict) -> dict:
     return out
 
 
-def loaded_healthy(run: Run, warmed: dict, tallies: dict[str, Tally], load: HostLoad,
+def _healthy(detectors: dict, obs: StepObservation, tallies: dict[str, Tally],
+             loaded: bool) -> None:
+    """A healthy step fed to the detectors that follow the run: every alarm is false."""
+    for name, det in detectors.items():
+        before = det.alarms
+        det.observe(obs)
+        tallies[name].false_alarms += det.alarms - before
+        tallies[name].healthy_steps += 1
+        tallies[name].loaded_steps += loaded
+
+
+def loaded_healthy(run: Run, live: dict, tallies: dict[str, Tally], load: HostLoad,
                    before: int, during: int, after: int) -> str:
-    """Healthy steps with the load switched on for `during` of them: every alarm is false."""
-    detectors = _copies(warmed)
+    """Healthy steps with the load switched on for `during` of them."""
+    alarms = {n: tallies[n].false_alarms for n in live}
     try:
         for i in range(before + during + after):
-            load.on() if before <= i < before + during else load.off()
-            obs = run.run_step()
-            for det in detectors.values():
-                det.observe(obs)
+            on = before <= i < before + during
+            load.on() if on else load.off()
+            _healthy(live, run.run_step(), tallies, on)
     finally:
         load.off()
-    for name, det in detectors.items():
-        tallies[name].false_alarms += det.alarms
-        tallies[name].healthy_steps += before + during + after
     return "  host load on for steps {}..{} of a healthy stretch: ".format(
         run.step - during - after, run.step - after - 1) + ", ".join(
-        f"{n}={d.alarms} alarm(s)" for n, d in detectors.items())
+        f"{n}={tallies[n].false_alarms - alarms[n]} alarm(s)" for n in live)
 
 
 def replay_healthy(run: Run, record: list[StepObservation], tallies: dict[str, Tally]) -> dict:
@@ -169,7 +232,6 @@ def replay_healthy(run: Run, record: list[StepObservation], tallies: dict[str, T
             pred = det.last_prediction_s
             if pred is not None:
                 tallies[name].errors.append(abs(pred - obs.step_time_s) / obs.step_time_s)
-                det.last_prediction_s = None
     for name, det in detectors.items():
         t = tallies[name]
         t.false_alarms += det.alarms
@@ -177,151 +239,211 @@ def replay_healthy(run: Run, record: list[StepObservation], tallies: dict[str, T
         t.cost_s += det.cost_s
         t.judged_steps += det.steps
         t.step_s += sum(o.step_time_s for o in record)
-        det.alarms = 0
     return detectors
 
 
-def fault_trial(run: Run, warmed: dict, factor: float, rng: np.random.Generator,
+def fault_trial(run: Run, plan_index: int, live: dict, factor: float, rng: np.random.Generator,
                 tallies: dict[str, Tally], max_after: int, load: HostLoad | None = None
                 ) -> str:
-    """One slowdown from a random step; with `load`, the host is loaded from a few steps
-    before the onset to the end (alarms before the onset count as false alarms)."""
-    detectors = _copies(warmed)
+    """One slowdown from a random step. The live detectors see the healthy steps before the
+    onset; copies of them the faulty steps. With `load`, the host is loaded from a few
+    steps before the onset to the end."""
     device = int(rng.choice(run.plan.device_ids))
-    start = run.step
-    onset = start + int(rng.integers(2, 6) if load is None else rng.integers(4, 7))
+    onset = run.step + int(rng.integers(2, 6) if load is None else rng.integers(4, 7))
     run.injector.clear()
     run.injector.slow(device, factor, onset)
     found: dict[str, tuple[int, tuple[int, ...]]] = {}
-    early = {name: 0 for name in detectors}
-    ratios: list[float] = []  # observed / healthy prediction of each step from the onset
+    before, after = [], []  # observed / healthy prediction of each step
     if load is not None:
         load.on()
     try:
-        while run.step < onset + max_after and len(found) < len(detectors):
+        while run.step < onset:
             obs = run.run_step()
-            if obs.step >= onset:
-                ratios.append(obs.step_time_s / warmed["resihp"].predict(obs))
+            before.append(obs.step_time_s / live["resihp"].cost.predict(
+                obs.plan, obs.mb_tokens, obs.mb_sum_l2))
+            _healthy(live, obs, tallies, load is not None)
+        detectors = _copies(live)
+        while run.step < onset + max_after and (len(found) < len(detectors) or
+                                                 len(after) < MIN_AFTER):
+            obs = run.run_step()
+            after.append(obs.step_time_s / live["resihp"].cost.predict(
+                obs.plan, obs.mb_tokens, obs.mb_sum_l2))
             for name, det in detectors.items():
-                if name in found:
-                    continue
-                verdict = det.observe(obs)
-                if verdict is not None and obs.step >= onset:
+                verdict = None if name in found else det.observe(obs)
+                if verdict is not None:
                     found[name] = (obs.step - onset + 1, verdict.devices)
-                if obs.step < onset:
-                    early[name] = det.alarms
     finally:
         if load is not None:
             load.off()
     run.injector.clear()
-    if load is not None:  # the loaded steps before the onset are healthy ones
-        for name in detectors:
-            tallies[name].false_alarms += early[name]
-            tallies[name].healthy_steps += onset - start
-    excess = float(np.exp(np.median(np.log(ratios))))
+    slowdown = float(np.exp(np.median(np.log(after)) - np.median(np.log(before))))
     for name in detectors:
-        t = tallies[name]
-        hit = name in found
-        t.detected.append(hit)
-        t.per_factor.setdefault(factor, []).append(hit)
-        t.by_excess.append((excess, found[name][0] if hit else None))
-        if hit:
-            t.delays.append(found[name][0])
-            t.localized.append(found[name][1] == (device,))
-    return f"  {factor}x on device {device} from step {onset} (step {excess:.2f}x): " + ", ".join(
-        f"{n}={'d%d %s' % (found[n][0], list(found[n][1])) if n in found else 'missed'}"
-        for n in detectors)
+        delay, named = found.get(name, (None, ()))
+        tallies[name].trials.append(Trial(plan_index, factor, slowdown, delay,
+                                          named == (device,)))
+    return f"  {factor}x on device {device} from step {onset} (step {slowdown:.2f}x): " + \
+        ", ".join(f"{n}={_said(tallies[n].trials[-1], found.get(n))}" for n in detectors)
 
 
-def instrument_overhead(spec: tuple[int, ...], data: str, seed: int, steps: int
-                        ) -> tuple[float, float]:
+def _said(trial: Trial, found: tuple | None) -> str:
+    if found is None:
+        return "missed"
+    return f"d{found[0]} {list(found[1])}" + ("" if trial.caught else " (not caught)")
+
+
+def instrument_overhead(run: Run, seed: int, steps: int) -> tuple[float, float]:
     """Median step time with the timing host on, against a program without the Instrument and
     one whose Instrument host does nothing (the io_callbacks alone), on the same batches.
     Returns (total overhead %, share of it due to our host functions %)."""
-    run = Run(spec, data, seed)
     plain = build_step(run.cfg, TrainConfig(), run.plan, jax.devices())
     noop = build_step(run.cfg, TrainConfig(), run.plan, jax.devices(),
                       Instrument(lambda *a: None))
     programs = [(run.program, run.state, run.timer), (plain, plain.init_state(seed), None),
                 (noop, noop.init_state(seed), None)]
     samples: list[list[float]] = [[], [], []]
-    for k in range(steps + 2):
+    for k in range(steps + 1):
         batch = run.data.next_batch()
         args = (batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS)
         for i, (prog, state, timer) in enumerate(programs):
             state, _, timing = timed_step(prog, state, prog.shard_batch(*args), None, timer)
             programs[i] = (prog, state, timer)
-            if k >= 2:
+            if k >= 1:
                 samples[i].append(timing.step_time_s)
+    run.state = programs[0][1]
     on, off, bare = (float(np.median(s)) for s in samples)
     return 100.0 * (on / off - 1.0), 100.0 * (on / bare - 1.0)
 
 
-def step_reach(trials: list[tuple[float, int | None]]) -> dict[str, float | None]:
-    """Reach in step-level slowdowns: `partial`, the smallest one detected; `reliable`, the
-    smallest above which every trial was detected (None: no such trial); `rate_between`, the
-    share detected in [partial, reliable) (a detector blind for a while after each false
-    alarm misses even large slowdowns within a trial's steps); median delays
-    (steps from the onset) of detected small (< SMALL_STEP_EXCESS) and larger slowdowns. The
+def step_reach(trials: list[Trial], floors: list[float]) -> dict[str, float | int | None]:
+    """Reach in step-level slowdowns: `partial`, the smallest one caught; `reliable`, the
+    smallest above which every trial was caught (None: no such trial); `rate_between`, the
+    share caught in [partial, reliable); median delays (steps from the onset) of caught small
+    (< SMALL_STEP_EXCESS) and larger slowdowns; `missed_over_margin`, trials whose slowdown
+    exceeded 1 + MARGIN x their plan's floor and were not caught (of `over_margin`). The
     cluster simulator takes these: a slow GPU there slows its synchronous step by its own
     factor, while here 8 devices share 2 cores and a device's factor f slows the step less."""
-    hits = sorted((e, d) for e, d in trials if d is not None)
-    worst_miss = max((e for e, d in trials if d is None), default=0.0)
-    above = [e for e, _ in hits if e > worst_miss]
+    hits = sorted(t.slowdown for t in trials if t.caught)
+    worst_miss = max((t.slowdown for t in trials if not t.caught), default=0.0)
+    above = [e for e in hits if e > worst_miss]
 
     def median_delay(small: bool) -> float | None:
-        delays = [d for e, d in hits if (e < SMALL_STEP_EXCESS) == small]
+        delays = [t.delay for t in trials if t.caught and (t.slowdown < SMALL_STEP_EXCESS) == small]
         return float(np.median(delays)) if delays else None
 
-    partial = hits[0][0] if hits else None
+    partial = hits[0] if hits else None
     reliable = above[0] if above else None
-    between = [d is not None for e, d in trials
-               if partial is not None and partial <= e and (reliable is None or e < reliable)]
+    between = [t.caught for t in trials
+               if partial is not None and partial <= t.slowdown
+               and (reliable is None or t.slowdown < reliable)]
+    over = [t for t in trials if t.slowdown > 1.0 + MARGIN * floors[t.plan]]
     return {"partial": None if partial is None else round(partial, 3),
             "reliable": None if reliable is None else round(reliable, 3),
             "rate_between": round(float(np.mean(between)), 3) if between else None,
-            "delay_small": median_delay(True), "delay_large": median_delay(False)}
+            "delay_small": median_delay(True), "delay_large": median_delay(False),
+            "over_margin": len(over), "missed_over_margin": sum(not t.caught for t in over)}
 
 
-def summarize(tallies: dict[str, Tally]) -> dict:
+def summarize(tallies: dict[str, Tally], floors: list[float], floor: float) -> dict:
     out = {}
     for name, t in tallies.items():
-        mean_step = t.step_s / max(t.healthy_steps, 1)
+        mean_step = t.step_s / max(t.judged_steps, 1)
+        mape = 100.0 * float(np.mean(t.errors)) if t.errors else None
+        by_factor: dict[float, list[bool]] = {}
+        for trial in t.trials:
+            by_factor.setdefault(trial.factor, []).append(trial.caught)
         out[name] = {
             "false_alarms": t.false_alarms,
-            "mape_pct": round(100.0 * float(np.mean(t.errors)), 2) if t.errors else None,
-            "detection_rate": round(float(np.mean(t.detected)), 3) if t.detected else None,
-            "median_delay_steps": float(np.median(t.delays)) if t.delays else None,
-            "localization_accuracy": round(float(np.mean(t.localized)), 3)
-            if t.localized else None,
+            "healthy_steps": t.healthy_steps,
+            "mape_pct": None if mape is None else round(mape, 2),
+            "mape_over_floor": None if mape is None else round(mape / (100.0 * floor), 2),
+            "detection_rate": round(float(np.mean([x.caught for x in t.trials])), 3)
+            if t.trials else None,
+            "median_delay_steps": _median([x.delay for x in t.trials if x.caught]),
+            "localization_accuracy": round(float(np.mean(
+                [x.right for x in t.trials if x.delay is not None])), 3)
+            if any(x.delay is not None for x in t.trials) else None,
             "cost_pct": round(100.0 * t.cost_s / max(t.judged_steps, 1) / mean_step, 3),
             "cost_ms": round(1e3 * t.cost_s / max(t.judged_steps, 1), 3),
-            "detection_by_factor": {str(f): round(float(np.mean(v)), 3)
-                                    for f, v in sorted(t.per_factor.items())},
-            "step_reach": step_reach(t.by_excess),
+            "caught_by_factor": {str(f): round(float(np.mean(v)), 3)
+                                 for f, v in sorted(by_factor.items())},
+            "step_reach": step_reach(t.trials, floors),
         }
     return out
+
+
+def _median(values: list) -> float | None:
+    return float(np.median(values)) if values else None
 
 
 def summarize_load(tallies: dict[str, Tally]) -> dict:
     return {name: {
         "false_alarms": t.false_alarms,
-        "healthy_steps": t.healthy_steps,
-        "detection_rate": round(float(np.mean(t.detected)), 3) if t.detected else None,
-        "median_delay_steps": float(np.median(t.delays)) if t.delays else None,
-        "max_delay_steps": max(t.delays) if t.delays else None,
-        "localization_accuracy": round(float(np.mean(t.localized)), 3) if t.localized else None,
+        "loaded_steps": t.loaded_steps,
+        "false_alarms_per_50_loaded": round(50.0 * t.false_alarms / max(t.loaded_steps, 1), 2),
+        "detection_rate": round(float(np.mean([x.caught for x in t.trials])), 3)
+        if t.trials else None,
+        "median_delay_steps": _median([x.delay for x in t.trials if x.caught]),
+        "max_delay_steps": max((x.delay for x in t.trials if x.delay is not None), default=None),
     } for name, t in tallies.items()}
 
 
-def print_load(result: dict) -> None:
+def print_tables(result: dict, loaded: dict, floor: float) -> None:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    print(f"\nunder host load (a busy-loop process on one core)\n{'detector':<10} "
-          f"{'false_alarms':>12} {'steps':>6} {'detect':>7} {'delay':>6} {'max':>4} {'local':>6}")
+    print(f"\n{'detector':<10} {'false_alarms':>12} {'MAPE%':>7} {'/floor':>7} {'caught':>7} "
+          f"{'delay':>6} {'local':>6} {'cost%':>7}  caught by factor {FACTORS}")
     for name, r in result.items():
-        print(f"{name:<10} {r['false_alarms']:>12} {r['healthy_steps']:>6} "
-              f"{fmt(r['detection_rate'], '.2f'):>7} {fmt(r['median_delay_steps'], '.1f'):>6} "
-              f"{fmt(r['max_delay_steps'], 'd'):>4} {fmt(r['localization_accuracy'], '.2f'):>6}")
+        print(f"{name:<10} {r['false_alarms']:>12} {fmt(r['mape_pct'], '.2f'):>7} "
+              f"{fmt(r['mape_over_floor'], '.2f'):>7} {fmt(r['detection_rate'], '.2f'):>7} "
+              f"{fmt(r['median_delay_steps'], '.1f'):>6} "
+              f"{fmt(r['localization_accuracy'], '.2f'):>6} {r['cost_pct']:>7.3f}  "
+              f"{list(r['caught_by_factor'].values())}")
+    print(f"reach in step-level slowdown (what a slow device did to the whole step here; "
+          f"margin 1 + {MARGIN:g} x floor = {1 + MARGIN * floor:.3f}x): " + "; ".join(
+              f"{n} caught from {r['step_reach']['partial']}x, every time from "
+              f"{r['step_reach']['reliable']}x, missed {r['step_reach']['missed_over_margin']} "
+              f"of {r['step_reach']['over_margin']} over the margin" for n, r in result.items()))
+    print(f"\nunder host load (a busy-loop process on one core)\n{'detector':<10} "
+          f"{'false_alarms':>12} {'loaded':>7} {'per 50':>7} {'caught':>7} {'delay':>6} "
+          f"{'max':>4}")
+    for name, r in loaded.items():
+        print(f"{name:<10} {r['false_alarms']:>12} {r['loaded_steps']:>7} "
+              f"{r['false_alarms_per_50_loaded']:>7.2f} {fmt(r['detection_rate'], '.2f'):>7} "
+              f"{fmt(r['median_delay_steps'], '.1f'):>6} {fmt(r['max_delay_steps'], 'd'):>4}")
+
+
+def record_fixture(path: str, data: str, seed: int) -> None:
+    """A short healthy run on RECORD_PLAN, with each step's batch layout and the floor, as
+    the replay test's fixture (tests/detector/test_replay.py)."""
+    run = Run(RECORD_PLAN, data, seed)
+    for _ in range(2):  # compile and warm up (the batches are recorded as skipped)
+        run.run_step()
+        run.reference_step()
+    skipped = run.data.batches_served
+    steps, layouts, floor = record_healthy(run, RECORD_STEPS, floor_every=3)
+    det = make_detector("resihp", model=run.cfg, prober=run.probe)
+    errors = []
+    for obs in steps:
+        det.observe(obs)
+        if det.last_prediction_s is not None:
+            errors.append(abs(det.last_prediction_s / obs.step_time_s - 1.0))
+    fixture = {
+        "recorded_by": f"python benchmarks/detection.py --record {path} --data {data} "
+                       f"--seed {seed}",
+        "model": MODEL, "data": data, "seed": seed, "plan": list(RECORD_PLAN),
+        "batches_before": skipped, "noise_floor": round(cv(floor), 5),
+        "mape_when_recorded": round(float(np.mean(errors)), 5),
+        "alarms_when_recorded": det.alarms,
+        "steps": [{"time_s": round(o.step_time_s, 6),
+                   "stage_times_s": np.round(o.stage_times_s, 6).tolist()
+                   if o.stage_times_s is not None else None,
+                   "lengths": [[list(row) for row in mb] for mb in layout]}
+                  for o, layout in zip(steps, layouts)],
+    }
+    with open(path, "w") as f:
+        json.dump(fixture, f, separators=(",", ":"))
+        f.write("\n")
+    print(f"recorded {len(steps)} healthy steps to {path}: floor {100 * cv(floor):.1f}%, "
+          f"MAPE {100 * np.mean(errors):.1f}%, {det.alarms} alarm(s)")
 
 
 def main() -> None:
@@ -330,69 +452,75 @@ def main() -> None:
     parser.add_argument("--data", default=None, help="data source spec (default: "
                         "synthetic:lognormal)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--record", metavar="PATH", help="record the replay test's fixture")
     args = parser.parse_args()
+    data = args.data or "synthetic:lognormal"
+    if args.record:
+        record_fixture(args.record, data, args.seed)
+        return
     t_start = time.perf_counter()
     rng = np.random.default_rng(args.seed)
     if args.quick:
-        jobs = [(QUICK_PLAN, args.data or "synthetic:lognormal")]
-        healthy, trials, max_after, overhead_steps = 36, 1, 7, 3
-        load_stretch, load_trials = (3, 10, 3), 1
+        jobs, healthy, floor_every, trials, max_after = [QUICK_PLAN], 32, 4, 1, CATCH_STEPS
+        load_stretch, load_factors, load_trials, overhead_steps = (2, 6, 2), (2.0,), 1, 2
     else:
-        data = args.data or "synthetic:lognormal"
-        jobs = [(p, data) for p in PLANS]
-        healthy, trials, max_after, overhead_steps = 250, 3, 8, 8
-        load_stretch, load_trials = (5, 30, 5), 2
+        jobs, healthy, floor_every, trials, max_after = list(PLANS), 250, 4, 3, 8
+        load_stretch, load_factors, load_trials, overhead_steps = (5, 30, 5), LOAD_FACTORS, 2, 8
     tallies = {n: Tally() for n in NAMES}
     load_tallies = {n: Tally() for n in NAMES}
     load = HostLoad()
-    cvs, weights = [], []
+    cvs, floors, samples = [], [], []
     print(f"faults: injected fail-slow delays (Instrument host callback sleeps (f-1) x busy time "
-          f"on the chosen device; train step and probes alike); model {MODEL}")
-    for spec, data in jobs:
+          f"on the chosen device; train step and probes alike); model {MODEL}, data {data}")
+    for index, spec in enumerate(jobs):
         run = Run(spec, data, args.seed)
         for _ in range(2):  # compile and warm up
             run.run_step()
-        record = [run.run_step() for _ in range(healthy)]
-        times = np.array([o.step_time_s for o in record])
-        cvs.append(float(times.std() / times.mean()))
-        weights.append(len(times))
-        print(f"plan {run.plan.describe()} data={data}: {len(times)} healthy steps, mean "
-              f"{1e3 * times.mean():.0f} ms, CV {100 * cvs[-1]:.1f}%")
-        warmed = replay_healthy(run, record, tallies)
+            run.reference_step()
+        record, _, floor = record_healthy(run, healthy, floor_every)
+        times = [o.step_time_s for o in record]
+        cvs.append(cv(times))
+        floors.append(cv(floor))
+        samples.append(len(floor))
+        live = replay_healthy(run, record, tallies)
+        ours = live["resihp"]
+        print(f"plan {run.plan.describe()}: {len(times)} healthy steps, mean "
+              f"{1e3 * np.mean(times):.0f} ms, CV {100 * cvs[-1]:.1f}%; noise floor (the same "
+              f"batch {len(floor)} times) {100 * floors[-1]:.1f}%; ours: noise sigma "
+              f"{100 * ours.noise_of(run.plan):.1f}%, stated reach {ours.reach(run.plan):.3f}x")
         for factor in FACTORS:
             for _ in range(trials):
-                print(fault_trial(run, warmed, factor, rng, tallies, max_after))
-        print(loaded_healthy(run, warmed, load_tallies, load, *load_stretch))
-        for factor in LOAD_FACTORS:
+                print(fault_trial(run, index, live, factor, rng, tallies, max_after))
+        print(loaded_healthy(run, live, load_tallies, load, *load_stretch))
+        for factor in load_factors:
             for _ in range(load_trials):
-                print(fault_trial(run, warmed, factor, rng, load_tallies, max_after, load)
+                print(fault_trial(run, index, live, factor, rng, load_tallies, max_after, load)
                       + " (host loaded)")
-    overhead, host_share = instrument_overhead(jobs[0][0], jobs[0][1], args.seed, overhead_steps)
-    result = summarize(tallies)
+    overhead, host_share = instrument_overhead(run, args.seed, overhead_steps)
+    floor = float(np.average(floors, weights=samples))
+    result = summarize(tallies, floors, floor)
     loaded = summarize_load(load_tallies)
-    cv = float(np.average(cvs, weights=weights))
-    print(f"\n{'detector':<10} {'false_alarms':>12} {'MAPE%':>7} {'detect':>7} {'delay':>6} "
-          f"{'local':>6} {'cost_ms':>8} {'cost%':>7}  by factor {FACTORS}")
-    for name, r in result.items():
-        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-        print(f"{name:<10} {r['false_alarms']:>12} {fmt(r['mape_pct'], '.2f'):>7} "
-              f"{fmt(r['detection_rate'], '.2f'):>7} {fmt(r['median_delay_steps'], '.1f'):>6} "
-              f"{fmt(r['localization_accuracy'], '.2f'):>6} {r['cost_ms']:>8.3f} "
-              f"{r['cost_pct']:>7.3f}  {list(r['detection_by_factor'].values())}")
-    print("reach in step-level slowdown (what a slow device did to the whole step here): "
-          + "; ".join(f"{n} detected from {r['step_reach']['partial']}x, every time from "
-                      f"{r['step_reach']['reliable']}x" for n, r in result.items()))
-    print_load(loaded)
-    fa_ratio = result["greyhound"]["false_alarms"] / max(result["resihp"]["false_alarms"], 1)
-    print(f"healthy steps {tallies['resihp'].healthy_steps}, step-time CV {100 * cv:.1f}%; "
-          f"greyhound/resihp false alarms {fa_ratio:.1f}x")
+    print_tables(result, loaded, floor)
+    print(f"healthy steps {tallies['resihp'].healthy_steps}, step-time CV "
+          f"{100 * np.mean(cvs):.1f}%, noise floor {100 * floor:.1f}% (per plan: "
+          f"{', '.join(f'{100 * f:.1f}%' for f in floors)})")
     print(f"timing: Instrument on vs off {overhead:+.1f}% step time, of which our host "
           f"functions (vs a no-op host) {host_share:+.1f}%; "
           f"wall {time.perf_counter() - t_start:.0f} s")
-    print(json.dumps({"detectors": {n: {k: result[n][k] for k in (
-        "false_alarms", "mape_pct", "detection_rate", "median_delay_steps",
-        "localization_accuracy", "cost_pct", "step_reach")} for n in NAMES},
-        "step_time_cv": round(cv, 4),
+    trial_rows = [{"plan": t.plan, "factor": t.factor, "step_slowdown": round(t.slowdown, 3),
+                   "caught": {n: tallies[n].trials[i].caught for n in NAMES}}
+                  for i, t in enumerate(tallies["resihp"].trials)]
+    print(json.dumps({
+        "noise_floor_pct": round(100 * floor, 2),
+        "noise_floor_pct_per_plan": [round(100 * f, 2) for f in floors],
+        "step_time_cv": round(float(np.mean(cvs)), 4),
+        "detectors": {n: {k: result[n][k] for k in (
+            "false_alarms", "healthy_steps", "mape_pct", "mape_over_floor", "detection_rate",
+            "median_delay_steps", "localization_accuracy", "cost_pct", "caught_by_factor",
+            "step_reach")} for n in NAMES},
+        "mape_over_floor": result["resihp"]["mape_over_floor"],
+        "step_reach": result["resihp"]["step_reach"],
+        "trials": trial_rows,
         "host_load": loaded}))
 
 

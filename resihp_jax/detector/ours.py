@@ -3,12 +3,18 @@
 The OnlineCostModel (fitted online from steps judged healthy) predicts what this batch's
 sequence lengths should cost under this plan; a tracked scale (EWMA of healthy steps' log
 error, rate `drift`) absorbs machine-wide drift such as other jobs sharing the host, within a
-few steps. A step is in excess when log(observed / predicted) is above `k` robust sigmas
-(the larger of the cost model's fit noise and this detector's own recent healthy errors) and
-at least `min_excess`; only `persist` excess steps in a row raise a suspicion, which the probes
-then confirm and localize; two in a row suffice when both exceed `strong` thresholds (healthy
-streams never showed two consecutive steps above even one threshold; a 1.5x device shows
-several thresholds on every step).
+few steps. What is left, r = log(observed / predicted), is measured in units of the plan's own
+noise sigma: the spread of r over the steps this plan ran healthy (its upper tail included),
+so the thresholds follow the machine the job runs on rather than fixed factors. A one-sided
+CUSUM of those units (slack `slack` sigmas per step, one step counting at most
+`decision` / 2, a suspicion at `decision`) raises a suspicion, which the probes then confirm
+and localize. The stated margin: a step-level slowdown of `REACH_SIGMAS` (4) sigmas is caught
+within `REACH_STEPS` (5) steps. With the defaults and normal noise, 4 sigmas reach the
+decision within 5 steps all but 5 times in a million (3 sigmas: 98 in 100), and healthy
+steps raise a suspicion within 500 steps in 1 run of 700 (t-distributed noise with 4 degrees
+of freedom: 1 in 50); no single step (a load spike) can raise a suspicion alone. Steps that
+moved the CUSUM are held back from learning until it returns to zero (then they were noise,
+and their residuals widen the plan's sigma) or the probes clear them.
 
 When per-stage times come with the steps (the forward of one micro-batch per stage), a
 second, load-robust signal watches each stage's share of them against the share its layers
@@ -47,6 +53,15 @@ from resihp_jax.perfmodel.work import group_data
 
 # Steps learned as healthy before any step is judged (callers scheduling faults need it).
 WARMUP_STEPS = 24
+# The stated margin: a step-level slowdown of exp(REACH_SIGMAS x the plan's noise sigma) or
+# more is caught within REACH_STEPS steps (see the module docstring for why the defaults do).
+REACH_SIGMAS = 4.0
+REACH_STEPS = 5
+# Residuals a plan needs before its own sigma is trusted (until then: the cost model's noise
+# and the other plans' sigmas, whichever is larger).
+MIN_RESIDUALS = 16
+STAGE_PERSIST = 3  # steps of stage excess in a row that make a suspicion
+LOAD_DRIFT = 0.5  # the drift scale's rate while the stages show a load on the whole host
 
 
 @register
@@ -55,28 +70,38 @@ class ResiHPDetector(Detector):
 
     def __init__(self, model: ModelFacts | None = None, *,
                  cost_model: OnlineCostModel | None = None, warmup: int = WARMUP_STEPS,
-                 k: float = 3.0, min_excess: float = 0.05, persist: int = 3, strong: float = 2.0,
-                 drift: float = 0.2,
+                 slack: float = 1.25, decision: float = 4.0, drift: float = 0.2,
+                 min_noise: float = 0.002, k: float = 3.0, level_min_excess: float = 0.05,
                  use_stage_times: bool = True, stage_min_excess: float = 0.08,
                  fit_stage_times: bool = False, **kwargs: Any) -> None:
         super().__init__(model=model, **kwargs)
-        if not (isinstance(persist, int) and persist >= 2 and strong >= 1.0):
-            raise ConfigError(f"resihp: persist={persist!r} must be an integer >= 2 and "
-                              f"strong={strong!r} >= 1")
+        if not (slack >= 0 and decision > 0 and min_noise > 0):
+            raise ConfigError(f"resihp: slack={slack!r} must be >= 0, decision={decision!r} "
+                              f"and min_noise={min_noise!r} > 0 (in noise sigmas)")
+        # The shared-core terms are always in the predictor's model (each >= 0, so where
+        # devices really run in parallel the fit leaves them at 0): left to the cost model's
+        # own choice they came in only after ~90 steps of 8 fake devices on 2 cores, and the
+        # pipeline-only fit before that erred 1.4x the machine's noise floor (0.95x with them).
         self.cost = cost_model if cost_model is not None else OnlineCostModel(
-            model, window=128, refit_every=16)
-        self.warmup, self.k, self.min_excess, self.strong = warmup, k, min_excess, strong
-        self.persist, self.drift, self.use_stage_times = persist, drift, use_stage_times
+            model, window=128, refit_every=16, mode="contention")
+        self.warmup, self.slack, self.decision = warmup, slack, decision
+        self.drift, self.min_noise, self.k = drift, min_noise, k
+        self.level_min_excess, self.use_stage_times = level_min_excess, use_stage_times
         self.fit_stage_times = fit_stage_times
         self.scale = 1.0  # machine-wide drift of healthy steps against the model
         self._learned = 0
-        self._excess: list[float] = []  # log excesses of the current run of excess steps
+        self.cusum = 0.0  # accumulated excess beyond the slack, in noise sigmas
+        # steps held back from learning: (observation, excess, unexplained)
+        self._held: list[tuple[StepObservation, float, float]] = []
         self.last_excess = 0.0
-        self._resid: deque[float] = deque(maxlen=64)  # healthy steps' log(observed/predicted)
+        self._resid: dict[Plan, deque[float]] = {}  # healthy steps' unexplained log excess
+        self._sigma: dict[Plan, float] = {}
+        self._plan: Plan | None = None  # the plan of the last step judged
         self.stage_min_excess = stage_min_excess
         self._stage_base: np.ndarray | None = None  # healthy log-share of each stage
         self._level_base: np.ndarray | None = None  # healthy log(time / expected) per stage
         self._level = 0.0  # this step's machine-wide stage level against its baseline
+        self._shared = 0.0  # the part of it taken as load on the whole machine
         self._level_dev = np.zeros(0)
         self._level_spread = 0.0  # robust sigma of `_level` on healthy steps
         self._stage_spread = 0.0  # robust sigma of a stage's deviation from its baseline
@@ -85,20 +110,33 @@ class ResiHPDetector(Detector):
         self._rebase_left = 0  # steps left in which to re-measure `scale` after a re-plan
         self._rebase_ratios: list[float] = []  # observed / raw prediction over those steps
 
+    def noise_of(self, plan: Plan | None) -> float:
+        """Sigma of the log prediction error of healthy steps under `plan`: the larger of
+        1.4826 x MAD and the distance from the median to the 90th percentile / 1.28 (load
+        bursts on a shared host make the upper tail heavier than a normal one; that tail is
+        what raises false alarms). Before the plan has MIN_RESIDUALS of its own: the largest
+        of the cost model's fit noise and every other plan's sigma."""
+        own = self._sigma.get(plan)
+        if own is not None:
+            return own
+        known = list(self._sigma.values())
+        if self.cost.ready:
+            known.append(self.cost.noise)
+        return max([self.min_noise, *known])
+
     @property
     def noise(self) -> float:
-        """Robust sigma of the step predictions: the larger of the cost model's fit noise and
-        this detector's own recent healthy errors (drift included). The own errors alone are
-        truncated at the threshold and miss the heavy tail of a shared host's load bursts
-        (7 false alarms in 500 steps when used alone), so they may only raise the noise."""
-        if len(self._resid) < 8:
-            return self.cost.noise
-        r = np.asarray(self._resid)
-        return max(self.cost.noise, 1.4826 * float(np.median(np.abs(r - np.median(r)))))
+        """The noise sigma of the plan last judged."""
+        return self.noise_of(self._plan)
 
     @property
     def threshold(self) -> float:
-        return max(self.min_excess, self.k * self.noise)
+        """Log excess per step beyond which a step adds to the suspicion."""
+        return self.slack * self.noise
+
+    def reach(self, plan: Plan) -> float:
+        """The step-level slowdown this detector catches within REACH_STEPS steps on `plan`."""
+        return math.exp(REACH_SIGMAS * self.noise_of(plan))
 
     def predict(self, obs: StepObservation) -> float:
         """Healthy time of this batch under this plan (cost model times drift)."""
@@ -106,7 +144,7 @@ class ResiHPDetector(Detector):
 
     def healthy_time_s(self, plan: Plan, mb_tokens: np.ndarray,
                        mb_sum_l2: np.ndarray) -> float | None:
-        if not self.cost.ready or self._learned < self.warmup:
+        if self._warming():
             return None
         return self.scale * self.cost.predict(plan, mb_tokens, mb_sum_l2)
 
@@ -123,14 +161,22 @@ class ResiHPDetector(Detector):
         drift scale over the next `steps` steps (not learned by the cost model, never
         suspected), and re-learn each stage's share, so only a new fault raises a suspicion."""
         self._rebase_left, self._rebase_ratios = steps, []
-        self._excess.clear()
+        self.cusum, self._held = 0.0, []
         self._stage_streak, self._stage_base, self._stage_seen = 0, None, 0
-        self._level_base, self._level_spread = None, 0.0
+        self._level_base, self._level_spread, self._shared = None, 0.0, 0.0
+
+    def _warming(self) -> bool:
+        return not self.cost.ready or self._learned < self.warmup or not self._sigma
 
     def _suspect(self, obs: StepObservation) -> bool:
-        if not self.cost.ready or self._learned < self.warmup:
-            if self.cost.ready:  # stage shares are judged against the fitted costs
+        if self._warming():
+            if self.cost.ready:  # judged against the fit so far, before it learns the step:
+                # out-of-sample errors, as later steps will show (the fit's own residuals
+                # on its first rows are far smaller); drift is tracked from here on too
+                excess = math.log(obs.step_time_s / self.predict(obs))
+                self._add_residual(obs.plan, excess)
                 self._update_stage_base(self._stage_deviation(obs))
+                self.scale *= math.exp(self.drift * excess)
             self._learn(obs)
             return False
         if self._rebase_left > 0:
@@ -140,46 +186,77 @@ class ResiHPDetector(Detector):
             if self._rebase_left == 0:
                 self.scale = float(np.median(self._rebase_ratios))
             return False
+        self._plan = obs.plan
         predicted = self.predict(obs)
         self.last_prediction_s = predicted
         excess = math.log(obs.step_time_s / predicted)
         self.last_excess = excess
         stage_dev = self._stage_deviation(obs)
         stage_hot = self._stage_hot(stage_dev)
-        unexplained = excess - self._shared_level()  # what the whole machine does not share
-        step_hot = unexplained > self.threshold
-        if step_hot:
-            self._excess.append(unexplained)
-        else:
-            self._excess.clear()
-        if self._stage_streak >= self.persist or self._step_persistent():
-            return True
-        if stage_hot or step_hot:
-            return False  # pending: a suspect step teaches neither the model nor the baseline
+        self._shared = self._shared_level()
+        unexplained = excess - self._shared  # what the whole machine does not share
+        units = unexplained / self.noise_of(obs.plan)
+        self.cusum = max(0.0, self.cusum + min(units - self.slack, self.decision / 2))
+        suspected = self.cusum >= self.decision or self._stage_streak >= STAGE_PERSIST
+        if suspected or units > self.slack or stage_hot:
+            # it added to the suspicion: it teaches neither the model nor the baselines (yet)
+            self._held.append((obs, excess, unexplained))
+            del self._held[:-128]  # a swing that never resolves is learned no more
+            return suspected
+        if self.cusum == 0:
+            self._release()  # the run of excess ended without a suspicion: it was noise
         self._update_stage_base(stage_dev)
-        self._resid.append(excess)
-        self.scale *= math.exp(self.drift * excess)
-        self._learn(obs)
+        self._learn_healthy(obs, excess, unexplained)
         return False
+
+    def _learn_healthy(self, obs: StepObservation, excess: float, unexplained: float) -> None:
+        """The step was healthy: its error is noise of this plan (the part the stages do
+        not share), all of its excess is drift (the stage baselines absorb the shared part
+        at the same rate, so a load keeps being explained while the scale catches up)."""
+        self._add_residual(obs.plan, unexplained)
+        # under a load the stages show (shared), catch up fast: the stage baselines absorb
+        # the load too, and what the scale had not caught when they have would be excess
+        rate = max(self.drift, LOAD_DRIFT) if self._shared else self.drift
+        self.scale *= math.exp(rate * excess)
+        self._learn(obs)
+
+    def _add_residual(self, plan: Plan, resid: float) -> None:
+        window = self._resid.setdefault(plan, deque(maxlen=128))
+        window.append(resid)
+        if len(window) >= MIN_RESIDUALS:
+            r = np.asarray(window)
+            med = float(np.median(r))
+            mad_sigma = 1.4826 * float(np.median(np.abs(r - med)))
+            tail_sigma = (float(np.quantile(r, 0.9)) - med) / 1.2816
+            self._sigma[plan] = max(self.min_noise, mad_sigma, tail_sigma)
+
+    def _release(self) -> None:
+        """Learn the held steps: they were healthy after all (the stage baselines learn
+        only from steps judged healthy at once)."""
+        held, self._held = self._held, []
+        for obs, excess, unexplained in held:
+            self._learn_healthy(obs, excess, unexplained)
 
     def _shared_level(self) -> float:
         """The stages' common slowdown when it stands out of their noise, else 0: a noisy
-        level subtracted on every step would blunt the step signal on a quiet host."""
+        level subtracted on every step would blunt the step signal on a quiet host. Once it
+        stood out, half that suffices while it lasts: a load stays a while, and its level,
+        measured on a few stages' single forwards, swings around it."""
         if self._stage_seen < self.warmup // 2:
             return 0.0
-        floor = max(self.min_excess, self.k * self._level_spread)
-        return self._level if self._level > floor else 0.0
-
-    def _step_persistent(self) -> bool:
-        run = self._excess
-        return len(run) >= self.persist or (
-            len(run) >= 2 and min(run[-2:]) > self.strong * self.threshold)
+        floor = max(self.level_min_excess, self.k * self._level_spread)
+        return self._level if self._level > (floor / 2 if self._shared else floor) else 0.0
 
     def _cleared(self, obs: StepObservation) -> None:
-        # the probes found every device equally fast: the excess was the machine, not a device
-        if self._excess:
-            self.scale *= math.exp(float(np.median(self._excess)))
-        self._excess.clear()
+        # the probes found every device equally fast: the excess was the machine, not a
+        # device. Move the drift scale by it and learn the held steps as healthy (their
+        # residuals widen the plan's sigma, so the same swing is not suspected again).
+        if self._held:
+            shift = float(np.median([u for _, _, u in self._held]))
+            self._held = [(o, e - shift, u - shift) for o, e, u in self._held]
+            self.scale *= math.exp(shift)
+            self._release()
+        self.cusum = 0.0
         self._stage_streak = 0
 
     # ---- per-stage shares ----------------------------------------------------------------
@@ -221,7 +298,7 @@ class ResiHPDetector(Detector):
         rate = max(self.drift, 1.0 / (self._stage_seen + 1))
         self._stage_base = self._stage_base + rate * dev  # type: ignore[operator]
         self._level_base = self._level_base + rate * self._level_dev  # type: ignore[operator]
-        if not self._shared_level():  # noise only: a real shared slowdown would inflate it
+        if not self._shared:  # noise only: a real shared slowdown would inflate it
             # mean |level| x 1.2533 is sigma for normal noise
             self._level_spread += rate * (1.2533 * abs(self._level) - self._level_spread)
         spread = 1.4826 * float(np.median(np.abs(dev)))

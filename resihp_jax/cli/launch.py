@@ -36,6 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "in (default: never)")
     parser.add_argument("--max-restarts", type=int, default=8,
                         help="give up after this many relaunches (default 8)")
+    parser.add_argument("--no-standby", action="store_true",
+                        help="keep no warm standby. By default, beside a running incarnation "
+                             "of N >= 2 processes (from the job's start, and after a relaunch "
+                             "once it has trained its first step), N-1 more processes start, "
+                             "join a job of their own, plan and compile as a relaunch without "
+                             "one process would, and wait; when one process dies or hangs "
+                             "they take over (no process start, no compile). It costs the "
+                             "memory of N-1 idle processes and, while they compile, CPU the "
+                             "job would otherwise use")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="-- then either your own command for every process (e.g. -- "
                              "python my_train.py ARGS, a script that calls rh.fit: it joins "
@@ -105,7 +114,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     config = LaunchConfig(args.procs, args.devices_per_proc, directory.absolute(),
                           () if command else _train_args(args.train_args), faults,
                           args.max_restarts, readmit_after_steps=args.readmit_after,
-                          command=command)
+                          command=command, standby=not args.no_standby)
     print(f"resihp launch: {config.procs} processes x {config.devices_per_proc} devices, "
           f"job directory {directory}", file=out)
     summary = Supervisor(config, out=sys.stderr).run()
@@ -114,6 +123,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     for i, failure in enumerate(summary.failures):
         print(f"failure {i + 1}: {failure.kind}, {failure.detail}", file=out)
     for i, plan in enumerate(summary.plans):
-        print(f"incarnation {i}: {plan}", file=out)
+        how = f" ({summary.relaunched_by[i - 1]})" if 0 < i <= len(summary.relaunched_by) else ""
+        print(f"incarnation {i}: {plan}{how}", file=out)
     print(json.dumps(summary.to_json()), file=out)
     return 0

@@ -9,6 +9,15 @@ Either way every process is ended, the culprit's host is recorded as excluded in
 health record, and the job is relaunched on the survivors, which restore the newest
 checkpoint into the plan the scheduler picks for them.
 
+While an incarnation of n >= 2 processes runs, a warm standby of n-1 processes waits
+beside it (standby.py): started with the job's first incarnation, and after a relaunch once
+the relaunched incarnation has trained its first step, so that it never competes with a
+relaunch's critical path (its restore and first step). A failure that leaves n-1 usable hosts
+promotes it: the supervisor ends the incarnation as always (its survivors write their
+copies), then gives the standby the word, and the standby restores and trains with the
+programs it compiled while it waited. Any other failure, or a standby that died, relaunches
+fresh processes.
+
 Faults for testing (`Fault`): kill (SIGKILL), hang (SIGSTOP), slow (a CPU quota from
 outside, see `Throttle`), each when the job reaches a step. Time is injected (`clock`).
 """
@@ -16,6 +25,7 @@ outside, see `Throttle`), each when the job reaches a step. Time is injected (`c
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,10 +33,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Any, Callable, TextIO
 
 from resihp_jax.errors import ConfigError, HostsLeftOut
-from resihp_jax.runtime.job import distributed, heartbeat
+from resihp_jax.runtime.job import distributed, heartbeat, standby
 from resihp_jax.runtime.recovery import health_record
 from resihp_jax.faults.throttle import Throttle
 from resihp_jax.runtime.job.exits import EXIT_CODES, USER_ERROR
@@ -77,6 +87,11 @@ class LaunchConfig:
     # the user's own command (e.g. python my_train.py ARGS), run as each process instead of
     # `resihp train train_args`; it learns its place in the job from the RESIHP_* variables
     command: tuple[str, ...] | None = None
+    # keep the likely next incarnation (one process fewer) started and compiled (standby.py)
+    standby: bool = True
+    # a kill or hang due at a step waits until the standby is ready, as a failure in a long
+    # job finds it (benchmarks; the job must run long enough for it)
+    faults_wait_for_standby: bool = False
 
     def __post_init__(self) -> None:
         if self.readmit_after_steps is not None and self.readmit_after_steps < 1:
@@ -122,12 +137,16 @@ class Summary:
     sources: list[str] = field(default_factory=list)  # each incarnation's state: its origin
     restored: list[int] = field(default_factory=list)  # each incarnation's first step
     injected: list[str] = field(default_factory=list)  # each fault as it was injected
+    relaunched_by: list[str] = field(default_factory=list)  # each relaunch: standby | fresh
 
     def to_json(self) -> dict:
         return {"restarts": self.restarts, "steps_lost": self.steps_lost,
                 "recovery_s": [round(x, 3) for x in self.recovery_s],
                 "detect_s": [round(x, 3) for x in self.detect_s],
-                "final_step": self.final_step, "plans": self.plans, "sources": self.sources}
+                "final_step": self.final_step, "plans": self.plans, "sources": self.sources,
+                "relaunched_by": self.relaunched_by,
+                # executables each relaunch built on its way to its first step
+                "relaunch_compiles": [int(p.get("compiles", -1)) for p in self.phases]}
 
 
 def free_port() -> int:
@@ -149,27 +168,93 @@ class Supervisor:
         self._record = health_record.HealthRecord()  # as the running incarnation read it
         self._service = None  # the running incarnation's coordination service
         self._incarnation = 0
+        self._standby: standby.Standby | None = None
 
     # ---- one incarnation -----------------------------------------------------------------
     def _spawn(self, hosts: list[str], beat_dir: Path) -> dict[str, subprocess.Popen]:
-        cfg, port = self.config, free_port()
-        logs = cfg.checkpoint_dir / "logs"
+        logs = [self._log(f"incarnation{self._incarnation}-{host}") for host in hosts]
+        procs, self._service = self._start(hosts, beat_dir, logs)
+        return dict(zip(hosts, procs))
+
+    def _log(self, name: str) -> Path:
+        logs = self.config.checkpoint_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        return logs / f"{name}.log"
+
+    def _start(self, hosts: list[str], beat_dir: Path, logs: list[Path],
+               extra_env: dict[str, str] | None = None) -> tuple[list[subprocess.Popen], Any]:
+        """Processes `hosts` of one job with their own coordination service."""
+        cfg, port = self.config, free_port()
         # the job's coordination service lives here, not in process 0: JAX aborts every
         # process when the service goes away, which would cost the survivors' copies
-        self._service = distributed.start_service(f"127.0.0.1:{port}", len(hosts))
+        service = distributed.start_service(f"127.0.0.1:{port}", len(hosts))
         env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={cfg.devices_per_proc}",
-                   **{heartbeat.ENV_VAR: str(beat_dir), distributed.EXTERNAL_SERVICE_ENV: "1"})
-        procs = {}
-        for index, host in enumerate(hosts):
-            log = open(logs / f"incarnation{self._incarnation}-{host}.log", "w")  # noqa: SIM115
+                   **{heartbeat.ENV_VAR: str(beat_dir), distributed.EXTERNAL_SERVICE_ENV: "1"},
+                   **(extra_env or {}))
+        procs = []
+        for index, (host, path) in enumerate(zip(hosts, logs)):
+            log = open(path, "w")  # noqa: SIM115
             cmd, own_env = self._command(f"127.0.0.1:{port}", len(hosts), index, host)
-            procs[host] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, env={**env, **own_env},
-                                           start_new_session=True)
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env={**env, **own_env},
+                                          start_new_session=True))
             log.close()
-        return procs
+        return procs, service
+
+    # ---- the standby ---------------------------------------------------------------------
+    def _start_standby(self, n: int) -> None:
+        """A standby for the next incarnation, one process fewer than the `n` running."""
+        if not self.config.standby or n < 2 or self._standby is not None:
+            return
+        cfg, nxt = self.config, self._incarnation + 1
+        go = cfg.checkpoint_dir / "standby" / f"incarnation{nxt}" / standby.GO_FILE
+        shutil.rmtree(go.parent, ignore_errors=True)
+        go.parent.mkdir(parents=True)
+        # placeholder host ids: the go file names the real ones
+        names = [f"standby{i}" for i in range(n - 1)]
+        logs = [self._log(f"incarnation{nxt}-{name}") for name in names]
+        beat_dir = cfg.checkpoint_dir / "heartbeat" / f"incarnation{nxt}"
+        procs, service = self._start(names, beat_dir, logs, {standby.ENV_VAR: str(go)})
+        self._standby = standby.Standby(procs, service, go, nxt, logs)
+
+    def _check_standby(self) -> None:
+        """A standby that ended on its own is dropped (never counted as a failure)."""
+        if self._standby is not None and not self._standby.alive():
+            codes = [p.poll() for p in self._standby.procs]
+            print(f"launch: the standby ended by itself (exit codes {codes}); the next "
+                  "relaunch starts fresh processes", file=self.out)
+            self._drop_standby()
+
+    def _drop_standby(self) -> None:
+        if self._standby is not None:
+            self._standby.kill()
+            self._standby = None
+
+    def _relaunch(self, live: list[str], beat_dir: Path) -> dict[str, subprocess.Popen]:
+        """The incarnation's processes: the standby promoted when it fits, else new ones."""
+        held, self._standby = self._standby, None
+        relaunch = self._incarnation > 0
+        if held is not None and held.size == len(live) and held.alive():
+            state = "ready" if held.ready() else "still preparing: it goes on once ready"
+            print(f"launch: incarnation {self._incarnation} on {', '.join(live)}: the standby "
+                  f"takes over ({state})", file=self.out)
+            self._service = held.service
+            self.summary.relaunched_by.append("standby")
+            return held.promote(live)
+        if held is not None:
+            print(f"launch: the standby of {held.size} process(es) does not fit "
+                  f"{len(live)} usable host(s): starting fresh processes", file=self.out)
+            held.kill()
+        if relaunch:
+            self.summary.relaunched_by.append("fresh")
+        return self._spawn(live, beat_dir)
+
+    def _faults_held(self) -> bool:
+        """Fail-stop faults wait for a ready standby (faults_wait_for_standby)."""
+        if not (self.config.faults_wait_for_standby and self.config.standby):
+            return False
+        return self._standby is None or not self._standby.ready()
 
     def _command(self, coordinator: str, n: int, index: int, host: str
                  ) -> tuple[list[str], dict[str, str]]:
@@ -198,9 +283,12 @@ class Supervisor:
                 self._lifted.add(fault)
                 print(f"launch: step {step}: slowdown of {fault.describe()} lifted",
                       file=self.out)
+        held = self._faults_held()
         for fault in self.config.faults:
             host = fault.host_in(live)
             if fault in self._fired or host not in procs or step < fault.step:
+                continue
+            if held and fault.kind != "slow":
                 continue
             self._fired.add(fault)
             pid = procs[host].pid
@@ -230,7 +318,9 @@ class Supervisor:
             if now_step > step:
                 if not started:
                     self._first_progress_at = self.clock()
+                    self._start_standby(len(procs))
                 step, advanced_at, started = now_step, self.clock(), True
+            self._check_standby()
             if failed and set(failed.values()) <= PLANNED_EXITS:
                 # a re-plan left processes out: all exit on their own, those left out with
                 # their own code, once their copies are written
@@ -294,6 +384,13 @@ class Supervisor:
 
     # ---- the job -------------------------------------------------------------------------
     def run(self) -> Summary:
+        try:
+            return self._run()
+        finally:
+            self._drop_standby()
+            shutil.rmtree(self.config.checkpoint_dir / "standby", ignore_errors=True)
+
+    def _run(self) -> Summary:
         cfg = self.config
         hosts = [f"p{i}" for i in range(cfg.procs)]
         detected_at: float | None = None
@@ -305,7 +402,9 @@ class Supervisor:
                 raise ConfigError("every process of the job has been excluded; see "
                                   f"{health_record.path_in(cfg.checkpoint_dir)}")
             beat_dir = cfg.checkpoint_dir / "heartbeat" / f"incarnation{self._incarnation}"
-            procs = self._spawn(live, beat_dir)
+            procs = self._relaunch(live, beat_dir)
+            if self._incarnation == 0:  # no relaunch to slow down: prepare the next one now
+                self._start_standby(len(procs))
             first = self._first_beat(procs, beat_dir)
             self.summary.restored.append(first)
             if lost_from is not None:

@@ -179,6 +179,11 @@ class Checkpointer:
             multihost_utils.sync_global_devices("resihp_checkpoint_set_aside")
         self._manager.reload()
 
+    def reload(self) -> None:
+        """Read the directory's list of steps again (it is read once, when this object is
+        built): a standby built its checkpointer long before the job wrote its newest steps."""
+        self._manager.reload()
+
     def close(self) -> None:
         self._manager.close()
 

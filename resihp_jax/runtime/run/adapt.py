@@ -21,7 +21,8 @@ from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.run.config import RunConfig
-from resihp_jax.runtime.run.plain import RecordSink, close_host_copies, host_copies
+from resihp_jax.runtime.run.plain import (RecordSink, attach_job, close_host_copies,
+                                           host_copies)
 
 
 def _excluding_left_out(events: Iterator[Any], job: Any,
@@ -42,13 +43,16 @@ class AdaptRun:
                  train_cfg: Any, plan: Plan, data: Any, ladder: Ladder,
                  phases: dict[str, float], out: TextIO, *, programs: Any = None,
                  on_step: Callable[[StepRecord], None] | None = None,
-                 resilience: ResilienceConfig | None = None) -> None:
+                 resilience: ResilienceConfig | None = None,
+                 compiles_from: float | None = None) -> None:
         """`programs`, `on_step`, `resilience`: a user's model's step builder, a callback
-        after every step, and the detector/scheduler settings (see ResilientTrainer)."""
+        after every step, and the detector/scheduler settings (see ResilientTrainer).
+        `compiles_from`: see RecordSink."""
         import jax  # noqa: PLC0415
 
         self.config, self.job, self.data, self.out, self.phases = config, job, data, out, phases
-        self.ladder, self.on_step = ladder, on_step
+        self.ladder, self.on_step, self.copies = ladder, on_step, copies
+        self.compiles_from = compiles_from
         self.heartbeat = Heartbeat.from_env(job.spec.host_id)
         config = dataclasses.replace(
             resilience or ResilienceConfig(),
@@ -62,6 +66,11 @@ class AdaptRun:
                                         on_long_work=self._long_work, programs=programs)
         phases["compile_s"] = time.perf_counter() - t0
         self.snapshots = host_copies(copies, job, self.trainer.checkpointer)
+
+    def attach(self, job: Any, compiles_from: float) -> None:
+        """Train in `job` (a standby's, once its go named its hosts; see attach_job)."""
+        self.heartbeat, self.snapshots = attach_job(self, job, self.trainer.checkpointer)
+        self.compiles_from = compiles_from
 
     def run(self) -> list[StepRecord]:
         start = self._initial_state()
@@ -119,7 +128,8 @@ class AdaptRun:
         return self.ladder.deadline_s(predicted)
 
     def _steps(self, start: int) -> list[StepRecord]:
-        sink = RecordSink(self.config, start, self.job.primary, self.phases, self.start_record)
+        sink = RecordSink(self.config, start, self.job.primary, self.phases, self.start_record,
+                          self.compiles_from, self.out)
         try:
             events = self.trainer.run(self.config.steps, seed=self.config.seed)
             for event in _excluding_left_out(events, self.job, self.config.checkpoint_dir):

@@ -21,6 +21,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.job.deadline import Ladder, StepDeadline
 from resihp_jax.runtime.job.heartbeat import Heartbeat
 from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots, activate, deactivate
+from resihp_jax.runtime.trainer.compiles import foreground_since
 from resihp_jax.runtime.trainer.loop import StepRecord, train
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.run.config import RunConfig
@@ -32,10 +33,13 @@ from resihp_jax.train.step import build_step
 class TrainRun:
     def __init__(self, config: RunConfig, copies: str | None, job: Any, model: Any,
                  train_cfg: Any, plan: Plan, data: Any, ckpt: Any, ladder: Ladder,
-                 phases: dict[str, float], out: TextIO) -> None:
-        """`copies`: how the survivors' copies are kept (None: none; see host_snapshot.py)."""
+                 phases: dict[str, float], out: TextIO,
+                 compiles_from: float | None = None) -> None:
+        """`copies`: how the survivors' copies are kept (None: none; see host_snapshot.py).
+        `compiles_from`: when its start-up's critical path began (see RecordSink)."""
         self.config, self.job, self.plan, self.data, self.ckpt = config, job, plan, data, ckpt
-        self.out, self.phases = out, phases
+        self.out, self.phases, self.copies = out, phases, copies
+        self.compiles_from = compiles_from
         # compiled before the first step, so that step times the step alone and gives the
         # next one a deadline (a hang just after a relaunch is caught as fast as any)
         self.deadline = StepDeadline(model, ladder, remat=train_cfg.remat,
@@ -48,6 +52,11 @@ class TrainRun:
         self.program = compile_program(build_step(model, train_cfg, plan, jax.devices()))
         phases["compile_s"] = time.perf_counter() - t0
         self.snapshots = host_copies(copies, job, ckpt)
+
+    def attach(self, job: Any, compiles_from: float) -> None:
+        """Train in `job` (a standby's, once its go named its hosts; see attach_job)."""
+        self.heartbeat, self.snapshots = attach_job(self, job, self.ckpt)
+        self.compiles_from = compiles_from
 
     def run(self) -> list[StepRecord]:
         state, start = self._initial_state()
@@ -114,7 +123,7 @@ class TrainRun:
 
     def _steps(self, state: Any, start: int) -> list[StepRecord]:
         self.sink = RecordSink(self.config, start, self.job.primary, self.phases,
-                               self.start_record)
+                               self.start_record, self.compiles_from, self.out)
         self.data_step = start
         try:
             for _, record in train(self.program, state, self.data, self.config.steps - start,
@@ -145,17 +154,34 @@ def close_host_copies(snapshots: HostSnapshots | None) -> None:
         snapshots.close()
 
 
+def attach_job(run: Any, job: Any, ckpt: Any) -> tuple[Heartbeat | None, HostSnapshots | None]:
+    """`run` (a TrainRun or AdaptRun) trains in `job` from now on: its heartbeat and host
+    copies under `job`'s host id, its checkpoint list read afresh. A standby built its run
+    (and compiled it) for placeholder hosts long before its go named the real ones."""
+    run.job = job
+    if run.heartbeat is not None:
+        run.heartbeat.close()  # it wrote nothing: it is told a step only once training starts
+    close_host_copies(run.snapshots)
+    if ckpt is not None:
+        ckpt.reload()
+    return Heartbeat.from_env(job.spec.host_id), host_copies(run.copies, job, ckpt)
+
+
 class RecordSink:
     """Where finished steps go: the records, process 0's metrics file and progress bar, and
     the first step's time among the start-up phases."""
 
     def __init__(self, config: RunConfig, start: int, primary: bool,
-                 phases: dict[str, float], start_record: dict | None = None) -> None:
+                 phases: dict[str, float], start_record: dict | None = None,
+                 compiles_from: float | None = None,
+                 out: TextIO | None = None) -> None:
         """`start_record`: the record of step `start` if known (the survivors' copies carry
-        it), written when the metrics file lacks it."""
+        it), written when the metrics file lacks it. `compiles_from`: when the start-up's
+        critical path began (time.time()): the first step then says how many executables
+        were built on it (compiles.foreground_since)."""
         from tqdm import tqdm  # noqa: PLC0415
 
-        self.phases = phases
+        self.phases, self.compiles_from, self.out = phases, compiles_from, out
         self.records: list[StepRecord] = []
         self.bar = tqdm(total=config.steps, initial=start, unit="step", file=sys.stderr,
                         disable=not config.progress or not primary)
@@ -167,12 +193,23 @@ class RecordSink:
     def add(self, record: StepRecord) -> None:
         if not self.records:
             self.phases["first_step_s"] = record.step_time_s
+            self._count_compiles()
         self.records.append(record)
         if self.metrics:
             self.metrics.write(json.dumps(record.to_json()) + "\n")
             self.metrics.flush()
         self.bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}")
         self.bar.update()
+
+    def _count_compiles(self) -> None:
+        if self.compiles_from is None:
+            return
+        built, seconds = foreground_since(self.compiles_from)
+        self.phases.update(compiles=float(built), compiles_s=seconds)
+        if self.out is not None:
+            print(f"start-up: {built} executable(s) compiled ({seconds:.2f} s) on the way to "
+                  "the first step" + (": every program was ready" if built == 0 else ""),
+                  file=self.out, flush=True)
 
     def close(self) -> None:
         self.bar.close()

@@ -5,17 +5,25 @@ take the requested plan on the devices it leaves usable (the scheduler's plan wh
 too few: a relaunch on the survivors), restore or initialize, train under step deadlines and
 keep the survivors' copies. With `RunConfig.adapt` the ResilientTrainer watches every step and
 re-plans in place. A script that builds the same configs runs exactly what the command runs.
+
+A process of a warm standby (runtime/job/standby.py) goes as far as a relaunch would before
+it touches the job's state: joined, planned, its programs compiled. There, and only there,
+it waits for its go; then it takes the hosts the go names, plans again from the job's
+health record (compiling anew only if that plan differs) and restores.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
 from resihp_jax.errors import ConfigError, ResihpError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel.facts import ModelFacts
+from resihp_jax.runtime.job import standby
 from resihp_jax.runtime.job.devices import select_devices
 from resihp_jax.runtime.job.distributed import JobSpec
 from resihp_jax.runtime.run.config import RunConfig
@@ -55,7 +63,10 @@ class TrainingRun:
     def run(self) -> list[Any]:
         t0 = time.perf_counter()
         from resihp_jax.runtime.job.join import join  # noqa: PLC0415 - JAX starts here
+        from resihp_jax.runtime.trainer.compiles import install  # noqa: PLC0415
 
+        install()  # counts the compiles of this start-up (RecordSink says how many)
+        self._compiles_from = time.time()
         job = join(self.spec, self.ladder, self.config.checkpoint_dir)
         self.phases["init_s"] = time.perf_counter() - t0
         from resihp_jax.runtime.trainer.compile_cache import enable_compilation_cache  # noqa: PLC0415,E501
@@ -65,6 +76,9 @@ class TrainingRun:
         plan = self._job_plan(job)
         self.phases["plan_s"] = time.perf_counter() - t0
         run = self.active = self._build(job, plan)
+        go = standby.go_path()
+        if go is not None:
+            run = self.active = self._take_over(go, job, plan, run)
         try:
             records = run.run()
         except ResihpError:
@@ -103,7 +117,8 @@ class TrainingRun:
 
             return AdaptRun(config, copies, job, self.model, train_cfg, plan, data,
                             self.ladder, self.phases, self.out, programs=self.programs,
-                            on_step=self.on_step, resilience=self.resilience)
+                            on_step=self.on_step, resilience=self.resilience,
+                            compiles_from=self._compiles_from)
         from resihp_jax.runtime.recovery.checkpoint import Checkpointer  # noqa: PLC0415
         from resihp_jax.runtime.recovery.run_identity import run_identity  # noqa: PLC0415
         from resihp_jax.runtime.run.plain import TrainRun  # noqa: PLC0415
@@ -114,7 +129,45 @@ class TrainingRun:
                                 asynchronous=True,
                                 identity=run_identity(self.model, train_cfg, data.state()))
         return TrainRun(config, copies, job, self.model, train_cfg, plan, data, ckpt,
-                        self.ladder, self.phases, self.out)
+                        self.ladder, self.phases, self.out, self._compiles_from)
+
+    def _take_over(self, go_file: Path, job: Any, plan: Plan, run: Any) -> Any:
+        """A standby process: wait for the go, then train as the job's process on the host
+        it names. The prepared run serves when the job's health record still gives `plan`
+        for these hosts; else the plan it gives is built and compiled now."""
+        from resihp_jax.runtime.job.join import Job  # noqa: PLC0415
+        from resihp_jax.runtime.recovery import health_record  # noqa: PLC0415
+
+        phases = self.phases
+        prepared = {f"standby_{k}": phases.pop(k) for k in ("init_s", "plan_s", "compile_s")}
+        print(f"standby: ready (joined, planned {plan.describe()}, compiled in "
+              f"{prepared['standby_compile_s']:.1f} s); waiting for the word", file=self.out,
+              flush=True)
+        go, waited = standby.wait_for_go(go_file, job.process_index)
+        seen = time.time()
+        # the critical path starts with the word: a standby that came late compiled on it
+        self._compiles_from = go.written
+        t0 = time.perf_counter()
+        directory = self.config.checkpoint_dir
+        spec = dataclasses.replace(job.spec, host_id=go.hosts[job.process_index])
+        job = Job(spec, go.hosts, health_record.load(directory) if directory is not None
+                  else health_record.HealthRecord())
+        self.spec = spec
+        when = "before" if waited >= 0 else "after"
+        print(f"standby: incarnation {go.incarnation}: this process is host {spec.host_id} "
+              f"(ready {abs(waited):.1f} s {when} the word)", file=self.out, flush=True)
+        new_plan = self._job_plan(job)
+        phases.update(prepared, init_s=0.0, go_s=seen - go.written, standby_wait_s=waited,
+                      plan_s=time.perf_counter() - t0, compile_s=0.0)
+        if new_plan == plan:
+            run.attach(job, self._compiles_from)
+            print("standby: the prepared programs serve the job: nothing to compile",
+                  file=self.out, flush=True)
+            return run
+        print(f"standby: the job's health record now gives plan {new_plan.describe()}, not "
+              f"the prepared {plan.describe()}: compiling it", file=self.out, flush=True)
+        run.close()
+        return self._build(job, new_plan)
 
     def _describe(self, job: Any, plan: Plan, copies: str | None) -> None:
         model, out = self.model, self.out

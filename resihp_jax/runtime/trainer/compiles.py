@@ -3,32 +3,41 @@
 Every executable JAX builds (a fresh compile or a load from the persistent compilation cache)
 records one backend-compile event; persistent-cache hits record a second event. Counting them
 per thread tells a re-plan's critical path (the training thread) apart from compiles prepared
-ahead of time in a background thread.
+ahead of time in a background thread. `foreground_since(t)` counts every thread but the
+background compiler's, from a moment on: what a process compiled on its way to a step (the
+step itself may run in a worker thread of its own, see detector/failstop.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
 
 _COMPILE = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
+BACKGROUND_PREFIX = "resihp-aot"  # names of the Precompiler's threads
 
 _lock = threading.Lock()
 _compiles: Counter[int] = Counter()  # thread ident -> executables built
 _compile_s: Counter[int] = Counter()  # thread ident -> seconds spent building them
 _hits: Counter[int] = Counter()  # thread ident -> persistent-cache hits
+# (wall clock at the end, seconds) of each executable built outside the background compiler
+_foreground: list[tuple[float, float]] = []
 _installed = False
 
 
 def _on_duration(event: str, duration_s: float, **_: object) -> None:
     if event == _COMPILE:
+        background = threading.current_thread().name.startswith(BACKGROUND_PREFIX)
         with _lock:
             _compiles[threading.get_ident()] += 1
             _compile_s[threading.get_ident()] += duration_s
+            if not background:
+                _foreground.append((time.time(), duration_s))
 
 
 def _on_event(event: str, **_: object) -> None:
@@ -48,6 +57,15 @@ def install() -> None:
 
     monitoring.register_event_duration_secs_listener(_on_duration)
     monitoring.register_event_listener(_on_event)
+
+
+def foreground_since(start: float) -> tuple[int, float]:
+    """Executables built outside the background compiler that finished after wall-clock
+    time `start` (time.time()), and their seconds; counted once `install` has run."""
+    install()
+    with _lock:
+        built = [seconds for end, seconds in _foreground if end > start]
+    return len(built), float(sum(built))
 
 
 @dataclass

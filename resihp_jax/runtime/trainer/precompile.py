@@ -18,6 +18,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from resihp_jax.meshes.plan import Plan
+from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
 from resihp_jax.train.step import StepProgram
 
 Build = Callable[[Plan], StepProgram]  # a plan -> its program, compiled
@@ -26,7 +27,7 @@ Build = Callable[[Plan], StepProgram]  # a plan -> its program, compiled
 class Precompiler:
     def __init__(self, build: Build) -> None:
         self._build = build
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resihp-aot")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=BACKGROUND_PREFIX)
         self._futures: dict[tuple, Future[StepProgram]] = {}
         self._proposals: list[Future[None]] = []
         self._lock = threading.Lock()

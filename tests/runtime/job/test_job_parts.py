@@ -272,3 +272,69 @@ def test_use_cpu_devices_leaves_a_slurm_jobs_devices_alone() -> None:
     slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "1"}
     assert _in_a_job(slurm) and _in_a_job({"RESIHP_NUM_PROCESSES": "2"})
     assert not _in_a_job({**slurm, "SLURM_NTASKS": "1"}) and not _in_a_job({})
+
+
+def test_a_standby_waits_ready_for_its_go_and_takes_the_hosts_it_names(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    from resihp_jax.runtime.job import standby
+
+    go_file = tmp_path / standby.GO_FILE
+    assert standby.read_go(go_file) is None and standby.ready_count(go_file, 2) == 0
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(standby.wait_for_go(go_file, 1, 0.001)))
+    waiter.start()
+    while standby.ready_count(go_file, 2) < 1:  # ready before the word, as a standby is
+        time.sleep(0.001)
+    standby.write_go(go_file, standby.Go(("p0", "p2", "p3"), 1, time.time()))
+    waiter.join(5)
+    [(go, ready_before_s)] = got
+    assert go.hosts == ("p0", "p2", "p3") and go.incarnation == 1 and ready_before_s >= 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [standby.GO_FILE, "ready-1"]
+
+
+class _Standby:
+    """A supervisor's standby without processes: what it was told."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.service, self.told = size, "service", []
+
+    def alive(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return True
+
+    def promote(self, hosts: list[str]) -> dict:
+        self.told.append(("promote", hosts))
+        return {h: None for h in hosts}
+
+    def kill(self) -> None:
+        self.told.append(("kill",))
+
+
+def test_the_standby_takes_over_only_when_it_fits_the_hosts_left(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    sup = _supervisor(tmp_path)
+    monkeypatch.setattr(sup, "_spawn", lambda hosts, beat_dir: {h: "fresh" for h in hosts})
+    sup._incarnation = 1
+    fits = sup._standby = _Standby(3)
+    assert sup._relaunch(["p0", "p1", "p3"], tmp_path) == {"p0": None, "p1": None, "p3": None}
+    assert fits.told == [("promote", ["p0", "p1", "p3"])] and sup._service == "service"
+    too_big = sup._standby = _Standby(3)  # two hosts lost at once: new processes
+    assert sup._relaunch(["p0", "p3"], tmp_path) == {"p0": "fresh", "p3": "fresh"}
+    assert too_big.told == [("kill",)] and sup._standby is None
+    assert sup.summary.relaunched_by == ["standby", "fresh"]
+
+
+def test_launch_without_a_standby_flag(tmp_path: Path) -> None:
+    import argparse
+
+    from resihp_jax.cli import launch
+
+    parser = argparse.ArgumentParser()
+    launch.add_arguments(parser)
+    assert parser.parse_args(["--procs", "2"]).no_standby is False
+    assert parser.parse_args(["--procs", "2", "--no-standby"]).no_standby is True
+    assert LaunchConfig(2, 1, tmp_path, ()).standby  # on by default

@@ -106,7 +106,7 @@ def test_a_users_script_survives_a_killed_process_0_and_a_hang(script, tmp_path:
                                                                 capsys) -> None:
     """Process 0 (the job's primary) killed at step 2, then process 2 frozen (SIGSTOP) at
     step 4, caught by the step deadline: two relaunches, on 6 and then 4 devices, each from
-    the survivors' copies of the step the fault interrupted."""
+    the survivors' copies of the step the fault interrupted, each by the warm standby."""
     path, reference = script
     log = tmp_path / "log.jsonl"
     code = main(["launch", "--procs", "4", "--devices-per-proc", "2", "--kill", "0@2",
@@ -119,6 +119,8 @@ def test_a_users_script_survives_a_killed_process_0_and_a_hang(script, tmp_path:
     assert summary["restarts"] == 2 and summary["steps_lost"] == 0, summary
     assert summary["final_step"] == STEPS and summary["sources"][1:] == [
         "survivors@2", "survivors@4"]
+    # both relaunches were the warm standby's (3 processes, then 2), started beside the job
+    assert summary["relaunched_by"] == ["standby", "standby"]
     assert "failure 1: died, process p0 exited with signal SIGKILL" in out
     assert "failure 2: hung, no progress for" in out and "frozen: ['p2']" in out
     records = _records(log)

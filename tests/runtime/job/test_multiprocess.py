@@ -3,8 +3,10 @@ a frozen process are survived, the job relaunches on the survivors with the sche
 and every step's loss equals the uninterrupted single-process run's (none skipped or
 repeated). With dp=2 the relaunch rebuilds the last completed step from the survivors'
 copies (no step lost, no checkpoint needed); with dp=1 a dead process takes the only copy of
-its shards and the relaunch falls back to the periodic checkpoint. These start real
-processes: few and small (the `tiny` model, 8 steps)."""
+its shards and the relaunch falls back to the periodic checkpoint. A kill is taken over by
+the warm standby (compiled while the job ran: nothing compiled after the word); a relaunch
+with nothing prepared (no standby, an empty compile cache) compiles, and says so. These start
+real processes: few and small (the `tiny` model, 8 steps)."""
 
 from __future__ import annotations
 
@@ -38,10 +40,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return [r["loss"] for r in _records(path)]
 
 
-def _launch(tmp_path: Path, fault: Fault, *extra: str) -> tuple[Supervisor, list[dict]]:
+def _launch(tmp_path: Path, fault: Fault, *extra: str, **launch: bool
+            ) -> tuple[Supervisor, list[dict]]:
     metrics = tmp_path / "m.jsonl"
     config = LaunchConfig(4, 2, tmp_path / "job", (*TRAIN, *extra, "--metrics", str(metrics)),
-                          (fault,), max_restarts=2)
+                          (fault,), max_restarts=2, **launch)
     supervisor = Supervisor(config, out=io.StringIO())
     supervisor.run()
     return supervisor, _records(metrics)
@@ -70,10 +73,20 @@ def _from_survivors(supervisor: Supervisor) -> None:
 
 
 def test_kill_loses_no_step_with_dp2(tmp_path: Path, reference: list[float]) -> None:
-    supervisor, records = _launch(tmp_path, Fault("kill", 2, 5), *NEVER)
+    # the kill waits for the standby to be ready, as a failure in a long job finds it
+    supervisor, records = _launch(tmp_path, Fault("kill", 2, 5), *NEVER,
+                                  faults_wait_for_standby=True)
     _check_survived(supervisor, records, reference, "p2", "died", tmp_path)
     _from_survivors(supervisor)
     assert len(supervisor.summary.detect_s) == 1  # timed from the kill (benchmarks/multiprocess.py)
+    # the standby took over: it had joined, planned and compiled before the word, so the
+    # relaunch built no executable between the word and the end of its first step
+    summary = supervisor.summary
+    assert summary.relaunched_by == ["standby"] and summary.phases[0]["compiles"] == 0
+    relaunched = (tmp_path / "job" / "logs" / "incarnation1-p0.log").read_text()
+    assert "standby: incarnation 1: this process is host p0" in relaunched
+    assert "the prepared programs serve the job: nothing to compile" in relaunched
+    assert not (tmp_path / "job" / "standby").exists()  # the next one ended with the job
     # dp=2 over 4 processes: each process reads only its own group's half of every batch
     for p in range(4):
         log = (tmp_path / "job" / "logs" / f"incarnation0-p{p}.log").read_text()
@@ -83,11 +96,17 @@ def test_kill_loses_no_step_with_dp2(tmp_path: Path, reference: list[float]) -> 
 
 def test_kill_of_the_only_copy_falls_back_to_the_checkpoint(tmp_path: Path,
                                                             reference: list[float]) -> None:
-    # dp=1: process p1 holds the only copy of its stage's shards
+    # dp=1: process p1 holds the only copy of its stage's shards. Nothing prepared: no
+    # standby, an empty compile cache: the relaunch compiles, and says so
     supervisor, records = _launch(tmp_path, Fault("kill", 1, 5), "--plan", "dp=1,pp=4,tp=2",
-                                  "--microbatches", "4", "--checkpoint-every", "2")
+                                  "--microbatches", "4", "--checkpoint-every", "2",
+                                  "--compile-cache", str(tmp_path / "empty-cache"),
+                                  standby=False)
     _check_survived(supervisor, records, reference, "p1", "died", tmp_path)
     summary = supervisor.summary
+    assert summary.relaunched_by == ["fresh"] and summary.phases[0]["compiles"] > 0
+    assert re.search(r"start-up: [1-9]\d* executable\(s\) compiled",
+                     (tmp_path / "job" / "logs" / "incarnation1-p0.log").read_text())
     restored = summary.restored[1]
     assert summary.sources[1] == f"checkpoint@{restored}" and restored in (4, 6)
     assert summary.steps_lost <= 2  # at most the steps since the checkpoint 2 steps back

@@ -110,6 +110,18 @@ class Standby:
         """Every process has compiled its first step and waits."""
         return ready_count(self.go, self.size) == self.size
 
+    def rss_mb(self) -> float | None:
+        """The memory its processes hold (resident, MB; None where /proc cannot say)."""
+        total = 0
+        for proc in self.procs:
+            try:
+                status = Path(f"/proc/{proc.pid}/status").read_text()
+            except OSError:
+                return None
+            total += next((int(line.split()[1]) for line in status.splitlines()
+                           if line.startswith("VmRSS:")), 0)
+        return total / 1024
+
     def promote(self, hosts: list[str]) -> dict[str, subprocess.Popen]:
         """Give the word: the standby becomes the job's processes on `hosts`, in order."""
         for index, host in enumerate(hosts):

@@ -138,6 +138,7 @@ class Summary:
     restored: list[int] = field(default_factory=list)  # each incarnation's first step
     injected: list[str] = field(default_factory=list)  # each fault as it was injected
     relaunched_by: list[str] = field(default_factory=list)  # each relaunch: standby | fresh
+    standby_rss_mb: list[float] = field(default_factory=list)  # each promoted standby's memory
 
     def to_json(self) -> dict:
         return {"restarts": self.restarts, "steps_lost": self.steps_lost,
@@ -241,6 +242,9 @@ class Supervisor:
                   f"takes over ({state})", file=self.out)
             self._service = held.service
             self.summary.relaunched_by.append("standby")
+            rss = held.rss_mb()
+            if rss is not None:
+                self.summary.standby_rss_mb.append(rss)
             return held.promote(live)
         if held is not None:
             print(f"launch: the standby of {held.size} process(es) does not fit "

@@ -306,6 +306,9 @@ class _Standby:
     def ready(self) -> bool:
         return True
 
+    def rss_mb(self) -> float:
+        return 100.0
+
     def promote(self, hosts: list[str]) -> dict:
         self.told.append(("promote", hosts))
         return {h: None for h in hosts}
@@ -326,6 +329,7 @@ def test_the_standby_takes_over_only_when_it_fits_the_hosts_left(tmp_path: Path,
     assert sup._relaunch(["p0", "p3"], tmp_path) == {"p0": "fresh", "p3": "fresh"}
     assert too_big.told == [("kill",)] and sup._standby is None
     assert sup.summary.relaunched_by == ["standby", "fresh"]
+    assert sup.summary.standby_rss_mb == [100.0]
 
 
 def test_launch_without_a_standby_flag(tmp_path: Path) -> None:

@@ -164,8 +164,8 @@ class TrainingRun:
             print("standby: the prepared programs serve the job: nothing to compile",
                   file=self.out, flush=True)
             return run
-        print(f"standby: the job's health record now gives plan {new_plan.describe()}, not "
-              f"the prepared {plan.describe()}: compiling it", file=self.out, flush=True)
+        print(f"standby: the job's health record now gives plan {_differs(new_plan, plan)}: "
+              "compiling it", file=self.out, flush=True)
         run.close()
         return self._build(job, new_plan)
 
@@ -205,6 +205,14 @@ class TrainingRun:
         if why != "as requested":
             print(f"plan: {why}", file=out)
         return plan
+
+
+def _differs(new: Plan, prepared: Plan) -> str:
+    """`new` as it differs from `prepared` (the same shape may sit on other devices)."""
+    if new.describe() != prepared.describe():
+        return f"{new.describe()}, not the prepared {prepared.describe()}"
+    return (f"{new.describe()} on devices {list(new.device_ids)}, not the prepared one's "
+            f"{list(prepared.device_ids)}")
 
 
 def data_share(plan: Plan) -> str:

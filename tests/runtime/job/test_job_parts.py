@@ -342,3 +342,55 @@ def test_launch_without_a_standby_flag(tmp_path: Path) -> None:
     assert parser.parse_args(["--procs", "2"]).no_standby is False
     assert parser.parse_args(["--procs", "2", "--no-standby"]).no_standby is True
     assert LaunchConfig(2, 1, tmp_path, ()).standby  # on by default
+
+
+class _PreparedRun:
+    """A run a standby built before its go (no JAX behind it)."""
+
+    def __init__(self) -> None:
+        self.attached, self.closed = None, False
+
+    def attach(self, job, compiles_from: float) -> None:  # noqa: ANN001
+        self.attached = job
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_standby_keeps_its_programs_unless_the_health_record_changes_its_plan(
+        tmp_path: Path, monkeypatch) -> None:
+    import io
+    import time
+
+    from resihp_jax.runtime.job import standby
+    from resihp_jax.runtime.job.join import Job
+    from resihp_jax.runtime.run.config import RunConfig
+    from resihp_jax.runtime.run.training import TrainingRun
+    from resihp_jax.train.config import TrainConfig
+
+    go_file = tmp_path / "standby" / standby.GO_FILE
+    go_file.parent.mkdir()
+    standby.write_go(go_file, standby.Go(("p3",), 2, time.time()))  # the word came early
+    plan, out = _requested(1, 1, 1), io.StringIO()
+    training = TrainingRun(get_model_config("tiny"), TrainConfig(), plan,
+                           RunConfig(checkpoint_dir=str(tmp_path)), out=out)
+    waiting = Job(distributed.JobSpec(host_id="standby0"), ("standby0",))
+
+    def take_over(replanned: Plan) -> object:
+        training.phases.update(init_s=0.5, plan_s=0.1, compile_s=9.0)
+        monkeypatch.setattr(training, "_job_plan", lambda job: replanned)
+        return training._take_over(go_file, waiting, plan, prepared)
+
+    prepared = _PreparedRun()
+    assert take_over(plan) is prepared and not prepared.closed
+    assert prepared.attached.hosts == ("p3",) and prepared.attached.spec.host_id == "p3"
+    phases = training.phases
+    assert phases["compile_s"] == 0.0 and phases["standby_compile_s"] == 9.0
+    assert phases["init_s"] == 0.0 and phases["standby_wait_s"] < 0  # ready after the word
+    assert "nothing to compile" in out.getvalue()
+    # a host it now runs on was recorded slow: the plan moves, so it is compiled now
+    moved = plan.replace(device_ids=(5,))
+    monkeypatch.setattr(training, "_build", lambda job, new: ("built", new, job.spec.host_id))
+    prepared = _PreparedRun()
+    assert take_over(moved) == ("built", moved, "p3") and prepared.closed
+    assert "on devices [5], not the prepared one's [0]: compiling it" in out.getvalue()

@@ -27,6 +27,7 @@ class Beat:
     time: float  # wall clock (time.time()) of the write
     phases: dict[str, float] = field(default_factory=dict)  # start-up breakdown, seconds
     source: str = ""  # where the incarnation's state came from, e.g. "survivors@12"
+    since: float = 0.0  # wall clock of the update that set this step and deadline
 
 
 class Heartbeat:
@@ -49,7 +50,7 @@ class Heartbeat:
     def update(self, step: int, deadline_s: float, plan: str,
                phases: dict[str, float] | None = None) -> None:
         self._state = {"step": int(step), "deadline_s": float(deadline_s), "plan": plan,
-                       "phases": dict(phases or self._state["phases"])}
+                       "phases": dict(phases or self._state["phases"]), "since": time.time()}
         self._updated = True
         self._write()
 

@@ -28,7 +28,7 @@ from typing import Any
 
 ENV_VAR = "RESIHP_STANDBY"  # the go file this standby process waits for
 GO_FILE = "go.json"
-POLL_S = 0.01
+POLL_S = 0.02  # the go's latency; idle standby processes wake this often
 
 
 @dataclass(frozen=True)

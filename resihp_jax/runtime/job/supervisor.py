@@ -323,7 +323,7 @@ class Supervisor:
                 if not started:
                     self._first_progress_at = self.clock()
                     self._start_standby(len(procs))
-                step, advanced_at, started = now_step, self.clock(), True
+                step, advanced_at, started = now_step, self._advanced_at(beats, now_step), True
             self._check_standby()
             if failed and set(failed.values()) <= PLANNED_EXITS:
                 # a re-plan left processes out: all exit on their own, those left out with
@@ -350,6 +350,12 @@ class Supervisor:
                 hung = self._hung(beats, step, limit)
                 hung.stalled_s = self.clock() - advanced_at
                 return hung, step, beats
+
+    def _advanced_at(self, beats: dict[str, heartbeat.Beat], step: int) -> float:
+        """When the job reached `step`: when the first process said so, not when this poll
+        saw it (a loaded host sees it late, and the processes' own deadlines run from then)."""
+        said = [b.since for b in beats.values() if b.step == step and b.since > 0]
+        return self.clock() - (max(0.0, time.time() - min(said)) if said else 0.0)
 
     def _left_out(self, failed: dict[str, int], step: int) -> Failure:
         out = sorted(h for h, c in failed.items() if c == HostsLeftOut.LEFT_OUT_EXIT)

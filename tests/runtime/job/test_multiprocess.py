@@ -115,7 +115,9 @@ def test_kill_of_the_only_copy_falls_back_to_the_checkpoint(tmp_path: Path,
 
 
 def test_hang_is_caught_by_the_deadline(tmp_path: Path, reference: list[float]) -> None:
-    supervisor, records = _launch(tmp_path, Fault("hang", 1, 5), *NEVER)
+    # no standby: its compile would share the 2 cores with the job; a hang taken over by the
+    # standby is tested with a user's script (test_launch_script.py)
+    supervisor, records = _launch(tmp_path, Fault("hang", 1, 5), *NEVER, standby=False)
     _check_survived(supervisor, records, reference, "p1", "hung", tmp_path)
     _from_survivors(supervisor)
     # not before the deadline: 3x the slowest healthy step so far, floored at

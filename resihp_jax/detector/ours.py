@@ -12,9 +12,9 @@ and localize. The stated margin: a step-level slowdown of `REACH_SIGMAS` (4) sig
 within `REACH_STEPS` (5) steps. With the defaults and normal noise, 4 sigmas reach the
 decision within 5 steps all but 5 times in a million (3 sigmas: 98 in 100), and healthy
 steps raise a suspicion within 500 steps in 1 run of 700 (t-distributed noise with 4 degrees
-of freedom: 1 in 50); no single step (a load spike) can raise a suspicion alone. Steps that
-moved the CUSUM are held back from learning until it returns to zero (then they were noise,
-and their residuals widen the plan's sigma) or the probes clear them.
+of freedom: 1 in 50); no single step (a load spike) can raise a suspicion alone. A step over
+the slack is held back from learning until the CUSUM returns to zero (then it was noise, and
+its residual widens the plan's sigma) or the probes clear it.
 
 When per-stage times come with the steps (the forward of one micro-batch per stage), a
 second, load-robust signal watches each stage's share of them against the share its layers
@@ -249,8 +249,8 @@ class ResiHPDetector(Detector):
 
     def _cleared(self, obs: StepObservation) -> None:
         # the probes found every device equally fast: the excess was the machine, not a
-        # device. Move the drift scale by it and learn the held steps as healthy (their
-        # residuals widen the plan's sigma, so the same swing is not suspected again).
+        # device. Move the drift scale by it and learn the held steps as healthy steps
+        # around that new level.
         if self._held:
             shift = float(np.median([u for _, _, u in self._held]))
             self._held = [(o, e - shift, u - shift) for o, e, u in self._held]

@@ -517,6 +517,17 @@ def main() -> None:
     print(f"timing: Instrument on vs off {overhead:+.1f}% step time, of which our host "
           f"functions (vs a no-op host) {host_share:+.1f}%; "
           f"wall {time.perf_counter() - t_start:.0f} s")
+    ours, ours_loaded = result["resihp"], loaded["resihp"]
+    targets = {  # issue 28's, for ours
+        "no_false_alarm": ours["false_alarms"] == 0,
+        "mape_over_floor_le_1.3": ours["mape_over_floor"] is not None
+        and ours["mape_over_floor"] <= 1.3,
+        "every_trial_over_margin_caught": ours["step_reach"]["missed_over_margin"] == 0,
+        "2x_5x_always_caught": all(ours["caught_by_factor"].get(f) == 1.0 for f in ("2.0", "5.0")),
+        "load_false_alarms_per_50_le_1": ours_loaded["false_alarms_per_50_loaded"] <= 1.0,
+        "cost_pct_le_1": ours["cost_pct"] <= 1.0}
+    print("targets (ours): " + ", ".join(f"{k} {'met' if v else 'NOT met'}"
+                                         for k, v in targets.items()))
     trial_rows = [{"plan": t.plan, "factor": t.factor, "step_slowdown": round(t.slowdown, 3),
                    "caught": {n: tallies[n].trials[i].caught for n in NAMES}}
                   for i, t in enumerate(tallies["resihp"].trials)]
@@ -532,6 +543,7 @@ def main() -> None:
             "step_reach")} for n in NAMES},
         "mape_over_floor": result["resihp"]["mape_over_floor"],
         "step_reach": result["resihp"]["step_reach"],
+        "targets": targets,
         "trials": trial_rows,
         "host_load": loaded}))
 

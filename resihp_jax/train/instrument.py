@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Hashable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import io_callback
 
 if TYPE_CHECKING:
@@ -65,7 +66,9 @@ def _call_host(host: HostFn, event: int, x: jax.Array, coords: Coords,
     def on_host(dep, dp, pp, tp, knob, busy, tick):  # noqa: ANN001 - numpy scalars from XLA
         del dep  # only orders the call after the values it depends on exist
         host(event, int(dp), int(pp), int(tp), float(knob), bool(busy), int(tick))
-        return jnp.zeros((), jnp.float32)
+        # numpy, not jnp: a JAX op here is compiled at a process's first step (its critical
+        # path after a relaunch) and dispatched on every call
+        return np.zeros((), np.float32)
 
     def call(dep: jax.Array, *operands: jax.Array) -> jax.Array:
         return io_callback(on_host, jax.ShapeDtypeStruct((), jnp.float32), dep, *operands,

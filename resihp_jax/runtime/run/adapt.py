@@ -64,6 +64,7 @@ class AdaptRun:
         t0 = time.perf_counter()
         self.trainer = ResilientTrainer(model, train_cfg, plan, jax.devices(), data, config,
                                         on_long_work=self._long_work, programs=programs)
+        self.trainer.warm_up()
         phases["compile_s"] = time.perf_counter() - t0
         self.snapshots = host_copies(copies, job, self.trainer.checkpointer)
 

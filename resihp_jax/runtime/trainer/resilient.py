@@ -48,7 +48,7 @@ from resihp_jax.train.instrument import FaultHook
 from resihp_jax.runtime.trainer.loop import StepRecord, device_batch, diverged
 from resihp_jax.runtime.trainer.precompile import Precompiler
 from resihp_jax.runtime.recovery.run_identity import run_identity
-from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
+from resihp_jax.runtime.trainer.timing import StageTimer, StepTiming, timed_step
 from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
 from resihp_jax.train.aot import compile_program
 from resihp_jax.train.config import TrainConfig
@@ -281,6 +281,14 @@ class ResilientTrainer:
 
     def close(self) -> None:
         self.precompiler.close()
+
+    def warm_up(self) -> None:
+        """Build now the small programs every step of a job of several processes runs
+        besides the step (gathering its timings, process 0's broadcast of the verdict), so
+        the first step compiles nothing: a relaunch's first step is on its critical path."""
+        if multi_process():
+            StepTiming(0.0, np.zeros((self.plan.dp, self.plan.pp, self.plan.tp))).gathered()
+            from_primary(None)
 
     def _knobs(self, step: int) -> np.ndarray | None:
         """The hook's per-device knobs for this step (None: healthy); it may raise a stop."""

@@ -114,15 +114,20 @@ class ResiHPDetector(Detector):
         """Sigma of the log prediction error of healthy steps under `plan`: the larger of
         1.4826 x MAD and the distance from the median to the 90th percentile / 1.28 (load
         bursts on a shared host make the upper tail heavier than a normal one; that tail is
-        what raises false alarms). Before the plan has MIN_RESIDUALS of its own: the largest
-        of the cost model's fit noise and every other plan's sigma."""
+        what raises false alarms). A plan with fewer than MIN_RESIDUALS of its own (the first
+        steps after a re-plan) gets twice the largest sigma known (other plans', the cost
+        model's fit noise), or what its own first steps show if that is more: its noise is
+        not known yet, and a false alarm then costs a probe."""
         own = self._sigma.get(plan)
         if own is not None:
             return own
         known = list(self._sigma.values())
         if self.cost.ready:
             known.append(self.cost.noise)
-        return max([self.min_noise, *known])
+        first = np.asarray(self._resid.get(plan, ()))
+        early = 1.4826 * float(np.median(np.abs(first - np.median(first)))) \
+            if first.size >= 6 else 0.0
+        return max(self.min_noise, 2.0 * max(known, default=0.0), early)
 
     @property
     def noise(self) -> float:

@@ -257,3 +257,25 @@ def test_host_load_raises_no_alarm_and_hides_no_slow_device() -> None:
     det, verdicts = run("resihp", steps, fake_prober({5: 1.5}, 50))
     assert len(verdicts) == 1 and verdicts[0].devices == (5,)
     assert 50 <= verdicts[0].step <= 54 and det.alarms == 1
+
+
+def test_each_plan_is_judged_against_its_own_noise() -> None:
+    """After a re-plan, the new plan's steps are judged against the new plan's measured
+    noise, not the old one's: 4x noisier steps there give a 4x wider sigma and reach, and
+    its first steps, before its noise is known, raise no alarm."""
+    other = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=1,
+                         seq_len=1024)
+    det = make_detector("resihp", model=CFG, prober=fake_prober({}, 0))
+    rng = np.random.default_rng(11)
+    for step in range(140):
+        plan, noise = (PLAN, 0.01) if step < 80 else (other, 0.04)
+        if step == 80:
+            det.rebaseline()
+        tokens, l2 = batch(rng)
+        t = simulate_step(plan, CFG, TRUTH, mb_tokens=tokens, mb_sum_l2=l2,
+                          trace=False).step_time_s
+        assert det.observe(StepObservation(step, plan, tokens, l2,
+                                           t * rng.lognormal(0, noise))) is None
+    assert det.alarms == 0
+    ratio = det.noise_of(other) / det.noise_of(PLAN)
+    assert 2.5 < ratio < 6 and det.reach(other) > det.reach(PLAN)

@@ -7,10 +7,10 @@ incarnation of n, with its own coordination service and RESIHP_STANDBY naming a 
 Each standby process starts Python, joins its own job, plans and compiles exactly as a
 relaunch on n-1 processes would, then marks itself ready and waits. Until the go file
 appears it has read no checkpoint and no survivors' copy and written nothing the job reads
-(only its logs and its files under DIR/standby/). When the running incarnation fails leaving n-1 usable hosts, the supervisor ends
-it (its survivors write their copies) and writes the go file (atomically): the host ids the
-standby's processes take on, in process order. The standby then reads the job's state and
-trains. Everything here runs without JAX.
+(only its logs and its files under DIR/standby/). When the running incarnation fails leaving
+n-1 usable hosts, the supervisor ends it (its survivors write their copies) and writes the go
+file (atomically): the host ids the standby's processes take on, in process order. The
+standby then reads the job's state and trains. Everything here runs without JAX.
 """
 
 from __future__ import annotations

@@ -38,9 +38,11 @@ from resihp_jax.sim.plot import save_plot  # noqa: E402
 from resihp_jax.sim.policy import Live  # noqa: E402
 from resihp_jax.sim.report import table  # noqa: E402
 from resihp_jax.sim.study import StudyConfig, run_study, summary  # noqa: E402
-from resihp_jax.sim.traces import SCENARIOS  # noqa: E402
+from resihp_jax.sim.traces import SCENARIOS, get_scenario  # noqa: E402
 
 SCALES = (256, 1024, 16_384, 100_000)
+BREAKDOWN_SCALES = (256, 100_000)
+BREAKDOWN_SCENARIO = "llama3"  # the checkpointing peers' lost work depends on the MTBF
 HETERO = OursHeteroTP.name
 PUBLISHED = {
     ("256", "harsh", "recycle"): "ResiHP paper: 1.22-1.82x over ReCycle (fail-stop)",
@@ -105,6 +107,62 @@ def run_all(seeds: int, scales: tuple[int, ...], plot_dir: Path | None
     return out
 
 
+def stall_terms(n_gpus: int, scenario: str) -> dict[str, dict[str, float]]:
+    """Each policy's stall per fail-stop, term by term, as the simulator charges it (the
+    policies' own `stop_terms`; a replacement already there), at one size under one
+    scenario's failure rate."""
+    cm = get_cluster(n_gpus)
+    rate = get_scenario(scenario).stop_rate_per_s(n_gpus)
+    out = {}
+    for name, cls in POLICIES.items():
+        policy = cls(cm, Live())
+        policy.mtbf_s = 1.0 / rate if rate > 0 else float("inf")
+        terms = {t: round(v, 2) for t, v in policy.stop_terms().items()}
+        out[name] = {**terms, "total": round(sum(policy.stop_terms().values()), 2)}
+    return out
+
+
+def breakdown_table(n_gpus: int, per_policy: dict[str, dict[str, float]]) -> str:
+    """One row per policy, one column per term any policy has (blank where it has none)."""
+    columns: list[str] = []
+    for terms in per_policy.values():
+        columns += [t for t in terms if t != "total" and t not in columns]
+    head = f"{'policy':<20}" + "".join(f"{c:>13}" for c in columns) + f"{'total':>10}"
+    rows = [f"stall per fail-stop, {n_gpus:,} GPUs, seconds ({BREAKDOWN_SCENARIO} failure "
+            "rate; a replacement already there):", head]
+    for name, terms in per_policy.items():
+        cells = "".join(f"{terms[c]:>13.2f}" if c in terms else f"{'':>13}" for c in columns)
+        rows.append(f"{name:<20}{cells}{terms['total']:>10.2f}")
+    return "\n".join(rows)
+
+
+def lost_cells(scales: dict[str, dict[str, dict[str, Any]]], days: float = 7.0) -> list[str]:
+    """Where a peer beats ours: the goodput gap, how much of it the stalls per fail-stop
+    explain (their difference x failures / run time), and ours' largest terms."""
+    out = []
+    for n, per in scales.items():
+        for scenario, cells in per.items():
+            pool = {p: c for p, c in cells.items() if p != HETERO}
+            best = max(pool, key=lambda p: pool[p]["goodput"])
+            gap = pool[best]["goodput"] - pool[OURS]["goodput"]
+            if best == OURS or gap <= 1e-9:
+                continue
+            terms = stall_terms(int(n), scenario)
+            ours_stall = pool[OURS]["stall_s_per_failure"] or 0.0
+            best_stall = pool[best]["stall_s_per_failure"] or 0.0
+            stall_share = ((ours_stall - best_stall) * (pool[OURS]["n_failures"] or 0.0)
+                           / (days * 86400.0))
+            top = sorted(((v, t) for t, v in terms[OURS].items() if t != "total"), reverse=True)
+            out.append(f"{n}/{scenario}: {best} ahead by {gap:.4f} goodput; stall per "
+                       f"fail-stop ours {ours_stall:.1f} s vs {best_stall:.1f} s, which costs "
+                       f"{stall_share:.4f} of it; ours' largest terms: "
+                       + ", ".join(f"{t} {v:.1f} s" for v, t in top[:3])
+                       + f" (vs {best}: " + ", ".join(
+                           f"{t} {v:.1f} s" for t, v in terms[best].items() if t != "total")
+                       + ")")
+    return out
+
+
 def targets(scales: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Where ours is not the highest: against every policy, and against the peers alone
     (every policy but `resihp_hetero_tp`, ours with a feature we have not built)."""
@@ -154,6 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         for row in steptime:
             print(f"  {row['case']:<36} {row['plan']:<16} measured {row['measured_ms']:>8.1f} ms"
                   f"  predicted {row['predicted_ms']:>8.1f} ms  error {row['error']:+.1%}")
+    breakdown = {str(n): stall_terms(n, BREAKDOWN_SCENARIO) for n in BREAKDOWN_SCALES}
+    for n, per_policy in breakdown.items():
+        print("\n" + breakdown_table(int(n), per_policy))
+    losses = lost_cells(scales)
+    print("\nwhere a peer beats ours (which stall term loses it):")
+    for line in losses or ["  nowhere"]:
+        print(f"  {line}")
     goals = targets(scales)
     goals["step_time_within_10pct"] = None if not steptime else all(  # None: not run
         abs(row["error"]) <= 0.10 for row in steptime)
@@ -166,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  not highest: {line}")
     print(f"benchmark wall time {time.perf_counter() - start:.1f} s")
     print(json.dumps({"scales": scales, "targets": goals, "model_check": checks,
-                      "step_time_check": steptime}))
+                      "step_time_check": steptime, "stall_breakdown": breakdown,
+                      "ours_losses": losses}))
     return 0
 
 

@@ -1,5 +1,6 @@
 """Our own measured figures the simulator takes as inputs, each with the command that produces
-it, and the terms that grow with scale (modelled, not measured here) with their numbers.
+it, and the published figures (paper or vendor doc, with the number) for the terms that only a
+cluster shows.
 """
 
 from __future__ import annotations
@@ -75,38 +76,83 @@ def planning_s(n_gpus: int) -> float:
 @dataclass(frozen=True)
 class RestartCosts:
     """A fail-stop ends our incarnation: every process exits and the job relaunches on the
-    survivors. Modelled terms (not measured on this machine), with their numbers:
-    - detection: the supervisor sees a process exit or miss its heartbeat (10 s, as every
-      system here is charged); a hung step is cut by the runtime's step timeout instead;
-    - relaunch: supervisor notices, starts processes, imports (15 s), plus a launcher fan-out
-      of 2 ms per host (8 GPUs per host: 25 s at 100,000 GPUs);
-    - init: `jax.distributed.initialize` and first communicators, 10 s + 1 ms per host;
-    - restore: each device reads its state (16 bytes per parameter: bf16 weights, fp32
-      master and Adam moments) from the survivors' host snapshot at 10 GB/s, 0 steps lost
-      when dp >= 2 (the newest periodic checkpoint otherwise);
-    - compile: the train step calls back into Python (stage timing, fault knobs), and JAX
-      never persists such an executable, so every incarnation compiles it afresh: assumed
-      60 s for a 70B step whose layers are scanned (not measured here: no 70B on this
-      machine);
-    - the step in flight is lost: half a step on average.
+    survivors. At cluster scale the engine (SLURM requeue, a Kubernetes JobSet) ends every
+    process, so no warm standby waits there (docs/DESIGN.md, "The job: relaunch and the warm
+    standby"), and JAX 0.10.2 never persists our stage-timed step, so the compile is paid.
+    Each term, where its figure comes from, and how it scales:
+
+    - detection. A failed GPU that ends its process is seen as `resihp launch` sees a kill
+      (`python benchmarks/multiprocess.py --quick`, 4 processes x 2 fake CPU devices:
+      `detect_kill_s` 0.10 s; srun's --kill-on-bad-exit acts on the same exit). One that hangs
+      its peers instead is cut by the step deadline (runtime/job/deadline.py `Ladder`:
+      max(`deadline_floor_s` 10 s, `deadline_factor` 3 x the predicted step)). Share of hangs,
+      `hang_share`: the Llama 3 paper (arXiv 2407.21783, Table 5) counts 7 of 419 unexpected
+      interruptions in 54 days on 16,384 H100s as NCCL watchdog timeouts.
+    - exit: every survivor writes the shards its devices hold (host_snapshot.py `dump`,
+      16 bytes per parameter, `state_bytes_per_param`: bf16 weights, fp32 master and Adam
+      moments) under the shared checkpoint directory before it exits; every DP replica writes
+      its own copy. Storage: the Llama 3 paper's Tectonic, 2 TB/s sustained for 16,384 GPUs,
+      taken per GPU (`storage_bytes_per_s_per_gpu`, 122 MB/s). Measured on `tiny`: 0.15 s.
+    - requeue: the sbatch script requeues the job; SLURM starts a requeued job only after
+      AuthInfo cred_expire, 120 s by default (slurm.conf(5): "This also controls how long a
+      requeued job must wait before starting again"), `requeue_s`.
+    - start: process start and imports, `start_s` 2.08 s (`python benchmarks/multiprocess.py
+      --quick`, fresh relaunch with --no-standby; every host starts its processes at once).
+    - init: `jax.distributed` and the first communicators, `init_s` 0.28 s measured on
+      `init_devices` 8 devices (same run), `init_scale_s` 265 s for stock NCCL's cold start
+      at `init_scale_gpus` 96K GPUs (NCCLX paper, arXiv 2510.20171: bootstrap and connection
+      setup grow super-linearly); a power law through the two.
+    - plan: `planning_s` (`python benchmarks/replan_quality.py`, above).
+    - compile: `compile_s` 13.16 s, the stage-timed step of `tiny` on 4 processes x 2 CPU
+      devices (`python benchmarks/multiprocess.py --quick`, fresh relaunch). No published
+      compile time of a 70B training step was found; this is what the same program takes
+      here, a lower bound for a 70B step (its layers are scanned, so the program's size grows
+      with the layer's, not the layer count).
+    - restore: each device reads its new shards (the same bytes per device) from the
+      survivors' files at the same storage share. Measured on `tiny`: 0.04 s.
+    - lost work: the step in flight when the GPU fails, `lost_step_share` of a step on
+      average (failures fall uniformly within a step); the survivors' copies lose nothing
+      more when dp >= 2.
     """
 
-    detect_s: float = 10.0
-    relaunch_s: float = 15.0
-    fanout_s_per_host: float = 2e-3
-    init_s: float = 10.0
-    init_s_per_host: float = 1e-3
-    restore_bytes_per_s: float = 10e9
+    detect_kill_s: float = 0.10
+    hang_share: float = 7.0 / 419.0
+    deadline_floor_s: float = 10.0
+    deadline_factor: float = 3.0
     state_bytes_per_param: float = 16.0
-    compile_s: float = 60.0
-    gpus_per_host: int = 8
+    storage_bytes_per_s_per_gpu: float = 2e12 / 16384
+    requeue_s: float = 120.0
+    start_s: float = 2.08
+    init_s: float = 0.28
+    init_devices: int = 8
+    init_scale_s: float = 265.0
+    init_scale_gpus: int = 96 * 1024
+    compile_s: float = 13.16
+    lost_step_share: float = 0.5
+
+    def terms(self, n_gpus: int, params_per_device: float, step_s: float) -> dict[str, float]:
+        """Seconds of each term of one fail-stop's stall, in the order they happen."""
+        deadline = max(self.deadline_floor_s, self.deadline_factor * step_s)
+        io_s = params_per_device * self.state_bytes_per_param / self.storage_bytes_per_s_per_gpu
+        return {
+            "detect": (1.0 - self.hang_share) * self.detect_kill_s + self.hang_share * deadline,
+            "exit": io_s,
+            "requeue": self.requeue_s,
+            "start": self.start_s,
+            "init": self.init_at(n_gpus),
+            "plan": planning_s(n_gpus),
+            "compile": self.compile_s,
+            "restore": io_s,
+            "lost work": self.lost_step_share * step_s,
+        }
+
+    def init_at(self, n_gpus: int) -> float:
+        exponent = (math.log(self.init_scale_s / self.init_s)
+                    / math.log(self.init_scale_gpus / self.init_devices))
+        return self.init_s * (n_gpus / self.init_devices) ** exponent
 
     def seconds(self, n_gpus: int, params_per_device: float, step_s: float) -> float:
-        hosts = math.ceil(n_gpus / self.gpus_per_host)
-        restore = params_per_device * self.state_bytes_per_param / self.restore_bytes_per_s
-        return (self.detect_s + 0.5 * step_s + self.relaunch_s
-                + self.fanout_s_per_host * hosts + self.init_s + self.init_s_per_host * hosts
-                + restore + self.compile_s + planning_s(n_gpus))
+        return sum(self.terms(n_gpus, params_per_device, step_s).values())
 
 
 OUR_RESTART = RestartCosts()

@@ -14,7 +14,8 @@
   incarnation already ran (the healthy one, once the slow GPU recovers) is kept compiled
   and costs planning + reshard only.
 - Fail-stop: the incarnation ends; relaunch on the survivors, restore from the surviving
-  replicas (0 steps lost), costs in `measured.RestartCosts`. Replaced GPUs rejoin at the next
+  replicas (0 steps lost), costs in `measured.RestartCosts` (each term measured here or
+  published, `stop_terms` lists them). Replaced GPUs rejoin at the next
   relaunch, or at once when the capacity they add pays for a relaunch within the horizon.
 - Cache: plan choices are made on a health signature (usable GPUs per host, detected slow
   factors), not by the full search per event; `benchmarks/cluster.py` checks the rates
@@ -59,8 +60,9 @@ class Ours(SimPolicy):
         self.option = Option(*self.cm.base, frozenset())
         self.target: Option | None = None  # compiling in the background; self.option trains
         self.compiled = {_mesh(self.option)}  # programs this incarnation holds
-        self.restart_s = OUR_RESTART.seconds(self.cm.n_gpus, self.cm.params_per_device,
-                                             self.cm.ref_step_s)
+        self.restart_terms = OUR_RESTART.terms(self.cm.n_gpus, self.cm.params_per_device,
+                                               self.cm.ref_step_s)
+        self.restart_s = sum(self.restart_terms.values())
 
     @property
     def horizon_s(self) -> float:
@@ -75,6 +77,9 @@ class Ours(SimPolicy):
         self.excluded = set(self.live.dead)  # relaunch on survivors; replaced GPUs rejoin
         self._relaunch()
         return self.restart_s
+
+    def stop_terms(self) -> dict[str, float]:
+        return dict(self.restart_terms)
 
     def _relaunch(self) -> None:
         """A new incarnation: the best plan, compiled afresh, nothing pending."""

@@ -30,6 +30,8 @@ Numbers, and where they come from (stated where assumed; none tuned to make us w
   re-plan with the same (pp, tp): layers off the slow stage, data split by speed, or the
   slowest replica left out (as `scheduler/baselines.malleus`); 10 s planning + state
   migration at 25 GB/s. Fail-stops: checkpoint-restart.
+Each policy's `stop_terms` lists what one fail-stop stalls, term by term (what `on_stop`
+charges); `benchmarks/cluster.py` prints them beside ours.
 """
 
 from __future__ import annotations
@@ -68,7 +70,12 @@ class CheckpointRestart(SimPolicy):
         return min(young_interval_s(CHECKPOINT_BLOCK_S, self.mtbf_s), 3600.0)
 
     def restart_stall_s(self, wait_s: float = 0.0) -> float:
-        return max(sync_restart_s(self.cm.n_gpus), wait_s) + 0.5 * self.interval_s()
+        terms = self.stop_terms()
+        # a restart waits for its replacement when no hot spare is there yet
+        return sum(terms.values()) + max(wait_s - terms["restart"], 0.0)
+
+    def stop_terms(self) -> dict[str, float]:
+        return {"restart": sync_restart_s(self.cm.n_gpus), "lost work": 0.5 * self.interval_s()}
 
     def on_stop(self, device: int, replace_at_s: float, now_s: float) -> float:
         self.known.pop(device, None)
@@ -153,10 +160,13 @@ class Malleus(CheckpointRestart):
 class FtHsdp(SimPolicy):
     name = "ft_hsdp"
 
+    def stop_terms(self) -> dict[str, float]:
+        scale = sync_restart_s(self.cm.n_gpus) / sync_restart_s(100_000)
+        return {"drop replica": FT_HSDP_STALL_100K_S * scale}
+
     def on_stop(self, device: int, replace_at_s: float, now_s: float) -> float:
         self.known.pop(device, None)
-        scale = sync_restart_s(self.cm.n_gpus) / sync_restart_s(100_000)
-        return FT_HSDP_STALL_100K_S * scale
+        return sum(self.stop_terms().values())
 
     def rate(self) -> float:
         dropped = {self.replica_of(d) for d in self.live.dead}
@@ -173,8 +183,12 @@ class _InProcessReconfig(SimPolicy):
 
     reconfig_s = 0.0
 
+    def stop_terms(self) -> dict[str, float]:
+        return {"detect": HEARTBEAT_S, "reconfigure": self.reconfig_s,
+                "lost work": 0.5 * self.cm.ref_step_s}
+
     def _stall(self) -> float:
-        return HEARTBEAT_S + self.reconfig_s + 0.5 * self.cm.ref_step_s
+        return sum(self.stop_terms().values())
 
     def on_stop(self, device: int, replace_at_s: float, now_s: float) -> float:
         self.known.pop(device, None)

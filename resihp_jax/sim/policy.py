@@ -56,6 +56,12 @@ class SimPolicy:
     def on_stop(self, device: int, replace_at_s: float, now_s: float) -> float:
         raise NotImplementedError
 
+    def stop_terms(self) -> dict[str, float]:
+        """What one fail-stop stalls, term by term, when its replacement is already there:
+        `on_stop` charges their sum (plus any wait for a replacement), so a breakdown printed
+        from here is the simulator's own figure."""
+        raise NotImplementedError
+
     def on_replace(self, device: int) -> float:
         return 0.0
 

@@ -191,3 +191,46 @@ def test_simulate_command_does_not_load_jax() -> None:
             "sys.exit('jax' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False,
                           capture_output=True).returncode == 0
+
+
+def test_restart_terms_are_positive_and_each_field_names_its_source(cm) -> None:  # noqa: ANN001
+    """Every term of our relaunch costs something, and the docstring names every figure
+    (field) beside its measurement or its publication."""
+    import dataclasses
+
+    from resihp_jax.sim.measured import OUR_RESTART, RestartCosts
+
+    doc = RestartCosts.__doc__ or ""
+    for field in dataclasses.fields(RestartCosts):
+        assert f"`{field.name}`" in doc, field.name
+    for n, ppd, step in ((256, cm.params_per_device, cm.ref_step_s), (100_000, 2.2e9, 13.0)):
+        terms = OUR_RESTART.terms(n, ppd, step)
+        assert all(v > 0 for v in terms.values()), terms
+        assert OUR_RESTART.seconds(n, ppd, step) == pytest.approx(sum(terms.values()))
+    # jax.distributed / NCCL initialization: the measured point at 8 devices, the published
+    # one at 96K GPUs
+    assert OUR_RESTART.init_at(8) == pytest.approx(OUR_RESTART.init_s)
+    assert OUR_RESTART.init_at(96 * 1024) == pytest.approx(OUR_RESTART.init_scale_s)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_stall_breakdown_sums_to_what_the_policy_charges(cm, name: str) -> None:  # noqa: ANN001
+    """The breakdown `benchmarks/cluster.py` prints is what the simulator charges: the hook's
+    return, and the stall a run through one fail-stop records."""
+    from resihp_jax.sim.traces import Trace
+
+    policy = POLICIES[name](cm, Live())
+    policy.mtbf_s = 1.0 / get_scenario("harsh").stop_rate_per_s(N)
+    terms = policy.stop_terms()
+    assert terms and all(v > 0 for v in terms.values()), terms
+    policy.live.dead.add(9)
+    assert policy.on_stop(9, 0.0, 0.0) == pytest.approx(sum(terms.values()), rel=1e-12)
+
+    empty = np.zeros(0)
+    trace = Trace(86400.0, N, np.array([600.0]), np.array([9]), np.array([601.0]), empty,
+                  empty, empty.astype(int), empty, empty.astype(int))
+    got = simulate(name, cm, trace, get_scenario("harsh").stop_rate_per_s(N), 0)
+    fresh = POLICIES[name](cm, Live())
+    fresh.mtbf_s = 1.0 / get_scenario("harsh").stop_rate_per_s(N)
+    assert got.n_failures == 1
+    assert got.stall_s_per_failure == pytest.approx(sum(fresh.stop_terms().values()), rel=1e-9)

@@ -10,8 +10,10 @@ come from outside the processes:
   process without devices restarts the job without it) and without, in the same run; the
   rate of the same job before the fault beside them. Rates are over wall time, so detection,
   probes, the switch and any restart count against adaptation.
-Also: the healthy rate of 4 processes x 2 devices (the slow row's steps before its fault)
-against 1 process x 8 devices on the same plan, i.e. what the multi-process runtime costs.
+Also: the healthy rate of 4 processes x 2 devices (the slow row's steps before its fault;
+with --quick the fresh kill row's) against 1 process x 8 devices on the same plan, i.e. what
+the multi-process runtime costs. --quick runs the fail-stop rows only (under 5 minutes);
+the fail-slow rows are in the full run.
 
 Fail-stop rows run with the launcher's warm standby (the default: 3 processes that started
 with the job, joined, planned and compiled for the 3 survivors, and wait) and with
@@ -106,7 +108,8 @@ def fail_stop(root: Path, kind: str, train: list[str], at: int, standby: bool) -
             "first_step_at_s": _end_of(records, 1) - started,
             "standby_rss_mb": (summary.standby_rss_mb or [None])[0],
             "step_s_before_fault": _mean_step_s(records, 1, fault_step),
-            "losses": [r["loss"] for r in records], "plans": summary.plans}
+            "losses": [r["loss"] for r in records], "plans": summary.plans,
+            "healthy_records": [r for r in records if r["step"] <= at]}
 
 
 def _end_of(records: list[dict], step: int) -> float:
@@ -199,13 +202,14 @@ def _print_fail_stop(stops: list[dict]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps (about 5 minutes)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fail-stop rows only, fewer steps (under 5 minutes)")
     parser.add_argument("--model", default="tiny", choices=("tiny", "small"),
                         help="model preset (default tiny)")
     args = parser.parse_args()
     # the detector judges steps once it has learned WARMUP_STEPS healthy ones
-    steps, at, slow_at = (8, 5, 27) if args.quick else (16, 8, 30)
-    slow_steps = 62 if args.quick else 100
+    steps, at = (8, 5) if args.quick else (16, 8)
+    slow_at, slow_steps = 30, 100  # full run only
     common = ["--model", args.model, "--seed", "0", "--seq-len", "256", "--no-progress"]
     stop_args = [*common, "--steps", str(steps), "--checkpoint-every", "4"]
     with tempfile.TemporaryDirectory(prefix="resihp-mp-") as tmp:
@@ -215,15 +219,20 @@ def main() -> int:
         rows = [("kill", True), ("kill", False), ("hang", True)] + \
             ([] if args.quick else [("hang", False)])
         stops = [fail_stop(root, kind, stop_args, at, standby) for kind, standby in rows]
-        slow, healthy_records = fail_slow(root, [*common, "--steps", str(slow_steps)],
-                                          slow_at, SLOW_FACTOR)
+        slow: dict | None = None
+        if args.quick:  # the healthy 4x2 rate: the fresh kill row's steps before its fault
+            healthy_records = next(r for r in stops if not r["standby"])["healthy_records"]
+        else:
+            slow, healthy_records = fail_slow(root, [*common, "--steps", str(slow_steps)],
+                                              slow_at, SLOW_FACTOR)
         healthy, reference = healthy_overhead(root, [*common, "--steps", str(steps)],
                                               healthy_records)
     for r in stops:
         r["losses_rel_diff"] = _losses_differ(r.pop("losses"), reference)
+        r.pop("healthy_records")
     print(f"4 processes x 2 fake CPU devices, gloo, model {args.model}; faults: SIGKILL / "
           f"SIGSTOP of one process at step {at} (with the standby: once it is ready), a CPU "
-          f"quota (x{SLOW_FACTOR:.0f}) on one process at step {slow_at}\n")
+          f"quota (x{SLOW_FACTOR:.0f}) on one process at step {slow_at} (full run only)\n")
     _print_fail_stop(stops)
     kill, hang = (next(r for r in stops if r["kind"] == k and r["standby"])
                   for k in ("kill", "hang"))
@@ -232,12 +241,15 @@ def main() -> int:
           f"{TARGETS['hang_floor_s']:.0f} s)")
     print(f"losses against the uninterrupted run (1x8, {steps} steps): largest relative "
           f"difference {max(r['losses_rel_diff'] for r in stops):.1e}")
-    print(f"\nfail-slow, tokens/s of wall time from step {slow_at} on: healthy (the same "
-          f"job before the fault) {slow['healthy']:,.0f}, no adaptation "
-          f"{slow['no_adapt']:,.0f}, adaptation "
-          f"{slow['adapt']:,.0f} (detection, probes, re-plan and {slow['adapt_restarts']} "
-          f"restart(s) included; plans {' -> '.join(slow['adapt_plans'])}): "
-          f"{slow['gain']:.2f}x (target >= {TARGETS['slow_gain']}x)")
+    if slow is None:
+        print("\nfail-slow: full run only (python benchmarks/multiprocess.py)")
+    else:
+        print(f"\nfail-slow, tokens/s of wall time from step {slow_at} on: healthy (the same "
+              f"job before the fault) {slow['healthy']:,.0f}, no adaptation "
+              f"{slow['no_adapt']:,.0f}, adaptation "
+              f"{slow['adapt']:,.0f} (detection, probes, re-plan and {slow['adapt_restarts']} "
+              f"restart(s) included; plans {' -> '.join(slow['adapt_plans'])}): "
+              f"{slow['gain']:.2f}x (target >= {TARGETS['slow_gain']}x)")
     print(f"healthy: 4x2 processes {healthy['procs_4x2']:,.0f} tokens/s vs 1x8 "
           f"{healthy['procs_1x8']:,.0f} tokens/s: {healthy['ratio']:.2f}x")
     print(json.dumps({
@@ -246,8 +258,8 @@ def main() -> int:
                            round(v, 3) if isinstance(v, float) else v)
                        for k, v in r.items() if k not in ("kind", "plans", "source")}
                       for r in stops},
-        "fail_slow": {k: round(v, 3) if isinstance(v, float) else v
-                      for k, v in slow.items()},
+        "fail_slow": None if slow is None else {k: round(v, 3) if isinstance(v, float) else v
+                                                for k, v in slow.items()},
         "healthy": {k: round(v, 3) for k, v in healthy.items()},
         "steps_lost": sum(r["steps_lost"] for r in stops),
         "every_step_once": all(r["every_step_once"] for r in stops),

@@ -40,11 +40,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return [r["loss"] for r in _records(path)]
 
 
-def _launch(tmp_path: Path, fault: Fault, *extra: str, **launch: bool
+def _launch(tmp_path: Path, fault: Fault, *extra: str, procs: int = 4, **launch: bool
             ) -> tuple[Supervisor, list[dict]]:
     metrics = tmp_path / "m.jsonl"
-    config = LaunchConfig(4, 2, tmp_path / "job", (*TRAIN, *extra, "--metrics", str(metrics)),
-                          (fault,), max_restarts=2, **launch)
+    config = LaunchConfig(procs, 8 // procs, tmp_path / "job",
+                          (*TRAIN, *extra, "--metrics", str(metrics)), (fault,),
+                          max_restarts=2, **launch)
     supervisor = Supervisor(config, out=io.StringIO())
     supervisor.run()
     return supervisor, _records(metrics)
@@ -59,7 +60,7 @@ def _check_survived(supervisor: Supervisor, records: list[dict], reference: list
     # every step once, in order, with the uninterrupted run's loss
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
-    # the relaunch ran on the 6 devices left, with the scheduler's plan
+    # the relaunch ran on the devices left, with the scheduler's plan
     assert health_record.load(tmp_path / "job").excluded.keys() == {host}
     first, second = summary.plans
     assert second != first
@@ -96,12 +97,13 @@ def test_kill_loses_no_step_with_dp2(tmp_path: Path, reference: list[float]) -> 
 
 def test_kill_of_the_only_copy_falls_back_to_the_checkpoint(tmp_path: Path,
                                                             reference: list[float]) -> None:
-    # dp=1: process p1 holds the only copy of its stage's shards. Nothing prepared: no
-    # standby, an empty compile cache: the relaunch compiles, and says so
-    supervisor, records = _launch(tmp_path, Fault("kill", 1, 5), "--plan", "dp=1,pp=4,tp=2",
+    # dp=1 over 2 processes x 4 devices: process p1 holds the only copy of its stage's
+    # shards. Nothing prepared: no standby, an empty compile cache: the relaunch (on p0's
+    # 4 devices, the job's last survivor) compiles, and says so
+    supervisor, records = _launch(tmp_path, Fault("kill", 1, 5), "--plan", "dp=1,pp=2,tp=4",
                                   "--microbatches", "4", "--checkpoint-every", "2",
                                   "--compile-cache", str(tmp_path / "empty-cache"),
-                                  standby=False)
+                                  procs=2, standby=False)
     _check_survived(supervisor, records, reference, "p1", "died", tmp_path)
     summary = supervisor.summary
     assert summary.relaunched_by == ["fresh"] and summary.phases[0]["compiles"] > 0
@@ -114,9 +116,10 @@ def test_kill_of_the_only_copy_falls_back_to_the_checkpoint(tmp_path: Path,
     assert "copies of step" in log and "incomplete" in log and "falling back" in log
 
 
+@pytest.mark.slow  # `benchmarks/multiprocess.py` runs this hang (its full run without a standby)
 def test_hang_is_caught_by_the_deadline(tmp_path: Path, reference: list[float]) -> None:
     # no standby: its compile would share the 2 cores with the job; a hang taken over by the
-    # standby is tested with a user's script (test_launch_script.py)
+    # standby is tested with a user's script (test_launch_script.py, in the default run)
     supervisor, records = _launch(tmp_path, Fault("hang", 1, 5), *NEVER, standby=False)
     _check_survived(supervisor, records, reference, "p1", "hung", tmp_path)
     _from_survivors(supervisor)

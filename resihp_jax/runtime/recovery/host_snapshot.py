@@ -14,9 +14,12 @@ Two ways to keep it, both leaving the state a failed step consumed recoverable:
 Nothing is written during healthy training. When the job fails (a peer died and a
 collective errs, the step deadline passes, or whatever runs the job sends SIGTERM, as the
 supervisor, SLURM and Kubernetes do before they kill), the process writes its newest copy
-under `<checkpoint dir>/survivors/step<S>/<host>-<pid>/` and exits. With data parallelism
-the survivors together hold every shard of the state of the last completed step; a
-relaunch rebuilds it from their files into its own plan (see survivor_copies.py).
+under `<checkpoint dir>/survivors/step<S>/<host>-<pid>/` and exits: of each shard, only if
+it is one of the shard's two writers among the processes holding it (copy_writers.py), so
+the exit writes 2/dp of the replicated state rather than dp copies. With data parallelism
+the survivors together hold every shard of the state of the last completed step after any
+one process is lost; a relaunch rebuilds it from their files into its own plan (see
+survivor_copies.py).
 
 SIGTERM is caught through `signal.set_wakeup_fd`, read by a thread of our own: the main
 thread may be blocked in a collective that never returns, where a Python signal handler
@@ -26,6 +29,7 @@ script can requeue a preempted job without counting it as a failure.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -42,6 +46,7 @@ import jax
 import numpy as np
 
 from resihp_jax.meshes import layout
+from resihp_jax.runtime.recovery.copy_writers import writers
 
 SUBDIR = "survivors"
 MODES = ("keep", "host")
@@ -95,6 +100,16 @@ def shard_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
     return tuple((s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape))
 
 
+@functools.lru_cache(maxsize=256)  # few distinct shardings; every device of the job each
+def _holders_by_box(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
+                    owner_of: Callable[[jax.Device], Any]) -> dict[Box, tuple[Any, ...]]:
+    """The owners (processes) of the devices holding each box of an array so sharded."""
+    out: dict[Box, list[Any]] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        out.setdefault(shard_box(index, shape), []).append(owner_of(device))
+    return {box: tuple(owners) for box, owners in out.items()}
+
+
 def leaf_key(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path)
 
@@ -114,10 +129,12 @@ class HostSnapshots:
     def __init__(self, checkpoint_dir: str | Path, host: str,
                  identity: Mapping[str, Any] | None = None, mode: str = "host",
                  clock: Callable[[], float] = time.perf_counter,
-                 devices: Iterable[int] | None = None) -> None:
+                 devices: Iterable[int] | None = None,
+                 owner_of: Callable[[jax.Device], Any] = lambda d: d.process_index) -> None:
         """`mode`: "keep" (the caller's step must not donate the state) or "host".
         `devices`: ids of the devices whose shards count as this process's (default: its
-        addressable devices; tests pose as several processes with it)."""
+        addressable devices; tests pose as several processes with it, and with `owner_of`,
+        the process a device belongs to, which decides who writes each shard)."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; valid: {', '.join(MODES)}")
         self.root = Path(checkpoint_dir).absolute() / SUBDIR
@@ -126,6 +143,7 @@ class HostSnapshots:
         # stopped a step apart share the older one
         self.keep = 2
         self.devices = None if devices is None else frozenset(devices)
+        self.owner_of = owner_of
         self._copies: list[_Copy] = []  # oldest first
         self._lock = threading.Lock()
         self._dumped: list[Path] | None = None
@@ -155,6 +173,8 @@ class HostSnapshots:
         shards = [(leaf_key(path), leaf, shard) for path, leaf in flat
                   for shard in leaf.addressable_shards
                   if self.devices is None or shard.device.id in self.devices]
+        shards = [(key, leaf, shard) for key, leaf, shard in shards
+                  if self._writes(key, leaf, shard)]
         for _, _, shard in shards if start_copies else ():
             shard.data.copy_to_host_async()  # all under way before waiting for any
         leaves: dict[str, _Leaf] = {}
@@ -169,6 +189,13 @@ class HostSnapshots:
                 entry.pieces[box] = (_copy_into(spare, key, box, host)
                                      if shard.device.platform == "cpu" else host)
         return leaves
+
+    def _writes(self, key: str, leaf: jax.Array, shard: Any) -> bool:
+        """Whether this process is one of the shard's writers (copy_writers.py): two of the
+        processes holding it, not all dp of them."""
+        box = shard_box(shard.index, leaf.shape)
+        holders = _holders_by_box(leaf.sharding, tuple(leaf.shape), self.owner_of)[box]
+        return self.owner_of(shard.device) in writers(holders, f"{key}{box}")
 
     @property
     def newest_step(self) -> int | None:

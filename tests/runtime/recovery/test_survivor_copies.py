@@ -46,12 +46,14 @@ def _trained(plan: Plan, steps: int, donate: bool = True) -> tuple:
 
 
 def _survivors_write(directory: Path, program, state, data, dead: set[int],  # noqa: ANN001
-                     mode: str = "host", then: Callable[[], None] = lambda: None) -> None:
-    """Four posing processes of two devices each keep the state; `then` runs (e.g. the next
-    step, which fails); all but `dead` write."""
+                     mode: str = "host", then: Callable[[], None] = lambda: None,
+                     per: int = 2) -> None:
+    """Posing processes of `per` devices each (four of two by default) keep the state;
+    `then` runs (e.g. the next step, which fails); all but `dead` write."""
     step = int(jax.device_get(state.step))
     kept = [HostSnapshots(directory, f"p{process}", mode=mode,
-                          devices=(2 * process, 2 * process + 1)) for process in range(4)]
+                          devices=range(per * process, per * (process + 1)),
+                          owner_of=lambda d: d.id // per) for process in range(8 // per)]
     for copies in kept:
         copies.capture(step, state, program, data.state())
     then()
@@ -90,6 +92,38 @@ def test_copies_of_one_dead_process_restore_onto_a_smaller_plan(tmp_path: Path,
     _, record = run_step(target, restored, _data(state=copies.data_state).next_batch())
     assert record.step == 3 and record.batch_crc == next_record.batch_crc  # the same batch
     np.testing.assert_allclose(record.loss, next_record.loss, rtol=1e-5)
+
+
+def test_with_dp4_two_processes_write_each_shard_and_any_one_lost_is_covered(
+        tmp_path: Path) -> None:
+    """dp=4: every shard is held by 4 (posing) processes, and written by 2 of them
+    (copy_writers.py), so the exit writes half of what all holders would; whichever one
+    process is lost, the others' copies restore the state exactly. Two writers of one shard
+    lost at once leave the copies incomplete (the resume falls back to the checkpoint)."""
+    plan = Plan.uniform(4, 2, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    program, state, data = _trained(plan, 1)
+    expected = jax.device_get(to_canonical(state, program))
+    written = {}
+    for dead in range(8):
+        directory = tmp_path / f"dead{dead}"
+        _survivors_write(directory, program, state, data, dead={dead}, per=1)
+        [copies] = survivor_copies.find(directory)
+        assert copies.complete, (dead, copies.missing)
+        restored = survivor_copies.restore(copies, program, canonical_target(program))
+        got = jax.device_get(to_canonical(restored, program))
+        assert max_relative_error(got.params, expected.params) == 0.0
+        assert max_relative_error(got.opt_state, expected.opt_state) == 0.0
+        written[dead] = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    everything = sum(x.nbytes for x in jax.tree.leaves(jax.device_get(state))) * 4
+    # seven survivors of eight write about 7/8 of 2 of the 4 replicas
+    assert max(written.values()) < 0.6 * everything
+    # two lost at once: some pair of processes are both writers of some shard
+    incomplete = 0
+    for pair in ((0, 1), (0, 2), (1, 3), (4, 6), (5, 7)):
+        directory = tmp_path / f"pair{pair}"
+        _survivors_write(directory, program, state, data, dead=set(pair), per=1)
+        incomplete += not next(survivor_copies.find(directory)).complete
+    assert incomplete > 0
 
 
 def _checkpointed_at_1_then_trained_to_3(plan: Plan, directory: Path) -> tuple:

@@ -8,6 +8,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# runtime/recovery/copy_writers.py WRITERS_PER_SHARD (a sibling layer: tests/sim checks the
+# two agree)
+WRITERS_PER_SHARD = 2
+
 # step slowdowns below this take the detectors longer to call (`benchmarks/detection.py`)
 SMALL_STEP_EXCESS = 1.3
 
@@ -88,11 +92,13 @@ class RestartCosts:
       max(`deadline_floor_s` 10 s, `deadline_factor` 3 x the predicted step)). Share of hangs,
       `hang_share`: the Llama 3 paper (arXiv 2407.21783, Table 5) counts 7 of 419 unexpected
       interruptions in 54 days on 16,384 H100s as NCCL watchdog timeouts.
-    - exit: every survivor writes the shards its devices hold (host_snapshot.py `dump`,
+    - exit: every survivor writes, of the shards its devices hold (host_snapshot.py `dump`,
       16 bytes per parameter, `state_bytes_per_param`: bf16 weights, fp32 master and Adam
-      moments) under the shared checkpoint directory before it exits; every DP replica writes
-      its own copy. Storage: the Llama 3 paper's Tectonic, 2 TB/s sustained for 16,384 GPUs,
-      taken per GPU (`storage_bytes_per_s_per_gpu`, 122 MB/s). Measured on `tiny`: 0.15 s.
+      moments), those it is one of the two writers of (copy_writers.py: two of the dp
+      replicas of each shard, so any one process lost leaves a copy) under the shared
+      checkpoint directory before it exits: min(dp, 2) / dp of its shards. Storage: the
+      Llama 3 paper's Tectonic, 2 TB/s sustained for 16,384 GPUs, taken per GPU
+      (`storage_bytes_per_s_per_gpu`, 122 MB/s). Measured on `tiny`: 0.15 s.
     - requeue: the sbatch script requeues the job; SLURM starts a requeued job only after
       AuthInfo cred_expire, 120 s by default (slurm.conf(5): "This also controls how long a
       requeued job must wait before starting again"), `requeue_s`.
@@ -108,8 +114,11 @@ class RestartCosts:
       compile time of a 70B training step was found; this is what the same program takes
       here, a lower bound for a 70B step (its layers are scanned, so the program's size grows
       with the layer's, not the layer count).
-    - restore: each device reads its new shards (the same bytes per device) from the
-      survivors' files at the same storage share. Measured on `tiny`: 0.04 s.
+    - restore: each device reads its share of the canonical state, which is spread over
+      every device of the new mesh (`spread_shardings`: 1/n of the state each), from the
+      survivors' files at the same storage share, then the step's layout is gathered over
+      the network (`network_bytes_per_s_per_gpu`: the Llama 3 paper's 400 Gbps RoCE per
+      GPU, 50 GB/s). Measured on `tiny`: 0.04 s.
     - lost work: the step in flight when the GPU fails, `lost_step_share` of a step on
       average (failures fall uniformly within a step); the survivors' copies lose nothing
       more when dp >= 2.
@@ -121,6 +130,7 @@ class RestartCosts:
     deadline_factor: float = 3.0
     state_bytes_per_param: float = 16.0
     storage_bytes_per_s_per_gpu: float = 2e12 / 16384
+    network_bytes_per_s_per_gpu: float = 400e9 / 8
     requeue_s: float = 120.0
     start_s: float = 2.08
     init_s: float = 0.28
@@ -130,19 +140,24 @@ class RestartCosts:
     compile_s: float = 13.16
     lost_step_share: float = 0.5
 
-    def terms(self, n_gpus: int, params_per_device: float, step_s: float) -> dict[str, float]:
-        """Seconds of each term of one fail-stop's stall, in the order they happen."""
+    def terms(self, n_gpus: int, params_per_device: float, step_s: float,
+              dp: int) -> dict[str, float]:
+        """Seconds of each term of one fail-stop's stall, in the order they happen
+        (`params_per_device`: of one replica's devices, i.e. params / (pp x tp))."""
         deadline = max(self.deadline_floor_s, self.deadline_factor * step_s)
-        io_s = params_per_device * self.state_bytes_per_param / self.storage_bytes_per_s_per_gpu
+        held = params_per_device * self.state_bytes_per_param  # bytes on each device
+        written = held * min(dp, WRITERS_PER_SHARD) / dp
+        read = held / dp + held * self.storage_bytes_per_s_per_gpu \
+            / self.network_bytes_per_s_per_gpu  # its 1/n share, then the gather
         return {
             "detect": (1.0 - self.hang_share) * self.detect_kill_s + self.hang_share * deadline,
-            "exit": io_s,
+            "exit": written / self.storage_bytes_per_s_per_gpu,
             "requeue": self.requeue_s,
             "start": self.start_s,
             "init": self.init_at(n_gpus),
             "plan": planning_s(n_gpus),
             "compile": self.compile_s,
-            "restore": io_s,
+            "restore": read / self.storage_bytes_per_s_per_gpu,
             "lost work": self.lost_step_share * step_s,
         }
 
@@ -151,8 +166,8 @@ class RestartCosts:
                     / math.log(self.init_scale_gpus / self.init_devices))
         return self.init_s * (n_gpus / self.init_devices) ** exponent
 
-    def seconds(self, n_gpus: int, params_per_device: float, step_s: float) -> float:
-        return sum(self.terms(n_gpus, params_per_device, step_s).values())
+    def seconds(self, n_gpus: int, params_per_device: float, step_s: float, dp: int) -> float:
+        return sum(self.terms(n_gpus, params_per_device, step_s, dp).values())
 
 
 OUR_RESTART = RestartCosts()

@@ -61,7 +61,7 @@ class Ours(SimPolicy):
         self.target: Option | None = None  # compiling in the background; self.option trains
         self.compiled = {_mesh(self.option)}  # programs this incarnation holds
         self.restart_terms = OUR_RESTART.terms(self.cm.n_gpus, self.cm.params_per_device,
-                                               self.cm.ref_step_s)
+                                               self.cm.ref_step_s, self.cm.base_dp)
         self.restart_s = sum(self.restart_terms.values())
 
     @property

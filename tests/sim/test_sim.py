@@ -203,10 +203,19 @@ def test_restart_terms_are_positive_and_each_field_names_its_source(cm) -> None:
     doc = RestartCosts.__doc__ or ""
     for field in dataclasses.fields(RestartCosts):
         assert f"`{field.name}`" in doc, field.name
-    for n, ppd, step in ((256, cm.params_per_device, cm.ref_step_s), (100_000, 2.2e9, 13.0)):
-        terms = OUR_RESTART.terms(n, ppd, step)
+    for n, ppd, step, dp in ((256, cm.params_per_device, cm.ref_step_s, cm.base_dp),
+                             (100_000, 2.2e9, 13.0, 3125)):
+        terms = OUR_RESTART.terms(n, ppd, step, dp)
         assert all(v > 0 for v in terms.values()), terms
-        assert OUR_RESTART.seconds(n, ppd, step) == pytest.approx(sum(terms.values()))
+        assert OUR_RESTART.seconds(n, ppd, step, dp) == pytest.approx(sum(terms.values()))
+    # the exit writes 2 of the dp replicas of each shard, the restore reads 1/dp of them
+    from resihp_jax.runtime.recovery import copy_writers
+    from resihp_jax.sim import measured
+
+    assert measured.WRITERS_PER_SHARD == copy_writers.WRITERS_PER_SHARD
+    one, many = OUR_RESTART.terms(256, 1e9, 1.0, 1), OUR_RESTART.terms(256, 1e9, 1.0, 8)
+    assert many["exit"] == pytest.approx(one["exit"] / 4)
+    assert many["restore"] < one["restore"] / 4
     # jax.distributed / NCCL initialization: the measured point at 8 devices, the published
     # one at 96K GPUs
     assert OUR_RESTART.init_at(8) == pytest.approx(OUR_RESTART.init_s)

@@ -18,7 +18,12 @@ step is compared with.
 Also measured: what periodic checkpointing costs per step (orbax, asynchronous, every step)
 against the same steps without it, in alternating rounds.
 
+What a switch adds beyond the step is set by the state's size (the move is memory- or
+network-bound), the step by the batch: `overhead_ratio` (in steady steps; target <= 0.1)
+therefore depends on the tokens per step, which `--seq-len` and `--microbatch-size` set.
+
 Usage: python benchmarks/recovery.py [--quick] [--model small|tiny] [--seed S]
+           [--seq-len N] [--microbatch-size B]
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ from resihp_jax.scheduler import run_policy  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
 
 TARGETS = {"split_only": 0.5, "mesh_warm": 2.0}
+# what a switch may add beyond the first step on the new plan, in steady steps (issue 26)
+OVERHEAD_TARGET = 0.1
 
 
 def _steps(trainer: ResilientTrainer, n: int) -> list[StepRecord]:
@@ -84,7 +91,9 @@ def _row(trainer: ResilientTrainer, name: str, verdict: Verdict, steady_steps: i
     return dict(case=name, kind=kind, plan=trainer.plan.describe(),
                 scheduler_picked=picked.describe(), plan_s=timings[0], compile_s=timings[1],
                 move_s=timings[2], step_s=first.step_time_s, recovery_s=total,
-                compiles=count.compiles, steady_step_s=steady)
+                compiles=count.compiles, steady_step_s=steady,
+                # what the switch adds beyond the step it runs, in steps (issue target 0.1)
+                overhead_ratio=(total - steady) / steady)
 
 
 def _checkpoint_cost(trainer: ResilientTrainer, rounds: int, steps: int) -> dict:
@@ -109,7 +118,7 @@ def _checkpoint_cost(trainer: ResilientTrainer, rounds: int, steps: int) -> dict
 
 def _table(rows: list[dict]) -> None:
     cols = ("case", "kind", "plan_s", "compile_s", "move_s", "step_s", "recovery_s",
-            "compiles", "steady_step_s")
+            "compiles", "steady_step_s", "overhead_ratio")
     print(f"{cols[0]:<11}{cols[1]:<11}" + "".join(f"{c:>14}" for c in cols[2:])
           + f"{'first/steady':>14}")
     for r in rows:
@@ -125,13 +134,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="shorter rows and fewer steps")
     parser.add_argument("--model", default="small", choices=("small", "tiny"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per row (default 128 with --quick, else 256)")
+    parser.add_argument("--microbatch-size", type=int, default=2,
+                        help="rows per micro-batch (8 micro-batches per step)")
     args = parser.parse_args()
     seq_len, steady, rounds = (128, 3, 2) if args.quick else (256, 5, 4)
+    seq_len = args.seq_len or seq_len
+    microbatches, microbatch_size = 8, args.microbatch_size
+    if seq_len < 16 or microbatch_size < 1:
+        parser.error(f"--seq-len {seq_len} / --microbatch-size {microbatch_size}: need a "
+                     "sequence length >= 16 and at least one row per micro-batch")
     model = get_model_config(args.model)
-    plan = Plan.uniform(2, 2, 2, n_layers=model.n_layers, n_microbatches=8, microbatch_size=2,
-                        seq_len=seq_len)
-    data = BatchIterator("synthetic:lognormal", n_microbatches=8, microbatch_size=2,
-                         seq_len=seq_len, seed=args.seed)
+    plan = Plan.uniform(2, 2, 2, n_layers=model.n_layers, n_microbatches=microbatches,
+                        microbatch_size=microbatch_size, seq_len=seq_len)
+    data = BatchIterator("synthetic:lognormal", n_microbatches=microbatches,
+                         microbatch_size=microbatch_size, seq_len=seq_len, seed=args.seed)
     wall = time.perf_counter()
     with tempfile.TemporaryDirectory() as cache:  # empty: the cold row compiles for real
         config = ResilienceConfig(precompile=0, compile_cache_dir=cache)
@@ -153,7 +171,8 @@ def main() -> None:
         ckpt = _checkpoint_cost(trainer, rounds, steady)
         trainer.close()
     print(f"recovery on 8 fake CPU devices, model {model.name} ({model.param_count() / 1e6:.1f}M"
-          f" params), start plan {plan.describe()}, seq_len {seq_len}; faults: synthetic "
+          f" params), start plan {plan.describe()}, seq_len {seq_len}, "
+          f"{microbatches * microbatch_size * seq_len} tokens per step; faults: synthetic "
           "verdicts\n")
     _table(rows)
     print(f"\nbackground compile of the warm row's program (off the critical path): "
@@ -166,15 +185,21 @@ def main() -> None:
         print(f"target {case}: <= {limit} s with 0 compiles: "
               f"{by[case]['recovery_s']:.2f} s, {by[case]['compiles']} compiles -> "
               f"{'met' if ok else 'MISSED'}")
+        extra = by[case]["recovery_s"] - by[case]["steady_step_s"]
+        ratio = by[case]["overhead_ratio"]
+        print(f"target {case}: adds <= {OVERHEAD_TARGET}x a step beyond the first step: "
+              f"{extra:.3f} s beyond a {by[case]['steady_step_s']:.3f} s step = {ratio:.3f}x "
+              f"-> {'met' if ratio <= OVERHEAD_TARGET else 'MISSED'}")
     print(f"benchmark wall time {time.perf_counter() - wall:.0f} s")
     print(json.dumps({
         "recovery_s": {c: round(by[c]["recovery_s"], 3) for c in by},
         "compiles": {c: by[c]["compiles"] for c in ("split_only", "mesh_warm", "mesh_cold")},
+        "overhead_ratio": {c: round(by[c]["overhead_ratio"], 4) for c in by},
         "steady_step_s": {c: round(by[c]["steady_step_s"], 3) for c in by},
         "breakdown_s": {c: {k: round(by[c][k], 3) for k in ("plan_s", "compile_s", "move_s",
                                                              "step_s")} for c in by},
         "checkpoint_overhead": round(ckpt["overhead"], 4),
-        "model": model.name}))
+        "model": model.name, "tokens_per_step": microbatches * microbatch_size * seq_len}))
 
 
 if __name__ == "__main__":

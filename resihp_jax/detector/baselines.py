@@ -39,11 +39,15 @@ class GreyhoundDetector(Detector):
         self.last_prediction_s = before
         return float(times[self.reference:].mean()) > (1.0 + self.threshold) * before
 
-    def _cleared(self, obs: StepObservation) -> None:
+    def _cleared(self, obs: StepObservation | None) -> None:
         # the level changed for good (or never did): start a new segment after this point
         kept = list(self._times)[-self.recent:]
         self._times.clear()
         self._times.extend(kept)
+
+    def rebaseline(self, steps: int = 3) -> None:
+        """After a re-plan the level is the new plan's: a new segment, as after a probe."""
+        self._cleared(None)
 
 
 @register

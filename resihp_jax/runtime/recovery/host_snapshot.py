@@ -155,6 +155,11 @@ class HostSnapshots:
         """Keep `state` (after `step`, whose metrics `record` goes with it) as the newest;
         the seconds it took."""
         t0 = self.clock()
+        if self.mode == "keep":
+            # the step's loss can be ready before its last state buffers (the optimizer's
+            # update after the gradients' all-reduce): a step is kept once all of it is, or a
+            # peer dying now would leave this copy unreadable (its all-reduce failed)
+            jax.block_until_ready(state)
         with self._lock:
             spare = self._copies.pop(0) if len(self._copies) >= self.keep else None
             host = self.mode == "host"
@@ -222,6 +227,13 @@ class HostSnapshots:
                     print(f"{prog()}: could not write this process's copy of step "
                           f"{copy.step} to {target}: {err}", file=sys.stderr, flush=True)
                     break
+                except jax.errors.JaxRuntimeError as err:
+                    # this step's state never completed here (its collectives failed with the
+                    # peer): the older copy is whole, write that one
+                    print(f"{prog()}: this process's copy of step {copy.step} cannot be read "
+                          f"({str(err).splitlines()[0][:160]}); writing the older one",
+                          file=sys.stderr, flush=True)
+                    continue
                 self._dumped.append(target)
                 print(f"{prog()}: {reason}: wrote this process's copy of step "
                       f"{copy.step} ({_nbytes(copy) / 1e6:.1f} MB) in "

@@ -155,11 +155,6 @@ class HostSnapshots:
         """Keep `state` (after `step`, whose metrics `record` goes with it) as the newest;
         the seconds it took."""
         t0 = self.clock()
-        if self.mode == "keep":
-            # the step's loss can be ready before its last state buffers (the optimizer's
-            # update after the gradients' all-reduce): a step is kept once all of it is, or a
-            # peer dying now would leave this copy unreadable (its all-reduce failed)
-            jax.block_until_ready(state)
         with self._lock:
             spare = self._copies.pop(0) if len(self._copies) >= self.keep else None
             host = self.mode == "host"
@@ -175,16 +170,15 @@ class HostSnapshots:
         `start_copies`: start every device-to-host copy first (not while a step may be stuck
         on the devices, which such a request could queue behind)."""
         flat, _ = jax.tree_util.tree_flatten_with_path(state)
-        shards = [(leaf_key(path), leaf, shard) for path, leaf in flat
-                  for shard in leaf.addressable_shards
+        shards = [(leaf_key(path), leaf, shard, shard_box(shard.index, leaf.shape))
+                  for path, leaf in flat for shard in leaf.addressable_shards
                   if self.devices is None or shard.device.id in self.devices]
-        shards = [(key, leaf, shard) for key, leaf, shard in shards
-                  if self._writes(key, leaf, shard)]
-        for _, _, shard in shards if start_copies else ():
+        shards = [(key, leaf, shard, box) for key, leaf, shard, box in shards
+                  if self._writes(key, leaf, shard, box)]
+        for _, _, shard, _ in shards if start_copies else ():
             shard.data.copy_to_host_async()  # all under way before waiting for any
         leaves: dict[str, _Leaf] = {}
-        for key, leaf, shard in shards:
-            box = shard_box(shard.index, leaf.shape)
+        for key, leaf, shard, box in shards:
             entry = leaves.setdefault(key, _Leaf(tuple(leaf.shape), np.dtype(leaf.dtype).name,
                                                  {}))
             if box not in entry.pieces:  # else a replica already copied (e.g. across tp)
@@ -195,10 +189,9 @@ class HostSnapshots:
                                      if shard.device.platform == "cpu" else host)
         return leaves
 
-    def _writes(self, key: str, leaf: jax.Array, shard: Any) -> bool:
+    def _writes(self, key: str, leaf: jax.Array, shard: Any, box: Box) -> bool:
         """Whether this process is one of the shard's writers (copy_writers.py): two of the
         processes holding it, not all dp of them."""
-        box = shard_box(shard.index, leaf.shape)
         holders = _holders_by_box(leaf.sharding, tuple(leaf.shape), self.owner_of)[box]
         return self.owner_of(shard.device) in writers(holders, f"{key}{box}")
 

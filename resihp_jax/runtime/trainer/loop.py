@@ -65,10 +65,13 @@ def device_batch(program: StepProgram, batch: GlobalBatch) -> Batch:
 def run_step(program: StepProgram, state: TrainState, batch: GlobalBatch,
              knobs_DxPxT: np.ndarray | None = None,
              clock: Callable[[], float] = time.perf_counter) -> tuple[TrainState, StepRecord]:
-    """One step, timed from dispatch to the loss on the host (which waits for the step)."""
+    """One step, timed from dispatch until all of it is done: the loss on the host and the
+    new state (its last buffers, the optimizer's update after the gradients' all-reduce,
+    can be ready after the loss; a state kept for the survivors' copies must be whole)."""
     arrays = device_batch(program, batch)
     start = clock()
     state, metrics = program.step(state, arrays, knobs_DxPxT)
+    state, metrics = jax.block_until_ready((state, metrics))
     metrics = jax.device_get(metrics)
     elapsed = clock() - start
     return state, StepRecord.of(int(state.step), program.plan, metrics, elapsed, batch)

@@ -84,5 +84,7 @@ def timed_step(program: Any, state: Any, batch: Any, knobs_DxPxT: np.ndarray | N
         timer = StageTimer((program.plan.dp, program.plan.pp, program.plan.tp))
     timer.begin()
     state, metrics = program.step(state, batch, knobs_DxPxT)
-    jax.block_until_ready(metrics)
+    # the state too: its last buffers (the optimizer's update after the gradients'
+    # all-reduce) can be ready after the loss, and a step is done when all of it is
+    jax.block_until_ready((state, metrics))
     return state, metrics, timer.end()

@@ -67,10 +67,20 @@ exit "$FAKE_SRUN_RC"
 """
 
 
+# `scancel --signal=TERM JOB` signals the job's tasks: with FAKE_TASKS_STOP set, they write
+# their copies and exit (the stand-in srun ends)
+FAKE_SCANCEL = r"""#!/bin/bash
+echo "$*" >> "$FAKE_DIR/scancel"
+[ -n "${FAKE_TASKS_STOP:-}" ] && kill -TERM "$(cat "$FAKE_DIR/srun-pid")"
+exit 0
+"""
+
+
 def run_sbatch(tmp_path: Path, srun_rc: int = 0, failures_before: int = 0,
                srun_sleeps: bool = False, script: Path = SBATCH,
                task_codes: str | None = None, venv: bool = True,
-               args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+               args: tuple[str, ...] = (),
+               env_extra: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     """Start the script with stand-ins that record their arguments; `srun` exits `srun_rc`,
     its tasks (as the script's per-task wrapper records them) with `task_codes` (default:
     every task with `srun_rc`)."""
@@ -81,7 +91,8 @@ def run_sbatch(tmp_path: Path, srun_rc: int = 0, failures_before: int = 0,
         (shared / "ckpt" / "requeue-failures").write_text(f"{failures_before}\n")
     (fake / "srun").write_text(FAKE_SRUN)
     (fake / "scontrol").write_text('#!/bin/bash\necho "$*" >> "$FAKE_DIR/scontrol"\n')
-    for tool in ("srun", "scontrol"):
+    (fake / "scancel").write_text(FAKE_SCANCEL)
+    for tool in ("srun", "scontrol", "scancel"):
         (fake / tool).chmod(0o755)
     if venv:  # the environment the script activates itself
         (tmp_path / "venv" / "bin").mkdir(parents=True)
@@ -98,6 +109,7 @@ def run_sbatch(tmp_path: Path, srun_rc: int = 0, failures_before: int = 0,
         env.pop(name, None)
     if srun_sleeps:
         env["FAKE_SRUN_SLEEP"] = "30"
+    env.update(env_extra or {})
     proc = subprocess.Popen(["bash", str(script), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     return proc, tmp_path
@@ -213,9 +225,12 @@ def test_sbatch_requeues_failed_runs_within_the_limit(
     assert failures_counted(tmp_path) == failures_before + counted
 
 
-def _signal_running_sbatch(tmp_path: Path, signum: int, script: Path = SBATCH) -> str:
+def _signal_running_sbatch(tmp_path: Path, signum: int, script: Path = SBATCH,
+                           task_codes: str | None = None,
+                           env_extra: dict[str, str] | None = None) -> str:
     """Run the script with an `srun` that sleeps, send it `signum`; its output."""
-    proc, _ = run_sbatch(tmp_path, srun_sleeps=True, script=script)
+    proc, _ = run_sbatch(tmp_path, srun_sleeps=True, script=script, task_codes=task_codes,
+                         env_extra=env_extra)
     pid_file = tmp_path / "srun-pid"
     try:
         deadline = time.monotonic() + 30
@@ -239,10 +254,42 @@ def _signal_running_sbatch(tmp_path: Path, signum: int, script: Path = SBATCH) -
 
 
 @needs_bash
-def test_sbatch_requeues_itself_before_the_time_limit(tmp_path: Path) -> None:
-    _signal_running_sbatch(tmp_path, signal.SIGUSR1)  # what --signal=B:USR1@300 sends
+@pytest.mark.parametrize("script", [SBATCH, SBATCH_CPU], ids=lambda p: p.name)
+def test_sbatch_near_the_time_limit_stops_the_tasks_then_requeues(tmp_path: Path,
+                                                                  script: Path) -> None:
+    """USR1 (what --signal=B:USR1@... sends): the tasks are told to stop as in a preemption
+    (they write their copies of the last step, so the relaunch trains no step twice), and
+    once they have, the job is requeued, uncounted."""
+    out = _signal_running_sbatch(tmp_path, signal.SIGUSR1, script, task_codes="74 74 74 74",
+                                 env_extra={"FAKE_TASKS_STOP": "1"})
+    assert (tmp_path / "scancel").read_text().splitlines() == ["--signal=TERM 4242"]
+    assert "time limit: requeue, not counted" in out, out
     assert requeues(tmp_path) == ["requeue 4242"]
     assert failures_counted(tmp_path) == 0  # not counted
+
+
+@needs_bash
+def test_sbatch_requeues_before_the_time_limit_when_the_tasks_do_not_stop(
+        tmp_path: Path) -> None:
+    """Tasks that do not end within TIME_LIMIT_GRACE_S: the job is requeued anyway (SLURM
+    then ends it), rather than left to the time limit, which would not requeue it."""
+    proc, _ = run_sbatch(tmp_path, srun_sleeps=True, env_extra={"TIME_LIMIT_GRACE_S": "0.2"})
+    pid_file = tmp_path / "srun-pid"
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert time.monotonic() < deadline and proc.poll() is None, "srun never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+        while not requeues(tmp_path):
+            assert time.monotonic() < deadline, "never requeued"
+            time.sleep(0.05)
+        assert requeues(tmp_path) == ["requeue 4242"]
+        assert proc.poll() is None  # still waiting on srun: the requeue is what ends it
+    finally:
+        proc.kill()
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    assert failures_counted(tmp_path) == 0
 
 
 @needs_bash
@@ -337,6 +384,19 @@ def test_jobset_restarts_the_whole_job_on_shared_storage() -> None:
     assert job["completionMode"] == "Indexed" and job["backoffLimit"] == 0
     assert job["parallelism"] == job["completions"]
     assert pod["restartPolicy"] == "Never"
+    # exit 2 fails the JobSet; a preemption (exit 74, or the pod marked DisruptionTarget) is
+    # ignored: the pod is replaced, nothing counted
+    rules = job["podFailurePolicy"]["rules"]
+    by_code = {code: r["action"] for r in rules if "onExitCodes" in r
+               for code in r["onExitCodes"]["values"]}
+    from resihp_jax.runtime.job import exits
+
+    assert by_code == {exits.USER_ERROR: "FailJob", exits.PREEMPTED_EXIT: "Ignore"}
+    assert all(r["onExitCodes"]["containerName"] == container["name"]
+               for r in rules if "onExitCodes" in r)
+    assert {c["type"]: r["action"] for r in rules for c in r.get("onPodConditions", ())} == \
+        {"DisruptionTarget": "Ignore"}
+    assert pod["terminationGracePeriodSeconds"] >= 60  # time to write the copies
     assert [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
             if "persistentVolumeClaim" in v] == [claim["metadata"]["name"]]
     env = {v["name"]: v for v in container["env"]}

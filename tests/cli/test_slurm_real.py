@@ -2,12 +2,14 @@
 examples/slurm/train-cpu.sbatch runs a user's own script (its own NNX model, rh.fit) as
 4 tasks x 2 fake CPU devices. Task 2 is killed (SIGKILL), then the job is preempted
 (`scancel --signal=TERM JOB`: SIGTERM to the job's tasks, what SLURM's preemption sends at
-the start of its grace time). With MAX_FAILURES=1 the kill spends the only failure allowed,
-so the job finishes only if the preemption is not counted; the script's log holds every
-step once, with the losses of the uninterrupted run. Submitted with the submitting shell's
+the start of its grace time), then it nears its time limit (`scancel --signal=USR1 --batch
+JOB`: what `--signal=B:USR1@...` sends the script). With MAX_FAILURES=1 the kill spends the
+only failure allowed, so the job finishes only if neither the preemption nor the time limit
+is counted; the script's log holds every step once, with the losses of the uninterrupted
+run. Submitted with the submitting shell's
 environment withheld (`--export=VENV,...`): the recipe activates its environment itself.
 
-Marked slow (about 4 minutes: three incarnations, each starting 4 JAX processes, and two
+Marked slow (about 5 minutes: four incarnations, each starting 4 JAX processes, and three
 requeue holds), so the default run leaves it out: run it with
 `python -m pytest -m slow tests/cli/test_slurm_real.py`. Skipped, with the reason, where no
 SLURM controller answers."""
@@ -33,8 +35,9 @@ from tests.runtime.job.test_launch_script import SCRIPT, reference_losses
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "slurm" / "train-cpu.sbatch"
 SETUP = "examples/slurm/local-setup.sh"
-STEPS = 10
-KILL_AT, PREEMPT_AFTER = 2, 2  # kill at step 2; preempt 2 steps into the relaunch
+STEPS = 12
+# kill at step 2; preempt 2 steps into the relaunch; near the time limit 2 steps later
+KILL_AT, PREEMPT_AFTER, TIME_LIMIT_AFTER = 2, 2, 2
 STEP_SLEEP_S = 0.5  # the script rests after each step: time to inject at a chosen step
 CPUS_NEEDED = 8  # 4 tasks x --cpus-per-task=2
 
@@ -114,7 +117,8 @@ def _cred_expire_s() -> int:
     return int(found.group(1)) if found else 120
 
 
-def test_cpu_recipe_survives_a_killed_task_and_an_uncounted_preemption(tmp_path: Path) -> None:
+def test_cpu_recipe_survives_a_killed_task_an_uncounted_preemption_and_time_limit(
+        tmp_path: Path) -> None:
     script = tmp_path / "my_train.py"
     script.write_text(SCRIPT)
     reference = reference_losses(script, STEPS)
@@ -128,7 +132,7 @@ def test_cpu_recipe_survives_a_killed_task_and_an_uncounted_preemption(tmp_path:
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
     hold_s = _cred_expire_s()
-    timeout_s = 300 + hold_s
+    timeout_s = 300 + 2 * hold_s
     t0 = time.monotonic()
     try:
         _wait(f"step {KILL_AT}", lambda: len(_steps(log)) >= KILL_AT, timeout_s, job, job_log)
@@ -143,6 +147,13 @@ def test_cpu_recipe_survives_a_killed_task_and_an_uncounted_preemption(tmp_path:
               lambda: len(_steps(log)) >= killed_at + PREEMPT_AFTER, timeout_s, job, job_log)
         preempted_at = len(_steps(log))
         subprocess.run(["scancel", "--signal=TERM", job], check=True, timeout=30)
+        _wait("the second relaunch", lambda: "incarnation 2 " in job_log.read_text(),
+              timeout_s, job, job_log)
+        _wait(f"{TIME_LIMIT_AFTER} steps of it",
+              lambda: len(_steps(log)) >= preempted_at + TIME_LIMIT_AFTER, timeout_s, job,
+              job_log)
+        limit_at = len(_steps(log))
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
         _wait("the job's end", lambda: _job_state(job).get("JobState") == "COMPLETED",
               timeout_s, job, job_log)
     finally:
@@ -151,18 +162,20 @@ def test_cpu_recipe_survives_a_killed_task_and_an_uncounted_preemption(tmp_path:
     took_s = time.monotonic() - t0
     text = job_log.read_text()
     state = _job_state(job)
-    assert (state["ExitCode"], state["Restarts"]) == ("0:0", "2"), (state, text[-3000:])
+    assert (state["ExitCode"], state["Restarts"]) == ("0:0", "3"), (state, text[-3000:])
     assert re.search(r"the tasks with: .*137", text)  # the kill...
     assert "requeue, failure 1 of 1" in text  # ...counted
     assert "srun exited with 74; the tasks with: 74 74 74 74" in text  # the preemption...
     assert "preempted (SIGTERM): requeue, not counted against MAX_FAILURES" in text
+    assert "time limit: requeue, not counted against MAX_FAILURES" in text  # the time limit
     assert (shared / "ckpt" / "requeue-failures").read_text().strip() == "1"
-    # both relaunches from the copies the tasks wrote: nothing trained twice, none skipped
-    assert len(re.findall(r"0: resumed from step \d+ as \d surviving", text)) == 2, text
+    # every relaunch from the copies the tasks wrote: nothing trained twice, none skipped
+    assert len(re.findall(r"0: resumed from step \d+ as \d surviving", text)) == 3, text
     records = _steps(log)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
     np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
     assert not (shared / "ckpt" / "survivors").exists()  # removed after the finished run
     print(f"job {job}: killed task 2 after step {killed_at}, preempted after step "
-          f"{preempted_at}; {took_s:.0f} s from submission to COMPLETED (cred_expire "
+          f"{preempted_at}, time limit near after step {limit_at}; {took_s:.0f} s from "
+          f"submission to COMPLETED (cred_expire "
           f"{hold_s} s per requeue)")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
-from resihp_jax.errors import ConfigError, ResihpError
+from resihp_jax.errors import ConfigError, JobStepFailed, ResihpError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.runtime.job import standby
@@ -83,12 +83,15 @@ class TrainingRun:
             records = run.run()
         except ResihpError:
             raise  # refused input or a diverged run: a relaunch would not do better from a copy
-        except BaseException:
+        except BaseException as err:
             from resihp_jax.runtime.recovery.host_snapshot import dump_active  # noqa: PLC0415
 
             # a peer died (a collective failed) or this process must stop: the relaunch
             # rebuilds the last completed step from the copies the processes left write now
             dump_active("training stopped by an error")
+            failed = peer_failure(err)
+            if failed is not None:
+                raise failed from err
             raise
         finally:
             run.close()  # waits for the final checkpoint
@@ -250,3 +253,21 @@ def report(records: list) -> str:
     tokens_per_s = sum(r.tokens for r in steady) / sum(r.step_time_s for r in steady)
     return (f"final loss {records[-1].loss:.4f} (first {records[0].loss:.4f}); "
             f"{tokens_per_s:,.0f} tokens/s after the first (compiling) step")
+
+
+def peer_failure(err: BaseException) -> JobStepFailed | None:
+    """A step's collective failed in a job of several processes (a peer died or its link
+    broke): not this process's crash but a step failure, so it exits as one (HUNG_EXIT, in
+    one line) and the job's supervisor blames the peer, not every process that lost it.
+    None: any other error, reported as a crash."""
+    import jax  # noqa: PLC0415
+
+    from resihp_jax.meshes.agree import multi_process  # noqa: PLC0415
+
+    if not isinstance(err, jax.errors.JaxRuntimeError) or not multi_process():
+        return None
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if first.startswith("RESOURCE_EXHAUSTED"):
+        return None  # out of memory: this process's own failure
+    return JobStepFailed(f"a step failed in a collective (a peer process died, hung up or "
+                         f"lost its link): {first[:300]}")

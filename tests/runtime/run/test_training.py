@@ -57,3 +57,27 @@ def test_a_script_runs_what_the_command_runs(tmp_path: Path, adapt: bool) -> Non
 def test_a_bad_run_config_is_named(changes: dict, message: str) -> None:
     with pytest.raises(rh.ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         rh.RunConfig(**changes)
+
+
+@pytest.mark.parametrize("error, several, step_failure", [
+    ("UNKNOWN: Gloo collective permute failed: Read error: Connection reset by peer", True,
+     True),
+    ("UNKNOWN: Gloo collective permute failed", False, False),  # one process: a crash
+    ("RESOURCE_EXHAUSTED: Out of memory allocating 4 GiB", True, False),  # its own failure
+])
+def test_a_collective_that_lost_its_peer_is_a_step_failure_not_a_crash(
+        monkeypatch: pytest.MonkeyPatch, error: str, several: bool, step_failure: bool) -> None:
+    """A survivor whose collective broke when a peer died exits as a step failure (75, one
+    line), so the supervisor blames the peer, not every process that lost it."""
+    import jax
+
+    from resihp_jax.errors import JobStepFailed
+    from resihp_jax.meshes import agree
+    from resihp_jax.runtime.run.training import peer_failure
+
+    monkeypatch.setattr(agree, "multi_process", lambda: several)
+    got = peer_failure(jax.errors.JaxRuntimeError(error + "\nmore detail"))
+    assert isinstance(got, JobStepFailed) == step_failure
+    if step_failure:
+        assert error in str(got) and "more detail" not in str(got)
+    assert peer_failure(ValueError("not a collective")) is None

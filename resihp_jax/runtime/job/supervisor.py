@@ -19,7 +19,8 @@ programs it compiled while it waited. Any other failure, or a standby that died,
 fresh processes.
 
 Faults for testing (`Fault`): kill (SIGKILL), hang (SIGSTOP), slow (a CPU quota from
-outside, see `Throttle`), each when the job reaches a step. Time is injected (`clock`).
+outside, see `Throttle`), each once every process has finished a given step. Time is
+injected (`clock`).
 """
 
 from __future__ import annotations
@@ -338,7 +339,7 @@ class Supervisor:
                 return failure, step, beats
             if len(exited) == len(procs):
                 return None, step, beats
-            self._inject(procs, step)
+            self._inject(procs, _finished_by_all(beats, procs, start_step))
             if started and self._readmission_due(step):
                 return Failure("readmit", None, step, None, "excluded host(s) repaired: "
                                "restarting to take them in"), step, beats
@@ -520,6 +521,15 @@ class Supervisor:
         if self._service is not None:
             self._service.shutdown()
             self._service = None
+
+
+def _finished_by_all(beats: dict[str, heartbeat.Beat], procs: dict[str, subprocess.Popen],
+                     start_step: int) -> int:
+    """The last step every running process has finished (and kept for the survivors' copies:
+    a process beats only after that). Faults fire on it: a kill as soon as the fastest
+    process reports the step could catch a slower peer inside that step's collectives, and
+    the step would be lost with it."""
+    return min((beats[h].step if h in beats else start_step for h in procs), default=start_step)
 
 
 def _signal_group(pid: int, sig: int) -> None:

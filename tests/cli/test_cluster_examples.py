@@ -53,17 +53,25 @@ def sbatch_options(script: Path = SBATCH) -> dict[str, str]:
     return dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script.read_text(), flags=re.M))
 
 
+# Call n (from 0) of the stand-in srun exits with the n-th of FAKE_SRUN_RC's codes (the last
+# one again after them), its tasks with the n-th '|'-separated group of FAKE_TASK_CODES
 FAKE_SRUN = r"""#!/bin/bash
 printf "%s\0" "$@" > "$FAKE_DIR/srun-args"
 env > "$FAKE_DIR/srun-env"
 echo $$ > "$FAKE_DIR/srun-pid"
+echo "$EXITS" >> "$FAKE_DIR/srun-exits-dirs"
+n=$(cat "$FAKE_DIR/srun-calls" 2>/dev/null || echo 0)
+echo $((n + 1)) > "$FAKE_DIR/srun-calls"
+read -ra rcs <<< "$FAKE_SRUN_RC"
+IFS='|' read -ra groups <<< "${FAKE_TASK_CODES:-}"
+(( n < ${#rcs[@]} )) || n=$(( ${#rcs[@]} - 1 ))
 task=0
-for code in ${FAKE_TASK_CODES:-}; do  # what each task's wrapper would record
+for code in ${groups[$n]:-${groups[-1]:-}}; do  # what each task's wrapper would record
     echo "$code" > "$EXITS/$task"
     task=$((task + 1))
 done
 [ -n "${FAKE_SRUN_SLEEP:-}" ] && exec sleep "$FAKE_SRUN_SLEEP" >/dev/null 2>&1
-exit "$FAKE_SRUN_RC"
+exit "${rcs[$n]}"
 """
 
 
@@ -76,14 +84,14 @@ exit 0
 """
 
 
-def run_sbatch(tmp_path: Path, srun_rc: int = 0, failures_before: int = 0,
+def run_sbatch(tmp_path: Path, srun_rc: int | str = 0, failures_before: int = 0,
                srun_sleeps: bool = False, script: Path = SBATCH,
                task_codes: str | None = None, venv: bool = True,
                args: tuple[str, ...] = (),
                env_extra: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
-    """Start the script with stand-ins that record their arguments; `srun` exits `srun_rc`,
-    its tasks (as the script's per-task wrapper records them) with `task_codes` (default:
-    every task with `srun_rc`)."""
+    """Start the script with stand-ins that record their arguments; `srun` exits `srun_rc`
+    (several codes: one per call), its tasks (as the script's per-task wrapper records them)
+    with `task_codes` (default: every task with srun's code)."""
     fake, shared = tmp_path / "bin", tmp_path / "shared"
     fake.mkdir()
     (shared / "ckpt").mkdir(parents=True)
@@ -103,8 +111,8 @@ def run_sbatch(tmp_path: Path, srun_rc: int = 0, failures_before: int = 0,
            "FAKE_SRUN_RC": str(srun_rc), "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "32",
            "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NTASKS": str(ntasks),
            "VENV": str(tmp_path / "venv"),
-           "FAKE_TASK_CODES": " ".join([str(srun_rc)] * ntasks) if task_codes is None
-           else task_codes}
+           "FAKE_TASK_CODES": "|".join(" ".join([rc] * ntasks) for rc in str(srun_rc).split())
+           if task_codes is None else task_codes}
     for name in ("RESIHP_EXPECT_PLATFORM", "FAKE_VENV_ACTIVE", "SLURM_RESTART_COUNT"):
         env.pop(name, None)
     if srun_sleeps:
@@ -219,10 +227,38 @@ def test_sbatch_requeues_failed_runs_within_the_limit(
     if task_codes is not None and script == SBATCH_CPU:  # 4 tasks: the last code again
         task_codes = " ".join(task_codes.split() + [task_codes.split()[-1]] * 2)
     proc, _ = run_sbatch(tmp_path, srun_rc, failures_before, script=script,
-                         task_codes=task_codes)
+                         task_codes=task_codes, env_extra={"IN_PLACE_RELAUNCH": "0"})
     assert proc.wait(timeout=30) == exit_code, proc.stdout.read()
     assert requeues(tmp_path) == (["requeue 4242"] if requeued else [])
     assert failures_counted(tmp_path) == failures_before + counted
+
+
+@needs_bash
+@pytest.mark.parametrize("script", [SBATCH, SBATCH_CPU], ids=lambda p: p.name)
+@pytest.mark.parametrize("srun_rcs, calls, requeued, failures, exit_code", [
+    ("75 0", 2, False, 1, 0),  # a step failed: srun again on the same nodes, which finishes
+    ("137 0", 2, False, 1, 0),  # a killed task: the same
+    # the relaunch fails too: the nodes may be at fault, requeue without counting it again
+    ("1 75", 2, True, 1, 0),
+    ("77 0", 1, True, 1, 0),  # a host left out: the same nodes would bring it back, requeue
+    ("75 74", 2, True, 1, 0),  # preempted during the relaunch: requeued, not counted
+    ("75 2", 2, False, 1, 2),  # the relaunch refused its input: a restart cannot help
+])
+def test_sbatch_relaunches_inside_the_allocation_before_requeueing(
+        tmp_path: Path, script: Path, srun_rcs: str, calls: int, requeued: bool,
+        failures: int, exit_code: int) -> None:
+    """A failure that leaves every node (a crash, a deadline, a killed task) runs srun again
+    at once on the same allocation, without the requeue's wait (cred_expire) or a return to
+    the queue, each run with its own record of the tasks' codes."""
+    proc, _ = run_sbatch(tmp_path, srun_rcs, script=script)
+    out = proc.stdout.read()
+    assert proc.wait(timeout=30) == exit_code, out
+    assert int((tmp_path / "srun-calls").read_text()) == calls, out
+    assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), out
+    assert failures_counted(tmp_path) == failures, out
+    dirs = (tmp_path / "srun-exits-dirs").read_text().split()
+    assert dirs == [f"{tmp_path}/shared/exits/4242.0.{run}" for run in range(calls)]
+    assert out.count(", relaunch ") == calls - 1, out
 
 
 def _signal_running_sbatch(tmp_path: Path, signum: int, script: Path = SBATCH,

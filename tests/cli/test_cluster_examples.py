@@ -7,6 +7,7 @@ of this imports JAX. tests/cli/test_slurm_real.py runs the CPU recipe on a real 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import yaml
@@ -261,32 +263,39 @@ def test_sbatch_relaunches_inside_the_allocation_before_requeueing(
     assert out.count(", relaunch ") == calls - 1, out
 
 
-def _signal_running_sbatch(tmp_path: Path, signum: int, script: Path = SBATCH,
-                           task_codes: str | None = None,
-                           env_extra: dict[str, str] | None = None) -> str:
-    """Run the script with an `srun` that sleeps, send it `signum`; its output."""
-    proc, _ = run_sbatch(tmp_path, srun_sleeps=True, script=script, task_codes=task_codes,
-                         env_extra=env_extra)
+@contextlib.contextmanager
+def _running_sbatch(tmp_path: Path, **kw: Any) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """The script started (`run_sbatch(srun_sleeps=True, **kw)`) with its stand-in srun
+    running; both are killed on the way out. Yields the script and srun's pid file."""
+    proc, _ = run_sbatch(tmp_path, srun_sleeps=True, **kw)
     pid_file = tmp_path / "srun-pid"
     try:
         deadline = time.monotonic() + 30
         while not pid_file.exists() or not pid_file.read_text().strip():
             assert time.monotonic() < deadline and proc.poll() is None, "srun never started"
             time.sleep(0.05)
+        yield proc, pid_file
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)  # the stand-in srun
+        except (FileNotFoundError, ValueError, ProcessLookupError):
+            pass
+
+
+def _signal_running_sbatch(tmp_path: Path, signum: int, script: Path = SBATCH,
+                           task_codes: str | None = None,
+                           env_extra: dict[str, str] | None = None) -> str:
+    """Run the script with an `srun` that sleeps, send it `signum`; its output."""
+    with _running_sbatch(tmp_path, script=script, task_codes=task_codes,
+                         env_extra=env_extra) as (proc, pid_file):
         proc.send_signal(signum)
         if signum == signal.SIGTERM:  # srun's tasks end (they were signalled too)
             time.sleep(0.2)
             os.kill(int(pid_file.read_text()), signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, proc.stdout.read()
         return proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if pid_file.exists():
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)  # the stand-in srun
-            except ProcessLookupError:
-                pass
 
 
 @needs_bash
@@ -309,23 +318,28 @@ def test_sbatch_requeues_before_the_time_limit_when_the_tasks_do_not_stop(
         tmp_path: Path) -> None:
     """Tasks that do not end within TIME_LIMIT_GRACE_S: the job is requeued anyway (SLURM
     then ends it), rather than left to the time limit, which would not requeue it."""
-    proc, _ = run_sbatch(tmp_path, srun_sleeps=True, env_extra={"TIME_LIMIT_GRACE_S": "0.2"})
-    pid_file = tmp_path / "srun-pid"
-    try:
-        deadline = time.monotonic() + 30
-        while not pid_file.exists() or not pid_file.read_text().strip():
-            assert time.monotonic() < deadline and proc.poll() is None, "srun never started"
-            time.sleep(0.05)
+    with _running_sbatch(tmp_path, env_extra={"TIME_LIMIT_GRACE_S": "0.2"}) as (proc, _):
         proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 30
         while not requeues(tmp_path):
             assert time.monotonic() < deadline, "never requeued"
             time.sleep(0.05)
         assert requeues(tmp_path) == ["requeue 4242"]
         assert proc.poll() is None  # still waiting on srun: the requeue is what ends it
-    finally:
-        proc.kill()
-        os.kill(int(pid_file.read_text()), signal.SIGKILL)
     assert failures_counted(tmp_path) == 0
+
+
+@needs_bash
+@pytest.mark.parametrize("script", [SBATCH, SBATCH_CPU], ids=lambda p: p.name)
+@pytest.mark.parametrize("name, value", [("IN_PLACE_RELAUNCH", "yes"),
+                                         ("TIME_LIMIT_GRACE_S", "-5")])
+def test_sbatch_refuses_a_bad_setting_in_one_line(tmp_path: Path, script: Path, name: str,
+                                                  value: str) -> None:
+    proc, _ = run_sbatch(tmp_path, script=script, env_extra={name: value})
+    assert proc.wait(timeout=30) == 2
+    out = proc.stdout.read()
+    assert f"{name}={value}" in out and len(out.strip().splitlines()) == 1, out
+    assert not (tmp_path / "srun-args").exists()  # nothing started
 
 
 @needs_bash

@@ -55,6 +55,7 @@ from resihp_jax.faults.injector import FaultInjector  # noqa: E402
 from resihp_jax.train.instrument import chain_hosts  # noqa: E402
 from resihp_jax.sim.measured import SMALL_STEP_EXCESS  # noqa: E402
 from resihp_jax.runtime.trainer.loop import device_batch  # noqa: E402
+from resihp_jax.runtime.trainer.host_cpu import CpuMeter  # noqa: E402
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
 from resihp_jax.train.instrument import Instrument  # noqa: E402
@@ -111,7 +112,7 @@ class Run:
         self.plan = Plan.uniform(dp, pp, tp, n_layers=self.cfg.n_layers, n_microbatches=m,
                                  microbatch_size=b, seq_len=s)
         self.injector = FaultInjector(self.plan)
-        self.timer = StageTimer((dp, pp, tp))
+        self.timer = StageTimer((dp, pp, tp), cpu=CpuMeter())
         host = chain_hosts(self.injector, self.timer)
         self.program = build_step(self.cfg, TrainConfig(), self.plan, jax.devices(),
                                   Instrument(host))
@@ -140,7 +141,7 @@ class Run:
         timing = self._timed(batch, self.injector.knobs(self.step))
         tokens, attn = features(batch.segment_ids_MxBxS, self.cfg.attn_block)
         obs = StepObservation(self.step, self.plan, tokens, attn,
-                              timing.step_time_s, timing.stage_DxP)
+                              timing.step_time_s, timing.stage_DxP, timing.host_cpu)
         self.last_layout = batch.doc_lengths
         self.step += 1
         return obs

@@ -7,13 +7,14 @@ from resihp_jax.detector.baselines import GreyhoundDetector, MadDetector
 from resihp_jax.detector.failstop import StepFailed, devices_in_error, run_guarded
 from resihp_jax.detector.ours import ResiHPDetector
 from resihp_jax.detector.probes import Localization, ProbeResult, Prober, localize
-from resihp_jax.detector.verdict import KINDS, StepObservation, Verdict
+from resihp_jax.detector.verdict import KINDS, HostCpu, StepObservation, Verdict
 
 __all__ = [
     "DETECTORS",
     "KINDS",
     "Detector",
     "GreyhoundDetector",
+    "HostCpu",
     "Localization",
     "MadDetector",
     "ProbeResult",

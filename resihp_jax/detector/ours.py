@@ -27,6 +27,15 @@ alike, and that part of the excess is drift, not a fault (without it, a load swi
 raised an alarm the probes then cleared). Stage baselines are learned from the first fit of
 the cost model on, so the stage signal is armed when the step signal is.
 
+When the host's CPU accounting comes with the steps (`StepObservation.host_cpu`), it tells
+how much of an excess other processes explain: they ran on more cores than on healthy steps,
+so this process got fewer of the cores it uses (min(its healthy use, cores - others) against
+the same with the others' healthy level). That part is drift too, and it is known the very
+step a load switches on, where the stage level needs several steps to stand out of its noise
+(each switch-on otherwise cost a probe). A slow device does not raise the others' use by
+itself; on a saturated host they take what the slow device leaves idle, so a fault under a
+load shows partly as host load, and the stage shares (which no load moves) still see it.
+
 Stage times are not fitted as cost-model rows by default (`fit_stage_times`): on shared
 host cores one micro-batch's forward mostly measures what the other devices run at the same
 moment (an 18% robust sigma, against 2.3% for whole steps), and as rows they drowned the
@@ -42,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from resihp_jax.detector.base import Detector, register
-from resihp_jax.detector.verdict import StepObservation
+from resihp_jax.detector.verdict import HostCpu, StepObservation
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel.costs import CostParams
@@ -62,6 +71,9 @@ REACH_STEPS = 5
 MIN_RESIDUALS = 16
 STAGE_PERSIST = 3  # steps of stage excess in a row that make a suspicion
 LOAD_DRIFT = 0.5  # the drift scale's rate while the stages show a load on the whole host
+# other processes' CPU use beyond their healthy level that counts as a load, in cores (the
+# host's tick counters step in 1/100 s, so over a step of 0.2 s one core reads +-0.05)
+HOST_MIN_CORES = 0.1
 
 
 @register
@@ -102,11 +114,14 @@ class ResiHPDetector(Detector):
         self._level_base: np.ndarray | None = None  # healthy log(time / expected) per stage
         self._level = 0.0  # this step's machine-wide stage level against its baseline
         self._shared = 0.0  # the part of it taken as load on the whole machine
+        self._stage_shared = 0.0  # the part the stages' level shows
         self._level_dev = np.zeros(0)
         self._level_spread = 0.0  # robust sigma of `_level` on healthy steps
         self._stage_spread = 0.0  # robust sigma of a stage's deviation from its baseline
         self._stage_seen = 0
         self._stage_streak = 0
+        self._cpu_base: tuple[float, float] | None = None  # healthy (own, others) cores
+        self._cpu_seen = 0
         self._rebase_left = 0  # steps left in which to re-measure `scale` after a re-plan
         self._rebase_ratios: list[float] = []  # observed / raw prediction over those steps
 
@@ -169,6 +184,8 @@ class ResiHPDetector(Detector):
         self.cusum, self._held = 0.0, []
         self._stage_streak, self._stage_base, self._stage_seen = 0, None, 0
         self._level_base, self._level_spread, self._shared = None, 0.0, 0.0
+        self._stage_shared = 0.0
+        self._cpu_base, self._cpu_seen = None, 0  # the new plan uses the cores its own way
 
     def _warming(self) -> bool:
         return not self.cost.ready or self._learned < self.warmup or not self._sigma
@@ -182,6 +199,7 @@ class ResiHPDetector(Detector):
                 self._add_residual(obs.plan, excess)
                 self._update_stage_base(self._stage_deviation(obs))
                 self.scale *= math.exp(self.drift * excess)
+            self._update_cpu_base(obs.host_cpu, self.drift)
             self._learn(obs)
             return False
         if self._rebase_left > 0:
@@ -198,7 +216,8 @@ class ResiHPDetector(Detector):
         self.last_excess = excess
         stage_dev = self._stage_deviation(obs)
         stage_hot = self._stage_hot(stage_dev)
-        self._shared = self._shared_level()
+        self._stage_shared = self._shared_level()
+        self._shared = max(self._stage_shared, self._host_level(obs.host_cpu))
         unexplained = excess - self._shared  # what the whole machine does not share
         units = unexplained / self.noise_of(obs.plan)
         self.cusum = max(0.0, self.cusum + min(units - self.slack, self.decision / 2))
@@ -223,6 +242,9 @@ class ResiHPDetector(Detector):
         # the load too, and what the scale had not caught when they have would be excess
         rate = max(self.drift, LOAD_DRIFT) if self._shared else self.drift
         self.scale *= math.exp(rate * excess)
+        # the host's healthy use moves as fast as the scale: what the host explains is the
+        # part of a load the scale has not taken in yet
+        self._update_cpu_base(obs.host_cpu, rate)
         self._learn(obs)
 
     def _add_residual(self, plan: Plan, resid: float) -> None:
@@ -250,7 +272,34 @@ class ResiHPDetector(Detector):
         if self._stage_seen < self.warmup // 2:
             return 0.0
         floor = max(self.level_min_excess, self.k * self._level_spread)
-        return self._level if self._level > (floor / 2 if self._shared else floor) else 0.0
+        return self._level if self._level > (floor / 2 if self._stage_shared else floor) \
+            else 0.0
+
+    def _host_level(self, cpu: HostCpu | None) -> float:
+        """The log slowdown other processes explain by running on more cores than they do
+        on healthy steps: this process got min(own, cores - others) cores against
+        min(own, cores - healthy others), `own` its healthy use. 0 within HOST_MIN_CORES
+        of their healthy use (tick noise), and where the host has cores to spare (a GPU
+        host whose process needs few)."""
+        if cpu is None or self._cpu_base is None or self._cpu_seen < self.warmup // 2:
+            return 0.0
+        own, others = self._cpu_base
+        if cpu.others - others < HOST_MIN_CORES:
+            return 0.0
+        least = 0.05 * cpu.cores  # a host taken whole still leaves us a little
+        healthy = max(least, min(own, cpu.cores - others))
+        now = max(least, min(own, cpu.cores - cpu.others))
+        return max(0.0, math.log(healthy / now))
+
+    def _update_cpu_base(self, cpu: HostCpu | None, rate: float) -> None:
+        if cpu is None:
+            return
+        if self._cpu_base is None:
+            self._cpu_base, self._cpu_seen = (cpu.own, cpu.others), 0
+        rate = max(rate, 1.0 / (self._cpu_seen + 1))
+        own, others = self._cpu_base
+        self._cpu_base = (own + rate * (cpu.own - own), others + rate * (cpu.others - others))
+        self._cpu_seen += 1
 
     def _cleared(self, obs: StepObservation) -> None:
         # the probes found every device equally fast: the excess was the machine, not a
@@ -303,7 +352,7 @@ class ResiHPDetector(Detector):
         rate = max(self.drift, 1.0 / (self._stage_seen + 1))
         self._stage_base = self._stage_base + rate * dev  # type: ignore[operator]
         self._level_base = self._level_base + rate * self._level_dev  # type: ignore[operator]
-        if not self._shared:  # noise only: a real shared slowdown would inflate it
+        if not self._stage_shared:  # noise only: a real shared slowdown would inflate it
             # mean |level| x 1.2533 is sigma for normal noise
             self._level_spread += rate * (1.2533 * abs(self._level) - self._level_spread)
         spread = 1.4826 * float(np.median(np.abs(dev)))

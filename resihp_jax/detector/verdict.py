@@ -13,6 +13,19 @@ from resihp_jax.meshes.plan import Plan
 KINDS = ("compute", "link", "stopped")
 
 
+@dataclass(frozen=True)
+class HostCpu:
+    """CPU use on the step's host while it ran, in cores (CPU seconds per second of step)."""
+    own: float  # this process, every thread
+    others: float  # every other process, and what the hypervisor gave other guests (steal)
+    cores: int  # the host's cores
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.own) and math.isfinite(self.others)) or self.cores < 1:
+            raise ConfigError(f"HostCpu(own={self.own!r}, others={self.others!r}, "
+                              f"cores={self.cores!r}): need finite loads and cores >= 1")
+
+
 @dataclass(frozen=True, eq=False)
 class StepObservation:
     """What the runtime saw for one step: its plan, its exact batch and its host time."""
@@ -24,6 +37,9 @@ class StepObservation:
     # [dp, pp] when measured: forward time of each group's first micro-batch through each
     # stage's layers (what the train step's Instrument times; StepSim.timed_fwd_s)
     stage_times_s: np.ndarray | None = None
+    # when measured: what this process and the others on its host ran meanwhile (a load
+    # the host explains is not a slow device); runtime/trainer/host_cpu.py
+    host_cpu: HostCpu | None = None
 
     def __post_init__(self) -> None:
         t = self.step_time_s

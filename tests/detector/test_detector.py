@@ -9,6 +9,7 @@ import pytest
 
 from resihp_jax.detector import (
     DETECTORS,
+    HostCpu,
     ProbeResult,
     StepFailed,
     StepObservation,
@@ -257,6 +258,56 @@ def test_host_load_raises_no_alarm_and_hides_no_slow_device() -> None:
     det, verdicts = run("resihp", steps, fake_prober({5: 1.5}, 50))
     assert len(verdicts) == 1 and verdicts[0].devices == (5,)
     assert 50 <= verdicts[0].step <= 54 and det.alarms == 1
+
+
+def cpu_stream(n: int, load_steps: range, slow: dict[int, float] | None = None,
+               onset: int = 0, with_cpu: bool = True, seed: int = 6) -> list[StepObservation]:
+    """Steps on a 2-core host where this process uses 1.8 cores; over `load_steps` another
+    process takes 0.6 of them (the step slows by 1.8 / 1.4), and where a device of ours is
+    slow it also takes half of what that leaves idle (as a busy loop did on the 2-core
+    machine). No stage times: the host's counters are all that tells a load from a slow
+    device."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(n):
+        tokens, l2 = batch(rng)
+        faulty = bool(slow) and step >= onset
+        health = Health(compute={d: 1 / f for d, f in (slow or {}).items()}) if faulty else None
+        t = simulate_step(PLAN, CFG, TRUTH, mb_tokens=tokens, mb_sum_l2=l2, health=health,
+                          trace=False).step_time_s
+        healthy_t = simulate_step(PLAN, CFG, TRUTH, mb_tokens=tokens, mb_sum_l2=l2,
+                                  trace=False).step_time_s
+        slowed = t / healthy_t
+        own, others = 1.8, float(rng.normal(0, 0.02))
+        if step in load_steps:
+            t, own, others = t * 1.8 / 1.4, 1.4, others + 0.6
+        # the same CPU work over a longer step: the slow device leaves part of the process's
+        # cores idle, and a loaded host's others fill half of that
+        idle = own * (1 - 1 / slowed)
+        own, others = own - idle, others + (idle / 2 if step in load_steps else 0.0)
+        cpu = HostCpu(own, others, 2) if with_cpu else None
+        out.append(StepObservation(step, PLAN, tokens, l2, t * rng.lognormal(0, 0.02),
+                                   host_cpu=cpu))
+    return out
+
+
+def test_a_load_the_host_counters_show_raises_no_alarm() -> None:
+    det, verdicts = run("resihp", cpu_stream(90, range(40, 70)), fake_prober({}, 0))
+    assert verdicts == [] and det.alarms == 0
+    # the same steps without the counters: the switch-on costs a probe (which clears it)
+    det, verdicts = run("resihp", cpu_stream(90, range(40, 70), with_cpu=False),
+                        fake_prober({}, 0))
+    assert verdicts == [] and det.alarms >= 1
+
+
+@pytest.mark.parametrize("load_steps", [range(0), range(40, 90)], ids=["idle", "loaded"])
+def test_a_slow_device_is_caught_whatever_the_host_runs(load_steps: range) -> None:
+    # under the load the others take what the slow device leaves idle: the host explains
+    # part of the excess, not all of it
+    steps = cpu_stream(90, load_steps, slow={5: 1.5}, onset=55)
+    det, verdicts = run("resihp", steps, fake_prober({5: 1.5}, 55))
+    assert len(verdicts) == 1 and verdicts[0].devices == (5,)
+    assert 55 <= verdicts[0].step <= 59 and det.alarms == 1
 
 
 def test_each_plan_is_judged_against_its_own_noise() -> None:

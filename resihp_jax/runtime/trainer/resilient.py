@@ -48,6 +48,7 @@ from resihp_jax.train.instrument import FaultHook
 from resihp_jax.runtime.trainer.loop import StepRecord, device_batch, diverged
 from resihp_jax.runtime.trainer.precompile import Precompiler
 from resihp_jax.runtime.recovery.run_identity import run_identity
+from resihp_jax.runtime.trainer.host_cpu import CpuMeter
 from resihp_jax.runtime.trainer.timing import StageTimer, StepTiming, timed_step
 from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
 from resihp_jax.train.aot import compile_program
@@ -204,7 +205,7 @@ class ResilientTrainer:
     def _install(self, program: StepProgram, plan: Plan) -> None:
         self.program, self.plan = program, plan
         self._host.hook = self.fault_hook.with_plan(plan) if self.fault_hook else None
-        self._host.timer = StageTimer((plan.dp, plan.pp, plan.tp))
+        self._host.timer = StageTimer((plan.dp, plan.pp, plan.tp), cpu=CpuMeter())
         self._prober: Prober | None = None  # compiled at the first alarm on this plan
 
     def _program_for(self, plan: Plan) -> tuple[StepProgram, str]:
@@ -336,7 +337,8 @@ class ResilientTrainer:
     def _observation(self, record: StepRecord, batch: GlobalBatch) -> StepObservation:
         return StepObservation(record.step, self.plan, self._mb_tokens(),
                                mb_attention_l2(self.model, batch),
-                               record.step_time_s, self._last_timing.stage_DxP)
+                               record.step_time_s, self._last_timing.stage_DxP,
+                               self._last_timing.host_cpu)
 
     # ---- reacting to a verdict -------------------------------------------------------------
     def react(self, verdict: Verdict, data_before: dict[str, Any] | None = None,

@@ -6,6 +6,8 @@ one region the train step times on each device, the forward of the group's micro
 event (a slowed device's markers fire on all its ticks, for the fault injector). Each
 device's callbacks arrive in order from one thread and every device writes only its own
 slot, so no lock is needed; the cost is two callbacks and two clock reads per device and step.
+Given a `CpuMeter`, the timer also says what CPU this process and the rest of its host used
+over the step (two reads of /proc/stat per step).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from resihp_jax.detector.verdict import HostCpu
 from resihp_jax.meshes.plan import TIMED_SLOT
+from resihp_jax.runtime.trainer.host_cpu import CpuMeter
 from resihp_jax.train.instrument import FWD_END, FWD_START, RegionTimer
 
 
@@ -25,14 +29,20 @@ from resihp_jax.train.instrument import FWD_END, FWD_START, RegionTimer
 class StepTiming:
     step_time_s: float  # host wall time of the whole step (dispatch to results ready)
     fwd_DxPxT: np.ndarray  # each device's timed forward (0: not timed)
+    host_cpu: HostCpu | None = None  # this process's and its host's CPU use meanwhile
 
     def gathered(self) -> StepTiming:
         """This step as the whole job saw it: each process times only its own devices, and
-        the step took as long as its slowest process waited for it."""
+        the step took as long as its slowest process waited for it. The host CPU is the
+        busiest host's (the most others' cores; each field's maximum over the processes)."""
         from resihp_jax.meshes.agree import max_over_processes  # noqa: PLC0415
 
-        flat = max_over_processes(np.concatenate([[self.step_time_s], self.fwd_DxPxT.ravel()]))
-        return StepTiming(float(flat[0]), flat[1:].reshape(self.fwd_DxPxT.shape))
+        cpu = self.host_cpu
+        head = [self.step_time_s, cpu is not None, *((cpu.own, cpu.others, cpu.cores)
+                                                     if cpu is not None else (0, -1e9, 1))]
+        flat = max_over_processes(np.concatenate([head, self.fwd_DxPxT.ravel()]))
+        gathered = HostCpu(float(flat[2]), float(flat[3]), int(flat[4])) if flat[1] else None
+        return StepTiming(float(flat[0]), flat[5:].reshape(self.fwd_DxPxT.shape), gathered)
 
     @property
     def stage_DxP(self) -> np.ndarray | None:
@@ -45,8 +55,10 @@ class StageTimer:
     """Each device's timed forward between `begin()` and `end()`."""
 
     def __init__(self, shape_DxPxT: tuple[int, int, int],
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 cpu: CpuMeter | None = None) -> None:
         self.shape = tuple(shape_DxPxT)
+        self.cpu = cpu
         self._regions = RegionTimer(clock)
         self._fwd = np.zeros(self.shape)
         self._t0 = 0.0
@@ -66,10 +78,14 @@ class StageTimer:
     def begin(self) -> None:
         self._fwd[:] = 0.0
         self._regions.clear()
+        if self.cpu is not None:
+            self.cpu.begin()
         self._t0 = self._regions.clock()
 
     def end(self) -> StepTiming:
-        return StepTiming(self._regions.clock() - self._t0, self._fwd.copy())
+        elapsed = self._regions.clock() - self._t0
+        cpu = self.cpu.end() if self.cpu is not None else None
+        return StepTiming(elapsed, self._fwd.copy(), cpu)
 
     def in_flight(self) -> list[tuple[int, int, int]]:
         """Coordinates that started their timed work and never finished it (a hung device)."""

@@ -1,0 +1,76 @@
+"""How much CPU this process and every other one on its host used while a step ran.
+
+Another process that takes the host's cores (a data loader of another job, a compile, a
+busy neighbour) slows every step alike, and at the step level it looks like a slow device
+until the probes clear it. The host's own accounting tells the two apart where the step
+needs the host's cores: other processes' CPU seconds during the step rise when they take
+cores from us, and stay where they were when a device of ours is slow. The detector turns
+that into the part of a step's excess the host explains (`ResiHPDetector`).
+
+Linux only: `/proc/stat` holds the host's busy time (user, nice, system, irq, softirq and
+steal: the hypervisor running other guests on our virtual CPUs). Elsewhere the meter says
+nothing (None) and the detector does without it. Readers and clock are injected.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+from resihp_jax.detector.verdict import HostCpu
+
+PROC_STAT = "/proc/stat"
+# /proc/stat's first line: cpu user nice system idle iowait irq softirq steal guest guest_nice
+# (guest time is already counted in user): the fields that are some process's work
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+
+
+def host_busy_s(path: str = PROC_STAT) -> float | None:
+    """CPU seconds the whole host has been busy since boot (None: not readable here)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = sum(int(fields[1 + i]) for i in _BUSY_FIELDS)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds this process (every thread of it) has used."""
+    t = os.times()
+    return t.user + t.system
+
+
+class CpuMeter:
+    """`begin()` before a step, `end()` after it: the cores each side used meanwhile."""
+
+    def __init__(self, host: Callable[[], float | None] = host_busy_s,
+                 own: Callable[[], float] = own_cpu_s,
+                 clock: Callable[[], float] = time.perf_counter,
+                 cores: int | None = None) -> None:
+        self.host, self.own, self.clock = host, own, clock
+        self.cores = cores or os.cpu_count() or 1  # what /proc/stat's first line sums over
+        self._start: tuple[float, float, float] | None = None
+
+    def begin(self) -> None:
+        host = self.host()
+        self._start = None if host is None else (self.clock(), host, self.own())
+
+    def end(self) -> HostCpu | None:
+        if self._start is None:
+            return None
+        host = self.host()
+        if host is None:
+            return None
+        t0, host0, own0 = self._start
+        wall = self.clock() - t0
+        if wall <= 0:
+            return None
+        own = (self.own() - own0) / wall
+        # the tick counters step in 1/100 s: over a short step `others` is that coarse, and
+        # may come out slightly below zero
+        return HostCpu(own=own, others=(host - host0) / wall - own, cores=self.cores)

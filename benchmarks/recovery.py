@@ -13,7 +13,9 @@ or stopped; detection is measured by benchmarks/detection.py). Each row splits t
 the scheduler's decision (plan), having the program (compile), moving the state (move) and
 the first step, counts the executables built on the training thread, and gives the steady
 step time on the new plan beside it (median of the next steps) as the baseline the first
-step is compared with.
+step is compared with. `overhead_ratio` is what the row took (verdict to the end of the loop
+iteration of the first step on the new plan) beyond one steady iteration of the loop (the
+batch read and placed, the step, the detector: median of the next ones), over that iteration.
 
 Also measured: what periodic checkpointing costs per step (orbax, asynchronous, every step)
 against the same steps without it, in alternating rounds.
@@ -87,13 +89,27 @@ def _row(trainer: ResilientTrainer, name: str, verdict: Verdict, steady_steps: i
             timings, kind = (plan_s, switch.compile_s, switch.move_s), switch.kind
         first = _steps(trainer, 1)[0]
         total = time.perf_counter() - start
-    steady = statistics.median(r.step_time_s for r in _steps(trainer, steady_steps))
+    walls, records = _timed_iterations(trainer, steady_steps)
+    steady = statistics.median(r.step_time_s for r in records)
+    # the baseline is a whole iteration of the loop (the batch read and placed, the step,
+    # the detector), as the recovery's own first step is counted
+    iteration = statistics.median(walls)
     return dict(case=name, kind=kind, plan=trainer.plan.describe(),
                 scheduler_picked=picked.describe(), plan_s=timings[0], compile_s=timings[1],
                 move_s=timings[2], step_s=first.step_time_s, recovery_s=total,
-                compiles=count.compiles, steady_step_s=steady,
+                compiles=count.compiles, steady_step_s=steady, steady_iteration_s=iteration,
                 # what the switch adds beyond the step it runs, in steps (issue target 0.1)
-                overhead_ratio=(total - steady) / steady)
+                overhead_ratio=(total - iteration) / iteration)
+
+
+def _timed_iterations(trainer: ResilientTrainer, n: int) -> tuple[list[float], list[StepRecord]]:
+    """Wall time of each of `n` loop iterations (one step each), and their records."""
+    walls, records = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        records += _steps(trainer, 1)
+        walls.append(time.perf_counter() - t0)
+    return walls, records
 
 
 def _checkpoint_cost(trainer: ResilientTrainer, rounds: int, steps: int) -> dict:
@@ -118,7 +134,7 @@ def _checkpoint_cost(trainer: ResilientTrainer, rounds: int, steps: int) -> dict
 
 def _table(rows: list[dict]) -> None:
     cols = ("case", "kind", "plan_s", "compile_s", "move_s", "step_s", "recovery_s",
-            "compiles", "steady_step_s", "overhead_ratio")
+            "compiles", "steady_step_s", "steady_iteration_s", "overhead_ratio")
     print(f"{cols[0]:<11}{cols[1]:<11}" + "".join(f"{c:>14}" for c in cols[2:])
           + f"{'first/steady':>14}")
     for r in rows:
@@ -185,10 +201,11 @@ def main() -> None:
         print(f"target {case}: <= {limit} s with 0 compiles: "
               f"{by[case]['recovery_s']:.2f} s, {by[case]['compiles']} compiles -> "
               f"{'met' if ok else 'MISSED'}")
-        extra = by[case]["recovery_s"] - by[case]["steady_step_s"]
+        extra = by[case]["recovery_s"] - by[case]["steady_iteration_s"]
         ratio = by[case]["overhead_ratio"]
         print(f"target {case}: adds <= {OVERHEAD_TARGET}x a step beyond the first step: "
-              f"{extra:.3f} s beyond a {by[case]['steady_step_s']:.3f} s step = {ratio:.3f}x "
+              f"{extra:.3f} s beyond a {by[case]['steady_iteration_s']:.3f} s iteration = "
+              f"{ratio:.3f}x "
               f"-> {'met' if ratio <= OVERHEAD_TARGET else 'MISSED'}")
     print(f"benchmark wall time {time.perf_counter() - wall:.0f} s")
     print(json.dumps({
@@ -196,6 +213,7 @@ def main() -> None:
         "compiles": {c: by[c]["compiles"] for c in ("split_only", "mesh_warm", "mesh_cold")},
         "overhead_ratio": {c: round(by[c]["overhead_ratio"], 4) for c in by},
         "steady_step_s": {c: round(by[c]["steady_step_s"], 3) for c in by},
+        "steady_iteration_s": {c: round(by[c]["steady_iteration_s"], 3) for c in by},
         "breakdown_s": {c: {k: round(by[c][k], 3) for k in ("plan_s", "compile_s", "move_s",
                                                              "step_s")} for c in by},
         "checkpoint_overhead": round(ckpt["overhead"], 4),

@@ -44,19 +44,20 @@ class DetectorFigures:
 
 # `python benchmarks/detection.py` (full run, synthetic:lognormal, seed 0, on a quiet 2-core
 # machine: 2 plans, 250 healthy steps each replayed plus the live steps before each onset,
-# 3 trials of each device factor 1.2/1.5/2/5x per plan, step slowdowns 1.07-3.7x; its JSON
-# gives `step_reach` and `false_alarms` per detector). Ours: every step slowdown from 1.092x
-# caught, half of those in 1.073-1.092x, 7 false alarms in 589 healthy steps (the host's own
-# swings of several steps, each cleared by a probe). Greyhound-style change points: 12 false
-# alarms, and blind for the steps its window takes to refill after each: from 1.49x, a third
-# of the trials caught, never all. Median+MAD: 7 false alarms, every one from 3.06x.
+# 3 trials of each device factor 1.2/1.5/2/5x per plan, step slowdowns 1.03-3.4x; its JSON
+# gives `step_reach` and `false_alarms` per detector). Ours, with the host's CPU counters:
+# every step slowdown from 1.098x caught, half of those in 1.057-1.098x, 1 false alarm in 589
+# healthy steps (a swing of the host's own, cleared by a probe; 7 before the counters).
+# Greyhound-style change points: 11 false alarms, and blind for the steps its window takes to
+# refill after each: from 1.081x, a third of the trials caught, never all. Median+MAD: 3
+# false alarms, every one from 1.384x.
 DETECTORS = {
-    "resihp": DetectorFigures(3.0, 2.0, reliable=1.092, partial=1.073, rate_between=0.5,
-                              false_alarms=7, healthy_steps=589),
-    "greyhound": DetectorFigures(2.0, 2.0, reliable=math.inf, partial=1.491,
-                                 rate_between=0.333, false_alarms=12, healthy_steps=589),
-    "mad": DetectorFigures(3.0, 1.0, reliable=3.06, partial=1.152, rate_between=0.583,
-                           false_alarms=7, healthy_steps=589),
+    "resihp": DetectorFigures(2.0, 2.0, reliable=1.098, partial=1.057, rate_between=0.5,
+                              false_alarms=1, healthy_steps=589),
+    "greyhound": DetectorFigures(1.0, 1.0, reliable=math.inf, partial=1.081,
+                                 rate_between=0.318, false_alarms=11, healthy_steps=589),
+    "mad": DetectorFigures(3.0, 1.0, reliable=1.384, partial=1.081, rate_between=0.5,
+                           false_alarms=3, healthy_steps=589),
 }
 
 # What an in-process switch stalls beyond the step it runs (`python benchmarks/recovery.py`,

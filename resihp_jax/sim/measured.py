@@ -62,11 +62,11 @@ DETECTORS = {
 
 # What an in-process switch stalls beyond the step it runs (`python benchmarks/recovery.py`,
 # full run, `small` on 8 fake CPU devices): a new split of the same mesh, planning plus the
-# state's move, 0.37 s. A new mesh's state move is modelled with the 70B state's size (see
+# state's move, 0.29 s (0.04 + 0.25). A new mesh's state move is modelled with the 70B state's size (see
 # `ours.py`); its program is compiled on the spot (`RestartCosts.compile_s`): the background
 # precompiler prepares 4 likely meshes, at cluster scale a small share of those a verdict
 # can pick.
-SPLIT_ONLY_SWITCH_S = 0.37
+SPLIT_ONLY_SWITCH_S = 0.29
 
 # `python benchmarks/replan_quality.py`: our planning time, cold caches, one slow plus one
 # dead device: 0.15 s at 1,024 devices, 0.65 s at 16,384. Charged per re-plan, extrapolated

@@ -453,6 +453,8 @@ def record_fixture(path: str, data: str, seed: int) -> None:
         "steps": [{"time_s": round(o.step_time_s, 6),
                    "stage_times_s": np.round(o.stage_times_s, 6).tolist()
                    if o.stage_times_s is not None else None,
+                   "host_cpu": [round(o.host_cpu.own, 4), round(o.host_cpu.others, 4),
+                                o.host_cpu.cores] if o.host_cpu is not None else None,
                    "lengths": [[list(row) for row in mb] for mb in layout]}
                   for o, layout in zip(steps, layouts)],
     }

@@ -18,7 +18,7 @@ import numpy as np
 
 from resihp_jax.data import BatchIterator
 from resihp_jax.data.packing import layout_rows
-from resihp_jax.detector import ProbeResult, StepObservation, make_detector
+from resihp_jax.detector import HostCpu, ProbeResult, StepObservation, make_detector
 from resihp_jax.detector.attention_work import mb_block_pair_l2
 from resihp_jax.detector.ours import REACH_STEPS
 from resihp_jax.meshes.plan import Plan
@@ -51,9 +51,12 @@ def observations(slowdown: float = 1.0, onset: int | None = None) -> list[StepOb
     out = []
     for i, (step, (tokens, work)) in enumerate(zip(FIXTURE["steps"], features())):
         factor = slowdown if onset is not None and i >= onset else 1.0
-        stages = step["stage_times_s"]
+        stages, cpu = step["stage_times_s"], step.get("host_cpu")
+        # the same work over a longer step: this process's cores fall by the factor, the
+        # others' (nothing else ran) stay
+        host = None if cpu is None else HostCpu(cpu[0] / factor, cpu[1], cpu[2])
         out.append(StepObservation(i, PLAN, tokens, work, step["time_s"] * factor,
-                                   None if stages is None else np.asarray(stages)))
+                                   None if stages is None else np.asarray(stages), host))
     return out
 
 

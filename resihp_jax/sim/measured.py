@@ -63,9 +63,9 @@ DETECTORS = {
 # What an in-process switch stalls beyond the step it runs (`python benchmarks/recovery.py`,
 # full run, `small` on 8 fake CPU devices): a new split of the same mesh, planning plus the
 # state's move, 0.29 s (0.04 + 0.25). A new mesh's state move is modelled with the 70B
-# state's size (see `ours.py`); its program is compiled on the spot (`RestartCosts.compile_s`): the background
-# precompiler prepares 4 likely meshes, at cluster scale a small share of those a verdict
-# can pick.
+# state's size (see `ours.py`); its program is compiled on the spot
+# (`RestartCosts.compile_s`): the background precompiler prepares 4 likely meshes, at
+# cluster scale a small share of those a verdict can pick.
 SPLIT_ONLY_SWITCH_S = 0.29
 
 # `python benchmarks/replan_quality.py`: our planning time, cold caches, one slow plus one

@@ -68,3 +68,15 @@ def test_bad_host_cpu_is_refused() -> None:
         HostCpu(1.0, 0.0, 0)
     with pytest.raises(ConfigError, match="others=nan"):
         HostCpu(1.0, float("nan"), 2)
+
+
+def test_a_steps_timing_keeps_its_host_cpu_through_the_gather() -> None:
+    import numpy as np
+
+    from resihp_jax.runtime.trainer.timing import StepTiming
+
+    fwd = np.arange(8.0).reshape(2, 2, 2)
+    gathered = StepTiming(1.5, fwd, HostCpu(1.25, 0.5, 4)).gathered()
+    assert gathered.step_time_s == 1.5 and np.array_equal(gathered.fwd_DxPxT, fwd)
+    assert fields(gathered.host_cpu) == (1.25, 0.5, 4)
+    assert StepTiming(1.5, fwd).gathered().host_cpu is None

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from resihp_jax.train.state_io import restore_args, save_args, state_handler
 from resihp_jax.train.step import StepProgram, TrainState
 
 
@@ -54,12 +55,11 @@ def move_via_orbax(state: TrainState, src: StepProgram, dst: StepProgram,
 
     canonical = to_canonical(state, src)
     path = Path(directory).absolute() / f"step{int(jax.device_get(state.step))}"
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path, canonical, force=True)
-        checkpointer.wait_until_finished()
+    with ocp.Checkpointer(state_handler()) as checkpointer:
+        checkpointer.save(path, args=save_args(canonical), force=True)
         target = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                               canonical, dst.canonical_shardings)
-        restored = checkpointer.restore(path, target)
+        restored = checkpointer.restore(path, args=restore_args(target))
     return dst.to_stage_fn(restored, dst.stage_index_array())
 
 

@@ -26,6 +26,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.recovery.checksum import leaf_shapes, state_checksums
 from resihp_jax.runtime.recovery.run_identity import check_identity
 from resihp_jax.train.reshard import from_canonical, to_canonical
+from resihp_jax.train.state_io import restore_args, save_args, state_handler
 from resihp_jax.train.step import StepProgram, TrainState, canonical_state_shapes
 
 
@@ -63,8 +64,9 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=saving, max_to_keep=keep, create=True,
             enable_async_checkpointing=asynchronous)
-        self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                              item_names=("state", "meta"))
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": state_handler(), "meta": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -84,7 +86,7 @@ class Checkpointer:
                 "leaves": leaf_shapes(canonical), "checksums": state_checksums(canonical)}
         try:
             return self._manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(meta)),
+                state=save_args(canonical), meta=ocp.args.JsonSave(meta)),
                 force=force)
         except Exception as err:  # orbax raises plain Exceptions; an earlier async write too
             raise CheckpointError(f"saving checkpoint step {step} to {self.directory} "
@@ -144,7 +146,7 @@ class Checkpointer:
         _check_shapes(meta.get("leaves"), leaf_shapes(target), where, program)
         try:
             loaded = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target)))["state"]
+                state=restore_args(target)))["state"]
         except Exception as err:  # tensorstore reports damaged files as plain Exceptions
             raise _Damaged(f"{where} is unreadable: {_first_line(err)}") from err
         if "checksums" in meta and state_checksums(loaded) != meta["checksums"]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -131,6 +132,11 @@ def test_a_users_script_survives_a_killed_process_0_and_a_hang(script, tmp_path:
     logs = "".join(p.read_text() for p in (tmp_path / "job" / "logs").glob("*.log"))
     assert "rh.fit: terminated (SIGTERM)" in logs and "resihp train" not in logs
     assert "dead" not in logs  # the missing devices of a relaunch are not called dead
+    # dp=2 over 4 processes: each process reads only its own group's half of every batch
+    for p in range(4):
+        log = (tmp_path / "job" / "logs" / f"incarnation0-p{p}.log").read_text()
+        share = re.search(r"reads (\d+) of the (\d+) micro-batches", log)
+        assert share is not None and 2 * int(share[1]) == int(share[2]), log
 
 
 def test_a_gpu_job_on_cpu_devices_is_refused_not_restarted(script, tmp_path: Path,

@@ -73,6 +73,10 @@ def _from_survivors(supervisor: Supervisor) -> None:
     assert summary.steps_lost == 0 and summary.restored[1] >= 5
 
 
+# `benchmarks/multiprocess.py` (--quick too) runs this kill with the standby and reports its
+# compiles, steps lost, every step once and the losses; a user's script survives a kill and a
+# hang taken over by the standby, with dp=2, in the default run (test_launch_script.py)
+@pytest.mark.slow
 def test_kill_loses_no_step_with_dp2(tmp_path: Path, reference: list[float]) -> None:
     # the kill waits for the standby to be ready, as a failure in a long job finds it
     supervisor, records = _launch(tmp_path, Fault("kill", 2, 5), *NEVER,

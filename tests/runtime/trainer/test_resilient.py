@@ -30,9 +30,11 @@ def _data() -> BatchIterator:
                          seq_len=64, seed=3)
 
 
-def _reference_losses(steps: int) -> list[float]:
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    """The first 5 steps' losses of the plain loop on PLAN: every run below must equal them."""
     program = build_step(CFG, TRAIN, PLAN, jax.devices())
-    return [r.loss for _, r in train(program, program.init_state(0), _data(), steps)]
+    return [r.loss for _, r in train(program, program.init_state(0), _data(), 5)]
 
 
 def _resilient_run(tmp_path: Path | None, steps: int) -> tuple[list, list]:
@@ -47,7 +49,7 @@ def _resilient_run(tmp_path: Path | None, steps: int) -> tuple[list, list]:
             [i for i in items if isinstance(i, Replan)])
 
 
-def test_stopped_device_is_replanned_in_memory() -> None:
+def test_stopped_device_is_replanned_in_memory(reference: list[float]) -> None:
     records, replans = _resilient_run(None, 5)
     assert len(replans) == 1
     replan = replans[0]
@@ -55,17 +57,18 @@ def test_stopped_device_is_replanned_in_memory() -> None:
     assert 6 not in replan.new_plan.device_ids
     assert replan.new_plan.n_microbatches == PLAN.n_microbatches  # same global batch
     assert [r.step for r in records] == [1, 2, 3, 4, 5]  # step 3 re-ran, nothing skipped
-    np.testing.assert_allclose([r.loss for r in records], _reference_losses(5), rtol=2e-5)
+    np.testing.assert_allclose([r.loss for r in records], reference[:5], rtol=2e-5)
 
 
-def test_stopped_device_restores_from_checkpoint(tmp_path: Path) -> None:
+def test_stopped_device_restores_from_checkpoint(tmp_path: Path,
+                                                 reference: list[float]) -> None:
     records, replans = _resilient_run(tmp_path / "ckpt", 4)
     assert replans[0].restored_from_step == 2
     assert [r.step for r in records] == [1, 2, 3, 4]
-    np.testing.assert_allclose([r.loss for r in records], _reference_losses(4), rtol=2e-5)
+    np.testing.assert_allclose([r.loss for r in records], reference[:4], rtol=2e-5)
 
 
-def test_switches_compile_only_what_was_not_prepared() -> None:
+def test_switches_compile_only_what_was_not_prepared(reference: list[float]) -> None:
     """Split-only: the program is reused; a prepared mesh: compiled ahead in the background;
     only an unforeseen mesh compiles on the training thread. Losses stay the reference's."""
     trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(),
@@ -87,10 +90,11 @@ def test_switches_compile_only_what_was_not_prepared() -> None:
     assert [s.kind for s in switches] == ["split_only", "mesh_warm", "mesh_cold"]
     assert [s.compiles for s in switches[:2]] == [0, 0]
     assert switches[2].compiles >= 1  # the counter sees a compile when there is one
-    np.testing.assert_allclose([r.loss for r in records], _reference_losses(4), rtol=2e-5)
+    np.testing.assert_allclose([r.loss for r in records], reference[:4], rtol=2e-5)
 
 
-def test_a_slow_device_trains_an_interim_split_while_the_new_mesh_compiles() -> None:
+def test_a_slow_device_trains_an_interim_split_while_the_new_mesh_compiles(
+        reference: list[float]) -> None:
     """After a fail-slow verdict whose best plan needs a new program, the trainer moves at once
     to a split of the current program and switches to the new mesh at the first step after
     its background compile is ready: no compile on the training thread, no step lost, the
@@ -110,7 +114,7 @@ def test_a_slow_device_trains_an_interim_split_while_the_new_mesh_compiles() -> 
     assert trainer.pending_plan is None and trainer.plan == target
     records += [i for i in items if isinstance(i, StepRecord)]
     assert [r.step for r in records] == [1, 2, 3, 4]
-    np.testing.assert_allclose([r.loss for r in records], _reference_losses(4), rtol=2e-5)
+    np.testing.assert_allclose([r.loss for r in records], reference[:4], rtol=2e-5)
 
 
 class _Predicts:

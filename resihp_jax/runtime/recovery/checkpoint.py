@@ -13,10 +13,11 @@ model mismatch from damage, and falls back from a damaged newest step to an olde
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import orbax.checkpoint as ocp
@@ -39,6 +40,11 @@ class Restored:
     skipped: tuple[int, ...] = ()  # newer steps found damaged and set aside
 
 
+# a step beside an asynchronous write may take this many times the longest write so far
+# longer than its own deadline (the write's host work can stall it for that long)
+WRITE_MARGIN = 2.0
+
+
 class _Damaged(Exception):
     """A step that cannot be read back as written (the caller falls back)."""
 
@@ -51,11 +57,15 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | Path, *, interval: int = 10, keep: int = 2,
-                 asynchronous: bool = False, identity: Mapping[str, Any] | None = None):
+                 asynchronous: bool = False, identity: Mapping[str, Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         if interval < 1 or keep < 1:
             raise CheckpointError(f"checkpoint interval={interval} and keep={keep} must be >= 1")
         self.directory = Path(directory).absolute()
         self.identity = identity
+        self._clock = clock
+        self._write_started: float | None = None  # when the asynchronous write under way began
+        self._longest_write_s: float | None = None  # of the asynchronous writes seen to end
         policies = ocp.checkpoint_managers
         # every `interval` steps (and at a preemption), without orbax's default extra save
         # of the first step: `--checkpoint-every 3` writes steps 3, 6, ...
@@ -85,16 +95,24 @@ class Checkpointer:
                 "model": program.model.name, "identity": self.identity,
                 "leaves": leaf_shapes(canonical), "checksums": state_checksums(canonical)}
         try:
-            return self._manager.save(step, args=ocp.args.Composite(
+            saved = self._manager.save(step, args=ocp.args.Composite(
                 state=save_args(canonical), meta=ocp.args.JsonSave(meta)),
                 force=force)
         except Exception as err:  # orbax raises plain Exceptions; an earlier async write too
             raise CheckpointError(f"saving checkpoint step {step} to {self.directory} "
                                   f"failed: {_first_line(err)}") from err
+        if saved:
+            self._written()  # orbax ended any earlier write before it began this one
+            if self.saving():
+                self._write_started = self._clock()
+        return saved
 
     def saving(self) -> bool:
         """Whether an asynchronous save is still being written."""
-        return bool(self._manager.is_saving_in_progress())
+        under_way = bool(self._manager.is_saving_in_progress())
+        if not under_way:
+            self._written()
+        return under_way
 
     def wait(self) -> None:
         """Block until pending asynchronous saves are written; CheckpointError if one failed."""
@@ -103,6 +121,30 @@ class Checkpointer:
         except Exception as err:  # the error of a background write surfaces here
             raise CheckpointError(f"writing a checkpoint to {self.directory} failed: "
                                   f"{_first_line(err)}") from err
+        self._written()
+
+    def _written(self) -> None:
+        """The write under way, if any, is seen to have ended: time it. Seen, not known: it
+        is noticed when asked (at a step's start), so the time is an upper bound."""
+        if self._write_started is not None:
+            took = self._clock() - self._write_started
+            self._longest_write_s = max(self._longest_write_s or 0.0, took)
+            self._write_started = None
+
+    def deadline_beside_write(self, deadline_s: float, limit_s: float) -> float:
+        """The deadline of a step starting now whose own is `deadline_s`.
+
+        An asynchronous write under way competes with the step for the host, for at most as
+        long as it lasts: the step gets WRITE_MARGIN times the longest write timed so far on
+        top, never past `limit_s` (the start-up deadline), and `limit_s` while no write has
+        been timed yet. A hang during a write is thus caught about as soon as one between
+        writes, not only at the start-up deadline.
+        """
+        if not self.saving():
+            return deadline_s
+        if self._longest_write_s is None:
+            return max(deadline_s, limit_s)
+        return max(deadline_s, min(limit_s, deadline_s + WRITE_MARGIN * self._longest_write_s))
 
     def restore(self, program: StepProgram, step: int | None = None) -> Restored:
         """The checkpoint at `step` (default: the newest good one) placed into `program`'s plan.

@@ -122,11 +122,11 @@ class AdaptRun:
         if self.data_step >= self.config.steps:
             # the final checkpoint and the job's shutdown follow, guarded by no step deadline
             return float(self.ladder.init_timeout_s)
+        deadline = self.ladder.deadline_s(self.trainer.detector.last_prediction_s)
         ckpt = self.trainer.checkpointer
-        if ckpt is not None and ckpt.saving():  # see ResilientTrainer.deadline_s
-            return self.ladder.startup_s
-        predicted = self.trainer.detector.last_prediction_s
-        return self.ladder.deadline_s(predicted)
+        if ckpt is None:
+            return deadline
+        return ckpt.deadline_beside_write(deadline, self.ladder.startup_s)  # see deadline_s
 
     def _steps(self, start: int) -> list[StepRecord]:
         sink = RecordSink(self.config, start, self.job.primary, self.phases, self.start_record,

@@ -101,10 +101,10 @@ class TrainRun:
     def _before_step(self, plan: Plan, batch: Any) -> None:
         step = self.data_step + 1
         deadline = self.deadline.deadline_s(plan, batch.sum_sq_lengths())
-        if self.ckpt is not None and self.ckpt.saving():
+        if self.ckpt is not None:
             # a checkpoint being written competes with this step for the host (several
-            # times slower on a loaded one): no prediction holds, the start-up deadline does
-            deadline = max(deadline, self.deadline.ladder.startup_s)
+            # times slower on a loaded one): the step gets the write's length on top
+            deadline = self.ckpt.deadline_beside_write(deadline, self.deadline.ladder.startup_s)
         self.watchdog.arm(step, deadline)
         self._beat(self.data_step, deadline)
 

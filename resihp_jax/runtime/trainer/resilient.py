@@ -322,9 +322,13 @@ class ResilientTrainer:
         """How long this batch's step may take before it counts as hung."""
         predicted = self.detector.healthy_time_s(self.plan, self._mb_tokens(),
                                                  mb_attention_l2(self.model, batch))
-        if predicted is None or (self.checkpointer is not None and self.checkpointer.saving()):
-            return self.config.step_timeout_s  # an overlapping save makes no prediction hold
-        return max(self.config.hang_floor_s, self.config.hang_factor * predicted)
+        if predicted is None:
+            return self.config.step_timeout_s
+        deadline = max(self.config.hang_floor_s, self.config.hang_factor * predicted)
+        if self.checkpointer is None:
+            return deadline
+        # an asynchronous write under way may hold the host: the step gets its length too
+        return self.checkpointer.deadline_beside_write(deadline, self.config.step_timeout_s)
 
     def _mb_tokens(self) -> np.ndarray:
         return np.full(self.plan.n_microbatches, self.plan.microbatch_size * self.plan.seq_len,

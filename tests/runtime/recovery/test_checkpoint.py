@@ -184,3 +184,53 @@ def test_another_runs_checkpoint_is_refused_naming_both_values(tmp_path: Path) -
                                               r"data\.seed=0 in the checkpoint, 5 in this run"):
         Checkpointer(tmp_path / "c", identity=theirs).restore(program)
     assert Checkpointer(tmp_path / "c", identity=ours).restore(program).step == 1
+
+
+class _Writes:
+    """Orbax's manager as the step deadline sees it: a write stays under way until ended."""
+
+    def __init__(self) -> None:
+        self.under_way = False
+
+    def should_save(self, step: int) -> bool:
+        return True
+
+    def latest_step(self) -> None:
+        return None
+
+    def save(self, step: int, args: object, force: bool) -> bool:
+        self.under_way = True
+        return True
+
+    def is_saving_in_progress(self) -> bool:
+        return self.under_way
+
+
+def test_a_step_beside_an_asynchronous_write_gets_twice_the_longest_write_on_top(
+        tmp_path: Path) -> None:
+    """Not the start-up deadline for every step that overlaps a write (a hang then took
+    120 s to catch), only until a write has been timed, and never more than it."""
+    program = build_step(CFG, TrainConfig(), Plan.uniform(
+        1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S), jax.devices())
+    state, data = program.init_state(0), _data()
+    now = [100.0]
+    ckpt = Checkpointer(tmp_path / "c", interval=1, asynchronous=True, clock=lambda: now[0])
+    writes = _Writes()
+    ckpt._manager.close()
+    ckpt._manager = writes  # type: ignore[assignment]
+
+    def write(step: int, at: float, lasting: float) -> float:
+        """Save at `at`; the deadline of a step beside it; the write ends `lasting` later."""
+        now[0] = at
+        assert ckpt.save(step, state, program, data.state())
+        deadline = ckpt.deadline_beside_write(10.0, 120.0)
+        now[0] = at + lasting
+        writes.under_way = False
+        return deadline
+
+    assert ckpt.deadline_beside_write(10.0, 120.0) == 10.0  # nothing being written
+    assert write(1, 100.0, 3.0) == 120.0  # no write timed yet: the start-up deadline
+    assert ckpt.deadline_beside_write(10.0, 120.0) == 10.0  # ended: the step's own again
+    assert write(2, 110.0, 70.0) == 10.0 + 2 * 3.0
+    assert write(3, 200.0, 1.0) == 120.0  # 10 + 2 x 70 is past the start-up deadline
+    assert ckpt.deadline_beside_write(30.0, 120.0) == 30.0

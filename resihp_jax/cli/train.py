@@ -99,7 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "never before this many seconds (default 10)")
     parser.add_argument("--step-timeout-s", type=float, default=120.0,
                         help="a step's deadline before the cost model can predict one, "
-                             "compilation included (default 120)")
+                             "compilation included, and the most any step may take beside "
+                             "an asynchronous checkpoint write (default 120)")
     add_compile_cache_arguments(parser)
     add_job_arguments(parser)
 

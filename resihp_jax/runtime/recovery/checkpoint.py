@@ -66,6 +66,7 @@ class Checkpointer:
         self._clock = clock
         self._write_started: float | None = None  # when the asynchronous write under way began
         self._longest_write_s: float | None = None  # of the asynchronous writes seen to end
+        self._longest_call_s: float | None = None  # of the `save` calls that saved
         policies = ocp.checkpoint_managers
         # every `interval` steps (and at a preemption), without orbax's default extra save
         # of the first step: `--checkpoint-every 3` writes steps 3, 6, ...
@@ -94,6 +95,7 @@ class Checkpointer:
         meta = {"step": step, "data_state": data_state, "plan": program.plan.to_dict(),
                 "model": program.model.name, "identity": self.identity,
                 "leaves": leaf_shapes(canonical), "checksums": state_checksums(canonical)}
+        started = self._clock()
         try:
             saved = self._manager.save(step, args=ocp.args.Composite(
                 state=save_args(canonical), meta=ocp.args.JsonSave(meta)),
@@ -102,6 +104,7 @@ class Checkpointer:
             raise CheckpointError(f"saving checkpoint step {step} to {self.directory} "
                                   f"failed: {_first_line(err)}") from err
         if saved:
+            self._longest_call_s = max(self._longest_call_s or 0.0, self._clock() - started)
             self._written()  # orbax ended any earlier write before it began this one
             if self.saving():
                 self._write_started = self._clock()
@@ -130,6 +133,16 @@ class Checkpointer:
             took = self._clock() - self._write_started
             self._longest_write_s = max(self._longest_write_s or 0.0, took)
             self._write_started = None
+
+    def save_deadline_s(self, floor_s: float, factor: float, limit_s: float) -> float:
+        """How long a `save` call may take before the process counts as hung: `factor` times
+        the longest call that saved so far, at least `floor_s`, at most `limit_s` (and
+        `limit_s` before one has been timed). The call holds the copy to host, orbax's
+        barriers with the other processes (where a frozen peer blocks it) and the wait for
+        an earlier write."""
+        if self._longest_call_s is None:
+            return limit_s
+        return min(limit_s, max(floor_s, factor * self._longest_call_s))
 
     def deadline_beside_write(self, deadline_s: float, limit_s: float) -> float:
         """The deadline of a step starting now whose own is `deadline_s`.

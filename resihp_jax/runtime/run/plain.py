@@ -112,14 +112,25 @@ class TrainRun:
         """The step is done: keep its state for the survivors' copies (before the next step
         may donate it), write its record, and only then tell the supervisor (a fault it
         injects at this step must find both); a checkpoint save gets its own deadline."""
-        self.watchdog.arm(record.step, self.deadline.ladder.startup_s, "the checkpoint save")
+        self.watchdog.arm(record.step, self.deadline.ladder.startup_s, "the survivors' copy")
         if self.snapshots is not None:
             record = dataclasses.replace(record, host_copy_s=self.snapshots.capture(
                 record.step, state, self.program, self.data.state(), record.to_json()))
         self.sink.add(record)
         self.deadline.observe(self.plan, record.sum_sq_lengths, record.step_time_s)
-        self._beat(record.step, self.deadline.ladder.startup_s)
+        save_s = self._save_deadline_s(record.step)
+        self.watchdog.arm(record.step, save_s, "the checkpoint save")
+        self._beat(record.step, save_s)
         return record
+
+    def _save_deadline_s(self, step: int) -> float:
+        """The deadline of the save after `step`: learned from the saves before it (a peer
+        frozen at this step blocks it in orbax's barriers), except after the last step,
+        whose forced save and final write the start-up deadline covers."""
+        ladder = self.deadline.ladder
+        if self.ckpt is None or step >= self.config.steps:
+            return ladder.startup_s
+        return self.ckpt.save_deadline_s(ladder.floor_s, ladder.factor, ladder.startup_s)
 
     def _steps(self, state: Any, start: int) -> list[StepRecord]:
         self.sink = RecordSink(self.config, start, self.job.primary, self.phases,

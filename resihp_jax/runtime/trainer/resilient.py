@@ -67,7 +67,8 @@ class ResilienceConfig:
     policy: str = "resihp"
     # A step with no result by its deadline counts as hung (its busy devices stopped): the
     # deadline is `hang_factor` times the predicted healthy time of that very batch, at
-    # least `hang_floor_s`; `step_timeout_s` until the cost model can predict.
+    # least `hang_floor_s`; `step_timeout_s` until the cost model can predict (and the most a
+    # step beside an asynchronous checkpoint write may get, see Checkpointer).
     step_timeout_s: float = 120.0
     hang_factor: float = 3.0
     hang_floor_s: float = 10.0

@@ -189,8 +189,9 @@ def test_another_runs_checkpoint_is_refused_naming_both_values(tmp_path: Path) -
 class _Writes:
     """Orbax's manager as the step deadline sees it: a write stays under way until ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: list[float] | None = None, call_s: float = 0.0) -> None:
         self.under_way = False
+        self.clock, self.call_s = clock, call_s  # a save call advances `clock` by `call_s`
 
     def should_save(self, step: int) -> bool:
         return True
@@ -199,6 +200,8 @@ class _Writes:
         return None
 
     def save(self, step: int, args: object, force: bool) -> bool:
+        if self.clock is not None:
+            self.clock[0] += self.call_s
         self.under_way = True
         return True
 
@@ -234,3 +237,26 @@ def test_a_step_beside_an_asynchronous_write_gets_twice_the_longest_write_on_top
     assert write(2, 110.0, 70.0) == 10.0 + 2 * 3.0
     assert write(3, 200.0, 1.0) == 120.0  # 10 + 2 x 70 is past the start-up deadline
     assert ckpt.deadline_beside_write(30.0, 120.0) == 30.0
+
+
+def test_a_save_may_take_a_multiple_of_the_longest_save_so_far_before_it_counts_as_hung(
+        tmp_path: Path) -> None:
+    """A peer frozen at a step blocks the others' save of it in orbax's barriers: caught at
+    3x the longest save call (at least the floor), not only at the start-up deadline."""
+    program = build_step(CFG, TrainConfig(), Plan.uniform(
+        1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S), jax.devices())
+    state, data = program.init_state(0), _data()
+    now = [0.0]
+    ckpt = Checkpointer(tmp_path / "c", interval=1, asynchronous=True, clock=lambda: now[0])
+    writes = _Writes(now, call_s=2.0)
+    ckpt._manager.close()
+    ckpt._manager = writes  # type: ignore[assignment]
+    assert ckpt.save_deadline_s(10.0, 3.0, 120.0) == 120.0  # none timed yet
+    assert ckpt.save(1, state, program, data.state())
+    assert ckpt.save_deadline_s(10.0, 3.0, 120.0) == 10.0  # 3 x 2 s is under the floor
+    writes.call_s = 5.0
+    assert ckpt.save(2, state, program, data.state())
+    assert ckpt.save_deadline_s(10.0, 3.0, 120.0) == 15.0
+    writes.call_s = 50.0
+    assert ckpt.save(3, state, program, data.state())
+    assert ckpt.save_deadline_s(10.0, 3.0, 120.0) == 120.0  # never past the start-up deadline

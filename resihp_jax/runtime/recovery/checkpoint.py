@@ -135,14 +135,18 @@ class Checkpointer:
             self._write_started = None
 
     def save_deadline_s(self, floor_s: float, factor: float, limit_s: float) -> float:
-        """How long a `save` call may take before the process counts as hung: `factor` times
-        the longest call that saved so far, at least `floor_s`, at most `limit_s` (and
-        `limit_s` before one has been timed). The call holds the copy to host, orbax's
-        barriers with the other processes (where a frozen peer blocks it) and the wait for
-        an earlier write."""
+        """How long the next `save` call may take before the process counts as hung.
+
+        The call holds the copy to host and orbax's barriers with the other processes (where
+        a frozen peer blocks it): `factor` times the longest call that saved so far, at
+        least `floor_s`. It also waits for a write still under way, so that write's length
+        is added as for a step beside it (`deadline_beside_write`). Never past `limit_s`
+        (the start-up deadline), and `limit_s` before a call has been timed.
+        """
         if self._longest_call_s is None:
             return limit_s
-        return min(limit_s, max(floor_s, factor * self._longest_call_s))
+        own = min(limit_s, max(floor_s, factor * self._longest_call_s))
+        return min(limit_s, self.deadline_beside_write(own, limit_s))
 
     def deadline_beside_write(self, deadline_s: float, limit_s: float) -> float:
         """The deadline of a step starting now whose own is `deadline_s`.

@@ -242,7 +242,8 @@ def test_a_step_beside_an_asynchronous_write_gets_twice_the_longest_write_on_top
 def test_a_save_may_take_a_multiple_of_the_longest_save_so_far_before_it_counts_as_hung(
         tmp_path: Path) -> None:
     """A peer frozen at a step blocks the others' save of it in orbax's barriers: caught at
-    3x the longest save call (at least the floor), not only at the start-up deadline."""
+    3x the longest save call (at least the floor), plus the length of a write the call must
+    wait for, not only at the start-up deadline."""
     program = build_step(CFG, TrainConfig(), Plan.uniform(
         1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S), jax.devices())
     state, data = program.init_state(0), _data()
@@ -251,12 +252,21 @@ def test_a_save_may_take_a_multiple_of_the_longest_save_so_far_before_it_counts_
     writes = _Writes(now, call_s=2.0)
     ckpt._manager.close()
     ckpt._manager = writes  # type: ignore[assignment]
+
+    def save(step: int, call_s: float, write_s: float | None) -> None:
+        """A save call lasting `call_s`, its write ending `write_s` later (None: not yet)."""
+        writes.call_s = call_s
+        assert ckpt.save(step, state, program, data.state())
+        if write_s is not None:
+            now[0] += write_s
+            writes.under_way = False
+
     assert ckpt.save_deadline_s(10.0, 3.0, 120.0) == 120.0  # none timed yet
-    assert ckpt.save(1, state, program, data.state())
+    save(1, 2.0, 0.0)
     assert ckpt.save_deadline_s(10.0, 3.0, 120.0) == 10.0  # 3 x 2 s is under the floor
-    writes.call_s = 5.0
-    assert ckpt.save(2, state, program, data.state())
+    save(2, 5.0, 3.0)
     assert ckpt.save_deadline_s(10.0, 3.0, 120.0) == 15.0
-    writes.call_s = 50.0
-    assert ckpt.save(3, state, program, data.state())
+    save(3, 5.0, None)  # a write under way: the next call waits for it too
+    assert ckpt.save_deadline_s(10.0, 3.0, 120.0) == 15.0 + 2 * 3.0
+    save(4, 50.0, 1.0)
     assert ckpt.save_deadline_s(10.0, 3.0, 120.0) == 120.0  # never past the start-up deadline

@@ -49,6 +49,7 @@ import numpy as np  # noqa: E402
 from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.detector import Prober, StepObservation, make_detector  # noqa: E402
 from resihp_jax.detector.attention_work import mb_block_pair_l2  # noqa: E402
+from resihp_jax.detector.ours import WARMUP_STEPS  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.model.config import get_model_config  # noqa: E402
 from resihp_jax.faults.injector import FaultInjector  # noqa: E402
@@ -428,7 +429,7 @@ def print_tables(result: dict, loaded: dict, floor: float) -> None:
               f"{fmt(r['median_delay_steps'], '.1f'):>6} {fmt(r['max_delay_steps'], 'd'):>4}")
 
 
-def record_fixture(path: str, data: str, seed: int) -> None:
+def record_fixture(path: str, data: str, seed: int, n_steps: int = RECORD_STEPS) -> None:
     """A short healthy run on RECORD_PLAN, with each step's batch layout and the floor, as
     the replay test's fixture (tests/detector/test_replay.py)."""
     run = Run(RECORD_PLAN, data, seed)
@@ -436,7 +437,7 @@ def record_fixture(path: str, data: str, seed: int) -> None:
         run.run_step()
         run.reference_step()
     skipped = run.data.batches_served
-    steps, layouts, floor = record_healthy(run, RECORD_STEPS, floor_every=3)
+    steps, layouts, floor = record_healthy(run, n_steps, floor_every=3)
     det = make_detector("resihp", model=run.cfg, prober=run.probe)
     errors = []
     for obs in steps:
@@ -445,7 +446,8 @@ def record_fixture(path: str, data: str, seed: int) -> None:
             errors.append(abs(det.last_prediction_s / obs.step_time_s - 1.0))
     fixture = {
         "recorded_by": f"python benchmarks/detection.py --record {path} --data {data} "
-                       f"--seed {seed}",
+                       f"--seed {seed}" + (f" --record-steps {n_steps}"
+                                           if n_steps != RECORD_STEPS else ""),
         "model": MODEL, "data": data, "seed": seed, "plan": list(RECORD_PLAN),
         "batches_before": skipped, "noise_floor": round(cv(floor), 5),
         "mape_when_recorded": round(float(np.mean(errors)), 5),
@@ -472,10 +474,15 @@ def main() -> None:
                         "synthetic:lognormal)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--record", metavar="PATH", help="record the replay test's fixture")
+    parser.add_argument("--record-steps", type=int, default=RECORD_STEPS, metavar="N",
+                        help=f"healthy steps --record keeps (default {RECORD_STEPS})")
     args = parser.parse_args()
     data = args.data or "synthetic:lognormal"
+    if args.record_steps < 2 * WARMUP_STEPS:
+        parser.error(f"--record-steps {args.record_steps}: the detector needs at least "
+                     f"{2 * WARMUP_STEPS} steps (its warm-up, then steps to judge)")
     if args.record:
-        record_fixture(args.record, data, args.seed)
+        record_fixture(args.record, data, args.seed, args.record_steps)
         return
     t_start = time.perf_counter()
     rng = np.random.default_rng(args.seed)

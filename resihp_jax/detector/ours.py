@@ -4,8 +4,9 @@ The OnlineCostModel (fitted online from steps judged healthy) predicts what this
 sequence lengths should cost under this plan; a tracked scale (EWMA of healthy steps' log
 error, rate `drift`) absorbs machine-wide drift such as other jobs sharing the host, within a
 few steps. What is left, r = log(observed / predicted), is measured in units of the plan's own
-noise sigma: the spread of r over the steps this plan ran healthy (its upper tail included),
-so the thresholds follow the machine the job runs on rather than fixed factors. A one-sided
+noise sigma: the spread of r over the steps this plan ran healthy (its upper tail and the
+host's swings of a few steps included, `residual_sigma`), so the thresholds follow the
+machine the job runs on rather than fixed factors. A one-sided
 CUSUM of those units (slack `slack` sigmas per step, one step counting at most
 `decision` / 2, a suspicion at `decision`) raises a suspicion, which the probes then confirm
 and localize. The stated margin: a step-level slowdown of `REACH_SIGMAS` (4) sigmas is caught

@@ -73,7 +73,9 @@ PLANS = ((1, 4, 2, 4, 1, 1024), (2, 2, 2, 4, 1, 1024))
 QUICK_PLAN = (1, 4, 2, 4, 1, 512)
 RECORD_PLAN, RECORD_STEPS = (1, 4, 2, 4, 1, 512), 120
 LOAD_FACTORS = (1.5, 2.0)
-BUSY_LOOP = "while True: pass"
+# Spins until its parent is gone: a benchmark killed mid-load leaves no busy core behind (a
+# bare `while True: pass` outlived a killed run and loaded every later measurement).
+BUSY_LOOP = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
 CATCH_STEPS = 5  # a fault is caught when the right device is named within this many steps
 MARGIN = 4.0  # every step-level slowdown above 1 + MARGIN x floor must be caught
 MIN_AFTER = 4  # faulty steps a trial runs at least (its step-level slowdown is their median)

@@ -4,9 +4,8 @@ The OnlineCostModel (fitted online from steps judged healthy) predicts what this
 sequence lengths should cost under this plan; a tracked scale (EWMA of healthy steps' log
 error, rate `drift`) absorbs machine-wide drift such as other jobs sharing the host, within a
 few steps. What is left, r = log(observed / predicted), is measured in units of the plan's own
-noise sigma: the spread of r over the steps this plan ran healthy (its upper tail and the
-host's swings of a few steps included, `residual_sigma`), so the thresholds follow the
-machine the job runs on rather than fixed factors. A one-sided
+noise sigma: the spread of r over the steps this plan ran healthy (its upper tail included),
+so the thresholds follow the machine the job runs on rather than fixed factors. A one-sided
 CUSUM of those units (slack `slack` sigmas per step, one step counting at most
 `decision` / 2, a suspicion at `decision`) raises a suspicion, which the probes then confirm
 and localize. The stated margin: a step-level slowdown of `REACH_SIGMAS` (4) sigmas is caught
@@ -70,26 +69,11 @@ REACH_STEPS = 5
 # Residuals a plan needs before its own sigma is trusted (until then: the cost model's noise
 # and the other plans' sigmas, whichever is larger).
 MIN_RESIDUALS = 16
-# Residuals beyond this many robust sigmas do not set the RMS part of a plan's sigma: one
-# wild step (a page fault storm, a stalled thread) is not the host's usual swing.
-SWING_CLIP = 6.0
 STAGE_PERSIST = 3  # steps of stage excess in a row that make a suspicion
 LOAD_DRIFT = 0.5  # the drift scale's rate while the stages show a load on the whole host
 # other processes' CPU use beyond their healthy level that counts as a load, in cores (the
 # host's tick counters step in 1/100 s, so over a step of 0.2 s one core reads +-0.05)
 HOST_MIN_CORES = 0.1
-
-
-def residual_sigma(resid: np.ndarray) -> float:
-    """The noise sigma of a plan's healthy log prediction errors (see `noise_of`): the largest
-    of 1.4826 x MAD, the median-to-90th-percentile distance / 1.28, and the RMS about the
-    median with each error clipped at SWING_CLIP robust sigmas."""
-    med = float(np.median(resid))
-    mad_sigma = 1.4826 * float(np.median(np.abs(resid - med)))
-    tail_sigma = (float(np.quantile(resid, 0.9)) - med) / 1.2816
-    clip = SWING_CLIP * mad_sigma
-    rms_sigma = float(np.sqrt(np.mean(np.clip(resid - med, -clip, clip) ** 2)))
-    return max(mad_sigma, tail_sigma, rms_sigma)
 
 
 @register
@@ -142,18 +126,13 @@ class ResiHPDetector(Detector):
         self._rebase_ratios: list[float] = []  # observed / raw prediction over those steps
 
     def noise_of(self, plan: Plan | None) -> float:
-        """Sigma of the log prediction error of healthy steps under `plan`: the largest of
-        1.4826 x MAD, the distance from the median to the 90th percentile / 1.28 (load
-        bursts on a shared host make the upper tail heavier than a normal one), and the RMS
-        of the errors clipped at SWING_CLIP robust sigmas. The last is the host's swings: runs
-        of 2-9 steps 10-20% faster or slower than the model (seen on 8 fake devices sharing 2
-        cores, with nothing else running) make up a few percent of the steps, so the MAD and
-        the 90th percentile see only the quiet steps between them, and a swing then stood 3-4
-        of those sigmas high for long enough to raise an alarm. A plan with fewer than
-        MIN_RESIDUALS of its own (the first steps after a re-plan) gets twice the largest
-        sigma known (other plans', the cost model's fit noise), or what its own first steps
-        show if that is more: its noise is not known yet, and a false alarm then costs a
-        probe."""
+        """Sigma of the log prediction error of healthy steps under `plan`: the larger of
+        1.4826 x MAD and the distance from the median to the 90th percentile / 1.28 (load
+        bursts on a shared host make the upper tail heavier than a normal one; that tail is
+        what raises false alarms). A plan with fewer than MIN_RESIDUALS of its own (the first
+        steps after a re-plan) gets twice the largest sigma known (other plans', the cost
+        model's fit noise), or what its own first steps show if that is more: its noise is
+        not known yet, and a false alarm then costs a probe."""
         own = self._sigma.get(plan)
         if own is not None:
             return own
@@ -272,7 +251,11 @@ class ResiHPDetector(Detector):
         window = self._resid.setdefault(plan, deque(maxlen=128))
         window.append(resid)
         if len(window) >= MIN_RESIDUALS:
-            self._sigma[plan] = max(self.min_noise, residual_sigma(np.asarray(window)))
+            r = np.asarray(window)
+            med = float(np.median(r))
+            mad_sigma = 1.4826 * float(np.median(np.abs(r - med)))
+            tail_sigma = (float(np.quantile(r, 0.9)) - med) / 1.2816
+            self._sigma[plan] = max(self.min_noise, mad_sigma, tail_sigma)
 
     def _release(self) -> None:
         """Learn the held steps: they were healthy after all (the stage baselines learn

@@ -480,6 +480,8 @@ def main() -> None:
                         help=f"healthy steps --record keeps (default {RECORD_STEPS})")
     args = parser.parse_args()
     data = args.data or "synthetic:lognormal"
+    if args.record_steps != RECORD_STEPS and not args.record:
+        parser.error("--record-steps sets the length of a --record fixture; give --record PATH")
     if args.record_steps < 2 * WARMUP_STEPS:
         parser.error(f"--record-steps {args.record_steps}: the detector needs at least "
                      f"{2 * WARMUP_STEPS} steps (its warm-up, then steps to judge)")

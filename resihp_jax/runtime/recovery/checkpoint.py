@@ -45,6 +45,13 @@ class Restored:
 WRITE_MARGIN = 2.0
 
 
+def deadline_beside_write(ckpt: Checkpointer | None, deadline_s: float,
+                          limit_s: float) -> float:
+    """The deadline of a step starting now whose own is `deadline_s`, widened while `ckpt`
+    writes asynchronously (`Checkpointer.deadline_beside_write`); unchanged without one."""
+    return deadline_s if ckpt is None else ckpt.deadline_beside_write(deadline_s, limit_s)
+
+
 class _Damaged(Exception):
     """A step that cannot be read back as written (the caller falls back)."""
 

@@ -17,6 +17,7 @@ from resihp_jax.errors import HostsLeftOut
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.job.deadline import Ladder
 from resihp_jax.runtime.job.heartbeat import Heartbeat
+from resihp_jax.runtime.recovery.checkpoint import deadline_beside_write
 from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
 from resihp_jax.runtime.recovery.resume import start_state
@@ -123,10 +124,8 @@ class AdaptRun:
             # the final checkpoint and the job's shutdown follow, guarded by no step deadline
             return float(self.ladder.init_timeout_s)
         deadline = self.ladder.deadline_s(self.trainer.detector.last_prediction_s)
-        ckpt = self.trainer.checkpointer
-        if ckpt is None:
-            return deadline
-        return ckpt.deadline_beside_write(deadline, self.ladder.startup_s)  # see deadline_s
+        return deadline_beside_write(self.trainer.checkpointer, deadline,  # see deadline_s
+                                     self.ladder.startup_s)
 
     def _steps(self, start: int) -> list[StepRecord]:
         sink = RecordSink(self.config, start, self.job.primary, self.phases, self.start_record,

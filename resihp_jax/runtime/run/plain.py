@@ -26,6 +26,7 @@ from resihp_jax.runtime.trainer.loop import StepRecord, train
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.job.watchdog import Watchdog
+from resihp_jax.runtime.recovery.checkpoint import deadline_beside_write
 from resihp_jax.train.aot import compile_program
 from resihp_jax.train.step import build_step
 
@@ -101,10 +102,9 @@ class TrainRun:
     def _before_step(self, plan: Plan, batch: Any) -> None:
         step = self.data_step + 1
         deadline = self.deadline.deadline_s(plan, batch.sum_sq_lengths())
-        if self.ckpt is not None:
-            # a checkpoint being written competes with this step for the host (several
-            # times slower on a loaded one): the step gets the write's length on top
-            deadline = self.ckpt.deadline_beside_write(deadline, self.deadline.ladder.startup_s)
+        # a checkpoint being written competes with this step for the host (several times
+        # slower on a loaded one): the step gets the write's length on top
+        deadline = deadline_beside_write(self.ckpt, deadline, self.deadline.ladder.startup_s)
         self.watchdog.arm(step, deadline)
         self._beat(self.data_step, deadline)
 

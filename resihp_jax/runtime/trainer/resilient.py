@@ -41,7 +41,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.meshes.agree import from_primary, multi_process
-from resihp_jax.runtime.recovery.checkpoint import Checkpointer
+from resihp_jax.runtime.recovery.checkpoint import Checkpointer, deadline_beside_write
 from resihp_jax.runtime.trainer.compile_cache import default_cache_dir, enable_compilation_cache
 from resihp_jax.runtime.trainer.compiles import counting
 from resihp_jax.train.instrument import FaultHook
@@ -326,10 +326,8 @@ class ResilientTrainer:
         if predicted is None:
             return self.config.step_timeout_s
         deadline = max(self.config.hang_floor_s, self.config.hang_factor * predicted)
-        if self.checkpointer is None:
-            return deadline
         # an asynchronous write under way may hold the host: the step gets its length too
-        return self.checkpointer.deadline_beside_write(deadline, self.config.step_timeout_s)
+        return deadline_beside_write(self.checkpointer, deadline, self.config.step_timeout_s)
 
     def _mb_tokens(self) -> np.ndarray:
         return np.full(self.plan.n_microbatches, self.plan.microbatch_size * self.plan.seq_len,

@@ -54,10 +54,10 @@ def move_state(state: TrainState, src: StepProgram, dst: StepProgram) -> TrainSt
         return state
     if same:  # a new split of the same mesh: one program, no canonical copy
         return dst.restage_fn(state, src.canonical_positions(), dst.stage_index_array())
-    return jax.device_put(restaged_on_host(state, src, dst), dst.state_shardings)
+    return jax.device_put(_restaged_on_host(state, src, dst), dst.state_shardings)
 
 
-def restaged_on_host(state: TrainState, src: StepProgram, dst: StepProgram) -> TrainState:
+def _restaged_on_host(state: TrainState, src: StepProgram, dst: StepProgram) -> TrainState:
     """`state` (laid out for `src`) as host arrays in `dst`'s stage layout (one process)."""
     if not all(x.is_fully_addressable for x in jax.tree.leaves(state)):
         raise ConfigError("move_state moves a state onto other devices within one process; "

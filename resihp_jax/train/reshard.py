@@ -4,7 +4,8 @@ A new split of the same mesh is one jitted program (`restage_fn`: gather out of 
 stage layout, scatter into the new one, on the devices that hold them). A new mesh (other
 devices) goes through the host: JAX itself moves an array between device sets whose shards
 do not line up by fetching it whole to the host (`jax.device_put` across device sets), so the
-move reads each block of the old stage layout once (every replica but one skipped), picks the
+move reads each block of the old stage layout once (from a replica on a device the new plan
+keeps where dp holds one, so a stopped device is not read), picks the
 new layout's layers out of them with numpy (the old slot of each new slot: `canonical_index`
 composed with `stage_index`), and places the result with the new program's shardings. Against
 the route through the canonical layout (a program on the old mesh, `device_put`, a program on
@@ -58,11 +59,14 @@ def move_state(state: TrainState, src: StepProgram, dst: StepProgram) -> TrainSt
 
 
 def _restaged_on_host(state: TrainState, src: StepProgram, dst: StepProgram) -> TrainState:
-    """`state` (laid out for `src`) as host arrays in `dst`'s stage layout (one process)."""
+    """`state` (laid out for `src`) as host arrays in `dst`'s stage layout (one process).
+    Each block is read from one of its replicas, one on a device `dst` keeps where there is
+    one: a device the new plan leaves out (it stopped) is not read when dp holds a copy."""
     if not all(x.is_fully_addressable for x in jax.tree.leaves(state)):
         raise ConfigError("move_state moves a state onto other devices within one process; "
                           "in a job of several processes use move_via_orbax (each process "
                           "writes its shards, and reads those of the new mesh)")
+    keep = set(dst.plan.device_ids)
     index_PxL = dst.stage_index()
     # flattened old slot of each new slot: where its canonical layer sits in `src`
     rows = layout.canonical_index(src.stage_index())[np.clip(index_PxL, 0, None)].ravel()
@@ -70,36 +74,51 @@ def _restaged_on_host(state: TrainState, src: StepProgram, dst: StepProgram) -> 
 
     def leaf(path: tuple, x: jax.Array) -> np.ndarray:
         if not is_layer_leaf(path):
-            return np.array(x)  # a copy: not a view of a device buffer of the old state
-        new = _gather_rows(x, rows)
+            return _whole(x, keep)
+        new = _gather_rows(x, rows, keep)
         return new.reshape(index_PxL.shape + new.shape[1:])
 
     return jax.tree_util.tree_map_with_path(leaf, state)
 
 
-def _gather_rows(x_PxLxX: jax.Array, rows: np.ndarray) -> np.ndarray:
+def _blocks(x: jax.Array, keep: set[int]) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+    """(index, host view) of each distinct block of `x`, from a replica on a kept device
+    where there is one (a view of the device buffer on CPU, a transfer elsewhere)."""
+    shards = sorted(x.addressable_shards, key=lambda sh: sh.device.id not in keep)
+    blocks, seen = [], set()
+    for shard in shards:
+        key = tuple(sl.indices(n) for sl, n in zip(shard.index, x.shape))
+        if key not in seen:  # else a replica of a block already read
+            seen.add(key)
+            blocks.append((shard.index, np.asarray(shard.data)))
+    return blocks
+
+
+def _whole(x: jax.Array, keep: set[int]) -> np.ndarray:
+    """`x` on the host, a copy of its own (never a view of a device buffer)."""
+    out = np.empty(x.shape, x.dtype)
+    for index, block in _blocks(x, keep):
+        out[index] = block
+    return out
+
+
+def _gather_rows(x_PxLxX: jax.Array, rows: np.ndarray, keep: set[int]) -> np.ndarray:
     """[len(rows), ...]: row r of `x` flattened over its first two axes, or zeros where r is
-    -1, read shard by shard (no copy of the whole array first: on a host whose fresh memory
+    -1, read block by block (no copy of the whole array first: on a host whose fresh memory
     is slow to touch, that copy was the move's largest term)."""
     slots = x_PxLxX.shape[1]
     out = np.zeros((rows.size,) + x_PxLxX.shape[2:], x_PxLxX.dtype)
-    done: set[tuple] = set()
-    for shard in x_PxLxX.addressable_shards:
-        stages, slot, *rest = shard.index
-        key = tuple((s.start, s.stop) for s in shard.index)
-        if key in done:
-            continue  # a replica of a block already read
-        done.add(key)
-        if slot != slice(None):  # slots split over devices (no rule does that): whole array
-            whole = np.asarray(x_PxLxX).reshape((-1,) + out.shape[1:])
-            held = np.nonzero(rows >= 0)[0]
-            out[held] = whole[rows[held]]
-            return out
-        first, last = (stages.start or 0) * slots, (stages.stop or x_PxLxX.shape[0]) * slots
-        held = np.nonzero((rows >= first) & (rows < last))[0]
-        block = np.asarray(shard.data)  # a view of the device buffer on CPU
-        block = block.reshape((-1,) + block.shape[2:])
-        out[(held, *rest)] = block[rows[held] - first]
+    held = np.nonzero(rows >= 0)[0]
+    blocks = _blocks(x_PxLxX, keep)
+    if any(index[1] != slice(None) for index, _ in blocks):  # slots split (no rule does so)
+        whole = _whole(x_PxLxX, keep).reshape((-1,) + out.shape[1:])
+        out[held] = whole[rows[held]]
+        return out
+    for (stages, _, *rest), block in blocks:
+        first = stages.indices(x_PxLxX.shape[0])[0] * slots
+        flat = block.reshape((-1,) + block.shape[2:])
+        mine = held[(rows[held] >= first) & (rows[held] < first + flat.shape[0])]
+        out[(mine, *rest)] = flat[rows[mine] - first]
     return out
 
 

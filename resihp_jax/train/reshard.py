@@ -1,19 +1,18 @@
 """Move a training state from one plan's program to another's, in memory.
 
-A new split of the same mesh is one jitted program (`restage_fn`: gather out of the old
-stage layout, scatter into the new one, on the devices that hold them). A new mesh (other
-devices) goes through the host: JAX itself moves an array between device sets whose shards
-do not line up by fetching it whole to the host (`jax.device_put` across device sets), so the
-move reads each block of the old stage layout once (from a replica on a device the new plan
-keeps where dp holds one, so a stopped device is not read), picks the
-new layout's layers out of them with numpy (the old slot of each new slot: `canonical_index`
-composed with `stage_index`), and places the result with the new program's shardings. Against
-the route through the canonical layout (a program on the old mesh, `device_put`, a program on
-the new mesh) that is one read, one placement, no program, and two fewer copies of the state
-in fresh memory: `benchmarks/recovery.py --quick`'s prepared-mesh move took 0.16-0.45 s in
-five runs, the canonical route 0.41-0.68 s in three. (Building each device's block in a
-buffer of its own that the CPU client adopts without a copy was tried: no faster, and the
-first step after it slower.)
+A new split of the same mesh is one jitted program (`restage_fn`: gather out of the old stage
+layout, scatter into the new one, on the devices that hold them). A new mesh (other devices)
+goes through the host: JAX itself moves an array between device sets whose shards do not line
+up by fetching it whole to the host (`jax.device_put` across device sets), so the move reads
+each block of the old stage layout once (from a replica on a device the new plan keeps where dp
+holds one, so a stopped device is not read), picks the new layout's layers out of them with
+numpy (the old slot of each new slot: `canonical_index` composed with `stage_index`), and
+places the result with the new program's shardings. Against the route through the canonical
+layout (a program on the old mesh, `device_put`, a program on the new mesh) that is one read,
+one placement, no program, and two fewer copies of the state in fresh memory:
+`benchmarks/recovery.py --quick`'s prepared-mesh move took 0.16-0.46 s in seven runs, the
+canonical route 0.41-0.68 s in three. (Building each device's block in a buffer of its own that
+the CPU client adopts without a copy was tried: no faster, and the first step after it slower.)
 """
 
 from __future__ import annotations

@@ -93,10 +93,12 @@ def _blocks(x: jax.Array, keep: set[int]) -> list[tuple[tuple[slice, ...], np.nd
     return blocks
 
 
-def _whole(x: jax.Array, keep: set[int]) -> np.ndarray:
-    """`x` on the host, a copy of its own (never a view of a device buffer)."""
+def _whole(x: jax.Array, keep: set[int],
+           blocks: list[tuple[tuple[slice, ...], np.ndarray]] | None = None) -> np.ndarray:
+    """`x` on the host, a copy of its own (never a view of a device buffer), from `blocks`
+    when they were read already."""
     out = np.empty(x.shape, x.dtype)
-    for index, block in _blocks(x, keep):
+    for index, block in blocks if blocks is not None else _blocks(x, keep):
         out[index] = block
     return out
 
@@ -110,7 +112,7 @@ def _gather_rows(x_PxLxX: jax.Array, rows: np.ndarray, keep: set[int]) -> np.nda
     held = np.nonzero(rows >= 0)[0]
     blocks = _blocks(x_PxLxX, keep)
     if any(index[1] != slice(None) for index, _ in blocks):  # slots split (no rule does so)
-        whole = _whole(x_PxLxX, keep).reshape((-1,) + out.shape[1:])
+        whole = _whole(x_PxLxX, keep, blocks).reshape((-1,) + out.shape[1:])
         out[held] = whole[rows[held]]
         return out
     for (stages, _, *rest), block in blocks:

@@ -135,3 +135,19 @@ def test_a_move_onto_other_devices_equals_the_canonical_route() -> None:
     back = move_state(moved, dst, src)
     for got, want in zip(jax.tree.leaves(back), before):
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_the_host_gather_reads_blocks_split_along_any_axis() -> None:
+    """Row r of the flattened [stages, slots] axes, zeros for -1, whether the blocks split
+    the stage axis only (every sharding rule) or the slot axis too."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from resihp_jax.train.reshard import _gather_rows
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    x_PxLxX = np.arange(2 * 4 * 4, dtype=np.float32).reshape(2, 4, 4)
+    rows = np.array([5, -1, 0, 7, 2])
+    want = x_PxLxX.reshape(8, 4)[np.clip(rows, 0, None)] * (rows >= 0)[:, None]
+    for spec in (P("a"), P("a", "b"), P(None, None, "b")):
+        placed = jax.device_put(x_PxLxX, NamedSharding(mesh, spec))
+        np.testing.assert_array_equal(_gather_rows(placed, rows, {0, 1}), want)

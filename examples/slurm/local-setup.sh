@@ -1,12 +1,17 @@
 #!/bin/bash
 # A real SLURM on this one machine (Debian/Ubuntu, as root), to try examples/slurm/*.sbatch
 # and run tests/cli/test_slurm_real.py: installs slurm-wlm and munge if absent, writes a
-# single-node slurm.conf, starts munged, slurmctld and slurmd. Safe to run again: what is
-# already there is kept and said so; daemons already running are left alone.
+# slurm.conf, starts munged, slurmctld and slurmd. Safe to run again: what is already there
+# is kept and said so; daemons already running are left alone.
 #
 #   sudo examples/slurm/local-setup.sh            # then: sinfo; sbatch ...
 #   CPUS=8 CRED_EXPIRE=10 examples/slurm/local-setup.sh
+#   NODES=3 examples/slurm/local-setup.sh         # 3 nodes, for a job with a spare node
 #
+# NODES (default 1): how many SLURM nodes this machine plays. More than one: each is a slurmd
+# of its own (NAME-n1, NAME-n2, ...: this host's name and a number, listed in /etc/hosts as
+# 127.0.0.1 so JAX finds its coordinator by the node's name), so a job can lose one node and
+# go on on another (examples/slurm/train-cpu.sbatch with TRAIN_NODES below the allocation).
 # CPUS (default 8, at least 4): CPUs slurmd announces, i.e. how many tasks fit at once; it
 # may exceed the machine's cores (config_overrides): the tasks then share them.
 # CRED_EXPIRE (default 10 s; SLURM's own default is 120 s): how long SLURM holds a requeued
@@ -18,11 +23,16 @@ CONF_DIR=/etc/slurm
 CONF=$CONF_DIR/slurm.conf
 CPUS=${CPUS:-8}
 CRED_EXPIRE=${CRED_EXPIRE:-10}
+NODES=${NODES:-1}
 MARK="# written by resihp_jax examples/slurm/local-setup.sh"
 say() { echo "local-setup: $*"; }
 
 if (( EUID != 0 )); then
     echo "local-setup: run as root (it installs packages and starts daemons)" >&2
+    exit 1
+fi
+if [[ ! $NODES =~ ^[1-9][0-9]?$ ]]; then
+    echo "local-setup: NODES=$NODES: must be a number of nodes from 1 to 99" >&2
     exit 1
 fi
 if (( CPUS < 4 )); then
@@ -61,13 +71,41 @@ fi
 HOST=$(hostname -s)
 MEM_MB=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
 mkdir -p "$CONF_DIR" /var/lib/slurm/slurmctld /var/lib/slurm/slurmd /var/log/slurm /run/slurm
+NAMES=("$HOST")  # the nodes' names
+if (( NODES > 1 )); then
+    NAMES=()
+    for (( i = 1; i <= NODES; i++ )); do NAMES+=("$HOST-n$i"); done
+    # slurmd -N NAME: one daemon per node, each with its own port, spool, pid file and log
+    NODE_LINES=""
+    for (( i = 1; i <= NODES; i++ )); do
+        NODE_LINES+="NodeName=$HOST-n$i NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$((17100 + i))"
+        NODE_LINES+=" CPUs=$CPUS RealMemory=$(( MEM_MB / NODES )) State=UNKNOWN"$'\n'
+        mkdir -p "/var/lib/slurm/slurmd/$HOST-n$i"
+    done
+    SLURMD_FILES="SlurmdPidFile=/run/slurm/slurmd-%n.pid
+SlurmdSpoolDir=/var/lib/slurm/slurmd/%n
+SlurmdLogFile=/var/log/slurm/slurmd-%n.log"
+    PARTITION_NODES="$HOST-n[1-$NODES]"
+    HOSTS_LINE="127.0.0.1 ${NAMES[*]} $MARK"
+    if ! grep -qxF "$HOSTS_LINE" /etc/hosts; then
+        say "adding the nodes' names to /etc/hosts: ${NAMES[*]}"
+        { grep -vF "$MARK" /etc/hosts; echo "$HOSTS_LINE"; } > /etc/hosts.resihp-new
+        cat /etc/hosts.resihp-new > /etc/hosts && rm -f /etc/hosts.resihp-new
+    fi
+else
+    NODE_LINES="NodeName=$HOST CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN"$'\n'
+    SLURMD_FILES="SlurmdPidFile=/run/slurm/slurmd.pid
+SlurmdSpoolDir=/var/lib/slurm/slurmd
+SlurmdLogFile=/var/log/slurm/slurmd.log"
+    PARTITION_NODES=$HOST
+fi
 if [[ -f $CONF ]] && ! grep -qF "$MARK" "$CONF"; then
     say "$CONF exists and was not written by this script: kept as it is"
 else
     NEW=$(mktemp)
     cat > "$NEW" <<EOF
 $MARK
-# One node, this machine: $CPUS CPUs announced, tasks share its cores.
+# $NODES node(s), all this machine: $CPUS CPUs announced each, tasks share its cores.
 ClusterName=resihp-local
 SlurmctldHost=$HOST
 # a machine of your own: the daemons run as root (a shared cluster uses a slurm user)
@@ -76,11 +114,9 @@ AuthType=auth/munge
 # a requeued job waits about cred_expire seconds before it may start again (default 120)
 AuthInfo=cred_expire=$CRED_EXPIRE
 StateSaveLocation=/var/lib/slurm/slurmctld
-SlurmdSpoolDir=/var/lib/slurm/slurmd
 SlurmctldPidFile=/run/slurm/slurmctld.pid
-SlurmdPidFile=/run/slurm/slurmd.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
-SlurmdLogFile=/var/log/slurm/slurmd.log
+$SLURMD_FILES
 # no cgroups needed (containers, VMs without systemd)
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -99,48 +135,66 @@ MailProg=/bin/true
 # look for startable jobs (a requeued one, once cred_expire has passed) every 5 s, not 30-60
 SchedulerParameters=bf_interval=5,sched_interval=5
 KillWait=30
-NodeName=$HOST CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
-PartitionName=local Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
+${NODE_LINES}PartitionName=local Nodes=$PARTITION_NODES Default=YES MaxTime=INFINITE State=UP
 EOF
     if [[ -f $CONF ]] && cmp -s "$NEW" "$CONF"; then
         say "$CONF already as wanted"
         rm -f "$NEW"
     else
         mv "$NEW" "$CONF" && chmod 644 "$CONF"
-        say "wrote $CONF ($HOST: $CPUS CPUs, ${MEM_MB} MB, cred_expire=$CRED_EXPIRE s)"
+        say "wrote $CONF (${NAMES[*]}: $CPUS CPUs each, ${MEM_MB} MB in all," \
+            "cred_expire=$CRED_EXPIRE s)"
         CHANGED=1
     fi
 fi
 
 # ---- daemons -------------------------------------------------------------------------
 running() { pgrep -x "$1" >/dev/null; }
-start() {  # daemon: started, or the end of its log
-    say "starting $1"
-    if ! "/usr/sbin/$1" || ! { sleep 1; running "$1"; }; then
-        echo "local-setup: $1 did not start; the end of /var/log/slurm/$1.log:" >&2
-        tail -n 20 "/var/log/slurm/$1.log" >&2
+slurmd_running() {  # node name
+    local pidfile=/run/slurm/slurmd.pid
+    (( NODES > 1 )) && pidfile=/run/slurm/slurmd-$1.pid
+    [[ -f $pidfile ]] && kill -0 "$(cat "$pidfile")" 2>/dev/null
+}
+start() {  # daemon [its arguments]: started, or the end of its log
+    say "starting $*"
+    local log=/var/log/slurm/$1.log
+    [[ $1 == slurmd ]] && (( NODES > 1 )) && log=/var/log/slurm/slurmd-$3.log
+    if ! "/usr/sbin/$1" "${@:2}" || ! { sleep 1; running "$1"; }; then
+        echo "local-setup: $* did not start; the end of $log:" >&2
+        tail -n 20 "$log" >&2
         exit 1
     fi
 }
-if running slurmctld && [[ -n ${CHANGED:-} ]]; then
-    say "slurmctld already running: reconfiguring it for the new slurm.conf"
-    scontrol reconfigure
-elif running slurmctld; then
+if [[ -n ${CHANGED:-} ]] && { running slurmctld || running slurmd; }; then
+    # nodes added or removed: slurmctld must restart (a reconfigure does not take them), and
+    # every slurmd with it; jobs still running are lost
+    say "slurm.conf changed: restarting slurmctld and slurmd"
+    pkill -x slurmctld || true
+    pkill -x slurmd || true
+    for _ in $(seq 50); do running slurmctld || running slurmd || break; sleep 0.2; done
+fi
+if running slurmctld; then
     say "slurmctld already running"
 else
     start slurmctld
 fi
-if running slurmd; then
-    say "slurmd already running"
-else
-    start slurmd
-fi
-for _ in $(seq 100); do
-    state=$(sinfo -h -n "$HOST" -o %t 2>/dev/null | head -1 || true)
-    [[ $state == idle* || $state == mix* || $state == alloc* ]] && break
-    sleep 0.2
+for name in "${NAMES[@]}"; do
+    if slurmd_running "$name"; then
+        say "slurmd of $name already running"
+    elif (( NODES > 1 )); then
+        start slurmd -N "$name"
+    else
+        start slurmd
+    fi
 done
-if [[ ${state:-} == down* || ${state:-} == drain* ]]; then
-    scontrol update nodename="$HOST" state=resume || true
-fi
+for name in "${NAMES[@]}"; do
+    for _ in $(seq 100); do
+        state=$(sinfo -h -n "$name" -o %t 2>/dev/null | head -1 || true)
+        [[ $state == idle* || $state == mix* || $state == alloc* ]] && break
+        sleep 0.2
+    done
+    if [[ ${state:-} == down* || ${state:-} == drain* ]]; then
+        scontrol update nodename="$name" state=resume || true
+    fi
+done
 say "ready: $(sinfo -h -o '%P %D node(s) %t, %c CPUs' | head -1)"

@@ -62,6 +62,9 @@ printf "%s\0" "$@" > "$FAKE_DIR/srun-args"
 env > "$FAKE_DIR/srun-env"
 echo $$ > "$FAKE_DIR/srun-pid"
 echo "$EXITS" >> "$FAKE_DIR/srun-exits-dirs"
+for arg in "$@"; do
+    [[ $arg == --nodelist=* ]] && echo "${arg#*=}" >> "$FAKE_DIR/srun-nodelists"
+done
 n=$(cat "$FAKE_DIR/srun-calls" 2>/dev/null || echo 0)
 echo $((n + 1)) > "$FAKE_DIR/srun-calls"
 read -ra rcs <<< "$FAKE_SRUN_RC"
@@ -86,32 +89,55 @@ exit 0
 """
 
 
+# `scontrol show hostnames` lists the allocation's nodes (FAKE_NODES); anything else is noted
+FAKE_SCONTROL = r"""#!/bin/bash
+if [[ $1 == show && $2 == hostnames ]]; then tr ' ' '\n' <<< "$FAKE_NODES"; exit 0; fi
+echo "$*" >> "$FAKE_DIR/scontrol"
+"""
+
+
+def train_nodes(script: Path) -> int:
+    """How many of the allocation's nodes train (the rest are spares), by default."""
+    found = re.search(r"^TRAIN_NODES=\$\{TRAIN_NODES:-(\d+)\}", script.read_text(), flags=re.M)
+    return int(found.group(1)) if found else int(sbatch_options(script)["nodes"])
+
+
 def run_sbatch(tmp_path: Path, srun_rc: int | str = 0, failures_before: int = 0,
                srun_sleeps: bool = False, script: Path = SBATCH,
                task_codes: str | None = None, venv: bool = True,
-               args: tuple[str, ...] = (),
+               args: tuple[str, ...] = (), spares: int | None = None,
+               one_node: bool = False,
                env_extra: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     """Start the script with stand-ins that record their arguments; `srun` exits `srun_rc`
     (several codes: one per call), its tasks (as the script's per-task wrapper records them)
-    with `task_codes` (default: every task with srun's code)."""
+    with `task_codes` (default: every task with srun's code). The allocation has the script's
+    nodes, or `spares` more than train, or (`one_node`) one node running every task."""
     fake, shared = tmp_path / "bin", tmp_path / "shared"
     fake.mkdir()
     (shared / "ckpt").mkdir(parents=True)
     if failures_before:
         (shared / "ckpt" / "requeue-failures").write_text(f"{failures_before}\n")
     (fake / "srun").write_text(FAKE_SRUN)
-    (fake / "scontrol").write_text('#!/bin/bash\necho "$*" >> "$FAKE_DIR/scontrol"\n')
+    (fake / "scontrol").write_text(FAKE_SCONTROL)
     (fake / "scancel").write_text(FAKE_SCANCEL)
     for tool in ("srun", "scontrol", "scancel"):
         (fake / tool).chmod(0o755)
     if venv:  # the environment the script activates itself
         (tmp_path / "venv" / "bin").mkdir(parents=True)
         (tmp_path / "venv" / "bin" / "activate").write_text("export FAKE_VENV_ACTIVE=1\n")
-    ntasks = 2 if script == SBATCH else int(sbatch_options(script)["ntasks"])
+    options = sbatch_options(script)
+    n_nodes = int(options["nodes"]) if spares is None else train_nodes(script) + spares
+    nodes = [f"node{i:02d}" for i in range(1, n_nodes + 1)]
+    ntasks = train_nodes(script) * int(options["ntasks-per-node"])
+    per_node = options["ntasks-per-node"]
+    if one_node:  # the same tasks, all on one node: no node to blame for a task's failure
+        nodes, per_node = nodes[:1], str(ntasks)
+        env_extra = {"TRAIN_NODES": "1", **(env_extra or {})}
     env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}",
            "SHARED": str(shared), "MAX_FAILURES": "2", "FAKE_DIR": str(tmp_path),
            "FAKE_SRUN_RC": str(srun_rc), "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "32",
-           "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NTASKS": str(ntasks),
+           "SLURM_JOB_NODELIST": f"node[01-{len(nodes):02d}]", "FAKE_NODES": " ".join(nodes),
+           "SLURM_NTASKS_PER_NODE": per_node,
            "VENV": str(tmp_path / "venv"),
            "FAKE_TASK_CODES": "|".join(" ".join([rc] * ntasks) for rc in str(srun_rc).split())
            if task_codes is None else task_codes}
@@ -165,7 +191,7 @@ def test_sbatch_runs_resihp_train_with_resume_on_shared_storage(tmp_path: Path) 
     assert argv[train + 1] == "train"
     options = sbatch_options()
     args = check_train_invocation(argv[train + 2:],
-                                  int(options["nodes"]) * int(options["gpus-per-node"]))
+                                  train_nodes(SBATCH) * int(options["gpus-per-node"]))
     assert Path(args.checkpoint_dir) == tmp_path / "shared" / "ckpt"
     assert requeues(tmp_path) == []  # a finished run is not requeued
     env = srun_env(tmp_path)
@@ -186,7 +212,8 @@ def test_cpu_sbatch_runs_the_users_script_on_fake_devices(tmp_path: Path) -> Non
     assert env["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2"]
     assert env["RESIHP_CHECKPOINT_DIR"] == str(tmp_path / "shared" / "ckpt")
     # the example's plan (dp=2,pp=2,tp=2) on the recipe's tasks x devices
-    assert int(sbatch_options(SBATCH_CPU)["ntasks"]) * 2 == 8
+    assert train_nodes(SBATCH_CPU) * int(sbatch_options(SBATCH_CPU)["ntasks-per-node"]) \
+        * 2 == 8
     # a script of your own, with its arguments
     other = tmp_path / "other"
     other.mkdir()
@@ -228,7 +255,7 @@ def test_sbatch_requeues_failed_runs_within_the_limit(
         failures_before: int, requeued: bool, counted: bool, exit_code: int) -> None:
     if task_codes is not None and script == SBATCH_CPU:  # 4 tasks: the last code again
         task_codes = " ".join(task_codes.split() + [task_codes.split()[-1]] * 2)
-    proc, _ = run_sbatch(tmp_path, srun_rc, failures_before, script=script,
+    proc, _ = run_sbatch(tmp_path, srun_rc, failures_before, script=script, one_node=True,
                          task_codes=task_codes, env_extra={"IN_PLACE_RELAUNCH": "0"})
     assert proc.wait(timeout=30) == exit_code, proc.stdout.read()
     assert requeues(tmp_path) == (["requeue 4242"] if requeued else [])
@@ -261,6 +288,45 @@ def test_sbatch_relaunches_inside_the_allocation_before_requeueing(
     dirs = (tmp_path / "srun-exits-dirs").read_text().split()
     assert dirs == [f"{tmp_path}/shared/exits/4242.0.{run}" for run in range(calls)]
     assert out.count(", relaunch ") == calls - 1, out
+
+
+@needs_bash
+@pytest.mark.parametrize("srun_rcs, task_codes, nodelists, requeued, failures", [
+    # a task killed on node02: the next run at once on the spare, node03
+    ("137 0", "74 137|0 0", ["node01,node02", "node01,node03"], False, 1),
+    ("1 0", "lost 75|0 0", ["node01,node02", "node02,node03"], False, 1),  # node01 lost
+    # node01 left out as slow (76, the others 77): the spare takes its place, no requeue
+    ("76 0", "76 77|0 0", ["node01,node02", "node02,node03"], False, 1),
+    # every task failed alike: no node to blame, the same nodes again
+    ("137 0", "137 137|0 0", ["node01,node02", "node01,node02"], False, 1),
+    # the spare used up, then node01 fails: no spare left, on node03 alone (re-planned)
+    ("137 137 0", "74 137|137 74|0", ["node01,node02", "node01,node03", "node03"], False, 2),
+    # ...where the job does not fit (exit 2): requeued for all its nodes, not counted again
+    ("137 137 2", "74 137|137 74|2", ["node01,node02", "node01,node03", "node03"], True, 2),
+])
+def test_sbatch_replaces_a_failed_node_with_a_spare(
+        tmp_path: Path, srun_rcs: str, task_codes: str, nodelists: list[str], requeued: bool,
+        failures: int) -> None:
+    """train.sbatch allocates a spare node beside the two that train: a task that failed on
+    its own (killed, crashed, lost, slow) marks its node bad and srun runs again at once on
+    the spare, in the same allocation, without a requeue."""
+    proc, _ = run_sbatch(tmp_path, srun_rcs, task_codes=task_codes)
+    out = proc.stdout.read()
+    assert proc.wait(timeout=30) == 0, out
+    assert (tmp_path / "srun-nodelists").read_text().split() == nodelists, out
+    assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), out
+    assert failures_counted(tmp_path) == failures, out
+
+
+@needs_bash
+@pytest.mark.parametrize("value", ["0", "4", "two"])
+def test_sbatch_refuses_more_train_nodes_than_allocated(tmp_path: Path, value: str) -> None:
+    proc, _ = run_sbatch(tmp_path, env_extra={"TRAIN_NODES": value})
+    out = proc.stdout.read()
+    assert proc.wait(timeout=30) == 2
+    assert out.strip() == (f"TRAIN_NODES={value}: must be a number of nodes from 1 to the 3 "
+                           "allocated"), out
+    assert not (tmp_path / "srun-args").exists()  # nothing started
 
 
 @contextlib.contextmanager

@@ -10,7 +10,12 @@ is counted; the script's log holds every step once, with the losses of the unint
 run. Submitted with the submitting shell's
 environment withheld (`--export=VENV,...`): the recipe activates its environment itself.
 
-Marked slow (about 3 minutes: four runs, each starting 4 JAX processes, and two requeue
+On 3 nodes (`NODES=3 CPUS=8 examples/slurm/local-setup.sh` plays them on this machine), 2
+of them training: a task killed on the second node sends the next run, at once and without a
+requeue, to the spare node, or, with no spare allocated, to the first node alone (re-planned
+for its devices).
+
+Marked slow (about 5 minutes: eight runs, each starting JAX processes, and two requeue
 holds), so the default run leaves it out: run it with
 `python -m pytest -m slow tests/cli/test_slurm_real.py`. Skipped, with the reason, where no
 SLURM controller answers."""
@@ -180,3 +185,69 @@ def test_cpu_recipe_survives_a_killed_task_an_uncounted_preemption_and_time_limi
           f"{preempted_at}, time limit near after step {limit_at}; {took_s:.0f} s from "
           f"submission to COMPLETED (cred_expire "
           f"{hold_s} s per requeue)")
+
+
+def _idle_nodes() -> list[str]:
+    shown = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True,
+                           text=True, timeout=20).stdout
+    return sorted({n for n, state in (line.split() for line in shown.splitlines() if line.strip())
+                   if state.rstrip("*~#") == "idle"})
+
+
+@pytest.mark.parametrize("allocated", [3, 2], ids=["spare", "no-spare"])
+def test_cpu_recipe_relaunches_without_a_failed_node_and_without_a_requeue(
+        tmp_path: Path, allocated: int) -> None:
+    """2 nodes train (2 tasks x 2 fake devices each), with a third waiting as a spare or
+    none: the task killed on the second node marks that node bad and the next run starts at
+    once in the same allocation (never requeued), on the first node and the spare, or on
+    the first node alone (re-planned for its 4 devices), from the survivors' copies; every
+    step once, the losses of the uninterrupted run."""
+    nodes = _idle_nodes()
+    if len(nodes) < allocated:
+        pytest.skip(f"needs {allocated} idle SLURM nodes (sinfo: {nodes}): NODES=3 CPUS=8 "
+                    f"{SETUP}")
+    script = tmp_path / "my_train.py"
+    script.write_text(SCRIPT)
+    reference = reference_losses(script, STEPS)
+    shared, log, job_log = tmp_path / "shared", tmp_path / "losses.jsonl", tmp_path / "job.log"
+    exported = f"VENV={sys.prefix},SHARED={shared},MAX_FAILURES=1,TRAIN_NODES=2"
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--output={job_log}", f"--export={exported}",
+         "--job-name=resihp-test", f"--nodes={allocated}", "--ntasks-per-node=2",
+         f"--nodelist={','.join(nodes[:allocated])}", str(RECIPE), str(script), str(log),
+         "--steps", str(STEPS), "--sleep-s", str(STEP_SLEEP_S)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    timeout_s = 300
+    try:
+        _wait(f"step {KILL_AT}", lambda: len(_steps(log)) >= KILL_AT, timeout_s, job, job_log)
+        pids = _task_pids(job, 2, script)  # task 2: the second node's first task
+        assert pids, "task 2's process not found"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        killed_at = len(_steps(log))
+        _wait("the job's end", lambda: _job_state(job).get("JobState") == "COMPLETED",
+              timeout_s, job, job_log)
+    finally:
+        if _job_state(job).get("JobState") not in ("COMPLETED", None):
+            subprocess.run(["scancel", job], timeout=30)
+    text = job_log.read_text()
+    state = _job_state(job)
+    assert (state["ExitCode"], state["Restarts"]) == ("0:0", "0"), (state, text[-3000:])
+    first, second = nodes[:2]
+    relaunched = f"{first},{nodes[2]}" if allocated == 3 else first
+    how = "on a spare" if allocated == 3 else "no spare left: 1 of TRAIN_NODES=2, re-planned"
+    assert f"incarnation 0 of job {job} on {first},{second}:" in text, text[-3000:]
+    assert re.search(r"the tasks with: \S+ \S+ 137 ", text), text[-3000:]
+    assert (f"relaunch inside the allocation without node(s) {second} ({how}): on "
+            f"{relaunched}\n") in text, text[-3000:]
+    assert f"incarnation 0, relaunch 1 in the allocation, of job {job} on {relaunched}:" \
+        in text, text[-3000:]
+    assert "requeue" not in text.replace("not requeued", ""), text[-3000:]
+    assert len(re.findall(r"0: resumed from step \d+ as \d surviving", text)) == 1, text
+    records = _steps(log)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
+    np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
+    print(f"job {job}: killed task 2 on {second} after step {killed_at}; relaunched on "
+          f"{relaunched} in the allocation")

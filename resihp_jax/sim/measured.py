@@ -83,9 +83,11 @@ def planning_s(n_gpus: int) -> float:
 @dataclass(frozen=True)
 class RestartCosts:
     """A fail-stop ends our incarnation: every process exits and the job relaunches on the
-    survivors. At cluster scale the engine (SLURM requeue, a Kubernetes JobSet) ends every
-    process, so no warm standby waits there (docs/DESIGN.md, "The job: relaunch and the warm
-    standby"), and JAX 0.10.2 never persists our stage-timed step, so the compile is paid.
+    survivors, as a new job step in the same allocation (examples/slurm/*.sbatch: --no-kill,
+    the failed node left out). The engine ends every process, so no warm standby waits there
+    (docs/DESIGN.md, "The job: relaunch and the warm standby"), and JAX 0.10.2 never
+    persists our stage-timed step, so the compile is paid. A replaced GPU rejoins only by a
+    requeue (an allocation does not grow), which `terms(..., requeue=True)` charges.
     Each term, where its figure comes from, and how it scales:
 
     - detection. A failed GPU that ends its process is seen as `resihp launch` sees a kill
@@ -102,9 +104,15 @@ class RestartCosts:
       checkpoint directory before it exits: min(dp, 2) / dp of its shards. Storage: the
       Llama 3 paper's Tectonic, 2 TB/s sustained for 16,384 GPUs, taken per GPU
       (`storage_bytes_per_s_per_gpu`, 122 MB/s). Measured on `tiny`: 0.15 s.
-    - requeue: the sbatch script requeues the job; SLURM starts a requeued job only after
+    - relaunch: a new job step on the nodes left, from srun's call to its last task's start,
+      `step_launch_s` 0.02 s (`python benchmarks/slurm_relaunch.py`, 2 local nodes: median
+      0.0195 s of 20 steps); at scale srun's launch fans out over slurmd's tree of width
+      `tree_width` 50 (slurm.conf(5) TreeWidth default), one measured hop per level, over
+      nodes of `gpus_per_node` 8 GPUs (the Llama 3 paper's H100 hosts).
+    - requeue (a replaced GPU's rejoin only): SLURM starts a requeued job only after
       AuthInfo cred_expire, 120 s by default (slurm.conf(5): "This also controls how long a
-      requeued job must wait before starting again"), `requeue_s`.
+      requeued job must wait before starting again"), `requeue_s`; the same benchmark
+      measures 14.4 s under a local cred_expire of 10 s.
     - start: process start and imports, `start_s` 2.08 s (`python benchmarks/multiprocess.py
       --quick`, fresh relaunch with --no-standby; every host starts its processes at once).
     - init: `jax.distributed` and the first communicators, `init_s` 0.28 s measured on
@@ -134,6 +142,9 @@ class RestartCosts:
     state_bytes_per_param: float = 16.0
     storage_bytes_per_s_per_gpu: float = 2e12 / 16384
     network_bytes_per_s_per_gpu: float = 400e9 / 8
+    step_launch_s: float = 0.0195
+    tree_width: int = 50
+    gpus_per_node: int = 8
     requeue_s: float = 120.0
     start_s: float = 2.08
     init_s: float = 0.28
@@ -144,9 +155,11 @@ class RestartCosts:
     lost_step_share: float = 0.5
 
     def terms(self, n_gpus: int, params_per_device: float, step_s: float,
-              dp: int) -> dict[str, float]:
+              dp: int, requeue: bool = False) -> dict[str, float]:
         """Seconds of each term of one fail-stop's stall, in the order they happen
-        (`params_per_device`: of one replica's devices, i.e. params / (pp x tp))."""
+        (`params_per_device`: of one replica's devices, i.e. params / (pp x tp)); `requeue`:
+        the job comes back by a requeue (to take a replaced GPU back) instead of a new job
+        step in its allocation."""
         deadline = max(self.deadline_floor_s, self.deadline_factor * step_s)
         held = params_per_device * self.state_bytes_per_param  # bytes on each device
         written = held * min(dp, WRITERS_PER_SHARD) / dp
@@ -155,7 +168,8 @@ class RestartCosts:
         return {
             "detect": (1.0 - self.hang_share) * self.detect_kill_s + self.hang_share * deadline,
             "exit": written / self.storage_bytes_per_s_per_gpu,
-            "requeue": self.requeue_s,
+            **({"requeue": self.requeue_s} if requeue else
+               {"relaunch": self.step_launch_at(n_gpus)}),
             "start": self.start_s,
             "init": self.init_at(n_gpus),
             "plan": planning_s(n_gpus),
@@ -164,13 +178,19 @@ class RestartCosts:
             "lost work": self.lost_step_share * step_s,
         }
 
+    def step_launch_at(self, n_gpus: int) -> float:
+        nodes = max(2, math.ceil(n_gpus / self.gpus_per_node))
+        levels = math.ceil(math.log(nodes) / math.log(self.tree_width))
+        return self.step_launch_s * max(1, levels)
+
     def init_at(self, n_gpus: int) -> float:
         exponent = (math.log(self.init_scale_s / self.init_s)
                     / math.log(self.init_scale_gpus / self.init_devices))
         return self.init_s * (n_gpus / self.init_devices) ** exponent
 
-    def seconds(self, n_gpus: int, params_per_device: float, step_s: float, dp: int) -> float:
-        return sum(self.terms(n_gpus, params_per_device, step_s, dp).values())
+    def seconds(self, n_gpus: int, params_per_device: float, step_s: float, dp: int,
+                requeue: bool = False) -> float:
+        return sum(self.terms(n_gpus, params_per_device, step_s, dp, requeue).values())
 
 
 OUR_RESTART = RestartCosts()

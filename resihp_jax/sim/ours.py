@@ -13,10 +13,15 @@
   it costs the throughput that split lacks for compile_s, not a stall. A mesh this
   incarnation already ran (the healthy one, once the slow GPU recovers) is kept compiled
   and costs planning + reshard only.
-- Fail-stop: the incarnation ends; relaunch on the survivors, restore from the surviving
-  replicas (0 steps lost), costs in `measured.RestartCosts` (each term measured here or
-  published, `stop_terms` lists them). Replaced GPUs rejoin at the next
-  relaunch, or at once when the capacity they add pays for a relaunch within the horizon.
+- Fail-stop: the incarnation ends; relaunch on the survivors as a new job step in the same
+  allocation, restore from the surviving replicas (0 steps lost), costs in
+  `measured.RestartCosts` (each term measured here or published, `stop_terms` lists them).
+  Replaced GPUs rejoin at the next relaunch, or at once by a requeue (an allocation does not
+  grow: SLURM's requeue delay on top) when the capacity they add pays for it within the
+  horizon. Spare nodes (examples/slurm/*.sbatch: TRAIN_NODES below the allocation) avoid
+  both: the relaunch takes a free spare in the failed node's place, at full capacity, and
+  the repaired node becomes the spare. Their idle GPUs are charged (the rate is scaled by
+  n / (n + spares)); the job holds the count that costs least (`spare_nodes`).
 - Cache: plan choices are made on a health signature (usable GPUs per host, detected slow
   factors), not by the full search per event; `benchmarks/cluster.py` checks the rates
   against the real scheduler's plans at 256 GPUs.
@@ -36,7 +41,7 @@ import numpy as np
 from resihp_jax.sim.measured import OUR_RESTART, SPLIT_ONLY_SWITCH_S, planning_s
 from resihp_jax.sim.policy import SimPolicy
 from resihp_jax.sim.rates import layer_rebalanced, rebalanced_step_s, usable_groups
-from resihp_jax.sim.traces import COMPUTE
+from resihp_jax.sim.traces import COMPUTE, Scenario
 
 RESHARD_BYTES_PER_S = 25e9
 
@@ -49,10 +54,29 @@ class Option:
     hetero: bool = False
 
 
+def spare_nodes(n_gpus: int, node_size: int, mtbf_s: float, replace_s: float,
+                rejoin_s: float, most: int = 8) -> int:
+    """Spare nodes that cost least: their idle share of the allocation, plus the failures
+    that find none free (nodes awaiting replacement: Poisson, mean replace_s / mtbf_s), each
+    a rejoin by requeue later (`rejoin_s`, once per job MTBF)."""
+    if not math.isfinite(mtbf_s) or mtbf_s <= 0:
+        return 0
+    waiting = replace_s / mtbf_s
+    best, best_cost = 0, math.inf
+    for k in range(most + 1):
+        covered = sum(math.exp(-waiting) * waiting ** i / math.factorial(i) for i in range(k + 1))
+        idle = k * node_size / (n_gpus + k * node_size)
+        cost = idle + (1.0 - covered) * rejoin_s / mtbf_s
+        if cost < best_cost:
+            best, best_cost = k, cost
+    return best
+
+
 class Ours(SimPolicy):
     name = "resihp"
     detector = "resihp"
     hetero = False
+    replace_s = Scenario.replace_s  # the mean repair time the operator plans spares for
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)  # type: ignore[arg-type]
@@ -63,6 +87,19 @@ class Ours(SimPolicy):
         self.restart_terms = OUR_RESTART.terms(self.cm.n_gpus, self.cm.params_per_device,
                                                self.cm.ref_step_s, self.cm.base_dp)
         self.restart_s = sum(self.restart_terms.values())
+        self.rejoin_s = OUR_RESTART.seconds(self.cm.n_gpus, self.cm.params_per_device,
+                                            self.cm.ref_step_s, self.cm.base_dp, requeue=True)
+        self.covered: set[int] = set()  # dead GPUs whose node a spare stands in for
+        self._spares: int | None = None  # spare nodes held (chosen once mtbf_s is known)
+        self.spares_free = 0
+
+    @property
+    def spares(self) -> int:
+        if self._spares is None:
+            self._spares = spare_nodes(self.cm.n_gpus, self.cm.node_size, self.mtbf_s,
+                                       self.replace_s, self.rejoin_s)
+            self.spares_free = self._spares
+        return self._spares
 
     @property
     def horizon_s(self) -> float:
@@ -74,9 +111,15 @@ class Ours(SimPolicy):
 
     def on_stop(self, device: int, replace_at_s: float, now_s: float) -> float:
         self.known.pop(device, None)
-        self.excluded = set(self.live.dead)  # relaunch on survivors; replaced GPUs rejoin
+        if self.spares and self.spares_free > 0:  # a spare node in the failed one's place
+            self.spares_free -= 1
+            self.covered.add(device)
+        self.excluded = self._dead()  # relaunch on survivors; replaced GPUs rejoin
         self._relaunch()
         return self.restart_s
+
+    def _dead(self) -> set[int]:
+        return set(self.live.dead) - self.covered
 
     def stop_terms(self) -> dict[str, float]:
         return dict(self.restart_terms)
@@ -88,19 +131,25 @@ class Ours(SimPolicy):
         self.generation += 1
 
     def on_replace(self, device: int) -> float:
+        if device in self.covered:  # the repaired node becomes the spare
+            self.covered.discard(device)
+            self.spares_free += 1
+            return 0.0
         if device not in self.excluded:
             return 0.0
         now = self._evaluate(self.option, self.excluded)
         option = self._best(free=True, excluded=self.excluded - {device})[0]
         with_it = self._evaluate(option, self.excluded - {device})
-        if (with_it - now) * self.horizon_s <= with_it * self.restart_s:
+        if (with_it - now) * self.horizon_s <= with_it * self.rejoin_s:
             return 0.0
-        self.excluded = set(self.live.dead)
+        self.excluded = self._dead()
         self._relaunch()
-        return self.restart_s
+        return self.rejoin_s
 
     def rate(self) -> float:
-        return self._evaluate(self.option, self.excluded) * self.overhead_factor()
+        spare_gpus = self.spares * self.cm.node_size
+        return (self._evaluate(self.option, self.excluded) * self.overhead_factor()
+                * self.cm.n_gpus / (self.cm.n_gpus + spare_gpus))
 
     # ---- planning ------------------------------------------------------------------------
     def on_known_change(self) -> float:
@@ -161,7 +210,7 @@ class Ours(SimPolicy):
     def _evaluate(self, option: Option, excluded: set[int]) -> float:
         """Fraction of the reference rate this option reaches on the live cluster."""
         cm = self.cm
-        unusable = excluded | self.live.dead | option.left_out
+        unusable = excluded | self._dead() | option.left_out
         kept = [(d, i) for d, i in self.known.items() if d not in unusable]
         if option.hetero:
             groups = (cm.n_gpus // cm.node_size) * (cm.node_size // option.tp)

@@ -243,3 +243,36 @@ def test_stall_breakdown_sums_to_what_the_policy_charges(cm, name: str) -> None:
     fresh.mtbf_s = 1.0 / get_scenario("harsh").stop_rate_per_s(N)
     assert got.n_failures == 1
     assert got.stall_s_per_failure == pytest.approx(sum(fresh.stop_terms().values()), rel=1e-9)
+
+
+def test_spare_nodes_cost_least_and_stand_in_for_a_failed_node(cm) -> None:  # noqa: ANN001
+    """The job holds spare nodes only where the rejoins they spare cost more than their idle
+    GPUs; a spare takes a failed node's place at once (full rate, no rejoin later), and the
+    repaired node becomes the spare again."""
+    from resihp_jax.sim.ours import Ours, spare_nodes
+
+    assert spare_nodes(256, 8, math.inf, 600.0, 250.0) == 0  # no failures: none
+    assert spare_nodes(256, 8, 86400.0, 600.0, 250.0) == 0  # 8 of 264 GPUs idle: too dear
+    many = spare_nodes(16384, 8, 1500.0, 600.0, 250.0)  # a failure every 25 min
+    assert 1 <= many <= 4
+    # more spares never pay less: each one added covers fewer failures
+    assert spare_nodes(16384, 8, 1500.0, 600.0, 250.0, most=many) == many
+
+    policy = Ours(cm, Live())
+    policy.mtbf_s, policy._spares, policy.spares_free = 3600.0, 1, 1  # one spare node held
+    healthy = policy.rate()
+    policy.live.dead.add(9)
+    assert policy.on_stop(9, 600.0, 0.0) == pytest.approx(sum(policy.stop_terms().values()))
+    assert policy.rate() == pytest.approx(healthy)  # the spare stands in: full rate
+    assert policy.spares_free == 0
+    policy.live.dead.discard(9)
+    assert policy.on_replace(9) == 0.0 and policy.spares_free == 1  # the repaired node
+    # with no spare held: every GPU trains (no idle share), and the same failure leaves the
+    # job on fewer GPUs
+    bare = Ours(cm, Live())
+    bare.mtbf_s, bare._spares = 3600.0, 0
+    full = bare.rate()
+    assert full == pytest.approx(healthy * (N + 8) / N)
+    bare.live.dead.add(9)
+    bare.on_stop(9, 600.0, 0.0)
+    assert bare.rate() < full

@@ -72,10 +72,12 @@ IFS='|' read -ra groups <<< "${FAKE_TASK_CODES:-}"
 (( n < ${#rcs[@]} )) || n=$(( ${#rcs[@]} - 1 ))
 task=0
 for code in ${groups[$n]:-${groups[-1]:-}}; do  # what each task's wrapper would record
-    echo "$code" > "$EXITS/$task"
+    [[ $code == - ]] || echo "$code" > "$EXITS/$task"  # -: a task that never ended
     task=$((task + 1))
 done
-[ -n "${FAKE_SRUN_SLEEP:-}" ] && exec sleep "$FAKE_SRUN_SLEEP" >/dev/null 2>&1
+read -ra naps <<< "${FAKE_SRUN_SLEEP:-}"  # seconds this call hangs on: one per call
+(( ${#naps[@]} )) && nap=${naps[$n]:-${naps[-1]}} && (( nap > 0 )) &&
+    exec sleep "$nap" >/dev/null 2>&1
 exit "${rcs[$n]}"
 """
 
@@ -86,6 +88,14 @@ FAKE_SCANCEL = r"""#!/bin/bash
 echo "$*" >> "$FAKE_DIR/scancel"
 [ -n "${FAKE_TASKS_STOP:-}" ] && kill -TERM "$(cat "$FAKE_DIR/srun-pid")"
 exit 0
+"""
+
+
+# `sinfo -N -n NODE -o %t`: the nodes in FAKE_SILENT_NODES do not answer (SLURM's `*`)
+FAKE_SINFO = r"""#!/bin/bash
+echo "$*" >> "$FAKE_DIR/sinfo-calls"
+while (( $# )); do [[ $1 == -n ]] && node=$2; shift; done
+if [[ " ${FAKE_SILENT_NODES:-} " == *" $node "* ]]; then echo "mix*"; else echo alloc; fi
 """
 
 
@@ -120,7 +130,8 @@ def run_sbatch(tmp_path: Path, srun_rc: int | str = 0, failures_before: int = 0,
     (fake / "srun").write_text(FAKE_SRUN)
     (fake / "scontrol").write_text(FAKE_SCONTROL)
     (fake / "scancel").write_text(FAKE_SCANCEL)
-    for tool in ("srun", "scontrol", "scancel"):
+    (fake / "sinfo").write_text(FAKE_SINFO)
+    for tool in ("srun", "scontrol", "scancel", "sinfo"):
         (fake / tool).chmod(0o755)
     if venv:  # the environment the script activates itself
         (tmp_path / "venv" / "bin").mkdir(parents=True)
@@ -316,6 +327,41 @@ def test_sbatch_replaces_a_failed_node_with_a_spare(
     assert (tmp_path / "srun-nodelists").read_text().split() == nodelists, out
     assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), out
     assert failures_counted(tmp_path) == failures, out
+
+
+@needs_bash
+@pytest.mark.parametrize("silent, nodelists", [
+    ("node02", ["node01,node02", "node01,node03"]),  # its node lost: given up, the spare
+    ("", ["node01,node02"]),  # its node still answers: srun is left to end the task
+])
+def test_sbatch_stops_waiting_for_a_lost_nodes_tasks(tmp_path: Path, silent: str,
+                                                     nodelists: list[str]) -> None:
+    """A node lost while its task runs: the other task ended (75), srun would wait for the
+    lost one until SLURM declares the node down (minutes). Once sinfo marks the node as not
+    answering, the script stops srun, counts the task lost and relaunches on the spare
+    beside the dead step (`srun --overlap`)."""
+    proc, _ = run_sbatch(tmp_path, "1 0", task_codes="75 -|0 0",
+                         env_extra={"FAKE_SILENT_NODES": silent, "FAKE_SRUN_SLEEP": "30 0"})
+    try:
+        if silent:
+            out = proc.communicate(timeout=30)[0]
+            assert proc.returncode == 0, out
+            assert "node(s) not answering hold task(s) that never ended: srun stopped" in out
+            assert "the tasks with: 75 lost" in out, out
+        else:  # asked twice whether node02 answers, and still waiting for srun
+            calls = tmp_path / "sinfo-calls"
+            deadline = time.monotonic() + 30
+            while not calls.exists() or len(calls.read_text().splitlines()) < 2:
+                assert time.monotonic() < deadline and proc.poll() is None, "never polled"
+                time.sleep(0.1)
+            assert proc.poll() is None
+    finally:
+        proc.kill()
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int((tmp_path / "srun-pid").read_text()), signal.SIGKILL)
+        proc.communicate()
+    assert (tmp_path / "srun-nodelists").read_text().split() == nodelists
+    assert "--overlap" in (tmp_path / "srun-args").read_text().split("\0")
 
 
 @needs_bash

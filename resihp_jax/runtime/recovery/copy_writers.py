@@ -10,22 +10,50 @@ answer from the shard's holders, rotated by a hash of the shard's name and place
 writing is spread evenly over the replicas. When two writers of one shard die at once the
 copies are incomplete and the resume falls back to the periodic checkpoint
 (`survivor_copies.find` checks coverage), as it does today for dp=1.
+
+A node that is lost takes all its processes at once (8 with one process per GPU): the second
+writer is therefore the next holder on another node, where there is one (`node_of`), so a
+lost node, not only a lost process, leaves a copy of every shard.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 WRITERS_PER_SHARD = 2  # survives any one process lost
 
 
-def writers(holders: Sequence[Hashable], name: str) -> frozenset[Hashable]:
+def writers(holders: Sequence[Hashable], name: str,
+            node_of: Callable[[Hashable], Hashable] | None = None) -> frozenset[Hashable]:
     """The holders (distinct processes, any order) that write the shard called `name`
     (a leaf's key and its box): all of them when there are at most WRITERS_PER_SHARD, else
-    WRITERS_PER_SHARD consecutive ones, starting at a place the name's hash picks."""
+    WRITERS_PER_SHARD of them, starting at a place the name's hash picks and going on with
+    the next ones on nodes not yet picked (`node_of`: a holder's node; default: each
+    holder is a node of its own), then with the next ones."""
     distinct = sorted(set(holders), key=repr)
     if len(distinct) <= WRITERS_PER_SHARD:
         return frozenset(distinct)
+    node_of = node_of or (lambda holder: holder)
     start = zlib.crc32(name.encode()) % len(distinct)  # the same on every process
-    return frozenset(distinct[(start + k) % len(distinct)] for k in range(WRITERS_PER_SHARD))
+    order = [distinct[(start + k) % len(distinct)] for k in range(len(distinct))]
+    picked: list[Hashable] = []
+    for holder in order:  # first on nodes without a writer yet
+        if node_of(holder) not in {node_of(p) for p in picked}:
+            picked.append(holder)
+        if len(picked) == WRITERS_PER_SHARD:
+            return frozenset(picked)
+    for holder in order:  # one node holds them all: any others
+        if holder not in picked:
+            picked.append(holder)
+        if len(picked) == WRITERS_PER_SHARD:
+            break
+    return frozenset(picked)
+
+
+def node_of_host(host_id: str) -> str:
+    """The node of a host id: "NODE:LOCAL_RANK" (what a cluster job's processes are named,
+    runtime/job/distributed.py `default_host_id`, examples/slurm/*.sbatch) is on NODE; any
+    other id is a node of its own."""
+    node, sep, rank = host_id.rpartition(":")
+    return node if sep and node and rank.isdigit() else host_id

@@ -130,11 +130,14 @@ class HostSnapshots:
                  identity: Mapping[str, Any] | None = None, mode: str = "host",
                  clock: Callable[[], float] = time.perf_counter,
                  devices: Iterable[int] | None = None,
-                 owner_of: Callable[[jax.Device], Any] = lambda d: d.process_index) -> None:
+                 owner_of: Callable[[jax.Device], Any] = lambda d: d.process_index,
+                 node_of: Callable[[Any], Any] | None = None) -> None:
         """`mode`: "keep" (the caller's step must not donate the state) or "host".
         `devices`: ids of the devices whose shards count as this process's (default: its
         addressable devices; tests pose as several processes with it, and with `owner_of`,
-        the process a device belongs to, which decides who writes each shard)."""
+        the process a device belongs to, which decides who writes each shard). `node_of`:
+        the node an owner runs on (default: each its own), so a shard's two writers are on
+        two nodes where it has holders on two."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; valid: {', '.join(MODES)}")
         self.root = Path(checkpoint_dir).absolute() / SUBDIR
@@ -143,7 +146,7 @@ class HostSnapshots:
         # stopped a step apart share the older one
         self.keep = 2
         self.devices = None if devices is None else frozenset(devices)
-        self.owner_of = owner_of
+        self.owner_of, self.node_of = owner_of, node_of
         self._copies: list[_Copy] = []  # oldest first
         self._lock = threading.Lock()
         self._dumped: list[Path] | None = None
@@ -193,7 +196,7 @@ class HostSnapshots:
         """Whether this process is one of the shard's writers (copy_writers.py): two of the
         processes holding it, not all dp of them."""
         holders = _holders_by_box(leaf.sharding, tuple(leaf.shape), self.owner_of)[box]
-        return self.owner_of(shard.device) in writers(holders, f"{key}{box}")
+        return self.owner_of(shard.device) in writers(holders, f"{key}{box}", self.node_of)
 
     @property
     def newest_step(self) -> int | None:

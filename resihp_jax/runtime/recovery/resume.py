@@ -2,8 +2,9 @@
 completed step, the newest good periodic checkpoint, or a fresh initialization.
 
 The survivors' copies win when they are newer than the newest checkpoint and complete;
-incomplete ones (every copy of some shard was lost) are reported and passed over for the
-checkpoint. Every process of a job reaches the same choice from the same files.
+incomplete ones (every copy of some shard was lost, or of a whole leaf) are reported and
+passed over for older copies or the checkpoint. Every process of a job reaches the same
+choice from the same files.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from resihp_jax.errors import CheckpointError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.recovery import survivor_copies
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, canonical_target
@@ -33,8 +35,14 @@ def start_state(program: Any, ckpt: Checkpointer | None, data: Any, *, resume: b
     for copies in survivor_copies.find(ckpt.directory, ckpt.identity):
         if latest is not None and copies.step <= latest:
             break  # a checkpoint at least as new is there
+        fallback = "step 0" if latest is None else f"checkpoint step {latest}"
         if copies.complete:
-            state = survivor_copies.restore(copies, program, canonical_target(program))
+            try:
+                state = survivor_copies.restore(copies, program, canonical_target(program))
+            except CheckpointError as err:  # e.g. a whole leaf that no survivor wrote
+                print(f"the surviving processes' copies of step {copies.step} cannot be used "
+                      f"({err}): falling back to older copies or {fallback}", file=out)
+                continue
             data.restore(copies.data_state)
             print(f"resumed from step {copies.step} as {len(copies.hosts)} surviving "
                   f"process(es) kept it ({', '.join(sorted(copies.hosts))}; written under plan "
@@ -42,7 +50,6 @@ def start_state(program: Any, ckpt: Checkpointer | None, data: Any, *, resume: b
                   f"{'none' if latest is None else f'step {latest}'}", file=out)
             _tidy(ckpt, copies.step, primary)
             return Start(state, copies.step, f"survivors@{copies.step}", copies.record)
-        fallback = "step 0" if latest is None else f"checkpoint step {latest}"
         print(f"the surviving processes' copies of step {copies.step} are incomplete "
               f"({copies.missing}): falling back to {fallback}", file=out)
     if latest is None:

@@ -20,6 +20,7 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.job.deadline import Ladder, StepDeadline
 from resihp_jax.runtime.job.heartbeat import Heartbeat
+from resihp_jax.runtime.recovery.copy_writers import node_of_host
 from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots, activate, deactivate
 from resihp_jax.runtime.trainer.compiles import foreground_since
 from resihp_jax.runtime.trainer.loop import StepRecord, train
@@ -153,7 +154,10 @@ def host_copies(mode: str | None, job: Any, ckpt: Any) -> HostSnapshots | None:
     or with copies off), written out by the process's exit paths and on SIGTERM."""
     if ckpt is None or mode is None:
         return None
-    snapshots = HostSnapshots(ckpt.directory, job.spec.host_id, ckpt.identity, mode=mode)
+    hosts = tuple(getattr(job, "hosts", ()))  # each process's host id, in process order
+    node_of = (lambda process: node_of_host(hosts[process])) if hosts else None
+    snapshots = HostSnapshots(ckpt.directory, job.spec.host_id, ckpt.identity, mode=mode,
+                              node_of=node_of)
     activate(snapshots)
     snapshots.exit_on_sigterm()
     return snapshots

@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from resihp_jax.runtime.recovery.copy_writers import WRITERS_PER_SHARD, writers
+from resihp_jax.runtime.recovery.copy_writers import (WRITERS_PER_SHARD, node_of_host,
+                                                      writers)
 
 
 def test_up_to_two_holders_all_write_more_get_two_distinct_ones() -> None:
@@ -31,3 +32,27 @@ def test_the_writing_is_spread_evenly_over_the_holders() -> None:
     share = WRITERS_PER_SHARD * 4000 / len(holders)  # 1000 shards each, if even
     assert set(load) == set(holders)
     assert all(0.85 * share < load[h] < 1.15 * share for h in holders), load
+
+
+def test_the_two_writers_are_on_two_nodes_where_the_holders_span_two() -> None:
+    """8 holders, 2 per node (a lost node takes both): the writers are on two nodes for
+    every shard, still spread over every holder; holders all on one node: two of them."""
+    def node_of(holder: int) -> int:
+        return holder // 2
+
+    holders = list(range(8))
+    load = Counter()
+    for k in range(2000):
+        got = writers(holders, f"leaf{k}", node_of)
+        assert len(got) == 2 and len({node_of(h) for h in got}) == 2, got
+        load.update(got)
+    assert set(load) == set(holders)
+    assert writers([4, 5, 4], "x", node_of) == {4, 5}  # one node: both its holders
+    assert len(writers([0, 1, 2], "x", lambda h: "one node")) == 2
+
+
+def test_the_node_of_a_host_id() -> None:
+    assert node_of_host("gpu-node-7:3") == "gpu-node-7"  # NODE:LOCAL_RANK
+    assert node_of_host("vm-n2:0") == "vm-n2"
+    assert node_of_host("gpu-node-7") == "gpu-node-7"  # no local rank: its own node
+    assert node_of_host("p3") == "p3" and node_of_host("host:a") == "host:a"

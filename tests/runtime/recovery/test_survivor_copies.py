@@ -7,6 +7,7 @@ as four (two devices each) through the snapshot's injected device list."""
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -20,7 +21,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
 from resihp_jax.runtime.recovery import survivor_copies
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, canonical_target
-from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots
+from resihp_jax.runtime.recovery.host_snapshot import MANIFEST, HostSnapshots
 from resihp_jax.runtime.trainer.loop import run_step
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.train.config import TrainConfig
@@ -47,13 +48,15 @@ def _trained(plan: Plan, steps: int, donate: bool = True) -> tuple:
 
 def _survivors_write(directory: Path, program, state, data, dead: set[int],  # noqa: ANN001
                      mode: str = "host", then: Callable[[], None] = lambda: None,
-                     per: int = 2) -> None:
+                     per: int = 2, node_of: Callable[[int], int] | None = None) -> None:
     """Posing processes of `per` devices each (four of two by default) keep the state;
-    `then` runs (e.g. the next step, which fails); all but `dead` write."""
+    `then` runs (e.g. the next step, which fails); all but `dead` write. `node_of`: the node
+    each process runs on (default: one each)."""
     step = int(jax.device_get(state.step))
     kept = [HostSnapshots(directory, f"p{process}", mode=mode,
                           devices=range(per * process, per * (process + 1)),
-                          owner_of=lambda d: d.id // per) for process in range(8 // per)]
+                          owner_of=lambda d: d.id // per, node_of=node_of)
+            for process in range(8 // per)]
     for copies in kept:
         copies.capture(step, state, program, data.state())
     then()
@@ -126,6 +129,25 @@ def test_with_dp4_two_processes_write_each_shard_and_any_one_lost_is_covered(
     assert incomplete > 0
 
 
+def test_with_the_nodes_known_a_lost_node_of_two_processes_is_covered(tmp_path: Path) -> None:
+    """dp=4 over 8 posing processes, two on each of 4 nodes (0-1, 2-3, ...): each shard's two
+    writers are on two nodes, so whichever node is lost (both its processes at once), the
+    copies are complete and restore the state exactly."""
+    plan = Plan.uniform(4, 2, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    program, state, data = _trained(plan, 1)
+    expected = jax.device_get(to_canonical(state, program))
+    for node in range(4):
+        directory = tmp_path / f"node{node}"
+        _survivors_write(directory, program, state, data, dead={2 * node, 2 * node + 1},
+                         per=1, node_of=lambda process: process // 2)
+        [copies] = survivor_copies.find(directory)
+        assert copies.complete, (node, copies.missing)
+        restored = survivor_copies.restore(copies, program, canonical_target(program))
+        got = jax.device_get(to_canonical(restored, program))
+        assert max_relative_error(got.params, expected.params) == 0.0
+        assert max_relative_error(got.opt_state, expected.opt_state) == 0.0
+
+
 def _checkpointed_at_1_then_trained_to_3(plan: Plan, directory: Path) -> tuple:
     """A run with a periodic checkpoint of step 1 in `directory` and its state at step 3."""
     program, state, data = _trained(plan, 1)
@@ -160,6 +182,31 @@ def test_copies_missing_a_shard_fall_back_to_the_checkpoint(tmp_path: Path) -> N
     start = start_state(program, ckpt, fresh, resume=True, seed=0, primary=True, out=out)
     assert (start.step, start.source) == (1, "checkpoint@1")
     assert "incomplete" in out.getvalue() and "falling back to checkpoint step 1" in out.getvalue()
+    assert fresh.batches_served == 1  # the data position is the checkpoint's
+
+
+def test_copies_lacking_a_whole_leaf_fall_back_to_the_checkpoint(tmp_path: Path) -> None:
+    """Copies in which no survivor wrote some leaf at all (its only holders were lost: no box
+    of it is short, so the set looks complete) are passed over for the checkpoint instead of
+    stopping the resume."""
+    plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    program, state, data, ckpt = _checkpointed_at_1_then_trained_to_3(plan, tmp_path)
+    _survivors_write(tmp_path, program, state, data, dead=set())
+    gone = None
+    for manifest in (tmp_path / "survivors").glob(f"step3/*/{MANIFEST}"):
+        written = json.loads(manifest.read_text())
+        gone = gone or sorted(written["leaves"])[-1]
+        written["leaves"].pop(gone, None)  # as if its holders had died before writing
+        manifest.write_text(json.dumps(written))
+    [copies] = survivor_copies.find(tmp_path)
+    assert copies.complete and gone not in copies.leaves
+    with pytest.raises(CheckpointError, match="lack leaf"):
+        survivor_copies.restore(copies, program, canonical_target(program))
+    out = io.StringIO()
+    fresh = _data()
+    start = start_state(program, ckpt, fresh, resume=True, seed=0, primary=True, out=out)
+    assert (start.step, start.source) == (1, "checkpoint@1")
+    assert "copies of step 3 cannot be used" in out.getvalue(), out.getvalue()
     assert fresh.batches_served == 1  # the data position is the checkpoint's
 
 

@@ -13,15 +13,17 @@ environment withheld (`--export=VENV,...`): the recipe activates its environment
 On 3 nodes (`NODES=3 CPUS=8 examples/slurm/local-setup.sh` plays them on this machine), 2
 of them training: a task killed on the second node sends the next run, at once and without a
 requeue, to the spare node, or, with no spare allocated, to the first node alone (re-planned
-for its devices).
+for its devices); and a node lost outright (its slurmd, step daemon and tasks killed, then
+restarted) costs no requeue and no step either.
 
-Marked slow (about 5 minutes: eight runs, each starting JAX processes, and two requeue
+Marked slow (about 6 minutes: ten runs, each starting JAX processes, and two requeue
 holds), so the default run leaves it out: run it with
 `python -m pytest -m slow tests/cli/test_slurm_real.py`. Skipped, with the reason, where no
 SLURM controller answers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -251,3 +253,86 @@ def test_cpu_recipe_relaunches_without_a_failed_node_and_without_a_requeue(
     np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
     print(f"job {job}: killed task 2 on {second} after step {killed_at}; relaunched on "
           f"{relaunched} in the allocation")
+
+
+def _node_processes(job: str, node: str) -> tuple[list[int], set[int]]:
+    """The job's task processes on `node` and their step daemons (slurmstepd)."""
+    tasks = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (f"SLURM_JOB_ID={job}".encode() in environ
+                and f"SLURMD_NODENAME={node}".encode() in environ):
+            tasks.append(int(proc.name))
+    stepds = set()
+    for pid in tasks:
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().split()[3])
+            if b"slurmstepd" in Path(f"/proc/{parent}/cmdline").read_bytes():
+                stepds.add(parent)
+        except (OSError, ValueError, IndexError):
+            continue
+    return tasks, stepds
+
+
+def test_cpu_recipe_goes_on_on_the_spare_when_a_whole_node_is_lost(tmp_path: Path) -> None:
+    """A node lost outright (its slurmd, its step daemon and both its tasks killed, as when
+    a machine dies): srun would wait for SLURM to declare it down (SlurmdTimeout, minutes),
+    so the script stops srun once the node no longer answers and the run goes on at once on
+    the spare (srun --overlap beside the dead step), from the copies of the surviving node,
+    whose two writers of each shard were on different nodes. Needs the nodes that
+    `NODES=3 local-setup.sh` plays on this machine (their slurmd is killed, then restarted)."""
+    nodes = _idle_nodes()
+    daemons = subprocess.run(["pgrep", "-af", "slurmd -N"], capture_output=True,
+                             text=True).stdout
+    if len(nodes) < 3 or f"slurmd -N {nodes[1]}" not in daemons:
+        pytest.skip(f"needs 3 idle SLURM nodes played on this machine (sinfo: {nodes}): "
+                    f"NODES=3 CPUS=8 {SETUP}")
+    first, second, spare = nodes[:3]
+    script = tmp_path / "my_train.py"
+    script.write_text(SCRIPT)
+    reference = reference_losses(script, STEPS)
+    shared, log, job_log = tmp_path / "shared", tmp_path / "losses.jsonl", tmp_path / "job.log"
+    exported = f"VENV={sys.prefix},SHARED={shared},MAX_FAILURES=1,TRAIN_NODES=2"
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--output={job_log}", f"--export={exported}",
+         "--job-name=resihp-test", "--nodes=3", "--ntasks-per-node=2",
+         f"--nodelist={first},{second},{spare}", str(RECIPE), str(script), str(log),
+         "--steps", str(STEPS), "--sleep-s", str(STEP_SLEEP_S)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    timeout_s = 300
+    try:
+        _wait(f"step {KILL_AT}", lambda: len(_steps(log)) >= KILL_AT, timeout_s, job, job_log)
+        tasks, stepds = _node_processes(job, second)
+        assert tasks and stepds, (tasks, stepds)
+        subprocess.run(["pkill", "-9", "-f", f"slurmd -N {second}"], check=True, timeout=30)
+        for pid in [*stepds, *tasks]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        # the script's end: SLURM then holds the job COMPLETING until the lost node is
+        # declared down (SlurmdTimeout) or comes back
+        _wait("the script's end", lambda: "training finished" in job_log.read_text(),
+              timeout_s, job, job_log)
+    finally:
+        if _job_state(job).get("JobState") not in ("COMPLETED", None):
+            subprocess.run(["scancel", job], timeout=30)
+        subprocess.run(["slurmd", "-N", second], timeout=30)  # the node back, for the others
+        for state in ("down reason=test", "resume"):
+            subprocess.run(["scontrol", "update", f"nodename={second}", *state.split()],
+                           timeout=30)
+    text = job_log.read_text()
+    assert _job_state(job)["Restarts"] == "0", text[-3000:]
+    assert "node(s) not answering hold task(s) that never ended: srun stopped" in text
+    assert re.search(r"the tasks with: \S+ \S+ lost lost\n", text), text[-3000:]
+    assert (f"relaunch inside the allocation without node(s) {second} (on a spare): on "
+            f"{first},{spare}\n") in text, text[-3000:]
+    assert len(re.findall(r"0: resumed from step \d+ as 2 surviving", text)) == 1, text
+    records = _steps(log)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
+    np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)

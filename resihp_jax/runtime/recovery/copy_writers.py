@@ -28,26 +28,29 @@ def writers(holders: Sequence[Hashable], name: str,
             node_of: Callable[[Hashable], Hashable] | None = None) -> frozenset[Hashable]:
     """The holders (distinct processes, any order) that write the shard called `name`
     (a leaf's key and its box): all of them when there are at most WRITERS_PER_SHARD, else
-    WRITERS_PER_SHARD of them, starting at a place the name's hash picks and going on with
-    the next ones on nodes not yet picked (`node_of`: a holder's node; default: each
-    holder is a node of its own), then with the next ones."""
+    WRITERS_PER_SHARD of them: the one at a place the name's hash picks, then the next
+    ones; with `node_of` (a holder's node), the next ones on nodes not yet picked, looked
+    for from the opposite side of the holders (processes of a node are consecutive: each
+    holder then pairs with one partner, and the writing stays even)."""
     distinct = sorted(set(holders), key=repr)
-    if len(distinct) <= WRITERS_PER_SHARD:
+    n = len(distinct)
+    if n <= WRITERS_PER_SHARD:
         return frozenset(distinct)
-    node_of = node_of or (lambda holder: holder)
-    start = zlib.crc32(name.encode()) % len(distinct)  # the same on every process
-    order = [distinct[(start + k) % len(distinct)] for k in range(len(distinct))]
-    picked: list[Hashable] = []
+    start = zlib.crc32(name.encode()) % n  # the same on every process
+    if node_of is None:
+        return frozenset(distinct[(start + k) % n] for k in range(WRITERS_PER_SHARD))
+    picked = [distinct[start]]
+    order = [distinct[(start + n // 2 + k) % n] for k in range(n)]
     for holder in order:  # first on nodes without a writer yet
-        if node_of(holder) not in {node_of(p) for p in picked}:
+        if holder not in picked and node_of(holder) not in {node_of(p) for p in picked}:
             picked.append(holder)
-        if len(picked) == WRITERS_PER_SHARD:
-            return frozenset(picked)
-    for holder in order:  # one node holds them all: any others
+            if len(picked) == WRITERS_PER_SHARD:
+                return frozenset(picked)
+    for holder in order:  # the rest share nodes: any others
         if holder not in picked:
             picked.append(holder)
-        if len(picked) == WRITERS_PER_SHARD:
-            break
+            if len(picked) == WRITERS_PER_SHARD:
+                break
     return frozenset(picked)
 
 

@@ -132,7 +132,8 @@ class AdaptRun:
                           self.compiles_from, self.out)
         try:
             events = self.trainer.run(self.config.steps, seed=self.config.seed)
-            for event in _excluding_left_out(events, self.job, self.config.checkpoint_dir):
+            events = _excluding_left_out(events, self.job, self.config.checkpoint_dir)
+            for event in _keeping_completed(events, self._keep_completed):
                 if isinstance(event, Replan):
                     self._replanned(event)
                     continue
@@ -149,6 +150,13 @@ class AdaptRun:
             sink.close()
         return sink.records
 
+    def _keep_completed(self) -> None:
+        """The step finished on the devices but never yielded (a peer died during the
+        collectives that follow it: this process stopped a step behind peers that got
+        further) is kept too, so the copies of that step are whole."""
+        if self.snapshots is not None:
+            keep_completed(self.snapshots, self.trainer)
+
     def _replanned(self, replan: Replan) -> None:
         verdict = replan.verdict
         if verdict.kind in ("compute", "link") and self.config.checkpoint_dir is not None:
@@ -163,3 +171,36 @@ class AdaptRun:
               f"move {replan.move_s:.2f} s)", file=self.out, flush=True)
         self._beat(replan.step, self.ladder.startup_s)  # the next step may compile
 
+
+
+def _keeping_completed(events: Iterator[Any], keep: Callable[[], None]) -> Iterator[Any]:
+    """`events`, calling `keep` before an error from them goes on."""
+    try:
+        yield from events
+    except BaseException:
+        keep()
+        raise
+
+
+def keep_completed(snapshots: Any, trainer: Any) -> bool:
+    """Keep in `snapshots` the trainer's state when it is a step finished on the devices that
+    is newer than the newest kept (with the data position after it); whether it did. A state
+    a failed step donated, or one still being computed, is left alone."""
+    import jax  # noqa: PLC0415
+
+    completed, state = getattr(trainer, "completed", None), trainer.state
+    newest = snapshots.newest_step
+    if completed is None or state is None or (newest is not None and completed[0] <= newest):
+        return False
+    try:
+        leaves = jax.tree.leaves(state)
+        # is_deleted first: is_ready on a deleted buffer crashes the process (JAX 0.10.2)
+        if any(leaf.is_deleted() for leaf in leaves) or not all(
+                leaf.is_ready() for leaf in leaves):
+            return False
+        if int(jax.device_get(state.step)) != completed[0]:
+            return False
+    except Exception:  # noqa: BLE001 - deleted (donated) buffers: nothing to keep
+        return False
+    snapshots.capture(completed[0], state, trainer.program, completed[1], None)
+    return True

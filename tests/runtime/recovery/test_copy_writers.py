@@ -42,11 +42,13 @@ def test_the_two_writers_are_on_two_nodes_where_the_holders_span_two() -> None:
 
     holders = list(range(8))
     load = Counter()
-    for k in range(2000):
+    for k in range(4000):
         got = writers(holders, f"leaf{k}", node_of)
         assert len(got) == 2 and len({node_of(h) for h in got}) == 2, got
         load.update(got)
+    share = WRITERS_PER_SHARD * 4000 / len(holders)  # as even as without nodes
     assert set(load) == set(holders)
+    assert all(0.85 * share < load[h] < 1.15 * share for h in holders), load
     assert writers([4, 5, 4], "x", node_of) == {4, 5}  # one node: both its holders
     assert len(writers([0, 1, 2], "x", lambda h: "one node")) == 2
 

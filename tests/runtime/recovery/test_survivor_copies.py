@@ -283,3 +283,31 @@ def test_copies_rewritten_under_another_plan_are_judged_apart(tmp_path: Path) ->
     assert next(found).step == 2
     older.rmdir()  # process 0, resumed from step 2, tidies older steps away meanwhile
     assert [c.step for c in found] == [2]  # the partial copies of step 2; step 1 passed over
+
+
+def test_a_step_finished_on_the_devices_is_kept_when_a_later_collective_fails(
+        tmp_path: Path) -> None:
+    """A peer died while this process was in the collectives after step 3 (its peers got
+    past them and kept step 3): the trainer's finished step 3 is kept on the error path too,
+    with the data position after it, so the survivors' copies of step 3 are whole. A state
+    a failed step donated is left alone."""
+    from types import SimpleNamespace
+
+    from resihp_jax.runtime.run.adapt import keep_completed
+
+    plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    program, state, data = _trained(plan, 2, donate=False)
+    kept = HostSnapshots(tmp_path, "p0", mode="keep")
+    kept.capture(2, state, program, data.state())
+    ahead, _ = run_step(program, state, data.next_batch())  # step 3, never yielded
+    trainer = SimpleNamespace(completed=(3, data.state()), state=ahead, program=program)
+    assert keep_completed(kept, trainer) and kept.newest_step == 3
+    assert not keep_completed(kept, trainer)  # kept already
+    assert kept.dump("a peer died")
+    [newest, older] = survivor_copies.find(tmp_path)
+    assert (newest.step, older.step) == (3, 2) and newest.data_state == data.state()
+    # a step that failed after donating the state: nothing to keep
+    later = HostSnapshots(tmp_path / "later", "p0", mode="keep")
+    later.capture(2, state, program, data.state())
+    jax.tree.map(lambda leaf: leaf.delete(), ahead)
+    assert not keep_completed(later, trainer) and later.newest_step == 2

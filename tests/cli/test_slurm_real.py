@@ -315,6 +315,10 @@ def test_cpu_recipe_goes_on_on_the_spare_when_a_whole_node_is_lost(tmp_path: Pat
         for pid in [*stepds, *tasks]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _wait("the relaunch", lambda: "relaunch inside the allocation" in job_log.read_text(),
+              timeout_s, job, job_log)
+        relaunched_s = time.monotonic() - killed
         # the script's end: SLURM then holds the job COMPLETING until the lost node is
         # declared down (SlurmdTimeout) or comes back
         _wait("the script's end", lambda: "training finished" in job_log.read_text(),
@@ -336,3 +340,5 @@ def test_cpu_recipe_goes_on_on_the_spare_when_a_whole_node_is_lost(tmp_path: Pat
     records = _steps(log)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
     np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
+    print(f"job {job}: node {second} lost after step {KILL_AT}; the run went on on {spare} "
+          f"{relaunched_s:.1f} s later (the time SLURM took to mark {second} not answering)")

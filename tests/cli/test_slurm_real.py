@@ -179,9 +179,7 @@ def test_cpu_recipe_survives_a_killed_task_an_uncounted_preemption_and_time_limi
     assert (shared / "ckpt" / "requeue-failures").read_text().strip() == "1"
     # every relaunch from the copies the tasks wrote: nothing trained twice, none skipped
     assert len(re.findall(r"0: resumed from step \d+ as \d surviving", text)) == 3, text
-    records = _steps(log)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
-    np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
+    _assert_every_step_once(log, reference)
     assert not (shared / "ckpt" / "survivors").exists()  # removed after the finished run
     print(f"job {job}: killed task 2 after step {killed_at}, preempted after step "
           f"{preempted_at}, time limit near after step {limit_at}; {took_s:.0f} s from "
@@ -196,6 +194,33 @@ def _idle_nodes() -> list[str]:
                    if state.rstrip("*~#") == "idle"})
 
 
+def _submit_two_training(tmp_path: Path, nodes: list[str]) -> tuple[str, Path, Path, Path,
+                                                                      np.ndarray]:
+    """The CPU recipe on `nodes`, the first 2 training (2 tasks each), the others spares, one
+    failure allowed: (job id, the user's script, its losses log, the job's log, the losses of
+    the same run uninterrupted)."""
+    script = tmp_path / "my_train.py"
+    script.write_text(SCRIPT)
+    reference = reference_losses(script, STEPS)
+    shared, log, job_log = tmp_path / "shared", tmp_path / "losses.jsonl", tmp_path / "job.log"
+    exported = f"VENV={sys.prefix},SHARED={shared},MAX_FAILURES=1,TRAIN_NODES=2"
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--output={job_log}", f"--export={exported}",
+         "--job-name=resihp-test", f"--nodes={len(nodes)}", "--ntasks-per-node=2",
+         f"--nodelist={','.join(nodes)}", str(RECIPE), str(script), str(log),
+         "--steps", str(STEPS), "--sleep-s", str(STEP_SLEEP_S)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert submitted.returncode == 0, submitted.stderr
+    return submitted.stdout.strip().split(";")[0], script, log, job_log, reference
+
+
+def _assert_every_step_once(log: Path, reference: np.ndarray) -> None:
+    """Nothing trained twice, none skipped, the losses of the uninterrupted run."""
+    records = _steps(log)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
+    np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
+
+
 @pytest.mark.parametrize("allocated", [3, 2], ids=["spare", "no-spare"])
 def test_cpu_recipe_relaunches_without_a_failed_node_and_without_a_requeue(
         tmp_path: Path, allocated: int) -> None:
@@ -208,19 +233,7 @@ def test_cpu_recipe_relaunches_without_a_failed_node_and_without_a_requeue(
     if len(nodes) < allocated:
         pytest.skip(f"needs {allocated} idle SLURM nodes (sinfo: {nodes}): NODES=3 CPUS=8 "
                     f"{SETUP}")
-    script = tmp_path / "my_train.py"
-    script.write_text(SCRIPT)
-    reference = reference_losses(script, STEPS)
-    shared, log, job_log = tmp_path / "shared", tmp_path / "losses.jsonl", tmp_path / "job.log"
-    exported = f"VENV={sys.prefix},SHARED={shared},MAX_FAILURES=1,TRAIN_NODES=2"
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", f"--output={job_log}", f"--export={exported}",
-         "--job-name=resihp-test", f"--nodes={allocated}", "--ntasks-per-node=2",
-         f"--nodelist={','.join(nodes[:allocated])}", str(RECIPE), str(script), str(log),
-         "--steps", str(STEPS), "--sleep-s", str(STEP_SLEEP_S)],
-        capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert submitted.returncode == 0, submitted.stderr
-    job = submitted.stdout.strip().split(";")[0]
+    job, script, log, job_log, reference = _submit_two_training(tmp_path, nodes[:allocated])
     timeout_s = 300
     try:
         _wait(f"step {KILL_AT}", lambda: len(_steps(log)) >= KILL_AT, timeout_s, job, job_log)
@@ -248,9 +261,7 @@ def test_cpu_recipe_relaunches_without_a_failed_node_and_without_a_requeue(
         in text, text[-3000:]
     assert "requeue" not in text.replace("not requeued", ""), text[-3000:]
     assert len(re.findall(r"0: resumed from step \d+ as \d surviving", text)) == 1, text
-    records = _steps(log)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
-    np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
+    _assert_every_step_once(log, reference)
     print(f"job {job}: killed task 2 on {second} after step {killed_at}; relaunched on "
           f"{relaunched} in the allocation")
 
@@ -293,19 +304,7 @@ def test_cpu_recipe_goes_on_on_the_spare_when_a_whole_node_is_lost(tmp_path: Pat
         pytest.skip(f"needs 3 idle SLURM nodes played on this machine (sinfo: {nodes}): "
                     f"NODES=3 CPUS=8 {SETUP}")
     first, second, spare = nodes[:3]
-    script = tmp_path / "my_train.py"
-    script.write_text(SCRIPT)
-    reference = reference_losses(script, STEPS)
-    shared, log, job_log = tmp_path / "shared", tmp_path / "losses.jsonl", tmp_path / "job.log"
-    exported = f"VENV={sys.prefix},SHARED={shared},MAX_FAILURES=1,TRAIN_NODES=2"
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", f"--output={job_log}", f"--export={exported}",
-         "--job-name=resihp-test", "--nodes=3", "--ntasks-per-node=2",
-         f"--nodelist={first},{second},{spare}", str(RECIPE), str(script), str(log),
-         "--steps", str(STEPS), "--sleep-s", str(STEP_SLEEP_S)],
-        capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert submitted.returncode == 0, submitted.stderr
-    job = submitted.stdout.strip().split(";")[0]
+    job, _, log, job_log, reference = _submit_two_training(tmp_path, [first, second, spare])
     timeout_s = 300
     try:
         _wait(f"step {KILL_AT}", lambda: len(_steps(log)) >= KILL_AT, timeout_s, job, job_log)
@@ -337,8 +336,6 @@ def test_cpu_recipe_goes_on_on_the_spare_when_a_whole_node_is_lost(tmp_path: Pat
     assert (f"relaunch inside the allocation without node(s) {second} (on a spare): on "
             f"{first},{spare}\n") in text, text[-3000:]
     assert len(re.findall(r"0: resumed from step \d+ as 2 surviving", text)) == 1, text
-    records = _steps(log)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
-    np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
+    _assert_every_step_once(log, reference)
     print(f"job {job}: node {second} lost after step {KILL_AT}; the run went on on {spare} "
           f"{relaunched_s:.1f} s later (the time SLURM took to mark {second} not answering)")

@@ -184,13 +184,14 @@ def _keeping_completed(events: Iterator[Any], keep: Callable[[], None]) -> Itera
 
 def keep_completed(snapshots: Any, trainer: Any) -> bool:
     """Keep in `snapshots` the trainer's state when it is a step finished on the devices that
-    is newer than the newest kept (with the data position after it); whether it did. A state
-    a failed step donated, or one still being computed, is left alone."""
+    is newer than the newest kept; whether it did. Such a step failed in what follows it on
+    the host, before the next batch was drawn: the data position is the one after it. A
+    state a failed step donated, or one still being computed, is left alone."""
     import jax  # noqa: PLC0415
 
-    completed, state = getattr(trainer, "completed", None), trainer.state
+    completed, state = trainer.completed, trainer.state
     newest = snapshots.newest_step
-    if completed is None or state is None or (newest is not None and completed[0] <= newest):
+    if completed is None or state is None or (newest is not None and completed <= newest):
         return False
     try:
         leaves = jax.tree.leaves(state)
@@ -198,9 +199,9 @@ def keep_completed(snapshots: Any, trainer: Any) -> bool:
         if any(leaf.is_deleted() for leaf in leaves) or not all(
                 leaf.is_ready() for leaf in leaves):
             return False
-        if int(jax.device_get(state.step)) != completed[0]:
+        if int(jax.device_get(state.step)) != completed:
             return False
     except Exception:  # noqa: BLE001 - deleted (donated) buffers: nothing to keep
         return False
-    snapshots.capture(completed[0], state, trainer.program, completed[1], None)
+    snapshots.capture(completed, state, trainer.program, trainer.data.state(), None)
     return True

@@ -183,9 +183,8 @@ class ResilientTrainer:
             if self.config.checkpoint_dir else None)
         self.precompiler = Precompiler(self._compiled)
         self.state: TrainState | None = None
-        # the newest step finished on the devices and the data position after it
-        self.completed: tuple[int, dict] | None = None
-        self._data_after: dict = {}
+        # the newest step finished on the devices (maybe not yet yielded)
+        self.completed: int | None = None
         self.replans: list[Replan] = []
         # a switch waiting for its program to compile in the background: the plan, and the
         # verdict and reason that chose it
@@ -254,7 +253,6 @@ class ResilientTrainer:
         while done < steps:
             data_before = self.data.state()
             batch = self.data.next_batch()
-            self._data_after = self.data.state()
             try:
                 record = self._step(done + 1, batch)
             except StepFailed as failed:
@@ -319,7 +317,7 @@ class ResilientTrainer:
                                                   in_flight=self._in_flight)
         # done on the devices: should a later collective of this step fail (a peer died
         # meanwhile), this process can still keep it, as peers that got further did
-        self.completed = (step, self._data_after)
+        self.completed = step
         if multi_process():  # every process feeds its detector the same observation
             timing = timing.gathered()
         self._last_timing = timing

@@ -112,10 +112,7 @@ def test_with_dp4_two_processes_write_each_shard_and_any_one_lost_is_covered(
         _survivors_write(directory, program, state, data, dead={dead}, per=1)
         [copies] = survivor_copies.find(directory)
         assert copies.complete, (dead, copies.missing)
-        restored = survivor_copies.restore(copies, program, canonical_target(program))
-        got = jax.device_get(to_canonical(restored, program))
-        assert max_relative_error(got.params, expected.params) == 0.0
-        assert max_relative_error(got.opt_state, expected.opt_state) == 0.0
+        _assert_restores_exactly(copies, program, expected)
         written[dead] = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
     everything = sum(x.nbytes for x in jax.tree.leaves(jax.device_get(state))) * 4
     # seven survivors of eight write about 7/8 of 2 of the 4 replicas
@@ -142,10 +139,16 @@ def test_with_the_nodes_known_a_lost_node_of_two_processes_is_covered(tmp_path: 
                          per=1, node_of=lambda process: process // 2)
         [copies] = survivor_copies.find(directory)
         assert copies.complete, (node, copies.missing)
-        restored = survivor_copies.restore(copies, program, canonical_target(program))
-        got = jax.device_get(to_canonical(restored, program))
-        assert max_relative_error(got.params, expected.params) == 0.0
-        assert max_relative_error(got.opt_state, expected.opt_state) == 0.0
+        _assert_restores_exactly(copies, program, expected)
+
+
+def _assert_restores_exactly(copies: survivor_copies.SurvivorCopies, program,  # noqa: ANN001
+                             expected) -> None:  # noqa: ANN001
+    """`copies` restore, in `program`'s plan, exactly the `expected` (canonical) state."""
+    restored = survivor_copies.restore(copies, program, canonical_target(program))
+    got = jax.device_get(to_canonical(restored, program))
+    assert max_relative_error(got.params, expected.params) == 0.0
+    assert max_relative_error(got.opt_state, expected.opt_state) == 0.0
 
 
 def _checkpointed_at_1_then_trained_to_3(plan: Plan, directory: Path) -> tuple:
@@ -300,7 +303,7 @@ def test_a_step_finished_on_the_devices_is_kept_when_a_later_collective_fails(
     kept = HostSnapshots(tmp_path, "p0", mode="keep")
     kept.capture(2, state, program, data.state())
     ahead, _ = run_step(program, state, data.next_batch())  # step 3, never yielded
-    trainer = SimpleNamespace(completed=(3, data.state()), state=ahead, program=program)
+    trainer = SimpleNamespace(completed=3, state=ahead, program=program, data=data)
     assert keep_completed(kept, trainer) and kept.newest_step == 3
     assert not keep_completed(kept, trainer)  # kept already
     assert kept.dump("a peer died")

@@ -82,6 +82,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "after every step (stalls the devices for the copy); off: none. "
                              "auto (default): keep where two more states fit in device "
                              "memory, else host")
+    parser.add_argument("--local-copy-dir", default=None, metavar="DIR",
+                        help="with --checkpoint-dir: write the survivors' copies to this "
+                             "node-local directory (e.g. /dev/shm, kept across the job steps "
+                             "of a SLURM allocation) instead of the checkpoint directory, which "
+                             "gets only their manifests; a relaunch onto the same plan with "
+                             "every rank on its old node (a spare in a failed node's place) "
+                             "restores in place, filling what a node lacks from data-parallel "
+                             "replicas; otherwise the files are published to the checkpoint "
+                             "directory first (default: copies go to the checkpoint directory)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--adapt", action="store_true",
                         help="watch every step and re-plan around slow devices in place "
@@ -147,6 +156,7 @@ def run_config_from_args(args: argparse.Namespace, cache: str | None) -> RunConf
     return RunConfig(
         steps=args.steps, seed=args.seed, data=args.data, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every or DEFAULT_CHECKPOINT_EVERY,
+        local_copy_dir=args.local_copy_dir,
         resume=args.resume, survivor_copies=args.survivor_copies, metrics=args.metrics,
         progress=not args.no_progress, adapt=args.adapt, precompile=args.precompile,
         background_compile=not args.no_background_compile, hang_floor_s=args.hang_floor_s,

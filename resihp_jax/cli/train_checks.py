@@ -47,12 +47,18 @@ def check_train_args(args: argparse.Namespace) -> None:
 def _check_checkpoint_flags(args: argparse.Namespace) -> None:
     if args.checkpoint_dir is None:
         for flag, value in (("--resume", args.resume or None),
-                            ("--checkpoint-every", args.checkpoint_every)):
+                            ("--checkpoint-every", args.checkpoint_every),
+                            ("--local-copy-dir", args.local_copy_dir)):
             if value is not None:
                 raise ConfigError(f"{flag} needs --checkpoint-dir DIR")
         return
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ConfigError(f"--checkpoint-every={args.checkpoint_every}: must be >= 1")
+    if args.local_copy_dir is not None:
+        if args.survivor_copies == "off":
+            raise ConfigError(f"--local-copy-dir={args.local_copy_dir!r} with "
+                              "--survivor-copies off: there are no copies to write there")
+        check_output_dir(args.local_copy_dir, "--local-copy-dir")
 
 
 def checkpoint_interval(args: argparse.Namespace) -> int:

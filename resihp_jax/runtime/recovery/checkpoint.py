@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 
 from resihp_jax.errors import CheckpointError, CheckpointFallbackWarning
 from resihp_jax.meshes.plan import Plan
+from resihp_jax.runtime.recovery import local_copies
 from resihp_jax.runtime.recovery.checksum import leaf_shapes, state_checksums
 from resihp_jax.runtime.recovery.run_identity import check_identity
 from resihp_jax.train.reshard import from_canonical, to_canonical
@@ -65,11 +66,16 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, interval: int = 10, keep: int = 2,
                  asynchronous: bool = False, identity: Mapping[str, Any] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 local_copy_dir: str | Path | None = None):
         if interval < 1 or keep < 1:
             raise CheckpointError(f"checkpoint interval={interval} and keep={keep} must be >= 1")
         self.directory = Path(directory).absolute()
         self.identity = identity
+        # where the survivors' copies of this run go on each node (local_copies.py; None:
+        # under `directory`, on shared storage)
+        self.local_copies = (None if local_copy_dir is None
+                             else local_copies.local_root(local_copy_dir, self.directory))
         self._clock = clock
         self._write_started: float | None = None  # when the asynchronous write under way began
         self._longest_write_s: float | None = None  # of the asynchronous writes seen to end

@@ -131,13 +131,16 @@ class HostSnapshots:
                  clock: Callable[[], float] = time.perf_counter,
                  devices: Iterable[int] | None = None,
                  owner_of: Callable[[jax.Device], Any] = lambda d: d.process_index,
-                 node_of: Callable[[Any], Any] | None = None) -> None:
+                 node_of: Callable[[Any], Any] | None = None,
+                 local_root: str | Path | None = None) -> None:
         """`mode`: "keep" (the caller's step must not donate the state) or "host".
         `devices`: ids of the devices whose shards count as this process's (default: its
         addressable devices; tests pose as several processes with it, and with `owner_of`,
         the process a device belongs to, which decides who writes each shard). `node_of`:
         the node an owner runs on (default: each its own), so a shard's two writers are on
-        two nodes where it has holders on two."""
+        two nodes where it has holders on two. `local_root`: this run's node-local directory
+        (local_copies.local_root): the shards go there, and only the manifest naming them
+        to the checkpoint directory."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; valid: {', '.join(MODES)}")
         self.root = Path(checkpoint_dir).absolute() / SUBDIR
@@ -147,6 +150,7 @@ class HostSnapshots:
         self.keep = 2
         self.devices = None if devices is None else frozenset(devices)
         self.owner_of, self.node_of = owner_of, node_of
+        self.local_root = None if local_root is None else Path(local_root).absolute()
         self._copies: list[_Copy] = []  # oldest first
         self._lock = threading.Lock()
         self._dumped: list[Path] | None = None
@@ -214,11 +218,13 @@ class HostSnapshots:
             self._dumped = []
             for copy in reversed(self._copies):
                 t0 = self.clock()
-                target = self.root / f"step{copy.step}" / f"{self.host}-{os.getpid()}"
+                name = Path(f"step{copy.step}") / f"{self.host}-{os.getpid()}"
+                target = self.root / name
+                local = None if self.local_root is None else self.local_root / name
                 try:
                     if copy.leaves is None:  # mode "keep": the state is still on the devices
                         copy.leaves = self._to_host(copy.state, None, start_copies=False)
-                    _write(copy, target, self.host, reason, self.identity)
+                    _write(copy, target, self.host, reason, self.identity, local)
                 except OSError as err:  # a full disk: say so; the checkpoint is still there
                     print(f"{prog()}: could not write this process's copy of step "
                           f"{copy.step} to {target}: {err}", file=sys.stderr, flush=True)
@@ -233,7 +239,8 @@ class HostSnapshots:
                 self._dumped.append(target)
                 print(f"{prog()}: {reason}: wrote this process's copy of step "
                       f"{copy.step} ({_nbytes(copy) / 1e6:.1f} MB) in "
-                      f"{self.clock() - t0:.2f} s to {target}", file=sys.stderr, flush=True)
+                      f"{self.clock() - t0:.2f} s to {local or target}", file=sys.stderr,
+                      flush=True)
             return self._dumped
 
     def exit_on_sigterm(self, exit_fn: Callable[[int], None] = os._exit) -> None:
@@ -294,11 +301,11 @@ def _nbytes(copy: _Copy) -> int:
 
 
 def _write(copy: _Copy, target: Path, host: str, reason: str,
-           identity: Mapping[str, Any] | None) -> None:
-    """Raw shard files and a manifest into `target`, made visible by one rename."""
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+           identity: Mapping[str, Any] | None, local: Path | None = None) -> None:
+    """Raw shard files and a manifest into `target`, made visible by one rename; with
+    `local`, the files and manifest go there and the manifest alone (naming `local`) to
+    `target`, after them."""
+    tmp = _fresh_tmp(local or target)
     leaves: dict[str, Any] = {}
     n = 0
     for key, leaf in copy.leaves.items():
@@ -315,9 +322,21 @@ def _write(copy: _Copy, target: Path, host: str, reason: str,
                 # where each canonical layer sits in the flattened stage layout
                 "positions": layout.canonical_index(program.stage_index()).tolist(),
                 "layer_slots": int(program.layer_slots), "identity": identity, "host": host,
-                "reason": reason, "record": copy.record, "leaves": leaves}
+                "reason": reason, "record": copy.record, "leaves": leaves,
+                "local_dir": None if local is None else str(local)}
     (tmp / MANIFEST).write_text(json.dumps(manifest))
+    if local is not None:
+        os.replace(tmp, local)
+        tmp = _fresh_tmp(target)
+        (tmp / MANIFEST).write_text(json.dumps(manifest))
     os.replace(tmp, target)
+
+
+def _fresh_tmp(target: Path) -> Path:
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
 
 
 class _TermWatcher:

@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+import jax
+
 from resihp_jax.errors import CheckpointError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.runtime.recovery import survivor_copies
+from resihp_jax.runtime.recovery import local_copies, survivor_copies
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, canonical_target
 
 
@@ -38,7 +40,7 @@ def start_state(program: Any, ckpt: Checkpointer | None, data: Any, *, resume: b
         fallback = "step 0" if latest is None else f"checkpoint step {latest}"
         if copies.complete:
             try:
-                state = survivor_copies.restore(copies, program, canonical_target(program))
+                state, how = _from_copies(copies, program, ckpt)
             except CheckpointError as err:  # e.g. a whole leaf that no survivor wrote
                 print(f"the surviving processes' copies of step {copies.step} cannot be used "
                       f"({err}): falling back to older copies or {fallback}", file=out)
@@ -46,8 +48,8 @@ def start_state(program: Any, ckpt: Checkpointer | None, data: Any, *, resume: b
             data.restore(copies.data_state)
             print(f"resumed from step {copies.step} as {len(copies.hosts)} surviving "
                   f"process(es) kept it ({', '.join(sorted(copies.hosts))}; written under plan "
-                  f"{Plan.from_dict(copies.plan).describe()}); newest periodic checkpoint: "
-                  f"{'none' if latest is None else f'step {latest}'}", file=out)
+                  f"{Plan.from_dict(copies.plan).describe()}; {how}); newest periodic "
+                  f"checkpoint: {'none' if latest is None else f'step {latest}'}", file=out)
             _tidy(ckpt, copies.step, primary)
             return Start(state, copies.step, f"survivors@{copies.step}", copies.record)
         print(f"the surviving processes' copies of step {copies.step} are incomplete "
@@ -63,7 +65,41 @@ def start_state(program: Any, ckpt: Checkpointer | None, data: Any, *, resume: b
     return Start(restored.state, restored.step, f"checkpoint@{restored.step}")
 
 
+def _from_copies(copies: survivor_copies.SurvivorCopies, program: Any,
+                 ckpt: Checkpointer) -> tuple[Any, str]:
+    """The state of complete `copies` in `program`'s plan, and how it was read. Node-local
+    copies restore in place where the plan is theirs and a replica holds every shard;
+    otherwise each node publishes its files and all read them from the shared directory."""
+    if not copies.local_manifests:
+        return survivor_copies.restore(copies, program, canonical_target(program)), \
+            "read from the checkpoint directory"
+    in_place = local_copies.restore_in_place(copies, program)
+    if in_place is not None:
+        return in_place[0], (f"restored in place from each node's copies, {in_place[1]} "
+                             "device shard(s) filled from data-parallel replicas")
+    published = local_copies.publish(copies.directory, list(copies.local_manifests))
+    _barrier(f"resihp-publish-step{copies.step}")  # every node's files are there now
+    shared = next(survivor_copies.find(ckpt.directory, ckpt.identity, published_only=True,
+                                       step=copies.step), None)
+    if shared is None or not shared.complete:
+        raise CheckpointError("the copies the nodes published do not cover the state ("
+                              f"{'none' if shared is None else shared.missing})")
+    return survivor_copies.restore(shared, program, canonical_target(program)), \
+        (f"not in place (another plan, or a shard no replica kept): {published} node-local "
+         "cop(ies) published here, then read from the checkpoint directory")
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        multihost_utils.sync_global_devices(name)
+
+
 def _tidy(ckpt: Checkpointer, step: int, primary: bool) -> None:
-    """Copies older than the state resumed from are of no further use."""
+    """Copies older than the state resumed from are of no further use: process 0 removes
+    the shared ones, every process its node's own."""
     if primary:
         survivor_copies.remove_older_than(ckpt.directory, step)
+    if ckpt.local_copies is not None:
+        local_copies.remove_local(ckpt.local_copies, older_than=step)

@@ -26,6 +26,7 @@ from resihp_jax.errors import CheckpointError
 from resihp_jax.meshes.rules import is_layer_leaf
 from resihp_jax.runtime.recovery.host_snapshot import (MANIFEST, SUBDIR, VERSION, Box, leaf_key,
                                               shard_box)
+from resihp_jax.runtime.recovery.local_copies import PUBLISHED
 from resihp_jax.runtime.recovery.run_identity import check_identity
 
 
@@ -48,6 +49,10 @@ class SurvivorCopies:
     leaves: Mapping[str, tuple[tuple[int, ...], str, tuple[_Piece, ...]]]  # shape, dtype
     missing: str | None
     record: dict | None = None  # the metrics record of `step`, as its process kept it
+    # copies on node-local storage (local_copies.py): each box's files, on whichever node
+    # wrote them, and the manifests to publish them by
+    local_files: Mapping[str, Mapping[Box, tuple[Path, ...]]] | None = None
+    local_manifests: tuple[tuple[dict[str, Any], Path], ...] = ()
 
     @property
     def complete(self) -> bool:
@@ -55,21 +60,26 @@ class SurvivorCopies:
 
 
 def find(checkpoint_dir: str | Path, identity: Mapping[str, Any] | None = None,
-         ) -> Iterator[SurvivorCopies]:
+         published_only: bool = False, step: int | None = None) -> Iterator[SurvivorCopies]:
     """Every step with copies under `checkpoint_dir`, newest first (complete or not), read
     lazily: the caller stops at the first it can use, and process 0 may meanwhile remove
     older steps (a step that vanished is passed over). Copies of one step written under
     different plans (a relaunch that failed again before its first step rewrote them) are
-    judged apart, a complete plan's first: their shards do not tile each other."""
+    judged apart, a complete plan's first: their shards do not tile each other.
+    `published_only`: node-local copies count only once published to the shared directory
+    (local_copies.publish); `step`: that step only."""
     root = Path(checkpoint_dir) / SUBDIR
     for step_dir in sorted(root.glob("step*"), key=_step_of, reverse=True):
+        if step is not None and _step_of(step_dir) != step:
+            continue
         try:
             entries = sorted(step_dir.iterdir())
         except FileNotFoundError:
             continue  # removed by process 0 after it resumed from a newer step
         manifests = [_read(d / MANIFEST) for d in entries
                      if d.is_dir() and not d.name.endswith(".tmp") and (d / MANIFEST).exists()]
-        manifests = [m for m in manifests if m is not None]
+        manifests = [m for m in manifests if m is not None and not (
+            published_only and m[0].get("local_dir") and not (m[1] / PUBLISHED).exists())]
         for manifest, _ in manifests:
             if identity is not None:
                 check_identity(manifest.get("identity"), identity,
@@ -102,13 +112,18 @@ def _read(path: Path) -> tuple[dict[str, Any], Path] | None:
 def _combine(step_dir: Path, manifests: list[tuple[dict[str, Any], Path]]) -> SurvivorCopies:
     first = manifests[0][0]
     leaves: dict[str, tuple[tuple[int, ...], str, dict[Box, _Piece]]] = {}
+    local_files: dict[str, dict[Box, list[Path]]] = {}
     for manifest, directory in manifests:
+        local = manifest.get("local_dir")
         for key, leaf in manifest["leaves"].items():
             shape, dtype, pieces = leaves.setdefault(
                 key, (tuple(leaf["shape"]), leaf["dtype"], {}))
             for piece in leaf["pieces"]:
                 box = tuple(tuple(b) for b in piece["box"])
                 pieces.setdefault(box, _Piece(box, directory / piece["file"]))
+                if local:
+                    local_files.setdefault(key, {}).setdefault(box, []).append(
+                        Path(local) / piece["file"])
     missing = None
     for key, (shape, _, pieces) in sorted(leaves.items()):
         # the shards of one sharding are disjoint or equal: distinct boxes cover the leaf
@@ -123,7 +138,10 @@ def _combine(step_dir: Path, manifests: list[tuple[dict[str, Any], Path]]) -> Su
         first["data_state"], first["plan"], tuple(first["positions"]),
         int(first["layer_slots"]),
         {k: (s, d, tuple(p.values())) for k, (s, d, p) in leaves.items()}, missing,
-        next((m["record"] for m, _ in manifests if m.get("record")), None))
+        next((m["record"] for m, _ in manifests if m.get("record")), None),
+        {k: {b: tuple(p) for b, p in boxes.items()} for k, boxes in local_files.items()}
+        if local_files else None,
+        tuple((m, d) for m, d in manifests if m.get("local_dir")))
 
 
 def _volume(box: Box) -> int:

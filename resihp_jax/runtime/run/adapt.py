@@ -59,6 +59,7 @@ class AdaptRun:
             resilience or ResilienceConfig(),
             step_timeout_s=ladder.startup_s, hang_factor=ladder.factor,
             hang_floor_s=ladder.floor_s, checkpoint_dir=config.checkpoint_dir,
+            local_copy_dir=config.local_copy_dir,
             checkpoint_interval=config.checkpoint_every, precompile=config.precompile,
             compile_cache_dir=config.compile_cache_dir,
             background_compile=config.background_compile)

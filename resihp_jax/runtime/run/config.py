@@ -24,6 +24,9 @@ class RunConfig:
     data: str = "synthetic:lognormal"  # synthetic:uniform|lognormal|bimodal, corpus[:PATH]
     checkpoint_dir: str | None = None  # orbax checkpoints, health record, survivors' copies
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY  # the last step is always saved too
+    # node-local directory (e.g. /dev/shm) for the survivors' copies: written at memory
+    # speed, restored in place by a relaunch onto the same plan (recovery/local_copies.py)
+    local_copy_dir: str | None = None
     resume: bool = False  # continue from the newest good state in checkpoint_dir
     # how each process keeps the last completed step for a relaunch: auto picks keep where
     # two more states fit in device memory, else host (see recovery/host_snapshot.py)
@@ -45,6 +48,10 @@ class RunConfig:
         if self.survivor_copies not in SURVIVOR_COPY_MODES:
             raise ConfigError(f"RunConfig.survivor_copies={self.survivor_copies!r}: valid are "
                               f"{', '.join(SURVIVOR_COPY_MODES)}")
+        if self.local_copy_dir is not None and (self.checkpoint_dir is None
+                                                or self.survivor_copies == "off"):
+            raise ConfigError(f"RunConfig.local_copy_dir={self.local_copy_dir!r} needs a "
+                              "checkpoint_dir and survivor_copies other than 'off'")
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError("RunConfig.resume needs a checkpoint_dir")
         if self.precompile < 0:

@@ -157,7 +157,7 @@ def host_copies(mode: str | None, job: Any, ckpt: Any) -> HostSnapshots | None:
     hosts = tuple(getattr(job, "hosts", ()))  # each process's host id, in process order
     node_of = (lambda process: node_of_host(hosts[process])) if hosts else None
     snapshots = HostSnapshots(ckpt.directory, job.spec.host_id, ckpt.identity, mode=mode,
-                              node_of=node_of)
+                              node_of=node_of, local_root=getattr(ckpt, "local_copies", None))
     activate(snapshots)
     snapshots.exit_on_sigterm()
     return snapshots

@@ -101,6 +101,11 @@ class TrainingRun:
                 from resihp_jax.runtime.recovery.host_snapshot import remove_copies  # noqa: PLC0415
 
                 remove_copies(self.config.checkpoint_dir)  # the final checkpoint supersedes them
+            if self.config.local_copy_dir is not None:  # each process: its node's own
+                from resihp_jax.runtime.recovery import local_copies  # noqa: PLC0415
+
+                local_copies.remove_local(local_copies.local_root(
+                    self.config.local_copy_dir, self.config.checkpoint_dir))
         return records
 
     def _build(self, job: Any, plan: Plan) -> Any:
@@ -129,7 +134,7 @@ class TrainingRun:
         ckpt = None
         if config.checkpoint_dir is not None:  # (the adapting trainer keeps its own)
             ckpt = Checkpointer(config.checkpoint_dir, interval=config.checkpoint_every,
-                                asynchronous=True,
+                                asynchronous=True, local_copy_dir=config.local_copy_dir,
                                 identity=run_identity(self.model, train_cfg, data.state()))
         return TrainRun(config, copies, job, self.model, train_cfg, plan, data, ckpt,
                         self.ladder, self.phases, self.out, self._compiles_from)

@@ -77,6 +77,7 @@ class ResilienceConfig:
     horizon_s: float = 3600.0  # expected seconds to the next failure
     checkpoint_dir: str | None = None
     checkpoint_interval: int = 10
+    local_copy_dir: str | None = None  # node-local survivors' copies (recovery/local_copies.py)
     precompile: int = 4  # programs of likely next plans compiled in the background (0: off)
     # after a fail-slow verdict, train an interim split while a new mesh compiles in the
     # background instead of stalling for the compile
@@ -179,7 +180,8 @@ class ResilientTrainer:
         self.checkpointer = (Checkpointer(
             self.config.checkpoint_dir, interval=self.config.checkpoint_interval,
             asynchronous=True, identity=run_identity(self.model, self.train_cfg,
-                                                     self.data.state()))
+                                                     self.data.state()),
+            local_copy_dir=self.config.local_copy_dir)
             if self.config.checkpoint_dir else None)
         self.precompiler = Precompiler(self._compiled)
         self.state: TrainState | None = None

@@ -84,9 +84,11 @@ def _from_copies(copies: survivor_copies.SurvivorCopies, program: Any,
     if shared is None or not shared.complete:
         raise CheckpointError("the copies the nodes published do not cover the state ("
                               f"{'none' if shared is None else shared.missing})")
+    why = ("a shard no replica kept on its node" if local_copies.same_layout(copies, program)
+           else "another plan")
     return survivor_copies.restore(shared, program, canonical_target(program)), \
-        (f"not in place (another plan, or a shard no replica kept): {published} node-local "
-         "cop(ies) published here, then read from the checkpoint directory")
+        (f"not in place ({why}): {published} node-local cop(ies) published from here, then "
+         "read from the checkpoint directory")
 
 
 def _barrier(name: str) -> None:

@@ -60,6 +60,7 @@ def sbatch_options(script: Path = SBATCH) -> dict[str, str]:
 FAKE_SRUN = r"""#!/bin/bash
 printf "%s\0" "$@" > "$FAKE_DIR/srun-args"
 env > "$FAKE_DIR/srun-env"
+[ -n "${SLURM_HOSTFILE:-}" ] && cp "$SLURM_HOSTFILE" "$FAKE_DIR/srun-hosts"
 echo $$ > "$FAKE_DIR/srun-pid"
 echo "$EXITS" >> "$FAKE_DIR/srun-exits-dirs"
 for arg in "$@"; do
@@ -305,9 +306,10 @@ def test_sbatch_relaunches_inside_the_allocation_before_requeueing(
 @pytest.mark.parametrize("srun_rcs, task_codes, nodelists, requeued, failures", [
     # a task killed on node02: the next run at once on the spare, node03
     ("137 0", "74 137|0 0", ["node01,node02", "node01,node03"], False, 1),
-    ("1 0", "lost 75|0 0", ["node01,node02", "node02,node03"], False, 1),  # node01 lost
+    # node01 lost: the spare takes its place (its ranks), node02 keeps its own
+    ("1 0", "lost 75|0 0", ["node01,node02", "node03,node02"], False, 1),
     # node01 left out as slow (76, the others 77): the spare takes its place, no requeue
-    ("76 0", "76 77|0 0", ["node01,node02", "node02,node03"], False, 1),
+    ("76 0", "76 77|0 0", ["node01,node02", "node03,node02"], False, 1),
     # every task failed alike: no node to blame, the same nodes again
     ("137 0", "137 137|0 0", ["node01,node02", "node01,node02"], False, 1),
     # the spare used up, then node01 fails: no spare left, on node03 alone (re-planned)
@@ -320,11 +322,16 @@ def test_sbatch_replaces_a_failed_node_with_a_spare(
         failures: int) -> None:
     """train.sbatch allocates a spare node beside the two that train: a task that failed on
     its own (killed, crashed, lost, slow) marks its node bad and srun runs again at once on
-    the spare, in the same allocation, without a requeue."""
+    the spare, in the same allocation, without a requeue. Each rank stays on its node and
+    the spare takes the failed node's ranks (srun --distribution=arbitrary over the
+    hostfile), so node-local copies restore in place."""
     proc, _ = run_sbatch(tmp_path, srun_rcs, task_codes=task_codes)
     out = proc.stdout.read()
     assert proc.wait(timeout=30) == 0, out
     assert (tmp_path / "srun-nodelists").read_text().split() == nodelists, out
+    hosts = (tmp_path / "srun-hosts").read_text().split()  # the last run's task placement
+    assert list(dict.fromkeys(hosts)) == nodelists[-1].split(","), hosts  # task order
+    assert "--distribution=arbitrary" in (tmp_path / "srun-args").read_text().split("\0")
     assert requeues(tmp_path) == (["requeue 4242"] if requeued else []), out
     assert failures_counted(tmp_path) == failures, out
 

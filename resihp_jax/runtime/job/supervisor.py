@@ -45,6 +45,9 @@ from resihp_jax.runtime.job.watchdog import HUNG_EXIT
 
 # the job's directory, for a user's own command (rh.fit checkpoints there by default)
 CHECKPOINT_DIR_ENV = "RESIHP_CHECKPOINT_DIR"
+# a node-local directory for the survivors' copies of a user's command (rh.fit; see
+# recovery/local_copies.py); `resihp train` takes --local-copy-dir
+LOCAL_COPY_DIR_ENV = "RESIHP_LOCAL_COPY_DIR"
 PLANNED_EXITS = frozenset({HostsLeftOut.LEFT_OUT_EXIT, HostsLeftOut.REPLAN_EXIT})
 
 

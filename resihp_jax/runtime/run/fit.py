@@ -25,7 +25,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.job.distributed import job_spec
 from resihp_jax.runtime.job.exits import run_as_job_process
 from resihp_jax.runtime.job.join import join_job
-from resihp_jax.runtime.job.supervisor import CHECKPOINT_DIR_ENV
+from resihp_jax.runtime.job.supervisor import CHECKPOINT_DIR_ENV, LOCAL_COPY_DIR_ENV
 from resihp_jax.runtime.run.auto_plan import auto_plan
 from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.run.training import TrainingRun
@@ -87,6 +87,8 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     if not spec.single:  # a job's process: the job's directory unless one is given
         checkpoint_dir = checkpoint_dir or os.environ.get(CHECKPOINT_DIR_ENV)
         join_job(checkpoint_dir)  # before anything below starts JAX
+    local_copy_dir = ((resilience.local_copy_dir if resilience is not None else None)
+                      or os.environ.get(LOCAL_COPY_DIR_ENV)) if checkpoint_dir else None
     parts, params = _split(model, seed)
     facts = model_facts(parts, params["shell"], params["blocks"], parts.name, axis_rules,
                         attention_cost, compute_dtype)
@@ -111,7 +113,8 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         hang_floor_s=resilience.hang_floor_s,
         step_timeout_s=max(resilience.step_timeout_s, resilience.hang_floor_s),
         compile_cache_dir=resilience.compile_cache_dir,
-        survivor_copies="auto" if checkpoint_dir is not None else "off")
+        survivor_copies="auto" if checkpoint_dir is not None else "off",
+        local_copy_dir=local_copy_dir)
     training = TrainingRun(facts, TrainConfig(remat=remat), plan, config, spec,
                            data=_batches(data, plan, seed), programs=programs, on_step=on_step,
                            resilience=resilience, devices=devices)

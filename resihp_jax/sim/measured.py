@@ -100,10 +100,16 @@ class RestartCosts:
     - exit: every survivor writes, of the shards its devices hold (host_snapshot.py `dump`,
       16 bytes per parameter, `state_bytes_per_param`: bf16 weights, fp32 master and Adam
       moments), those it is one of the two writers of (copy_writers.py: two of the dp
-      replicas of each shard, so any one process lost leaves a copy) under the shared
-      checkpoint directory before it exits: min(dp, 2) / dp of its shards. Storage: the
-      Llama 3 paper's Tectonic, 2 TB/s sustained for 16,384 GPUs, taken per GPU
-      (`storage_bytes_per_s_per_gpu`, 122 MB/s). Measured on `tiny`: 0.15 s.
+      replicas of each shard, so any one process lost leaves a copy) before it exits:
+      min(dp, 2) / dp of its shards, to its node's memory (`--local-copy-dir /dev/shm`, as
+      examples/slurm/*.sbatch run; local_copies.py): across the host link
+      (`host_link_bytes_per_s`, 64 GB/s: PCIe Gen5 x16 each way, NVIDIA's H100 datasheet
+      gives 128 GB/s both ways) and into /dev/shm at `local_write_bytes_per_s` per process
+      (`python benchmarks/local_copies.py`, full run, `small`).
+    - publish, only when the relaunch cannot restore in place (another plan: no spare took
+      the failed node's place, or a re-plan): each node copies its files into the shared
+      checkpoint directory. Storage: the Llama 3 paper's Tectonic, 2 TB/s sustained for
+      16,384 GPUs, taken per GPU (`storage_bytes_per_s_per_gpu`, 122 MB/s).
     - relaunch: a new job step on the nodes left, from srun's call to its last task's start,
       `step_launch_s` 0.02 s (`python benchmarks/slurm_relaunch.py`, 2 local nodes: median
       0.0195 s of 20 steps); at scale srun's launch fans out over slurmd's tree of width
@@ -125,11 +131,17 @@ class RestartCosts:
       compile time of a 70B training step was found; this is what the same program takes
       here, a lower bound for a 70B step (its layers are scanned, so the program's size grows
       with the layer's, not the layer count).
-    - restore: each device reads its share of the canonical state, which is spread over
-      every device of the new mesh (`spread_shardings`: 1/n of the state each), from the
-      survivors' files at the same storage share, then the step's layout is gathered over
-      the network (`network_bytes_per_s_per_gpu`: the Llama 3 paper's 400 Gbps RoCE per
-      GPU, 50 GB/s). Measured on `tiny`: 0.04 s.
+    - restore in place (the same plan, each rank on its node, a spare in the failed node's
+      place): each device loads the shards its node wrote (min(dp, 2) / dp of its own) from
+      memory at `local_read_bytes_per_s` (same benchmark) and across the host link, then one
+      all-reduce over the replica axes fills the rest, exactly (its 2-byte leaves widened to
+      4 bytes: `fill_bytes_factor`, 18 / 16 of the state's bytes) at
+      `network_bytes_per_s_per_gpu` (the Llama 3 paper's 400 Gbps RoCE per GPU, 50 GB/s),
+      2x the bytes for a ring all-reduce.
+    - restore otherwise: each device reads its share of the canonical state, which is
+      spread over every device of the new mesh (`spread_shardings`: 1/n of the state each),
+      from the published files at the storage share, then the step's layout is gathered
+      over the network.
     - lost work: the step in flight when the GPU fails, `lost_step_share` of a step on
       average (failures fall uniformly within a step); the survivors' copies lose nothing
       more when dp >= 2.
@@ -142,6 +154,10 @@ class RestartCosts:
     state_bytes_per_param: float = 16.0
     storage_bytes_per_s_per_gpu: float = 2e12 / 16384
     network_bytes_per_s_per_gpu: float = 400e9 / 8
+    host_link_bytes_per_s: float = 64e9
+    local_write_bytes_per_s: float = 1.0e9
+    local_read_bytes_per_s: float = 2.0e9
+    fill_bytes_factor: float = 18.0 / 16.0
     step_launch_s: float = 0.0195
     tree_width: int = 50
     gpus_per_node: int = 8
@@ -155,26 +171,35 @@ class RestartCosts:
     lost_step_share: float = 0.5
 
     def terms(self, n_gpus: int, params_per_device: float, step_s: float,
-              dp: int, requeue: bool = False) -> dict[str, float]:
+              dp: int, requeue: bool = False, in_place: bool = False) -> dict[str, float]:
         """Seconds of each term of one fail-stop's stall, in the order they happen
         (`params_per_device`: of one replica's devices, i.e. params / (pp x tp)); `requeue`:
         the job comes back by a requeue (to take a replaced GPU back) instead of a new job
-        step in its allocation."""
+        step in its allocation; `in_place`: it comes back on the same plan, a spare in the
+        failed node's place, and restores from the nodes' memory."""
         deadline = max(self.deadline_floor_s, self.deadline_factor * step_s)
         held = params_per_device * self.state_bytes_per_param  # bytes on each device
         written = held * min(dp, WRITERS_PER_SHARD) / dp
-        read = held / dp + held * self.storage_bytes_per_s_per_gpu \
-            / self.network_bytes_per_s_per_gpu  # its 1/n share, then the gather
+        to_memory = 1.0 / self.host_link_bytes_per_s + 1.0 / self.local_write_bytes_per_s
+        if in_place:  # its node's shards from memory, the rest filled over the network
+            restore = {"restore": written * (1.0 / self.local_read_bytes_per_s
+                                             + 1.0 / self.host_link_bytes_per_s)
+                       + 2.0 * held * self.fill_bytes_factor / self.network_bytes_per_s_per_gpu}
+        else:  # published, then its 1/n share read and the step's layout gathered
+            read = held / dp + held * self.storage_bytes_per_s_per_gpu \
+                / self.network_bytes_per_s_per_gpu
+            restore = {"publish": written / self.storage_bytes_per_s_per_gpu,
+                       "restore": read / self.storage_bytes_per_s_per_gpu}
         return {
             "detect": (1.0 - self.hang_share) * self.detect_kill_s + self.hang_share * deadline,
-            "exit": written / self.storage_bytes_per_s_per_gpu,
+            "exit": written * to_memory,
             **({"requeue": self.requeue_s} if requeue else
                {"relaunch": self.step_launch_at(n_gpus)}),
             "start": self.start_s,
             "init": self.init_at(n_gpus),
             "plan": planning_s(n_gpus),
             "compile": self.compile_s,
-            "restore": read / self.storage_bytes_per_s_per_gpu,
+            **restore,
             "lost work": self.lost_step_share * step_s,
         }
 
@@ -189,8 +214,9 @@ class RestartCosts:
         return self.init_s * (n_gpus / self.init_devices) ** exponent
 
     def seconds(self, n_gpus: int, params_per_device: float, step_s: float, dp: int,
-                requeue: bool = False) -> float:
-        return sum(self.terms(n_gpus, params_per_device, step_s, dp, requeue).values())
+                requeue: bool = False, in_place: bool = False) -> float:
+        return sum(self.terms(n_gpus, params_per_device, step_s, dp, requeue,
+                              in_place).values())
 
 
 OUR_RESTART = RestartCosts()

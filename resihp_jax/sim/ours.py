@@ -15,7 +15,9 @@
   and costs planning + reshard only.
 - Fail-stop: the incarnation ends; relaunch on the survivors as a new job step in the same
   allocation, restore from the surviving replicas (0 steps lost), costs in
-  `measured.RestartCosts` (each term measured here or published, `stop_terms` lists them).
+  `measured.RestartCosts` (each term measured here or published, `stop_terms` lists them):
+  in place from the nodes' memory when the plan stays (a spare took the failed node's
+  ranks), else after the nodes publish their copies to shared storage.
   Replaced GPUs rejoin at the next relaunch, or at once by a requeue (an allocation does not
   grow: SLURM's requeue delay on top) when the capacity they add pays for it within the
   horizon. Spare nodes (examples/slurm/*.sbatch: TRAIN_NODES below the allocation) avoid
@@ -84,9 +86,13 @@ class Ours(SimPolicy):
         self.option = Option(*self.cm.base, frozenset())
         self.target: Option | None = None  # compiling in the background; self.option trains
         self.compiled = {_mesh(self.option)}  # programs this incarnation holds
-        self.restart_terms = OUR_RESTART.terms(self.cm.n_gpus, self.cm.params_per_device,
-                                               self.cm.ref_step_s, self.cm.base_dp)
-        self.restart_s = sum(self.restart_terms.values())
+        # a relaunch onto the same plan (a spare in the failed node's place) restores in
+        # place from the nodes' memory; onto another, the nodes publish their copies first
+        self.restart_terms = {
+            in_place: OUR_RESTART.terms(self.cm.n_gpus, self.cm.params_per_device,
+                                        self.cm.ref_step_s, self.cm.base_dp, in_place=in_place)
+            for in_place in (True, False)}
+        self.last_in_place: bool | None = None  # how the last relaunch restored
         self.rejoin_s = OUR_RESTART.seconds(self.cm.n_gpus, self.cm.params_per_device,
                                             self.cm.ref_step_s, self.cm.base_dp, requeue=True)
         self.covered: set[int] = set()  # dead GPUs whose node a spare stands in for
@@ -114,15 +120,22 @@ class Ours(SimPolicy):
         if self.spares and self.spares_free > 0:  # a spare node in the failed one's place
             self.spares_free -= 1
             self.covered.add(device)
+        before = self.option
         self.excluded = self._dead()  # relaunch on survivors; replaced GPUs rejoin
         self._relaunch()
-        return self.restart_s
+        self.last_in_place = device in self.covered and self.option == before
+        return sum(self.restart_terms[self.last_in_place].values())
 
     def _dead(self) -> set[int]:
         return set(self.live.dead) - self.covered
 
     def stop_terms(self) -> dict[str, float]:
-        return dict(self.restart_terms)
+        """The last fail-stop's terms; before any, the next one's (in place when a spare is
+        free for it)."""
+        in_place = self.last_in_place
+        if in_place is None:
+            in_place = bool(self.spares) and self.spares_free > 0
+        return dict(self.restart_terms[in_place])
 
     def _relaunch(self) -> None:
         """A new incarnation: the best plan, compiled afresh, nothing pending."""

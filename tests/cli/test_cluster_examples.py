@@ -60,12 +60,10 @@ def sbatch_options(script: Path = SBATCH) -> dict[str, str]:
 FAKE_SRUN = r"""#!/bin/bash
 printf "%s\0" "$@" > "$FAKE_DIR/srun-args"
 env > "$FAKE_DIR/srun-env"
-[ -n "${SLURM_HOSTFILE:-}" ] && cp "$SLURM_HOSTFILE" "$FAKE_DIR/srun-hosts"
+cp "$SLURM_HOSTFILE" "$FAKE_DIR/srun-hosts"  # task r on line r's node
+uniq "$SLURM_HOSTFILE" | paste -sd, >> "$FAKE_DIR/srun-nodelists"
 echo $$ > "$FAKE_DIR/srun-pid"
 echo "$EXITS" >> "$FAKE_DIR/srun-exits-dirs"
-for arg in "$@"; do
-    [[ $arg == --nodelist=* ]] && echo "${arg#*=}" >> "$FAKE_DIR/srun-nodelists"
-done
 n=$(cat "$FAKE_DIR/srun-calls" 2>/dev/null || echo 0)
 echo $((n + 1)) > "$FAKE_DIR/srun-calls"
 read -ra rcs <<< "$FAKE_SRUN_RC"

@@ -164,6 +164,11 @@ def test_a_non_finite_loss_stops_naming_the_step_and_the_last_checkpoint(
     (["--checkpoint-dir", "{tmp}/file"], "exists and is not a directory"),
     (["--checkpoint-dir", "{tmp}/c", "--checkpoint-every", "0"], "--checkpoint-every=0"),
     (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--local-copy-dir", "{tmp}/shm"], "--local-copy-dir needs --checkpoint-dir"),
+    (["--checkpoint-dir", "{tmp}/c", "--survivor-copies", "off", "--local-copy-dir",
+      "{tmp}/shm"], "with --survivor-copies off: there are no copies"),
+    (["--checkpoint-dir", "{tmp}/c", "--local-copy-dir", "{tmp}/file"],
+     "--local-copy-dir=.* exists and is not a directory"),
     (["--no-background-compile"], "--no-background-compile needs --adapt"),
     (["--checkpoint-dir", "{tmp}/held"], "already holds checkpoints \\(steps 5\\); pass --resume"),
 ])

@@ -265,6 +265,8 @@ def test_spare_nodes_cost_least_and_stand_in_for_a_failed_node(cm) -> None:  # n
     assert policy.on_stop(9, 600.0, 0.0) == pytest.approx(sum(policy.stop_terms().values()))
     assert policy.rate() == pytest.approx(healthy)  # the spare stands in: full rate
     assert policy.spares_free == 0
+    # the same plan, each rank on its node: restored in place from the nodes' memory
+    assert policy.last_in_place and "publish" not in policy.stop_terms()
     policy.live.dead.discard(9)
     assert policy.on_replace(9) == 0.0 and policy.spares_free == 1  # the repaired node
     # with no spare held: every GPU trains (no idle share), and the same failure leaves the
@@ -274,5 +276,9 @@ def test_spare_nodes_cost_least_and_stand_in_for_a_failed_node(cm) -> None:  # n
     full = bare.rate()
     assert full == pytest.approx(healthy * (N + 8) / N)
     bare.live.dead.add(9)
-    bare.on_stop(9, 600.0, 0.0)
+    stall = bare.on_stop(9, 600.0, 0.0)
     assert bare.rate() < full
+    # another plan: the nodes publish their copies to shared storage first, which costs more
+    assert not bare.last_in_place and "publish" in bare.stop_terms()
+    assert stall == pytest.approx(sum(bare.stop_terms().values()))
+    assert stall > sum(policy.stop_terms().values())

@@ -50,6 +50,7 @@ def test_a_script_runs_what_the_command_runs(tmp_path: Path, adapt: bool) -> Non
     (dict(steps=0), "RunConfig.steps=0: must be >= 1"),
     (dict(survivor_copies="always"), "survivor_copies='always': valid are auto, keep"),
     (dict(resume=True), "resume needs a checkpoint_dir"),
+    (dict(local_copy_dir="/dev/shm"), "local_copy_dir='/dev/shm' needs a checkpoint_dir"),
     (dict(precompile=2), "need adapt=True"),
     (dict(hang_floor_s=-1.0), "--hang-floor-s=-1.0: must be a time > 0"),
     (dict(step_timeout_s=5.0), "--step-timeout-s=5.0: must be >= --hang-floor-s=10.0"),

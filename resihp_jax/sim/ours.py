@@ -57,10 +57,11 @@ class Option:
 
 
 def spare_nodes(n_gpus: int, node_size: int, mtbf_s: float, replace_s: float,
-                rejoin_s: float, most: int = 8) -> int:
+                rejoin_s: float, most: int = 8, uncovered_s: float = 0.0) -> int:
     """Spare nodes that cost least: their idle share of the allocation, plus the failures
     that find none free (nodes awaiting replacement: Poisson, mean replace_s / mtbf_s), each
-    a rejoin by requeue later (`rejoin_s`, once per job MTBF)."""
+    a rejoin by requeue later (`rejoin_s`, once per job MTBF) and `uncovered_s` more stall
+    at once (the relaunch onto another plan cannot restore in place)."""
     if not math.isfinite(mtbf_s) or mtbf_s <= 0:
         return 0
     waiting = replace_s / mtbf_s
@@ -68,7 +69,7 @@ def spare_nodes(n_gpus: int, node_size: int, mtbf_s: float, replace_s: float,
     for k in range(most + 1):
         covered = sum(math.exp(-waiting) * waiting ** i / math.factorial(i) for i in range(k + 1))
         idle = k * node_size / (n_gpus + k * node_size)
-        cost = idle + (1.0 - covered) * rejoin_s / mtbf_s
+        cost = idle + (1.0 - covered) * (rejoin_s + uncovered_s) / mtbf_s
         if cost < best_cost:
             best, best_cost = k, cost
     return best
@@ -102,8 +103,10 @@ class Ours(SimPolicy):
     @property
     def spares(self) -> int:
         if self._spares is None:
+            uncovered_s = (sum(self.restart_terms[False].values())
+                           - sum(self.restart_terms[True].values()))
             self._spares = spare_nodes(self.cm.n_gpus, self.cm.node_size, self.mtbf_s,
-                                       self.replace_s, self.rejoin_s)
+                                       self.replace_s, self.rejoin_s, uncovered_s=uncovered_s)
             self.spares_free = self._spares
         return self._spares
 

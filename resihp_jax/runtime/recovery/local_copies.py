@@ -6,15 +6,16 @@ node-local directory (`--local-copy-dir /dev/shm`: memory, kept across the job s
 allocation) each process writes its copy at memory speed and only a small manifest goes to
 the shared directory, so every process still learns which shards exist and where.
 
-A relaunch onto the same plan, with each rank back on its node (the failed node's ranks on
-a spare), restores in place: every process loads the shards its devices hold from its own
-node's files, and the shards nobody on the node kept (a spare node has none; a process that
-was not one of a shard's two writers has none) are filled from a data-parallel replica that
-has them, by one collective: per leaf, the lowest replica holding the shard sends it (a sum
-over the replica axes in which only that replica contributes, on the values' bits, so it is
-exact). When that cannot work (the plan changed, or some shard has no replica holding it
-locally), every process publishes its node's files into the shared directory and the
-relaunch reads them there, as without local copies: slower, but nothing is lost.
+A relaunch onto the same stages and tensor split (the same plan, each rank back on its node
+and the failed node's ranks on a spare; or fewer data-parallel replicas) restores in place:
+every process loads the shards its devices hold from its own node's files, and the shards
+nobody on the node kept (a spare node has none; a process that was not one of a shard's two
+writers has none) are filled from a data-parallel replica that has them, by one
+collective: per leaf, the lowest replica holding the shard sends it (a sum over the replica
+axes in which only that replica contributes, on the values' bits, so it is exact). When
+that cannot work (another split, or some shard that no replica holds locally), every
+process publishes its node's files into the shared directory and the relaunch reads them
+there, as without local copies: slower, but nothing is lost.
 """
 
 from __future__ import annotations
@@ -46,12 +47,25 @@ def local_root(local_dir: str | Path, checkpoint_dir: str | Path) -> Path:
 
 
 def same_layout(copies: Any, program: Any) -> bool:
-    """Do the copies' shards have exactly `program`'s state layout (same plan, same layer
-    placement)? Then each shard file is one device's shard of the new state."""
-    return (copies.plan == program.plan.to_dict()
-            and copies.layer_slots == program.layer_slots
-            and list(copies.positions)
-            == layout.canonical_index(program.stage_index()).tolist())
+    """Is every shard of `program`'s state a shard the copies hold (the same layer placement,
+    and every device's box one of theirs)? The state is replicated over 'data', so a device's
+    shard depends only on its pipeline stage and tensor slice: a plan with fewer (or more)
+    data-parallel replicas and the same stages and tensor split qualifies, whichever devices
+    it runs on."""
+    if (copies.layer_slots != program.layer_slots or list(copies.positions)
+            != layout.canonical_index(program.stage_index()).tolist()):
+        return False
+    flat, _ = jax.tree_util.tree_flatten_with_path(program.abstract_state())
+    for (path, shape), sharding in zip(flat, jax.tree_util.tree_leaves(program.state_shardings)):
+        held = copies.leaves.get(leaf_key(path))
+        if held is None or tuple(held[0]) != tuple(shape.shape) \
+                or jnp.dtype(held[1]) != jnp.dtype(shape.dtype):
+            return False
+        boxes = {piece.box for piece in held[2]}
+        if any(shard_box(index, shape.shape) not in boxes
+               for index in sharding.devices_indices_map(shape.shape).values()):
+            return False
+    return True
 
 
 def restore_in_place(copies: Any, program: Any,

@@ -85,7 +85,7 @@ def _from_copies(copies: survivor_copies.SurvivorCopies, program: Any,
         raise CheckpointError("the copies the nodes published do not cover the state ("
                               f"{'none' if shared is None else shared.missing})")
     why = ("a shard no replica kept on its node" if local_copies.same_layout(copies, program)
-           else "another plan")
+           else "another split of the state")
     return survivor_copies.restore(shared, program, canonical_target(program)), \
         (f"not in place ({why}): {published} node-local cop(ies) published from here, then "
          "read from the checkpoint directory")

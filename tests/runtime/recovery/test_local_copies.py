@@ -1,9 +1,10 @@
 """Survivors' copies on node-local storage (local_copies.py): the exit writes the shards to
 each node's own directory and only manifests to the checkpoint directory; a relaunch onto
 the same plan restores in place, filling the shards a node lacks (a lost node's, a
-non-writer's) from data-parallel replicas, exactly; onto another plan each node publishes
-its files first. One process poses as four (two devices each) on four nodes: a node's
-files are readable only by the devices of that node's processes."""
+non-writer's) from data-parallel replicas, exactly, and so does one onto fewer replicas of
+the same stages and tensor split; onto another split each node publishes its files first.
+One process poses as four (two devices each) on four nodes: a node's files are readable
+only by the devices of that node's processes."""
 
 from __future__ import annotations
 
@@ -119,12 +120,13 @@ def test_in_place_refuses_another_plan_and_shards_no_replica_can_read(
     assert local_copies.restore_in_place(copies, program, lambda path, device: False) is None
 
 
-def test_resume_onto_the_same_plan_is_in_place_and_onto_a_smaller_one_publishes(
+def test_resume_in_place_onto_the_same_split_and_by_publishing_onto_another(
         tmp_path: Path) -> None:
-    """Through start_state, as a relaunch does: the same plan restores in place; a smaller
-    plan (what is left after a loss, no spare) gets every node's files published into the
-    checkpoint directory and restores from there, exactly; the local steps older than the
-    resumed one are removed."""
+    """Through start_state, as a relaunch does: the same plan restores in place, and so does
+    one data-parallel replica fewer on other devices (what is left after a loss, no spare:
+    the state is replicated over dp, so every device's shard is one the copies hold);
+    another layer split gets every node's files published into the checkpoint directory
+    and restores from there, exactly."""
     plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
     program, state, data = _trained(plan)
     expected = jax.device_get(to_canonical(state, program))
@@ -138,10 +140,11 @@ def test_resume_onto_the_same_plan_is_in_place_and_onto_a_smaller_one_publishes(
     assert start.source == "survivors@2" and "restored in place" in out.getvalue()
     _assert_same_state(start.state, program, expected)
 
-    small = Plan(1, 2, 2, (0, 1, 2, 3), (2, 2), (4,), B, S)
-    target = build_step(CFG, TrainConfig(), small, jax.devices())
-    out = io.StringIO()
-    start = start_state(target, ckpt, _data(), resume=True, seed=0, primary=True, out=out)
-    assert start.source == "survivors@2" and "published" in out.getvalue()
-    _assert_same_state(start.state, target, expected)
+    for layers, how in (((2, 2), "restored in place"), ((1, 3), "published")):
+        small = Plan(1, 2, 2, (4, 5, 6, 7), layers, (4,), B, S)
+        target = build_step(CFG, TrainConfig(), small, jax.devices())
+        out = io.StringIO()
+        start = start_state(target, ckpt, _data(), resume=True, seed=0, primary=True, out=out)
+        assert start.source == "survivors@2" and how in out.getvalue(), out.getvalue()
+        _assert_same_state(start.state, target, expected)
     assert list((ckpt.directory / "survivors").rglob("*.bin"))  # the node's files, published

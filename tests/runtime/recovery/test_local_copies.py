@@ -37,10 +37,15 @@ def _data(state: dict | None = None) -> BatchIterator:
                          seed=1, state=state)
 
 
-def _trained(plan: Plan, steps: int = 2) -> tuple:
-    program = build_step(CFG, TrainConfig(), plan, jax.devices())
+PLAN = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple:
+    """`PLAN` after two steps (its step keeps the state: the tests step from it again)."""
+    program = build_step(CFG, TrainConfig(donate_state=False), PLAN, jax.devices())
     state, data = program.init_state(0), _data()
-    for _ in range(steps):
+    for _ in range(2):
         state, _ = run_step(program, state, data.next_batch())
     return program, state, data
 
@@ -73,9 +78,8 @@ def _assert_same_state(got, program, expected) -> None:  # noqa: ANN001
 
 
 def test_shards_go_to_the_local_directory_and_only_manifests_to_the_shared_one(
-        tmp_path: Path) -> None:
-    plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
-    program, state, data = _trained(plan, 1)
+        tmp_path: Path, trained: tuple) -> None:
+    program, state, data = trained
     _nodes_write(tmp_path / "ckpt", tmp_path / "local", program, state, data, dead=set())
     shared = [f for f in (tmp_path / "ckpt").rglob("*") if f.is_file()]
     assert shared and {f.name for f in shared} == {MANIFEST}
@@ -86,12 +90,11 @@ def test_shards_go_to_the_local_directory_and_only_manifests_to_the_shared_one(
 
 @pytest.mark.parametrize("dead", [0, 3])
 def test_same_plan_restores_in_place_filling_the_lost_node_from_replicas(
-        tmp_path: Path, dead: int) -> None:
+        tmp_path: Path, dead: int, trained: tuple) -> None:
     """A node lost (its process wrote nothing; a spare takes its devices, with no files):
     every device's shard comes from its own node or, for the spare's and for shards its own
     node did not write, from a replica over dp; the state is the old one exactly."""
-    plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
-    program, state, data = _trained(plan)
+    program, state, data = trained
     expected = jax.device_get(to_canonical(state, program))
     _nodes_write(tmp_path / "ckpt", tmp_path / "local", program, state, data, dead={dead})
     [copies] = survivor_copies.find(tmp_path / "ckpt")
@@ -103,17 +106,16 @@ def test_same_plan_restores_in_place_filling_the_lost_node_from_replicas(
     _assert_same_state(restored, program, expected)
     # and it trains on: the next step is the uninterrupted run's
     _, record = run_step(program, restored, _data(state=copies.data_state).next_batch())
-    _, reference = run_step(program, state, data.next_batch())
+    _, reference = run_step(program, state, _data(state=data.state()).next_batch())
     assert record.step == reference.step and record.loss == reference.loss
 
 
 def test_in_place_refuses_another_plan_and_shards_no_replica_can_read(
-        tmp_path: Path) -> None:
-    plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
-    program, state, data = _trained(plan, 1)
+        tmp_path: Path, trained: tuple) -> None:
+    program, state, data = trained
     _nodes_write(tmp_path / "ckpt", tmp_path / "local", program, state, data, dead={1})
     [copies] = survivor_copies.find(tmp_path / "ckpt")
-    other = plan.replace(layers_per_stage=(1, 3))  # another layer split
+    other = PLAN.replace(layers_per_stage=(1, 3))  # another layer split
     assert local_copies.restore_in_place(
         copies, build_step(CFG, TrainConfig(), other, jax.devices())) is None
     # nobody can read anything: no replica holds any shard
@@ -121,14 +123,13 @@ def test_in_place_refuses_another_plan_and_shards_no_replica_can_read(
 
 
 def test_resume_in_place_onto_the_same_split_and_by_publishing_onto_another(
-        tmp_path: Path) -> None:
+        tmp_path: Path, trained: tuple) -> None:
     """Through start_state, as a relaunch does: the same plan restores in place, and so does
     one data-parallel replica fewer on other devices (what is left after a loss, no spare:
     the state is replicated over dp, so every device's shard is one the copies hold);
     another layer split gets every node's files published into the checkpoint directory
     and restores from there, exactly."""
-    plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
-    program, state, data = _trained(plan)
+    program, state, data = trained
     expected = jax.device_get(to_canonical(state, program))
     ckpt = Checkpointer(tmp_path / "ckpt", interval=100, local_copy_dir=tmp_path / "shm")
     assert ckpt.local_copies.is_relative_to(tmp_path / "shm")

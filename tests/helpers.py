@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -10,8 +11,17 @@ import numpy as np
 from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.meshes import layout
 from resihp_jax.model import decoder
+from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig
-from resihp_jax.train.step import StepProgram
+from resihp_jax.train.config import TrainConfig
+from resihp_jax.train.step import StepProgram, build_step
+
+
+@functools.lru_cache(maxsize=16)
+def step_program(cfg: ModelConfig, train: TrainConfig, plan: Plan) -> StepProgram:
+    """`build_step` on all devices, built (and compiled) once per test session for each
+    model, train config and plan: a program is immutable, every test starts its own state."""
+    return build_step(cfg, train, plan, jax.devices())
 
 
 def make_batches(n_microbatches: int, microbatch_size: int = 2, seq_len: int = 64,

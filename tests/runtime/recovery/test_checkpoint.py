@@ -20,7 +20,7 @@ from resihp_jax.runtime.recovery.run_identity import run_identity
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.reshard import to_canonical
 from resihp_jax.train.step import build_step
-from tests.helpers import max_relative_error
+from tests.helpers import max_relative_error, step_program
 
 CFG = get_model_config("tiny")
 M, B, S = 6, 2, 64
@@ -34,7 +34,7 @@ def _data(seed: int = 0, state: dict | None = None) -> BatchIterator:
 def test_restore_onto_fewer_devices_continues_exactly(tmp_path: Path) -> None:
     big = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
     small = Plan(3, 2, 1, (6, 1, 0, 3, 4, 2), (1, 3), (2, 2, 2), B, S)
-    program = build_step(CFG, TrainConfig(), big, jax.devices())
+    program = step_program(CFG, TrainConfig(), big)
     state, data = program.init_state(0), _data()
     ckpt = Checkpointer(tmp_path / "ckpt", interval=2)
     for _ in range(2):
@@ -44,7 +44,7 @@ def test_restore_onto_fewer_devices_continues_exactly(tmp_path: Path) -> None:
     expected_params = jax.device_get(to_canonical(state, program).params)
     _, expected = run_step(program, state, data.next_batch())  # the uninterrupted next step
 
-    target = build_step(CFG, TrainConfig(), small, jax.devices())
+    target = step_program(CFG, TrainConfig(), small)
     restored = Checkpointer(tmp_path / "ckpt").restore(target)
     assert restored.step == 2 and restored.plan == big
     assert max_relative_error(jax.device_get(to_canonical(restored.state, target).params),
@@ -70,13 +70,13 @@ def test_missing_checkpoints_are_clear_errors(tmp_path: Path) -> None:
 
 def test_restoring_into_another_model_is_refused(tmp_path: Path) -> None:
     plan = Plan.uniform(1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
-    program = build_step(CFG, TrainConfig(), plan, jax.devices())
+    program = step_program(CFG, TrainConfig(), plan)
     ckpt = Checkpointer(tmp_path / "c", interval=1)
     ckpt.save(1, program.init_state(0), program, _data().state())
     ckpt.wait()
     other = get_model_config("tiny", d_model=32, d_ff=64)
     with pytest.raises(CheckpointError, match="does not match"):
-        ckpt.restore(build_step(other, TrainConfig(), plan, jax.devices()))
+        ckpt.restore(step_program(other, TrainConfig(), plan))
 
 
 def _trained(program, steps: int, data: BatchIterator, state=None):
@@ -93,7 +93,7 @@ def _canonical_params(state, program):
 @functools.cache
 def _program():  # noqa: ANN202 - one compiled program shared by the tests below
     plan = Plan.uniform(1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
-    return build_step(CFG, TrainConfig(), plan, jax.devices())
+    return step_program(CFG, TrainConfig(), plan)
 
 
 def test_async_save_keeps_the_saved_step_although_buffers_are_donated(tmp_path: Path) -> None:

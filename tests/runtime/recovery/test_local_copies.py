@@ -24,8 +24,7 @@ from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.trainer.loop import run_step
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.reshard import to_canonical
-from resihp_jax.train.step import build_step
-from tests.helpers import max_relative_error
+from tests.helpers import max_relative_error, step_program
 
 CFG = get_model_config("tiny")
 M, B, S = 4, 2, 64
@@ -43,7 +42,7 @@ PLAN = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, se
 @pytest.fixture(scope="module")
 def trained() -> tuple:
     """`PLAN` after two steps (its step keeps the state: the tests step from it again)."""
-    program = build_step(CFG, TrainConfig(donate_state=False), PLAN, jax.devices())
+    program = step_program(CFG, TrainConfig(donate_state=False), PLAN)
     state, data = program.init_state(0), _data()
     for _ in range(2):
         state, _ = run_step(program, state, data.next_batch())
@@ -117,7 +116,7 @@ def test_in_place_refuses_another_plan_and_shards_no_replica_can_read(
     [copies] = survivor_copies.find(tmp_path / "ckpt")
     other = PLAN.replace(layers_per_stage=(1, 3))  # another layer split
     assert local_copies.restore_in_place(
-        copies, build_step(CFG, TrainConfig(), other, jax.devices())) is None
+        copies, step_program(CFG, TrainConfig(), other)) is None
     # nobody can read anything: no replica holds any shard
     assert local_copies.restore_in_place(copies, program, lambda path, device: False) is None
 
@@ -143,7 +142,7 @@ def test_resume_in_place_onto_the_same_split_and_by_publishing_onto_another(
 
     for layers, how in (((2, 2), "restored in place"), ((1, 3), "published")):
         small = Plan(1, 2, 2, (4, 5, 6, 7), layers, (4,), B, S)
-        target = build_step(CFG, TrainConfig(), small, jax.devices())
+        target = step_program(CFG, TrainConfig(), small)
         out = io.StringIO()
         start = start_state(target, ckpt, _data(), resume=True, seed=0, primary=True, out=out)
         assert start.source == "survivors@2" and how in out.getvalue(), out.getvalue()

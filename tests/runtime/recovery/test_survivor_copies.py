@@ -27,7 +27,7 @@ from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.reshard import to_canonical
 from resihp_jax.train.step import build_step
-from tests.helpers import max_relative_error
+from tests.helpers import max_relative_error, step_program
 
 CFG = get_model_config("tiny")
 M, B, S = 4, 2, 64
@@ -39,7 +39,7 @@ def _data(state: dict | None = None) -> BatchIterator:
 
 
 def _trained(plan: Plan, steps: int, donate: bool = True) -> tuple:
-    program = build_step(CFG, TrainConfig(donate_state=donate), plan, jax.devices())
+    program = step_program(CFG, TrainConfig(donate_state=donate), plan)
     state, data = program.init_state(0), _data()
     for _ in range(steps):
         state, _ = run_step(program, state, data.next_batch())
@@ -86,7 +86,7 @@ def test_copies_of_one_dead_process_restore_onto_a_smaller_plan(tmp_path: Path,
     [copies] = survivor_copies.find(tmp_path)
     assert copies.complete and copies.step == 2 and sorted(copies.hosts) == ["p1", "p2", "p3"]
     small = Plan(1, 2, 2, (2, 3, 4, 5), (1, 3), (4,), B, S)  # what is left, another split
-    target = build_step(CFG, TrainConfig(), small, jax.devices())
+    target = step_program(CFG, TrainConfig(), small)
     restored = survivor_copies.restore(copies, target, canonical_target(target))
     got = jax.device_get(to_canonical(restored, target))
     assert max_relative_error(got.params, expected.params) == 0.0
@@ -269,7 +269,7 @@ def test_copies_rewritten_under_another_plan_are_judged_apart(tmp_path: Path) ->
     program, state, data = _trained(big, 2)
     _survivors_write(tmp_path, program, state, data, dead={0})  # 3 of 4 hosts: complete
     small = Plan(1, 2, 2, (2, 3, 4, 5), (1, 3), (4,), B, S)
-    target = build_step(CFG, TrainConfig(), small, jax.devices())
+    target = step_program(CFG, TrainConfig(), small)
     [copies] = survivor_copies.find(tmp_path)
     moved = survivor_copies.restore(copies, target, canonical_target(target))
     # one process of the relaunch (its own name: another pid) rewrites step 2 and fails

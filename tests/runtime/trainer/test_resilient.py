@@ -68,6 +68,9 @@ def test_stopped_device_restores_from_checkpoint(tmp_path: Path,
     np.testing.assert_allclose([r.loss for r in records], reference[:4], rtol=2e-5)
 
 
+# `benchmarks/recovery.py` (--quick too) runs these three switches and reports the
+# executables each built on the training thread (split_only 0, mesh_warm 0, mesh_cold >= 1)
+@pytest.mark.slow
 def test_switches_compile_only_what_was_not_prepared(reference: list[float]) -> None:
     """Split-only: the program is reused; a prepared mesh: compiled ahead in the background;
     only an unforeseen mesh compiles on the training thread. Losses stay the reference's."""

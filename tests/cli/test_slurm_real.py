@@ -18,7 +18,7 @@ restarted) costs no requeue and no step either.
 
 Marked slow (about 6 minutes: ten runs, each starting JAX processes, and two requeue
 holds), so the default run leaves it out: run it with
-`python -m pytest -m slow tests/cli/test_slurm_real.py`. Skipped, with the reason, where no
+`python -m pytest -n 0 -m slow tests/cli/test_slurm_real.py`. Skipped, with the reason, where no
 SLURM controller answers."""
 
 from __future__ import annotations

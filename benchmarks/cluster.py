@@ -119,6 +119,11 @@ def stall_terms(n_gpus: int, scenario: str) -> dict[str, dict[str, float]]:
         policy.mtbf_s = 1.0 / rate if rate > 0 else float("inf")
         terms = {t: round(v, 2) for t, v in policy.stop_terms().items()}
         out[name] = {**terms, "total": round(sum(policy.stop_terms().values()), 2)}
+        if name == OURS:  # both ways ours restores: in place (a spare kept the plan), or not
+            for in_place, label in ((True, "in place"), (False, "published")):
+                both = policy.restart_terms[in_place]
+                out[f"{name} ({label})"] = {**{t: round(v, 2) for t, v in both.items()},
+                                            "total": round(sum(both.values()), 2)}
     return out
 
 

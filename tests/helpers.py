@@ -17,6 +17,32 @@ from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.step import StepProgram, build_step
 
 
+def run_processes(script: str, n: int, devices: int, *args: str,
+                  timeout_s: float = 600) -> list[dict]:
+    """`script` (python -c) as `n` local processes of `devices` CPU devices each, argv
+    `PROCESS_ID PORT *args`; the JSON each prints after "RESULT ", in process order."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from resihp_jax.runtime.job.supervisor import free_port
+
+    port = str(free_port())
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(i), port, *args], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(n)]
+    outputs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+    results = []
+    for proc, text in zip(procs, outputs):
+        assert proc.returncode == 0, text
+        line = next(x for x in text.splitlines() if x.startswith("RESULT "))
+        results.append(json.loads(line[len("RESULT "):]))
+    return results
+
+
 @functools.lru_cache(maxsize=16)
 def step_program(cfg: ModelConfig, train: TrainConfig, plan: Plan) -> StepProgram:
     """`build_step` on all devices, built (and compiled) once per test session for each

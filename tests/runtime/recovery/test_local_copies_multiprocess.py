@@ -6,14 +6,11 @@ checkpoint directory after a barrier."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-from resihp_jax.runtime.job.supervisor import free_port
+
+from tests.helpers import run_processes
 
 SCRIPT = textwrap.dedent("""
     import io, json, sys
@@ -77,20 +74,7 @@ SCRIPT = textwrap.dedent("""
 
 def test_a_spare_process_is_filled_from_replicas_and_another_plan_reads_published_files(
         tmp_path: Path) -> None:
-    port = str(free_port())
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(i), port, str(tmp_path)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
-             for i in range(2)]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    results = []
-    for proc, text in zip(procs, outputs):
-        assert proc.returncode == 0, text
-        line = next(x for x in text.splitlines() if x.startswith("RESULT "))
-        results.append(json.loads(line[len("RESULT "):]))
-    first, second = results
+    first, second = run_processes(SCRIPT, 2, 4, str(tmp_path))
     assert first["filled"] == second["filled"] > 0  # process 1's devices got every shard
     assert first["in_place"] and second["in_place"]
     assert first["published"] and second["published"]

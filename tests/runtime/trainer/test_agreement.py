@@ -4,13 +4,10 @@ everyone's, so a verdict on a slow process leads every process to the same new p
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
-from resihp_jax.runtime.job.supervisor import free_port
+
+from tests.helpers import run_processes
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -43,19 +40,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_every_process_sees_the_same_step_and_follows_process_0() -> None:
-    port = str(free_port())
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(i), port], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    results = []
-    for proc, text in zip(procs, outputs):
-        assert proc.returncode == 0, text
-        line = next(x for x in text.splitlines() if x.startswith("RESULT "))
-        results.append(json.loads(line[len("RESULT "):]))
-    first, second = results
+    first, second = run_processes(SCRIPT, 2, 1, timeout_s=300)
     assert first == second  # one view, one decision
     assert first["step_time_s"] == 2.0 and first["fwd"] == [0.5, 1.5]
     assert first["verdict"] == [[2048], 3.0] and first["plan"] == [3, 1]

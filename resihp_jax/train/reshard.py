@@ -13,6 +13,9 @@ one placement, no program, and two fewer copies of the state in fresh memory:
 `benchmarks/recovery.py --quick`'s prepared-mesh move took 0.16-0.46 s in seven runs, the
 canonical route 0.41-0.68 s in three. (Building each device's block in a buffer of its own that
 the CPU client adopts without a copy was tried: no faster, and the first step after it slower.)
+Fresh host memory is slow to touch the first time, so the host arrays are written into buffers
+the trainer reserved while it prepared the new mesh (`staging.HostStaging`): the prepared-mesh
+move of `benchmarks/recovery.py --quick` took 0.20 s with them, 0.59-0.66 s without.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.rules import is_layer_leaf
+from resihp_jax.train.staging import HostStaging
 from resihp_jax.train.state_io import restore_args, save_args, state_handler
 from resihp_jax.train.step import StepProgram, TrainState
 
@@ -47,17 +51,21 @@ def same_devices(src: StepProgram, dst: StepProgram) -> bool:
         src.layer_slots == dst.layer_slots
 
 
-def move_state(state: TrainState, src: StepProgram, dst: StepProgram) -> TrainState:
-    """`state` laid out for `src`'s plan, re-laid out and re-sharded for `dst`'s plan."""
+def move_state(state: TrainState, src: StepProgram, dst: StepProgram,
+               staging: HostStaging | None = None) -> TrainState:
+    """`state` laid out for `src`'s plan, re-laid out and re-sharded for `dst`'s plan; a move
+    onto other devices writes its host arrays into `staging`'s buffers where it holds them."""
     same = same_devices(src, dst)
     if same and src.plan.layers_per_stage == dst.plan.layers_per_stage:
         return state
     if same:  # a new split of the same mesh: one program, no canonical copy
         return dst.restage_fn(state, src.canonical_positions(), dst.stage_index_array())
-    return jax.device_put(_restaged_on_host(state, src, dst), dst.state_shardings)
+    host = _restaged_on_host(state, src, dst, staging or HostStaging(budget_bytes=0))
+    return jax.device_put(host, dst.state_shardings)
 
 
-def _restaged_on_host(state: TrainState, src: StepProgram, dst: StepProgram) -> TrainState:
+def _restaged_on_host(state: TrainState, src: StepProgram, dst: StepProgram,
+                      staging: HostStaging) -> TrainState:
     """`state` (laid out for `src`) as host arrays in `dst`'s stage layout (one process).
     Each block is read from one of its replicas, one on a device `dst` keeps where there is
     one: a device the new plan leaves out (it stopped) is not read when dp holds a copy."""
@@ -73,9 +81,10 @@ def _restaged_on_host(state: TrainState, src: StepProgram, dst: StepProgram) -> 
 
     def leaf(path: tuple, x: jax.Array) -> np.ndarray:
         if not is_layer_leaf(path):
-            return _whole(x, keep)
-        new = _gather_rows(x, rows, keep)
-        return new.reshape(index_PxL.shape + new.shape[1:])
+            return _whole(x, keep, staging.take(x.shape, x.dtype))
+        out = staging.take(index_PxL.shape + x.shape[2:], x.dtype)
+        _gather_rows(x, rows, keep, out.reshape((rows.size,) + x.shape[2:]))
+        return out
 
     return jax.tree_util.tree_map_with_path(leaf, state)
 
@@ -93,34 +102,33 @@ def _blocks(x: jax.Array, keep: set[int]) -> list[tuple[tuple[slice, ...], np.nd
     return blocks
 
 
-def _whole(x: jax.Array, keep: set[int],
+def _whole(x: jax.Array, keep: set[int], out: np.ndarray | None = None,
            blocks: list[tuple[tuple[slice, ...], np.ndarray]] | None = None) -> np.ndarray:
-    """`x` on the host, a copy of its own (never a view of a device buffer), from `blocks`
-    when they were read already."""
-    out = np.empty(x.shape, x.dtype)
+    """`x` on the host, written into `out` (fresh where None): a copy of its own, never a
+    view of a device buffer, from `blocks` when they were read already."""
+    out = np.empty(x.shape, x.dtype) if out is None else out
     for index, block in blocks if blocks is not None else _blocks(x, keep):
         out[index] = block
     return out
 
 
-def _gather_rows(x_PxLxX: jax.Array, rows: np.ndarray, keep: set[int]) -> np.ndarray:
-    """[len(rows), ...]: row r of `x` flattened over its first two axes, or zeros where r is
-    -1, read block by block (no copy of the whole array first: on a host whose fresh memory
-    is slow to touch, that copy was the move's largest term)."""
+def _gather_rows(x_PxLxX: jax.Array, rows: np.ndarray, keep: set[int],
+                 out: np.ndarray) -> None:
+    """Into `out` ([len(rows), ...], zeroed): row r of `x` flattened over its first two
+    axes where r >= 0, read block by block (no copy of the whole array first: on a host
+    whose fresh memory is slow to touch, that copy was the move's largest term)."""
     slots = x_PxLxX.shape[1]
-    out = np.zeros((rows.size,) + x_PxLxX.shape[2:], x_PxLxX.dtype)
     held = np.nonzero(rows >= 0)[0]
     blocks = _blocks(x_PxLxX, keep)
     if any(index[1] != slice(None) for index, _ in blocks):  # slots split (no rule does so)
-        whole = _whole(x_PxLxX, keep, blocks).reshape((-1,) + out.shape[1:])
+        whole = _whole(x_PxLxX, keep, blocks=blocks).reshape((-1,) + out.shape[1:])
         out[held] = whole[rows[held]]
-        return out
+        return
     for (stages, _, *rest), block in blocks:
         first = stages.indices(x_PxLxX.shape[0])[0] * slots
         flat = block.reshape((-1,) + block.shape[2:])
         mine = held[(rows[held] >= first) & (rows[held] < first + flat.shape[0])]
         out[(mine, *rest)] = flat[rows[mine] - first]
-    return out
 
 
 def move_via_orbax(state: TrainState, src: StepProgram, dst: StepProgram,

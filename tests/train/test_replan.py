@@ -10,6 +10,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.reshard import move_state, to_canonical
+from resihp_jax.train.staging import HostStaging
 from resihp_jax.train.step import build_step, route_microbatches, routed_groups
 from tests.helpers import make_batches, max_relative_error
 
@@ -131,6 +132,14 @@ def test_a_move_onto_other_devices_equals_the_canonical_route() -> None:
     for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(expected)):
         assert got.sharding == want.sharding
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # the same move through host buffers reserved ahead of time: same arrays, buffers used
+    staging = HostStaging(budget_bytes=2**31)
+    assert staging.reserve(jax.eval_shape(lambda: dst.init_state(0))) > 0
+    staged = move_state(state, src, dst, staging)
+    assert staging.held_bytes == 0
+    for got, want in zip(jax.tree.leaves(staged), jax.tree.leaves(expected)):
+        assert got.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert dst.stage_index().min() < 0  # the new layout has empty slots, and they are zero
     back = move_state(moved, dst, src)
     for got, want in zip(jax.tree.leaves(back), before):
@@ -150,4 +159,6 @@ def test_the_host_gather_reads_blocks_split_along_any_axis() -> None:
     want = x_PxLxX.reshape(8, 4)[np.clip(rows, 0, None)] * (rows >= 0)[:, None]
     for spec in (P("a"), P("a", "b"), P(None, None, "b")):
         placed = jax.device_put(x_PxLxX, NamedSharding(mesh, spec))
-        np.testing.assert_array_equal(_gather_rows(placed, rows, {0, 1}), want)
+        out = np.zeros((rows.size, 4), np.float32)
+        _gather_rows(placed, rows, {0, 1}, out)
+        np.testing.assert_array_equal(out, want)

@@ -7,13 +7,15 @@ than compiling again); one still queued is cancelled and compiled on the spot.
 
 Programs the trainer leaves are kept (`keep`), so going back to a mesh (the healthy plan
 once a slow device recovers) compiles nothing; `prepare_first` puts the program a switch
-is waiting for ahead of the speculative ones.
+is waiting for ahead of the speculative ones. An optional `stage` runs, in the same thread,
+after each prepared program (e.g. to reserve the host memory a move onto its mesh writes).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import warnings
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
@@ -22,23 +24,30 @@ from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
 from resihp_jax.train.step import StepProgram
 
 Build = Callable[[Plan], StepProgram]  # a plan -> its program, compiled
+Stage = Callable[[StepProgram], None]  # more preparation for a program, once it is compiled
 
 
 class Precompiler:
-    def __init__(self, build: Build) -> None:
+    def __init__(self, build: Build, stage: Stage | None = None) -> None:
         self._build = build
+        self._stage = stage
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=BACKGROUND_PREFIX)
         self._futures: dict[tuple, Future[StepProgram]] = {}
         self._proposals: list[Future[None]] = []
+        self._stagings: list[Future[None]] = []
         self._lock = threading.Lock()
         self.compile_s: list[float] = []  # wall time of each background compile
 
     def prepare(self, plans: Iterable[Plan]) -> None:
-        """Queue the programs of `plans` not already prepared (or being prepared)."""
+        """Queue the programs of `plans` not already prepared (or being prepared), then
+        `stage` each of them, in order, those prepared earlier included."""
         with self._lock:
             for plan in plans:
                 if plan.mesh_key() not in self._futures:
                     self._futures[plan.mesh_key()] = self._pool.submit(self._timed_build, plan)
+                if self._stage is not None:
+                    self._stagings = [f for f in self._stagings if not f.done()] + [
+                        self._pool.submit(self._staged, self._futures[plan.mesh_key()])]
 
     def prepare_first(self, plan: Plan) -> None:
         """Compile `plan`'s program next: speculative work not yet started is cancelled (the
@@ -88,11 +97,12 @@ class Precompiler:
         return program.with_plan(plan) if program.accepts(plan) else None
 
     def wait(self) -> None:
-        """Block until everything queued so far is compiled (benchmarks and tests)."""
+        """Block until everything queued so far is compiled and staged (benchmarks and
+        tests)."""
         while True:
             with self._lock:
-                pending = [f for f in (*self._proposals, *self._futures.values())
-                           if not f.done()]
+                pending = [f for f in (*self._proposals, *self._futures.values(),
+                                       *self._stagings) if not f.done()]
             if not pending:
                 return
             for f in pending:
@@ -103,6 +113,16 @@ class Precompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _staged(self, future: Future[StepProgram]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # built before this task runs: one worker takes tasks in order
+        assert self._stage is not None
+        try:
+            self._stage(future.result())
+        except Exception as err:  # noqa: BLE001 - staging only saves time
+            warnings.warn(f"preparing {future.result().plan.describe()} beyond its program "
+                          f"failed ({err!r}); a switch to it does that work then", stacklevel=1)
 
     def _timed_build(self, plan: Plan) -> StepProgram:
         start = time.perf_counter()

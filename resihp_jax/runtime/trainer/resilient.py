@@ -47,6 +47,7 @@ from resihp_jax.runtime.trainer.compiles import counting
 from resihp_jax.train.instrument import FaultHook
 from resihp_jax.runtime.trainer.loop import StepRecord, device_batch, diverged
 from resihp_jax.runtime.trainer.precompile import Precompiler
+from resihp_jax.train.staging import HostStaging
 from resihp_jax.runtime.recovery.run_identity import run_identity
 from resihp_jax.runtime.trainer.host_cpu import CpuMeter
 from resihp_jax.runtime.trainer.timing import StageTimer, StepTiming, timed_step
@@ -183,7 +184,10 @@ class ResilientTrainer:
                                                      self.data.state()),
             local_copy_dir=self.config.local_copy_dir)
             if self.config.checkpoint_dir else None)
-        self.precompiler = Precompiler(self._compiled)
+        # host memory for a move onto a prepared mesh, touched while it is prepared (one
+        # process only: a job of several moves through orbax)
+        self.staging = HostStaging(budget_bytes=0 if multi_process() else None)
+        self.precompiler = Precompiler(self._compiled, stage=self._reserve_staging)
         self.state: TrainState | None = None
         # the newest step finished on the devices (maybe not yet yielded)
         self.completed: int | None = None
@@ -206,6 +210,11 @@ class ResilientTrainer:
             program = build_step(self.model, train_cfg, plan, self.devices,
                                  instrument=self._instrument)
         return compile_program(program)
+
+    def _reserve_staging(self, program: StepProgram) -> None:
+        """Touch, in the background, the host buffers a move onto `program`'s mesh fills."""
+        if self.staging.budget_bytes:
+            self.staging.reserve(jax.eval_shape(lambda: program.init_state(0)))
 
     def _install(self, program: StepProgram, plan: Plan) -> None:
         self.program, self.plan = program, plan
@@ -461,6 +470,7 @@ class ResilientTrainer:
         if kind != "split_only":
             self.precompiler.keep(self.program)  # going back later compiles nothing
         self._install(program, new)
+        self.staging.clear()  # reserved for the plans likely after the old one
         self._prepare_next()
         return Switch(kind, t1 - t0, t2 - t1, count.compiles, restored)
 
@@ -474,7 +484,7 @@ class ResilientTrainer:
                                   "through orbax: give it a checkpoint directory")
             return move_via_orbax(self.state, self.program, program,
                                   Path(self.config.checkpoint_dir) / "reshard")
-        return move_state(self.state, self.program, program)
+        return move_state(self.state, self.program, program, self.staging)
 
     def _context(self) -> PlanningContext:
         costs = self.detector.cost_params()

@@ -101,7 +101,7 @@ def test_a_slow_device_trains_an_interim_split_while_the_new_mesh_compiles(
     """After a fail-slow verdict whose best plan needs a new program, the trainer moves at once
     to a split of the current program and switches to the new mesh at the first step after
     its background compile is ready: no compile on the training thread, no step lost, the
-    reference's losses."""
+    reference's losses (the move writing into host buffers reserved ahead)."""
     trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(),
                                ResilienceConfig(precompile=0, compile_cache_dir=None))
     records = list(trainer.run(2))
@@ -110,6 +110,7 @@ def test_a_slow_device_trains_an_interim_split_while_the_new_mesh_compiles(
     assert first.kind == "split_only" and first.new_plan.same_mesh(PLAN)
     assert target is not None and not target.same_mesh(PLAN) and 5 not in target.device_ids
     trainer.precompiler.wait()
+    assert trainer.staging.held_bytes > 0  # the move's host buffers, touched in the background
     items = list(trainer.run(4))
     trainer.close()
     (done,) = [i for i in items if isinstance(i, Replan)]

@@ -3,7 +3,8 @@
 A mesh change builds a new executable; with the cache, the second time any process of any
 incarnation builds the same program for the same devices it loads it from disk instead. The
 directory defaults to `$RESIHP_COMPILE_CACHE`, else `~/.cache/resihp_jax/xla`; on a cluster,
-point it at storage every host of the job can reach (or a local disk per host).
+point it at storage every host of the job can reach: JAX writes entries from the job's
+process 0 only, and every process reads them (`cache_layout`).
 """
 
 from __future__ import annotations
@@ -20,21 +21,34 @@ def default_cache_dir() -> str:
     return os.environ.get(ENV_VAR) or str(Path.home() / ".cache" / "resihp_jax" / "xla")
 
 
-def cache_is_safe() -> bool:
-    """Whether executables loaded from the cache run correctly on this backend.
+def cache_layout(backend: str, device_count: int, process_count: int,
+                 directory: Path) -> Path | None:
+    """The directory this process caches under, or None where the cache must stay off.
 
-    Not on several CPU devices: with JAX 0.10.2 a train step loaded from the persistent
-    cache deadlocks in XLA:CPU's collective rendezvous (an all-reduce and a collective
-    permute of one step wait for each other until XLA aborts the process), while the same
-    step compiled afresh runs. GPUs and TPUs, where compiles are long, keep the cache.
+    - Several CPU devices: off. With JAX 0.10.2 a train step loaded from the persistent
+      cache deadlocked XLA:CPU's collective rendezvous in a job of several processes (an
+      all-reduce and a collective permute of one step waited for each other until XLA aborted
+      the process), while the same step compiled afresh runs; and there the cache key holds
+      each process's device assignment, so only process 0 (the one process JAX lets write)
+      would ever find an entry.
+    - A job of several processes elsewhere: one directory per job size, shared by its
+      processes. JAX writes entries from process 0 only, and on GPUs strips the device
+      assignment from the key so that every process finds them (a directory per process would
+      leave all but process 0 compiling at every start). Per job size, because an executable
+      of a job of several processes talks to its peers: loaded by a run of another size with
+      the same program (same shapes, same logical devices, same key) it aborts.
+    - One process: `directory` itself.
     """
-    import jax  # noqa: PLC0415
-
-    return not (jax.default_backend() == "cpu" and jax.device_count() > 1)
+    if backend == "cpu" and device_count > 1:
+        return None
+    if process_count > 1:
+        return directory / f"job{process_count}"
+    return directory
 
 
 def enable_compilation_cache(directory: str | None) -> str | None:
-    """Cache every compiled program under `directory` (None: leave the cache off).
+    """Cache every compiled program under `directory` (None: leave the cache off); on a
+    cluster, `directory` must be one every process of the job reaches.
 
     Returns the directory in use. Thresholds are zero: on CPU even sub-second compiles are
     worth caching, and a re-plan's budget is counted in seconds.
@@ -43,14 +57,10 @@ def enable_compilation_cache(directory: str | None) -> str | None:
         return None
     import jax  # noqa: PLC0415 - callers set device flags (and join their job) first
 
-    if not cache_is_safe():
+    path = cache_layout(jax.default_backend(), jax.device_count(), jax.process_count(),
+                        Path(directory).expanduser().absolute())
+    if path is None:
         return None
-    path = Path(directory).expanduser().absolute()
-    if jax.process_count() > 1:
-        # An executable of a job of several processes talks to its peers: loaded by a
-        # one-process run of the same program (same shapes, same logical devices, same
-        # cache key) it aborts. Each process of each job shape gets its own entries.
-        path = path / f"job{jax.process_count()}" / f"p{jax.process_index()}"
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:

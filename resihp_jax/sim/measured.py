@@ -85,9 +85,12 @@ class RestartCosts:
     """A fail-stop ends our incarnation: every process exits and the job relaunches on the
     survivors, as a new job step in the same allocation (examples/slurm/*.sbatch: --no-kill,
     the failed node left out). The engine ends every process, so no warm standby waits there
-    (docs/DESIGN.md, "The job: relaunch and the warm standby"), and JAX 0.10.2 never
-    persists our stage-timed step, so the compile is paid. A replaced GPU rejoins only by a
-    requeue (an allocation does not grow), which `terms(..., requeue=True)` charges.
+    (docs/DESIGN.md, "The job: relaunch and the warm standby"). JAX 0.10.2 never persists
+    our stage-timed step: a relaunch onto another plan compiles it; one onto the same plan
+    loads the untimed step the last incarnation left in the shared compile cache and the
+    timed one compiles in the background (ResilienceConfig.untimed_start). A replaced GPU
+    rejoins only by a requeue (an allocation does not grow), which `terms(..., requeue=True)`
+    charges.
     Each term, where its figure comes from, and how it scales:
 
     - detection. A failed GPU that ends its process is seen as `resihp launch` sees a kill
@@ -132,6 +135,12 @@ class RestartCosts:
       compile time of a 70B training step was found; this is what the same program takes
       here, a lower bound for a 70B step (its layers are scanned, so the program's size grows
       with the layer's, not the layer count).
+    - load, instead of the compile, when the relaunch is in place (the same plan and
+      processes): `compile_s` x `load_ratio` (`python benchmarks/untimed_start.py`, full run,
+      `tiny` on one CPU device, where this JAX's cache works: programs ready in 1.433 s
+      loaded against 4.764 s compiling the stage-timed step), plus `load_first_step_s`, what
+      the first step lost to the timed step compiling beside it (same run: 0.841 s against
+      0.398 s).
     - restore in place (the same plan, each rank on its node, a spare in the failed node's
       place): each device loads the shards its node wrote (min(dp, 2) / dp of its own) from
       memory at `local_read_bytes_per_s` (same benchmark: 5.14 GB/s) and across the host
@@ -170,6 +179,8 @@ class RestartCosts:
     init_scale_s: float = 265.0
     init_scale_gpus: int = 96 * 1024
     compile_s: float = 13.16
+    load_ratio: float = 1.433 / 4.764
+    load_first_step_s: float = 0.841 - 0.398
     lost_step_share: float = 0.5
 
     def terms(self, n_gpus: int, params_per_device: float, step_s: float,
@@ -200,7 +211,8 @@ class RestartCosts:
             "start": self.start_s,
             "init": self.init_at(n_gpus),
             "plan": planning_s(n_gpus),
-            "compile": self.compile_s,
+            **({"load": self.compile_s * self.load_ratio + self.load_first_step_s}
+               if in_place else {"compile": self.compile_s}),
             **restore,
             "lost work": self.lost_step_share * step_s,
         }

@@ -14,6 +14,7 @@ from resihp_jax import cli
 from resihp_jax.errors import ConfigError
 from resihp_jax.sim.cluster import get_cluster
 from resihp_jax.sim.engine import OURS, POLICIES, simulate
+from resihp_jax.sim.measured import OUR_RESTART
 from resihp_jax.sim.policy import Live
 from resihp_jax.sim.rates import layer_rebalanced, usable_groups
 from resihp_jax.sim.study import StudyConfig, run_study
@@ -89,7 +90,6 @@ def test_a_new_mesh_compiles_in_the_background_and_the_healthy_one_is_kept(cm) -
     """One 5x slow GPU for 20 minutes: ours moves layers off it at once (a short stall), trains
     that split while the mesh leaving the GPU out compiles (`compile_s`, no stall), switches
     (a reshard), and goes back to the healthy mesh at the end without compiling again."""
-    from resihp_jax.sim.measured import OUR_RESTART
     from resihp_jax.sim.traces import COMPUTE, Trace
 
     empty = np.zeros(0)
@@ -198,7 +198,7 @@ def test_restart_terms_are_positive_and_each_field_names_its_source(cm) -> None:
     (field) beside its measurement or its publication."""
     import dataclasses
 
-    from resihp_jax.sim.measured import OUR_RESTART, RestartCosts
+    from resihp_jax.sim.measured import RestartCosts
 
     doc = RestartCosts.__doc__ or ""
     for field in dataclasses.fields(RestartCosts):
@@ -267,6 +267,9 @@ def test_spare_nodes_cost_least_and_stand_in_for_a_failed_node(cm) -> None:  # n
     assert policy.spares_free == 0
     # the same plan, each rank on its node: restored in place from the nodes' memory
     assert policy.last_in_place and "publish" not in policy.stop_terms()
+    # ... and on the same plan its untimed step loads from the compile cache
+    assert "compile" not in policy.stop_terms()
+    assert 0 < policy.stop_terms()["load"] < OUR_RESTART.compile_s
     policy.live.dead.discard(9)
     assert policy.on_replace(9) == 0.0 and policy.spares_free == 1  # the repaired node
     # with no spare held: every GPU trains (no idle share), and the same failure leaves the
@@ -280,5 +283,6 @@ def test_spare_nodes_cost_least_and_stand_in_for_a_failed_node(cm) -> None:  # n
     assert bare.rate() < full
     # another plan: the nodes publish their copies to shared storage first, which costs more
     assert not bare.last_in_place and "publish" in bare.stop_terms()
+    assert bare.stop_terms()["compile"] == OUR_RESTART.compile_s  # another plan compiles
     assert stall == pytest.approx(sum(bare.stop_terms().values()))
     assert stall > sum(policy.stop_terms().values())

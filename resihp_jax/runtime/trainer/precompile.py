@@ -78,6 +78,19 @@ class Precompiler:
             self._proposals = [f for f in self._proposals if not f.done()] + [future]
         return future
 
+    def run_later(self, work: Callable[[], object]) -> None:
+        """Run `work` in the background thread after what is queued (its result dropped; a
+        failure only loses what it would have saved)."""
+        def quiet() -> None:
+            try:
+                work()
+            except Exception as err:  # noqa: BLE001
+                warnings.warn(f"background work failed ({err!r})", stacklevel=1)
+
+        with self._lock:
+            self._stagings = [f for f in self._stagings if not f.done()] + [
+                self._pool.submit(quiet)]
+
     def ready(self) -> frozenset[tuple]:
         """Mesh keys whose program is compiled and can be taken now."""
         with self._lock:

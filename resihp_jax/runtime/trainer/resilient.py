@@ -87,6 +87,11 @@ class ResilienceConfig:
     # callbacks (state moves, the step when no instrument is attached): JAX never persists
     # an executable that calls back into Python.
     compile_cache_dir: str | None = field(default_factory=default_cache_dir)
+    # With the cache on: start on the step without stage timing (a relaunch onto a plan the
+    # job ran before loads it from the cache instead of compiling), while the stage-timed
+    # step compiles in the background and takes over at a step boundary. Until it does, the
+    # detector sees step times only, and a hung step names no device.
+    untimed_start: bool = True
 
     def __post_init__(self) -> None:
         for name in ("step_timeout_s", "hang_floor_s", "device_memory_gb", "horizon_s"):
@@ -167,13 +172,17 @@ class ResilientTrainer:
     programs: Callable[..., StepProgram] | None = None
 
     def __post_init__(self) -> None:
-        enable_compilation_cache(self.config.compile_cache_dir)
+        self._cache_dir = enable_compilation_cache(self.config.compile_cache_dir)
         self.health = Health.healthy()
         self._host = _Host()
         self._instrument = Instrument(self._host)
         self._compile_s: float | None = None  # measured cost of a mesh compiled on the spot
         self._warm_s = 0.0  # measured cost of taking a prepared program
-        self._install(self._compiled(self.plan), self.plan)
+        # the first step runs the untimed program (from the cache when the job ran this plan
+        # before) when there is a cache and no fault is injected (faults act through the
+        # stage-timing callbacks)
+        untimed = bool(self._cache_dir and self.config.untimed_start and self.fault_hook is None)
+        self._install(self._compiled(self.plan, timed=not untimed), self.plan, timed=not untimed)
         self.detector = make_detector(self.config.detector, prober=self._probe,
                                       model=self.model, clock=self.clock)
         # asynchronous: orbax copies the state to host before `save` returns, so the
@@ -188,6 +197,10 @@ class ResilientTrainer:
         # process only: a job of several moves through orbax)
         self.staging = HostStaging(budget_bytes=0 if multi_process() else None)
         self.precompiler = Precompiler(self._compiled, stage=self._reserve_staging)
+        if untimed:  # the stage-timed step, for a step boundary after it compiled
+            self.precompiler.prepare([self.plan])
+        self._untimed_cached: set[tuple] = {self.plan.mesh_key()} if untimed else set()
+        self._cache_untimed()
         self.state: TrainState | None = None
         # the newest step finished on the devices (maybe not yet yielded)
         self.completed: int | None = None
@@ -199,25 +212,56 @@ class ResilientTrainer:
         self._prepare_next()
 
     # ---- programs ------------------------------------------------------------------------
-    def _compiled(self, plan: Plan) -> StepProgram:
-        """`plan`'s program, built and compiled now (any thread)."""
+    def _compiled(self, plan: Plan, timed: bool = True) -> StepProgram:
+        """`plan`'s program, built and compiled now (any thread); `timed`: with the stage
+        timing (and fault) callbacks, else without (the persistent cache can hold it)."""
         slots = max(self.train_cfg.microbatch_slots or layout.default_microbatch_slots(
             plan.n_microbatches, plan.dp), max(plan.microbatches_per_group))
         train_cfg = self.train_cfg.replace(microbatch_slots=slots)
+        instrument = self._instrument if timed else None
         if self.programs is not None:
-            program = self.programs(train_cfg, plan, self.devices, self._instrument)
+            program = self.programs(train_cfg, plan, self.devices, instrument)
         else:
             program = build_step(self.model, train_cfg, plan, self.devices,
-                                 instrument=self._instrument)
+                                 instrument=instrument)
         return compile_program(program)
+
+    def _cache_untimed(self) -> None:
+        """Compile the current plan's untimed program once, in the background, so that JAX
+        writes it to the persistent cache: a later start on this plan (a relaunch onto the
+        same plan, a spare in the failed node's place) then loads it."""
+        key = self.plan.mesh_key()
+        if self._cache_dir and self.config.untimed_start and key not in self._untimed_cached:
+            self._untimed_cached.add(key)
+            plan = self.plan
+            self.precompiler.run_later(lambda: self._compiled(plan, timed=False))
+
+    @property
+    def timed(self) -> bool:
+        """Whether the current program times stages (False while an untimed start lasts)."""
+        return self._timed
+
+    def _timed_ready(self) -> bool:
+        """The untimed start may end: the stage-timed program is compiled (on process 0,
+        which decides for all: every process must run the same program in a step)."""
+        if self._timed:
+            return False
+        ready = self.plan.mesh_key() in self.precompiler.ready()
+        return bool(from_primary(ready or None)) if multi_process() else ready
+
+    def _take_timed(self) -> None:
+        """Run the stage-timed program from the next step on: same plan, same shardings, so
+        the state stays where it is."""
+        program = self.precompiler.take(self.plan) or self._compiled(self.plan)
+        self._install(program, self.plan)
 
     def _reserve_staging(self, program: StepProgram) -> None:
         """Touch, in the background, the host buffers a move onto `program`'s mesh fills."""
         if self.staging.budget_bytes:
             self.staging.reserve(jax.eval_shape(lambda: program.init_state(0)))
 
-    def _install(self, program: StepProgram, plan: Plan) -> None:
-        self.program, self.plan = program, plan
+    def _install(self, program: StepProgram, plan: Plan, timed: bool = True) -> None:
+        self.program, self.plan, self._timed = program, plan, timed
         self._host.hook = self.fault_hook.with_plan(plan) if self.fault_hook else None
         self._host.timer = StageTimer((plan.dp, plan.pp, plan.tp), cpu=CpuMeter())
         self._prober: Prober | None = None  # compiled at the first alarm on this plan
@@ -289,6 +333,8 @@ class ResilientTrainer:
                 yield self.react(verdict, None)
             elif self._pending_ready():
                 yield self._finish_pending()
+            elif self._timed_ready():
+                self._take_timed()
         if self.checkpointer:  # a later run resumes where this one ended
             self.checkpointer.save(done, self.state, self.program, self.data.state(),
                                    force=True)
@@ -469,8 +515,10 @@ class ResilientTrainer:
             self._warm_s = t1 - t0
         if kind != "split_only":
             self.precompiler.keep(self.program)  # going back later compiles nothing
-        self._install(program, new)
+        # a new split of the untimed program stays untimed until the timed one takes over
+        self._install(program, new, timed=self._timed or kind != "split_only")
         self.staging.clear()  # reserved for the plans likely after the old one
+        self._cache_untimed()
         self._prepare_next()
         return Switch(kind, t1 - t0, t2 - t1, count.compiles, restored)
 

@@ -142,8 +142,9 @@ def breakdown_table(n_gpus: int, per_policy: dict[str, dict[str, float]]) -> str
 
 
 def lost_cells(scales: dict[str, dict[str, dict[str, Any]]], days: float = 7.0) -> list[str]:
-    """Where a peer beats ours: the goodput gap, how much of it the stalls per fail-stop
-    explain (their difference x failures / run time), and ours' largest terms."""
+    """Where a peer beats ours: the goodput gap; the running rates (trained while not
+    stalled); how much of the gap the switch stalls (re-plans, rejoins) and the stalls per
+    fail-stop explain (their difference / run time); and ours' largest fail-stop terms."""
     out = []
     for n, per in scales.items():
         for scenario, cells in per.items():
@@ -157,8 +158,15 @@ def lost_cells(scales: dict[str, dict[str, dict[str, Any]]], days: float = 7.0) 
             best_stall = pool[best]["stall_s_per_failure"] or 0.0
             stall_share = ((ours_stall - best_stall) * (pool[OURS]["n_failures"] or 0.0)
                            / (days * 86400.0))
+            switch_share = (pool[OURS]["switch_stall_s"] - pool[best]["switch_stall_s"]) \
+                / (days * 86400.0)
             top = sorted(((v, t) for t, v in terms[OURS].items() if t != "total"), reverse=True)
-            out.append(f"{n}/{scenario}: {best} ahead by {gap:.4f} goodput; stall per "
+            out.append(f"{n}/{scenario}: {best} ahead by {gap:.4f} goodput; running rate "
+                       f"ours {pool[OURS]['running_throughput']:.4f} vs "
+                       f"{pool[best]['running_throughput']:.4f}; switch stalls (re-plans, "
+                       f"rejoins) ours {pool[OURS]['switch_stall_s']:.0f} s vs "
+                       f"{pool[best]['switch_stall_s']:.0f} s a run, which cost "
+                       f"{switch_share:.4f}; stall per "
                        f"fail-stop ours {ours_stall:.1f} s vs {best_stall:.1f} s, which costs "
                        f"{stall_share:.4f} of it; ours' largest terms: "
                        + ", ".join(f"{t} {v:.1f} s" for v, t in top[:3])

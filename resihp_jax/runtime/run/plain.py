@@ -22,7 +22,7 @@ from resihp_jax.runtime.job.deadline import Ladder, StepDeadline
 from resihp_jax.runtime.job.heartbeat import Heartbeat
 from resihp_jax.runtime.recovery.copy_writers import node_of_host
 from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots, activate, deactivate
-from resihp_jax.runtime.trainer.compiles import foreground_since
+from resihp_jax.runtime.trainer.compiles import foreground_hits_since, foreground_since
 from resihp_jax.runtime.trainer.loop import StepRecord, train
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.run.config import RunConfig
@@ -220,8 +220,15 @@ class RecordSink:
         if self.compiles_from is None:
             return
         built, seconds = foreground_since(self.compiles_from)
-        self.phases.update(compiles=float(built), compiles_s=seconds)
-        if self.out is not None:
+        loaded = min(foreground_hits_since(self.compiles_from), built)
+        self.phases.update(compiles=float(built), compiles_s=seconds, cache_loads=float(loaded))
+        if self.out is None:
+            return
+        if loaded:
+            print(f"start-up: {built - loaded} executable(s) compiled and {loaded} loaded from "
+                  f"the compile cache ({seconds:.2f} s) on the way to the first step",
+                  file=self.out, flush=True)
+        else:
             print(f"start-up: {built} executable(s) compiled ({seconds:.2f} s) on the way to "
                   "the first step" + (": every program was ready" if built == 0 else ""),
                   file=self.out, flush=True)

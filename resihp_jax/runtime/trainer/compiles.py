@@ -27,6 +27,7 @@ _compile_s: Counter[int] = Counter()  # thread ident -> seconds spent building t
 _hits: Counter[int] = Counter()  # thread ident -> persistent-cache hits
 # (wall clock at the end, seconds) of each executable built outside the background compiler
 _foreground: list[tuple[float, float]] = []
+_foreground_hits: list[float] = []  # wall clock of each of their persistent-cache hits
 _installed = False
 
 
@@ -42,8 +43,11 @@ def _on_duration(event: str, duration_s: float, **_: object) -> None:
 
 def _on_event(event: str, **_: object) -> None:
     if event == _CACHE_HIT:
+        background = threading.current_thread().name.startswith(BACKGROUND_PREFIX)
         with _lock:
             _hits[threading.get_ident()] += 1
+            if not background:
+                _foreground_hits.append(time.time())
 
 
 def install() -> None:
@@ -95,3 +99,11 @@ def counting() -> Iterator[CompileCount]:
         out.compiles, out.compile_s, out.cache_hits = (after[0] - before[0],
                                                        after[1] - before[1],
                                                        after[2] - before[2])
+
+
+def foreground_hits_since(start: float) -> int:
+    """How many of `foreground_since(start)`'s executables were loaded from the persistent
+    compilation cache rather than compiled."""
+    install()
+    with _lock:
+        return sum(1 for end in _foreground_hits if end > start)

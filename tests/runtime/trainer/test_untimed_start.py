@@ -12,12 +12,12 @@ import numpy as np
 from tests.helpers import run_processes
 
 SCRIPT = r"""
-import json, sys
+import json, sys, time
 import jax
 from resihp_jax.data import BatchIterator
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
-from resihp_jax.runtime.trainer.compiles import counting
+from resihp_jax.runtime.trainer.compiles import counting, foreground_hits_since, foreground_since
 from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer
 from resihp_jax.train.config import TrainConfig
@@ -31,6 +31,7 @@ def run(untimed):
     data = BatchIterator("synthetic:lognormal", n_microbatches=2, microbatch_size=2,
                          seq_len=32, seed=0)
     config = ResilienceConfig(precompile=0, compile_cache_dir=cache, untimed_start=untimed)
+    since = time.time()
     with counting() as built:
         trainer = ResilientTrainer(cfg, TrainConfig(), plan, jax.devices(), data, config)
     started_timed = trainer.timed
@@ -38,7 +39,9 @@ def run(untimed):
     trainer.precompiler.wait()
     losses += [r.loss for r in trainer.run(4) if isinstance(r, StepRecord)]
     out = dict(started_timed=started_timed, timed_after=trainer.timed,
-               built=built.compiles, hits=built.cache_hits, losses=losses)
+               built=built.compiles, hits=built.cache_hits, losses=losses,
+               # what a run's start-up line reports (outside the background compiler)
+               fg_built=foreground_since(since)[0], fg_loaded=foreground_hits_since(since))
     trainer.close()
     return out
 
@@ -58,6 +61,7 @@ def test_a_restart_loads_the_untimed_step_and_the_timed_one_takes_over(tmp_path:
     assert first["hits"] == 0 and first["built"] >= 1
     # every executable of the restart's start-up came from the cache: nothing compiled
     assert again["hits"] == again["built"] >= 1
+    assert again["fg_loaded"] == again["fg_built"] >= 1 and first["fg_loaded"] == 0
     np.testing.assert_allclose(again["losses"], first["losses"], rtol=1e-6)
     np.testing.assert_allclose(timed["losses"], first["losses"], rtol=1e-6)
     assert len(first["losses"]) == 4

@@ -91,6 +91,12 @@ class Precompiler:
             self._stagings = [f for f in self._stagings if not f.done()] + [
                 self._pool.submit(quiet)]
 
+    def has(self, plan: Plan) -> bool:
+        """Whether `plan`'s program is prepared, being prepared or queued."""
+        with self._lock:
+            future = self._futures.get(plan.mesh_key())
+            return future is not None and not future.cancelled()
+
     def ready(self) -> frozenset[tuple]:
         """Mesh keys whose program is compiled and can be taken now."""
         with self._lock:

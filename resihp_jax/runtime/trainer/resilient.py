@@ -246,6 +246,8 @@ class ResilientTrainer:
         which decides for all: every process must run the same program in a step)."""
         if self._timed:
             return False
+        if not self.precompiler.has(self.plan):  # cancelled for a switch's program: again
+            self.precompiler.prepare([self.plan])
         ready = self.plan.mesh_key() in self.precompiler.ready()
         return bool(from_primary(ready or None)) if multi_process() else ready
 
@@ -513,7 +515,7 @@ class ResilientTrainer:
             self._compile_s = t1 - t0
         elif kind == "mesh_warm":
             self._warm_s = t1 - t0
-        if kind != "split_only":
+        if kind != "split_only" and self._timed:  # (an untimed one waits for its timed one)
             self.precompiler.keep(self.program)  # going back later compiles nothing
         # a new split of the untimed program stays untimed until the timed one takes over
         self._install(program, new, timed=self._timed or kind != "split_only")

@@ -1,5 +1,6 @@
 """What a start on a plan the job ran before pays for its programs: loading the untimed step
-from JAX's persistent compilation cache (the ResilientTrainer's untimed start, the default)
+from JAX's persistent compilation cache (the ResilientTrainer's untimed start: the default in
+a job of several processes, asked for here with `untimed_start=True`)
 against compiling the stage-timed step (what every relaunch paid before: JAX never persists
 an executable that calls back into Python).
 

@@ -90,8 +90,10 @@ class ResilienceConfig:
     # With the cache on: start on the step without stage timing (a relaunch onto a plan the
     # job ran before loads it from the cache instead of compiling), while the stage-timed
     # step compiles in the background and takes over at a step boundary. Until it does, the
-    # detector sees step times only, and a hung step names no device.
-    untimed_start: bool = True
+    # detector sees step times only, and a hung step names no device. None: in a job of
+    # several processes only (where a hung step restarts the job anyway; one process
+    # re-plans around the device it names).
+    untimed_start: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("step_timeout_s", "hang_floor_s", "device_memory_gb", "horizon_s"):
@@ -181,7 +183,10 @@ class ResilientTrainer:
         # the first step runs the untimed program (from the cache when the job ran this plan
         # before) when there is a cache and no fault is injected (faults act through the
         # stage-timing callbacks)
-        untimed = bool(self._cache_dir and self.config.untimed_start and self.fault_hook is None)
+        wanted = self.config.untimed_start
+        wanted = multi_process() if wanted is None else wanted
+        untimed = bool(self._cache_dir and wanted and self.fault_hook is None)
+        self._untimed_wanted = bool(wanted)
         self._install(self._compiled(self.plan, timed=not untimed), self.plan, timed=not untimed)
         self.detector = make_detector(self.config.detector, prober=self._probe,
                                       model=self.model, clock=self.clock)
@@ -231,7 +236,7 @@ class ResilientTrainer:
         writes it to the persistent cache: a later start on this plan (a relaunch onto the
         same plan, a spare in the failed node's place) then loads it."""
         key = self.plan.mesh_key()
-        if self._cache_dir and self.config.untimed_start and key not in self._untimed_cached:
+        if self._cache_dir and self._untimed_wanted and key not in self._untimed_cached:
             self._untimed_cached.add(key)
             plan = self.plan
             self.precompiler.run_later(lambda: self._compiled(plan, timed=False))

@@ -34,7 +34,7 @@ class Precompiler:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=BACKGROUND_PREFIX)
         self._futures: dict[tuple, Future[StepProgram]] = {}
         self._proposals: list[Future[None]] = []
-        self._stagings: list[Future[None]] = []
+        self._extras: list[Future[None]] = []  # staging and run_later work
         self._lock = threading.Lock()
         self.compile_s: list[float] = []  # wall time of each background compile
 
@@ -46,7 +46,7 @@ class Precompiler:
                 if plan.mesh_key() not in self._futures:
                     self._futures[plan.mesh_key()] = self._pool.submit(self._timed_build, plan)
                 if self._stage is not None:
-                    self._stagings = [f for f in self._stagings if not f.done()] + [
+                    self._extras = [f for f in self._extras if not f.done()] + [
                         self._pool.submit(self._staged, self._futures[plan.mesh_key()])]
 
     def prepare_first(self, plan: Plan) -> None:
@@ -88,7 +88,7 @@ class Precompiler:
                 warnings.warn(f"background work failed ({err!r})", stacklevel=1)
 
         with self._lock:
-            self._stagings = [f for f in self._stagings if not f.done()] + [
+            self._extras = [f for f in self._extras if not f.done()] + [
                 self._pool.submit(quiet)]
 
     def has(self, plan: Plan) -> bool:
@@ -121,7 +121,7 @@ class Precompiler:
         while True:
             with self._lock:
                 pending = [f for f in (*self._proposals, *self._futures.values(),
-                                       *self._stagings) if not f.done()]
+                                       *self._extras) if not f.done()]
             if not pending:
                 return
             for f in pending:

@@ -102,6 +102,9 @@ class ResilienceConfig:
         if not self.hang_factor > 1:
             raise ConfigError(f"ResilienceConfig.hang_factor={self.hang_factor!r}: must be > 1 "
                               "(a step slower than predicted is not yet hung)")
+        if self.untimed_start not in (None, True, False):
+            raise ConfigError(f"ResilienceConfig.untimed_start={self.untimed_start!r}: must be "
+                              "True, False or None (in a job of several processes only)")
         if not self.recompile_s >= 0 or self.checkpoint_interval < 1 or self.precompile < 0:
             raise ConfigError(f"ResilienceConfig: recompile_s={self.recompile_s!r} must be >= 0, "
                               f"checkpoint_interval={self.checkpoint_interval!r} >= 1 and "
@@ -265,7 +268,7 @@ class ResilientTrainer:
     def _reserve_staging(self, program: StepProgram) -> None:
         """Touch, in the background, the host buffers a move onto `program`'s mesh fills."""
         if self.staging.budget_bytes:
-            self.staging.reserve(jax.eval_shape(lambda: program.init_state(0)))
+            self.staging.reserve(program.abstract_state())
 
     def _install(self, program: StepProgram, plan: Plan, timed: bool = True) -> None:
         self.program, self.plan, self._timed = program, plan, timed

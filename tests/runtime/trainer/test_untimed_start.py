@@ -8,7 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from resihp_jax.errors import ConfigError
+from resihp_jax.runtime.trainer.resilient import ResilienceConfig
 from tests.helpers import run_processes
 
 SCRIPT = r"""
@@ -65,3 +68,9 @@ def test_a_restart_loads_the_untimed_step_and_the_timed_one_takes_over(tmp_path:
     np.testing.assert_allclose(again["losses"], first["losses"], rtol=1e-6)
     np.testing.assert_allclose(timed["losses"], first["losses"], rtol=1e-6)
     assert len(first["losses"]) == 4
+
+
+def test_untimed_start_takes_a_bool_or_none() -> None:
+    with pytest.raises(ConfigError, match="untimed_start='yes'"):
+        ResilienceConfig(untimed_start="yes")  # type: ignore[arg-type]
+    assert ResilienceConfig().untimed_start is None

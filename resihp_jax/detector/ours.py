@@ -4,28 +4,36 @@ The OnlineCostModel (fitted online from steps judged healthy) predicts what this
 sequence lengths should cost under this plan; a tracked scale (EWMA of healthy steps' log
 error, rate `drift`) absorbs machine-wide drift such as other jobs sharing the host, within a
 few steps. What is left, r = log(observed / predicted), is measured in units of the plan's own
-noise sigma: the spread of r over the steps this plan ran healthy (its upper tail included),
-so the thresholds follow the machine the job runs on rather than fixed factors. A one-sided
-CUSUM of those units (slack `slack` sigmas per step, one step counting at most
-`decision` / 2, a suspicion at `decision`) raises a suspicion, which the probes then confirm
-and localize. The stated margin: a step-level slowdown of `REACH_SIGMAS` (4) sigmas is caught
-within `REACH_STEPS` (5) steps. With the defaults and normal noise, 4 sigmas reach the
-decision within 5 steps all but 5 times in a million (3 sigmas: 98 in 100), and healthy
-steps raise a suspicion within 500 steps in 1 run of 700 (t-distributed noise with 4 degrees
-of freedom: 1 in 50); no single step (a load spike) can raise a suspicion alone. A step over
-the slack is held back from learning until the CUSUM returns to zero (then it was noise, and
-its residual widens the plan's sigma) or the probes clear it.
+noise sigma: the spread of r over the steps this plan ran healthy, its RMS included (clipped
+at RMS_CLIP robust sigmas), so the host's own swings of a few steps, which a robust spread
+leaves out and which the machine's noise floor (the CV of one batch timed again and again)
+takes in, widen it as they widen that floor: the thresholds follow the machine the job runs
+on rather than fixed factors. A one-sided CUSUM of those units (slack `slack` sigmas per
+step, one step counting at most `decision` / 2, a suspicion at `decision`) raises a
+suspicion, which the probes then confirm and localize. The stated margin: a step-level
+slowdown of `REACH_SIGMAS` (4) sigmas is caught within `REACH_STEPS` (5) steps. With the
+defaults and normal noise, 4 sigmas reach the decision within 5 steps all but 46 times in
+10,000 (4.5 sigmas: all but 1 in 10,000; 3 sigmas: only 68 in 100), and healthy steps raise
+no suspicion within 500 steps in 20,000 runs (t-distributed noise with 4 degrees of freedom:
+1 run in 240); no single step (a load spike) can raise a suspicion alone. A step over the slack is
+held back from learning until the CUSUM returns to zero (then it was noise, and its residual
+widens the plan's sigma) or the probes clear it. (Slack 1.25 with a robust sigma alone
+caught even 3 sigmas 98 times in 100, more than the margin asks, and raised suspicions on
+the host's swings of 2-8 steps at 3-4 robust sigmas: `benchmarks/detection.py`.)
 
 When per-stage times come with the steps (the forward of one micro-batch per stage), a
 second, load-robust signal watches each stage's share of them against the share its layers
 and its DP group's micro-batch predict (and its own healthy baseline): a machine-wide
 slowdown moves every stage together, a slow device moves only its own stage. A persistent
-stage excess is also a suspicion. The stages' common level (a low quantile of their times
-against their own healthy baselines, so one slow stage does not move it) tells how much of a
-step's excess the whole machine shares: other processes loading the host slow every stage
-alike, and that part of the excess is drift, not a fault (without it, a load switched on
-raised an alarm the probes then cleared). Stage baselines are learned from the first fit of
-the cost model on, so the stage signal is armed when the step signal is.
+stage excess is also a suspicion; a stage counts as in excess past `stage_k` (4) of its
+healthy spreads (at 3, the swings of one micro-batch's forward on shared cores, 10-20%,
+raised false alarms in healthy runs of `benchmarks/detection.py`). The stages' common level
+(a low quantile of their times against their own healthy baselines, so one slow stage does
+not move it) tells how much of a step's excess the whole machine shares: other processes
+loading the host slow every stage alike, and that part of the excess is drift, not a fault
+(without it, a load switched on raised an alarm the probes then cleared). Stage baselines
+are learned from the first fit of the cost model on, so the stage signal is armed when the
+step signal is.
 
 When the host's CPU accounting comes with the steps (`StepObservation.host_cpu`), it tells
 how much of an excess other processes explain: they ran on more cores than on healthy steps,
@@ -74,6 +82,9 @@ LOAD_DRIFT = 0.5  # the drift scale's rate while the stages show a load on the w
 # other processes' CPU use beyond their healthy level that counts as a load, in cores (the
 # host's tick counters step in 1/100 s, so over a step of 0.2 s one core reads +-0.05)
 HOST_MIN_CORES = 0.1
+# a residual counts towards the plan's RMS up to this many robust sigmas: a swing of the host
+# widens the sigma, a step of a fault held back by mistake cannot blow it up
+RMS_CLIP = 6.0
 
 
 @register
@@ -82,9 +93,9 @@ class ResiHPDetector(Detector):
 
     def __init__(self, model: ModelFacts | None = None, *,
                  cost_model: OnlineCostModel | None = None, warmup: int = WARMUP_STEPS,
-                 slack: float = 1.25, decision: float = 4.0, drift: float = 0.2,
+                 slack: float = 2.0, decision: float = 4.0, drift: float = 0.2,
                  min_noise: float = 0.002, k: float = 3.0, level_min_excess: float = 0.05,
-                 use_stage_times: bool = True, stage_min_excess: float = 0.08,
+                 use_stage_times: bool = True, stage_min_excess: float = 0.08, stage_k: float = 4.0,
                  fit_stage_times: bool = False, **kwargs: Any) -> None:
         super().__init__(model=model, **kwargs)
         if not (slack >= 0 and decision > 0 and min_noise > 0):
@@ -109,7 +120,7 @@ class ResiHPDetector(Detector):
         self._resid: dict[Plan, deque[float]] = {}  # healthy steps' unexplained log excess
         self._sigma: dict[Plan, float] = {}
         self._plan: Plan | None = None  # the plan of the last step judged
-        self.stage_min_excess = stage_min_excess
+        self.stage_min_excess, self.stage_k = stage_min_excess, stage_k
         self._stage_base: np.ndarray | None = None  # healthy log-share of each stage
         self._level_base: np.ndarray | None = None  # healthy log(time / expected) per stage
         self._level = 0.0  # this step's machine-wide stage level against its baseline
@@ -126,13 +137,14 @@ class ResiHPDetector(Detector):
         self._rebase_ratios: list[float] = []  # observed / raw prediction over those steps
 
     def noise_of(self, plan: Plan | None) -> float:
-        """Sigma of the log prediction error of healthy steps under `plan`: the larger of
-        1.4826 x MAD and the distance from the median to the 90th percentile / 1.28 (load
-        bursts on a shared host make the upper tail heavier than a normal one; that tail is
-        what raises false alarms). A plan with fewer than MIN_RESIDUALS of its own (the first
-        steps after a re-plan) gets twice the largest sigma known (other plans', the cost
-        model's fit noise), or what its own first steps show if that is more: its noise is
-        not known yet, and a false alarm then costs a probe."""
+        """Sigma of the log prediction error of healthy steps under `plan`: the largest of
+        1.4826 x MAD, the distance from the median to the 90th percentile / 1.28 (load bursts
+        on a shared host make the upper tail heavier than a normal one) and the RMS of the
+        errors clipped at RMS_CLIP of those (the host's swings of a few steps, which the two
+        robust figures leave out and which raised false alarms). A plan with fewer than
+        MIN_RESIDUALS of its own (the first steps after a re-plan) gets twice the largest sigma
+        known (other plans', the cost model's fit noise), or what its own first steps show
+        if that is more: its noise is not known yet, and a false alarm then costs a probe."""
         own = self._sigma.get(plan)
         if own is not None:
             return own
@@ -255,7 +267,9 @@ class ResiHPDetector(Detector):
             med = float(np.median(r))
             mad_sigma = 1.4826 * float(np.median(np.abs(r - med)))
             tail_sigma = (float(np.quantile(r, 0.9)) - med) / 1.2816
-            self._sigma[plan] = max(self.min_noise, mad_sigma, tail_sigma)
+            robust = max(self.min_noise, mad_sigma, tail_sigma)
+            clipped = np.clip(r - med, -RMS_CLIP * robust, RMS_CLIP * robust)
+            self._sigma[plan] = max(robust, float(np.sqrt(np.mean(clipped ** 2))))
 
     def _release(self) -> None:
         """Learn the held steps: they were healthy after all (the stage baselines learn
@@ -342,7 +356,7 @@ class ResiHPDetector(Detector):
         # its EWMAs (rate >= drift) forget in ~5 steps: half the warm-up is plenty
         if dev is None or self._stage_seen < self.warmup // 2:
             return False
-        hot = float(dev.max()) > max(self.stage_min_excess, self.k * self._stage_spread)
+        hot = float(dev.max()) > max(self.stage_min_excess, self.stage_k * self._stage_spread)
         self._stage_streak = self._stage_streak + 1 if hot else 0
         return hot
 

@@ -17,6 +17,7 @@ from resihp_jax.detector import (
     make_detector,
     run_guarded,
 )
+from resihp_jax.detector.ours import REACH_STEPS
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
@@ -140,6 +141,8 @@ def test_registry_and_bad_names() -> None:
         make_detector("greyhound", threshold=-1.0)
     with pytest.raises(ConfigError, match="decision=0"):
         make_detector("resihp", model=CFG, decision=0)
+    with pytest.raises(ConfigError, match="stage_k=-1"):
+        make_detector("resihp", model=CFG, stage_k=-1.0)
 
 
 def test_bad_observations_get_clear_errors() -> None:
@@ -332,3 +335,37 @@ def test_each_plan_is_judged_against_its_own_noise() -> None:
     assert det.alarms == 0
     ratio = det.noise_of(other) / det.noise_of(PLAN)
     assert 2.5 < ratio < 6 and det.reach(other) > det.reach(PLAN)
+
+
+def lifted_stream(n: int, onset: int, factor: float, with_cpu: bool,
+                  seed: int = 8) -> list[StepObservation]:
+    """Steps with stage times and the host's counters (nothing else runs), where from `onset`
+    device 5 is `factor` slow and every stage's time rises with the step (the stages wait
+    on each other's transfers, as they did on 8 fake devices)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(n):
+        tokens, l2 = batch(rng)
+        health = Health(compute={5: 1 / factor}) if step >= onset else None
+        sim = simulate_step(PLAN, CFG, TRUTH, mb_tokens=tokens, mb_sum_l2=l2, health=health,
+                            trace=False)
+        base = simulate_step(PLAN, CFG, TRUTH, mb_tokens=tokens, mb_sum_l2=l2, trace=False)
+        slowed = sim.step_time_s / base.step_time_s
+        stages = base.timed_fwd_s * slowed * rng.lognormal(0, 0.02, base.timed_fwd_s.shape)
+        cpu = HostCpu(1.8 / slowed, float(rng.normal(0, 0.02)), 2) if with_cpu else None
+        out.append(StepObservation(step, PLAN, tokens, l2,
+                                   sim.step_time_s * rng.lognormal(0, 0.02), stages, cpu))
+    return out
+
+
+def test_a_slow_device_that_lifts_every_stage_is_not_taken_for_a_load() -> None:
+    """Every stage slows with the step, as under a load on the whole host, but the host's
+    counters show no other process taking cores: the excess is the device's, and caught."""
+    steps = lifted_stream(80, 60, 1.5, with_cpu=True)
+    det, verdicts = run("resihp", steps, fake_prober({5: 1.5}, 60))
+    assert len(verdicts) == 1 and verdicts[0].devices == (5,)
+    assert 60 <= verdicts[0].step < 60 + REACH_STEPS
+    # without the counters the common level is all there is, and it reads as a load
+    det, verdicts = run("resihp", lifted_stream(80, 60, 1.5, with_cpu=False),
+                        fake_prober({5: 1.5}, 60))
+    assert verdicts == []

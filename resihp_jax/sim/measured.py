@@ -43,16 +43,16 @@ class DetectorFigures:
 
 
 # `python benchmarks/detection.py` (full run, synthetic:lognormal, seed 0, on a quiet 2-core
-# machine: 2 plans, 250 healthy steps each replayed plus the live steps before each onset,
-# 3 trials of each device factor 1.2/1.5/2/5x per plan, step slowdowns 1.03-3.4x; its JSON
-# gives `step_reach` and `false_alarms` per detector). Ours (the run of the current detector,
-# noise floor 2.0%): every step slowdown from 1.098x caught, none below, 1 false alarm in 589
-# healthy steps (a swing of the host's own, cleared by a probe; the previous detector, with a
-# floor of 4.0%: the same reach and count, half of the trials in 1.057-1.098x caught too).
-# The baselines, from the run before (their code has not changed since): Greyhound-style
-# change points: 11 false alarms, and blind for the steps its window takes to refill after
-# each: from 1.081x, a third of the trials caught, never all. Median+MAD: 3 false alarms,
-# every one from 1.384x.
+# machine: 2 plans, 250 healthy steps each replayed plus the live steps before each onset, 3
+# trials of each device factor 1.2/1.5/2/5x per plan, step slowdowns 1.03-3.4x; its JSON
+# gives `step_reach` and `false_alarms` per detector). Ours (the run of commit 682e5ea,
+# whose thresholds the current detector keeps; noise floor 2.0%): every step slowdown from
+# 1.098x caught, none below, 1 false alarm in 589 healthy steps (a swing of the host's own,
+# cleared by a probe; the previous detector, with a floor of 4.0%: the same reach and count,
+# half of the trials in 1.057-1.098x caught too). The baselines, from the run before (their
+# code has not changed since): Greyhound-style change points: 11 false alarms, and blind for
+# the steps its window takes to refill after each: from 1.081x, a third of the trials
+# caught, never all. Median+MAD: 3 false alarms, every one from 1.384x.
 DETECTORS = {
     "resihp": DetectorFigures(2.0, 2.0, reliable=1.098, partial=1.098, rate_between=0.0,
                               false_alarms=1, healthy_steps=589),

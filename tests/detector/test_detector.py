@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -39,18 +40,26 @@ def batch(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     return tokens, np.array(l2)
 
 
+def simulated(n: int, rng: np.random.Generator, slow: dict[int, float] | None = None,
+              onset: int = 0) -> Iterator[tuple[int, np.ndarray, np.ndarray, Any, Any]]:
+    """Each step's index, batch (tokens, attention work), its simulation with the devices
+    `slow` from `onset` on, and the same step's simulation on healthy devices (each caller
+    then draws its own noise from `rng`, after the batch)."""
+    for step in range(n):
+        tokens, l2 = batch(rng)
+        healthy = simulate_step(PLAN, CFG, TRUTH, mb_tokens=tokens, mb_sum_l2=l2, trace=False)
+        sim = healthy
+        if slow and step >= onset:
+            sim = simulate_step(PLAN, CFG, TRUTH, mb_tokens=tokens, mb_sum_l2=l2, trace=False,
+                                health=Health(compute={d: 1 / f for d, f in slow.items()}))
+        yield step, tokens, l2, sim, healthy
+
+
 def stream(n: int, seed: int = 0, slow: dict[int, float] | None = None, onset: int = 0,
            noise: float = 0.02) -> list[StepObservation]:
     rng = np.random.default_rng(seed)
-    out = []
-    for step in range(n):
-        tokens, l2 = batch(rng)
-        health = Health(compute={d: 1 / f for d, f in (slow or {}).items()}) \
-            if step >= onset and slow else None
-        t = simulate_step(PLAN, CFG, TRUTH, mb_tokens=tokens, mb_sum_l2=l2, health=health,
-                          trace=False).step_time_s
-        out.append(StepObservation(step, PLAN, tokens, l2, t * rng.lognormal(0, noise)))
-    return out
+    return [StepObservation(step, PLAN, tokens, l2, sim.step_time_s * rng.lognormal(0, noise))
+            for step, tokens, l2, sim, _ in simulated(n, rng, slow, onset)]
 
 
 def fake_prober(slow: dict[int, float], onset: int, seed: int = 1):
@@ -238,12 +247,7 @@ def loaded_stream(n: int, load: float, load_steps: range, slow: dict[int, float]
     stage and the step alike) by `load`, with the extra jitter load brings."""
     rng = np.random.default_rng(seed)
     out = []
-    for step in range(n):
-        tokens, l2 = batch(rng)
-        health = Health(compute={d: 1 / f for d, f in (slow or {}).items()}) \
-            if slow and step >= onset else None
-        sim = simulate_step(PLAN, CFG, TRUTH, mb_tokens=tokens, mb_sum_l2=l2, health=health,
-                            trace=False)
+    for step, tokens, l2, sim, _ in simulated(n, rng, slow, onset):
         host = load if step in load_steps else 1.0
         jitter = 0.04 if step in load_steps else 0.02
         stages = sim.timed_fwd_s * host * rng.lognormal(0, 3 * jitter, sim.timed_fwd_s.shape)
@@ -274,15 +278,9 @@ def cpu_stream(n: int, load_steps: range, slow: dict[int, float] | None = None,
     device."""
     rng = np.random.default_rng(seed)
     out = []
-    for step in range(n):
-        tokens, l2 = batch(rng)
-        faulty = bool(slow) and step >= onset
-        health = Health(compute={d: 1 / f for d, f in (slow or {}).items()}) if faulty else None
-        t = simulate_step(PLAN, CFG, TRUTH, mb_tokens=tokens, mb_sum_l2=l2, health=health,
-                          trace=False).step_time_s
-        healthy_t = simulate_step(PLAN, CFG, TRUTH, mb_tokens=tokens, mb_sum_l2=l2,
-                                  trace=False).step_time_s
-        slowed = t / healthy_t
+    for step, tokens, l2, sim, healthy in simulated(n, rng, slow, onset):
+        t = sim.step_time_s
+        slowed = t / healthy.step_time_s
         own, others = 1.8, float(rng.normal(0, 0.02))
         if step in load_steps:
             t, own, others = t * 1.8 / 1.4, 1.4, others + 0.6
@@ -344,12 +342,7 @@ def lifted_stream(n: int, onset: int, factor: float, with_cpu: bool,
     on each other's transfers, as they did on 8 fake devices)."""
     rng = np.random.default_rng(seed)
     out = []
-    for step in range(n):
-        tokens, l2 = batch(rng)
-        health = Health(compute={5: 1 / factor}) if step >= onset else None
-        sim = simulate_step(PLAN, CFG, TRUTH, mb_tokens=tokens, mb_sum_l2=l2, health=health,
-                            trace=False)
-        base = simulate_step(PLAN, CFG, TRUTH, mb_tokens=tokens, mb_sum_l2=l2, trace=False)
+    for step, tokens, l2, sim, base in simulated(n, rng, {5: factor}, onset):
         slowed = sim.step_time_s / base.step_time_s
         stages = base.timed_fwd_s * slowed * rng.lognormal(0, 0.02, base.timed_fwd_s.shape)
         cpu = HostCpu(1.8 / slowed, float(rng.normal(0, 0.02)), 2) if with_cpu else None

@@ -27,6 +27,7 @@ from resihp_jax.cli.train import job_spec_from_args, plan_from_args
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
 SBATCH_CPU = ROOT / "examples" / "slurm" / "train-cpu.sbatch"
+LOOP = ROOT / "examples" / "slurm" / "resilient-srun.sh"  # the relaunch loop both source
 JOBSET = ROOT / "examples" / "kubernetes" / "jobset.yaml"
 YAML_FILES = sorted((ROOT / "examples" / "kubernetes").glob("*.yaml"))
 ENV_NAMES = {"RESIHP_COORDINATOR", "RESIHP_NUM_PROCESSES", "RESIHP_PROCESS_ID",
@@ -182,10 +183,12 @@ def test_sbatch_directives_and_syntax(script: Path) -> None:
     for directive in ("#SBATCH --requeue", "#SBATCH --open-mode=append"):
         assert re.search(rf"^{directive}\s*$", text, flags=re.M), directive
     assert {"nodes", "signal"} <= sbatch_options(script).keys()
-    assert "--export=ALL" in text  # the tasks get the environment the script activated
+    assert "resilient-srun.sh" in text and "run_resilient " in text
+    assert "--export=ALL" in LOOP.read_text()  # the tasks get the environment activated
     if shutil.which("bash"):
-        check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
-        assert check.returncode == 0, check.stderr
+        for path in (script, LOOP):
+            check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+            assert check.returncode == 0, check.stderr
 
 
 def test_gpu_sbatch_allocates_what_the_plan_counts() -> None:

@@ -127,18 +127,8 @@ def _cred_expire_s() -> int:
 
 def test_cpu_recipe_survives_a_killed_task_an_uncounted_preemption_and_time_limit(
         tmp_path: Path) -> None:
-    script = tmp_path / "my_train.py"
-    script.write_text(SCRIPT)
-    reference = reference_losses(script, STEPS)
-    shared, log, job_log = tmp_path / "shared", tmp_path / "losses.jsonl", tmp_path / "job.log"
-    exported = f"VENV={sys.prefix},SHARED={shared},MAX_FAILURES=1"
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", f"--output={job_log}", f"--export={exported}",
-         "--job-name=resihp-test", str(RECIPE), str(script), str(log), "--steps", str(STEPS),
-         "--sleep-s", str(STEP_SLEEP_S)],
-        capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert submitted.returncode == 0, submitted.stderr
-    job = submitted.stdout.strip().split(";")[0]
+    job, script, log, job_log, reference = _submit(tmp_path)
+    shared = tmp_path / "shared"
     hold_s = _cred_expire_s()
     timeout_s = 300 + 2 * hold_s
     t0 = time.monotonic()
@@ -194,24 +184,30 @@ def _idle_nodes() -> list[str]:
                    if state.rstrip("*~#") == "idle"})
 
 
-def _submit_two_training(tmp_path: Path, nodes: list[str]) -> tuple[str, Path, Path, Path,
-                                                                      np.ndarray]:
-    """The CPU recipe on `nodes`, the first 2 training (2 tasks each), the others spares, one
-    failure allowed: (job id, the user's script, its losses log, the job's log, the losses of
-    the same run uninterrupted)."""
+def _submit(tmp_path: Path, export: str = "", sbatch_args: tuple[str, ...] = ()
+            ) -> tuple[str, Path, Path, Path, np.ndarray]:
+    """The CPU recipe on the user's script, one failure allowed (`export`: more variables,
+    `sbatch_args`: more options): (job id, the script, its losses log, the job's log, the
+    losses of the same run uninterrupted). The checkpoints go to tmp_path / "shared"."""
     script = tmp_path / "my_train.py"
     script.write_text(SCRIPT)
     reference = reference_losses(script, STEPS)
     shared, log, job_log = tmp_path / "shared", tmp_path / "losses.jsonl", tmp_path / "job.log"
-    exported = f"VENV={sys.prefix},SHARED={shared},MAX_FAILURES=1,TRAIN_NODES=2"
+    exported = f"VENV={sys.prefix},SHARED={shared},MAX_FAILURES=1{export}"
     submitted = subprocess.run(
         ["sbatch", "--parsable", f"--output={job_log}", f"--export={exported}",
-         "--job-name=resihp-test", f"--nodes={len(nodes)}", "--ntasks-per-node=2",
-         f"--nodelist={','.join(nodes)}", str(RECIPE), str(script), str(log),
+         "--job-name=resihp-test", *sbatch_args, str(RECIPE), str(script), str(log),
          "--steps", str(STEPS), "--sleep-s", str(STEP_SLEEP_S)],
         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert submitted.returncode == 0, submitted.stderr
     return submitted.stdout.strip().split(";")[0], script, log, job_log, reference
+
+
+def _submit_two_training(tmp_path: Path, nodes: list[str]) -> tuple[str, Path, Path, Path,
+                                                                      np.ndarray]:
+    """The CPU recipe on `nodes`, the first 2 training (2 tasks each), the others spares."""
+    return _submit(tmp_path, ",TRAIN_NODES=2", (
+        f"--nodes={len(nodes)}", "--ntasks-per-node=2", f"--nodelist={','.join(nodes)}"))
 
 
 def _assert_every_step_once(log: Path, reference: np.ndarray) -> None:

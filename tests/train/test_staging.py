@@ -42,3 +42,20 @@ def test_dtypes_are_told_apart() -> None:
     assert staging.held_bytes == 8
     assert staging.take((4,), jnp.bfloat16).dtype == jnp.bfloat16
     assert staging.held_bytes == 0
+
+
+def test_buffers_start_on_the_boundary_xla_adopts_without_a_copy() -> None:
+    import jax.numpy as jnp
+
+    from resihp_jax.train.staging import ALIGN
+
+    staging = HostStaging(budget_bytes=1 << 20)
+    shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (((3, 5), np.float32), ((7,), jnp.bfloat16),
+                                                    ((1,), np.int32))]
+    staging.reserve(shapes)
+    for shape in shapes:
+        held = staging.take(shape.shape, shape.dtype)  # reserved
+        fresh = staging.take(shape.shape, shape.dtype)  # none left: made now
+        for buf in (held, fresh):
+            assert buf.ctypes.data % ALIGN == 0 and buf.shape == shape.shape
+            assert buf.dtype == shape.dtype and not buf.any()

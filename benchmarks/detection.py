@@ -212,9 +212,15 @@ def _copies(warmed: dict) -> dict:
 def _observe(det, obs: StepObservation) -> None:  # noqa: ANN001
     """Feed a step the run took as healthy: a verdict on it (the probes named a device) is
     met as the trainer meets every verdict, by a re-plan after which the detector measures
-    afresh (`rebaseline`), so one false verdict counts once, not on every step after it."""
+    afresh (`rebaseline`), so one false verdict counts once, not on every step after it.
+    A false alarm of ours is printed with the steps it rests on."""
+    before = det.alarms
     if det.observe(obs) is not None:
         det.rebaseline()
+    if det.alarms > before and getattr(det, "recent", None):
+        steps = ", ".join(f"{s} {np.expm1(e):+.1%} ({u:.1f})" for s, e, u in det.recent)
+        print(f"  {det.name} false alarm at step {obs.step}; step, excess over the prediction "
+              f"(unexplained, in sigmas): {steps}")
 
 
 def _healthy(detectors: dict, obs: StepObservation, tallies: dict[str, Tally],

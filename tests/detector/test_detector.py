@@ -110,6 +110,20 @@ def test_slowdown_is_detected_and_localized(device: int, factor: float, delay: i
     assert v.slowdown == pytest.approx(factor, rel=0.1) and v.confidence > 0.5
 
 
+def test_an_alarm_keeps_the_steps_it_rests_on() -> None:
+    """`recent`: the last REACH_STEPS steps judged, each with its excess over the prediction
+    and the unexplained part in noise sigmas; at the alarm, the slow steps stand out."""
+    onset = 150
+    steps = stream(onset + 10, slow={6: 2.0}, onset=onset)
+    det, verdicts = run("resihp", steps, fake_prober({6: 2.0}, onset))
+    assert len(verdicts) == 1 and len(det.recent) == REACH_STEPS
+    assert [s for s, _, _ in det.recent] == list(range(verdicts[0].step - REACH_STEPS + 1,
+                                                       verdicts[0].step + 1))
+    for step, excess, units in det.recent:
+        slow = step >= onset
+        assert (excess > 0.2) == slow and (units > det.slack) == slow, (step, excess, units)
+
+
 def test_a_transient_spike_in_one_probe_run_does_not_name_a_healthy_device() -> None:
     """Each probe run, another healthy device is hit by other work on the host (3x);
     device 5 is 1.5x slow in every run. Keeping each device's fastest run names device 5."""

@@ -217,8 +217,8 @@ def _observe(det, obs: StepObservation) -> None:  # noqa: ANN001
     before = det.alarms
     if det.observe(obs) is not None:
         det.rebaseline()
-    if det.alarms > before and getattr(det, "recent", None):
-        steps = ", ".join(f"{s} {np.expm1(e):+.1%} ({u:.1f})" for s, e, u in det.recent)
+    if det.alarms > before and getattr(det, "evidence", None):
+        steps = ", ".join(f"{s} {np.expm1(e):+.1%} ({u:.1f})" for s, e, u in det.evidence)
         print(f"  {det.name} false alarm at step {obs.step}; step, excess over the prediction "
               f"(unexplained, in sigmas): {steps}")
 

@@ -124,7 +124,7 @@ class ResiHPDetector(Detector):
         self.last_excess = 0.0
         # the last steps judged: (step, log excess over the prediction, unexplained excess in
         # noise sigmas), what an alarm rests on (benchmarks/detection.py prints it)
-        self.recent: deque[tuple[int, float, float]] = deque(maxlen=REACH_STEPS)
+        self.evidence: deque[tuple[int, float, float]] = deque(maxlen=REACH_STEPS)
         self._resid: dict[Plan, deque[float]] = {}  # healthy steps' unexplained log excess
         self._sigma: dict[Plan, float] = {}
         self._plan: Plan | None = None  # the plan of the last step judged
@@ -242,7 +242,7 @@ class ResiHPDetector(Detector):
         self._shared = max(self._stage_shared, host)
         unexplained = excess - self._shared  # what the whole machine does not share
         units = unexplained / self.noise_of(obs.plan)
-        self.recent.append((obs.step, excess, units))
+        self.evidence.append((obs.step, excess, units))
         self.cusum = max(0.0, self.cusum + min(units - self.slack, self.decision / 2))
         suspected = self.cusum >= self.decision or self._stage_streak >= STAGE_PERSIST
         if suspected or units > self.slack or stage_hot:

@@ -111,15 +111,15 @@ def test_slowdown_is_detected_and_localized(device: int, factor: float, delay: i
 
 
 def test_an_alarm_keeps_the_steps_it_rests_on() -> None:
-    """`recent`: the last REACH_STEPS steps judged, each with its excess over the prediction
+    """`evidence`: the last REACH_STEPS steps judged, each with its excess over the prediction
     and the unexplained part in noise sigmas; at the alarm, the slow steps stand out."""
     onset = 150
     steps = stream(onset + 10, slow={6: 2.0}, onset=onset)
     det, verdicts = run("resihp", steps, fake_prober({6: 2.0}, onset))
-    assert len(verdicts) == 1 and len(det.recent) == REACH_STEPS
-    assert [s for s, _, _ in det.recent] == list(range(verdicts[0].step - REACH_STEPS + 1,
+    assert len(verdicts) == 1 and len(det.evidence) == REACH_STEPS
+    assert [s for s, _, _ in det.evidence] == list(range(verdicts[0].step - REACH_STEPS + 1,
                                                        verdicts[0].step + 1))
-    for step, excess, units in det.recent:
+    for step, excess, units in det.evidence:
         slow = step >= onset
         assert (excess > 0.2) == slow and (units > det.slack) == slow, (step, excess, units)
 

@@ -13,9 +13,10 @@ The pool holds buffers by (shape, dtype), up to a byte budget, and each buffer i
 a move may hand it to the device as it is. XLA:CPU adopts a host array without a copy only
 when its data starts on a 64-byte boundary (numpy aligns to 16), so every buffer here does:
 the placement then copies nothing for replicated and leading-axis-sharded leaves (`python
-benchmarks/recovery.py`, `small`, the prepared mesh's move: 0.073 s, against 0.19-0.21 s in
-three full runs with numpy's own alignment). The first step on them writes its outputs to
-new memory (XLA cannot donate a buffer it adopted): 1.06x a steady step in that run.
+benchmarks/recovery.py`, `small`, the prepared mesh's move: 0.073 s and 0.085 s in two full
+runs, against 0.19-0.21 s in three with numpy's own alignment). The first step on them
+writes its outputs to new memory (XLA cannot donate a buffer it adopted): 1.06x and 1.08x a
+steady step in those two runs.
 """
 
 from __future__ import annotations

@@ -116,3 +116,29 @@ def test_the_recorded_layouts_are_what_the_data_pipeline_packs_today() -> None:
         assert got == step["lengths"], (
             f"batch {i} of the fixture is no longer what {FIXTURE['data']} packs; rerun: "
             f"{FIXTURE['recorded_by']}")
+
+
+def test_the_benchmark_feeds_every_detector_and_prints_what_an_alarm_of_ours_rests_on(
+        capsys) -> None:  # noqa: ANN001
+    """benchmarks/detection.py's `_observe` over the recorded run, slowed from step 60 while
+    the probes find nothing (so every alarm is false): each registered detector goes
+    through it, and each alarm of ours is printed with the steps it rests on."""
+    import importlib.util
+    import sys
+
+    from resihp_jax.detector import DETECTORS
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "detection.py"
+    spec = importlib.util.spec_from_file_location("detection_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    for name in sorted(DETECTORS):
+        det = make_detector(name, model=CFG, prober=prober())
+        for obs in observations(1.0 + 8.0 * FLOOR, onset=60):
+            bench._observe(det, obs)
+        printed = capsys.readouterr().out
+        assert printed.count(f"{name} false alarm at step") == (
+            det.alarms if name == "resihp" else 0), printed
+        if name == "resihp":
+            assert det.alarms >= 1 and "(unexplained, in sigmas)" in printed

@@ -305,9 +305,12 @@ class ResiHPDetector(Detector):
         host's CPU counters are known, only while they show other processes taking cores: a
         slow device can lift every stage's time by itself (the stages wait on each other's
         transfers), and taken as load that slowdown was learned as drift and never caught."""
-        if cpu is None or self._cpu_base is None or self._cpu_seen < self.warmup // 2:
-            return True
-        return host > 0.0
+        return not self._cpu_known(cpu) or host > 0.0
+
+    def _cpu_known(self, cpu: HostCpu | None) -> bool:
+        """Are the host's counters here, with a healthy level learned over half a warm-up?"""
+        return cpu is not None and self._cpu_base is not None \
+            and self._cpu_seen >= self.warmup // 2
 
     def _host_level(self, cpu: HostCpu | None) -> float:
         """The log slowdown other processes explain by running on more cores than they do
@@ -315,7 +318,7 @@ class ResiHPDetector(Detector):
         min(own, cores - healthy others), `own` its healthy use. 0 within HOST_MIN_CORES
         of their healthy use (tick noise), and where the host has cores to spare (a GPU
         host whose process needs few)."""
-        if cpu is None or self._cpu_base is None or self._cpu_seen < self.warmup // 2:
+        if not self._cpu_known(cpu):
             return 0.0
         own, others = self._cpu_base
         if cpu.others - others < HOST_MIN_CORES:

@@ -11,14 +11,16 @@ and check that these tests still pass on the new recording.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from resihp_jax.data import BatchIterator
 from resihp_jax.data.packing import layout_rows
-from resihp_jax.detector import HostCpu, ProbeResult, StepObservation, make_detector
+from resihp_jax.detector import DETECTORS, HostCpu, ProbeResult, StepObservation, make_detector
 from resihp_jax.detector.attention_work import mb_block_pair_l2
 from resihp_jax.detector.ours import REACH_STEPS
 from resihp_jax.meshes.plan import Plan
@@ -123,11 +125,6 @@ def test_the_benchmark_feeds_every_detector_and_prints_what_an_alarm_of_ours_res
     """benchmarks/detection.py's `_observe` over the recorded run, slowed from step 60 while
     the probes find nothing (so every alarm is false): each registered detector goes
     through it, and each alarm of ours is printed with the steps it rests on."""
-    import importlib.util
-    import sys
-
-    from resihp_jax.detector import DETECTORS
-
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "detection.py"
     spec = importlib.util.spec_from_file_location("detection_benchmark", path)
     bench = importlib.util.module_from_spec(spec)

@@ -48,6 +48,20 @@ step a load switches on, where the stage level needs several steps to stand out 
 itself; on a saturated host they take what the slow device leaves idle, so a fault under a
 load shows partly as host load, and the stage shares (which no load moves) still see it.
 
+Where the process keeps the host's cores busy (its step is CPU-bound, as 8 fake devices on 2
+cores are), the same counters tell a slow device from a slow machine: a slow device leaves
+cores idle while the others wait for it, so this process's cores fall as its step lengthens
+(a 1.2x device's 1.09x step: 0.92x the cores, a 2x device: 0.6-0.7x), while when the cores
+themselves run slower (the machine's own swings, which raised both false alarms of a full
+`benchmarks/detection.py --data synthetic:lognormal --seed 12` run: steps 6% to 15% slower
+over 5 steps, the process at its healthy 1.87 of 2 cores throughout, nothing else running)
+the process burns more CPU seconds for the same batch. The part of an excess those extra
+seconds explain (excess + log(cores now / healthy cores)) is the machine's, not a device's.
+It counts only in a job of one process (with several, one host's slower cores are a slow
+device of the job) whose healthy use is at least OWN_BOUND of the cores the others leave
+it: on a GPU host the process uses a few of many cores, and a host thread spin-waiting on a
+slow GPU would burn CPU in step with the wall time.
+
 Stage times are not fitted as cost-model rows by default (`fit_stage_times`): on shared
 host cores one micro-batch's forward mostly measures what the other devices run at the same
 moment (an 18% robust sigma, against 2.3% for whole steps), and as rows they drowned the
@@ -86,6 +100,9 @@ LOAD_DRIFT = 0.5  # the drift scale's rate while the stages show a load on the w
 # other processes' CPU use beyond their healthy level that counts as a load, in cores (the
 # host's tick counters step in 1/100 s, so over a step of 0.2 s one core reads +-0.05)
 HOST_MIN_CORES = 0.1
+# the process's step is CPU-bound (its own CPU seconds explain a slower machine) where its
+# healthy use is at least this share of the cores the other processes leave it
+OWN_BOUND = 0.8
 # a residual counts towards the plan's RMS up to this many robust sigmas: a swing of the host
 # widens the sigma, a step of a fault held back by mistake cannot blow it up
 RMS_CLIP = 6.0
@@ -132,7 +149,8 @@ class ResiHPDetector(Detector):
         self._stage_base: np.ndarray | None = None  # healthy log-share of each stage
         self._level_base: np.ndarray | None = None  # healthy log(time / expected) per stage
         self._level = 0.0  # this step's machine-wide stage level against its baseline
-        self._shared = 0.0  # the part of it taken as load on the whole machine
+        self._shared = 0.0  # the part of a step's excess the whole machine explains
+        self._load = 0.0  # the part of it other processes' load explains (stages or counters)
         self._stage_shared = 0.0  # the part the stages' level shows
         self._level_dev = np.zeros(0)
         self._level_spread = 0.0  # robust sigma of `_level` on healthy steps
@@ -203,7 +221,7 @@ class ResiHPDetector(Detector):
         self._rebase_left, self._rebase_ratios = steps, []
         self.cusum, self._held = 0.0, []
         self._stage_streak, self._stage_base, self._stage_seen = 0, None, 0
-        self._level_base, self._level_spread, self._shared = None, 0.0, 0.0
+        self._level_base, self._level_spread, self._shared, self._load = None, 0.0, 0.0, 0.0
         self._stage_shared = 0.0
         self._cpu_base, self._cpu_seen = None, 0  # the new plan uses the cores its own way
 
@@ -239,7 +257,8 @@ class ResiHPDetector(Detector):
         host = self._host_level(obs.host_cpu)
         self._stage_shared = self._shared_level() if self._level_may_explain(obs.host_cpu, host) \
             else 0.0
-        self._shared = max(self._stage_shared, host)
+        self._load = max(self._stage_shared, host)
+        self._shared = max(self._stage_shared, host + self._own_level(obs.host_cpu, excess))
         unexplained = excess - self._shared  # what the whole machine does not share
         units = unexplained / self.noise_of(obs.plan)
         self.evidence.append((obs.step, excess, units))
@@ -257,13 +276,14 @@ class ResiHPDetector(Detector):
         return False
 
     def _learn_healthy(self, obs: StepObservation, excess: float, unexplained: float) -> None:
-        """The step was healthy: its error is noise of this plan (the part the stages do
-        not share), all of its excess is drift (the stage baselines absorb the shared part
-        at the same rate, so a load keeps being explained while the scale catches up)."""
+        """The step was healthy: its error is noise of this plan (the part the machine does
+        not explain), all of its excess is drift (the stage baselines absorb a load at the
+        same rate, so a load keeps being explained while the scale catches up)."""
         self._add_residual(obs.plan, unexplained)
-        # under a load the stages show (shared), catch up fast: the stage baselines absorb
-        # the load too, and what the scale had not caught when they have would be excess
-        rate = max(self.drift, LOAD_DRIFT) if self._shared else self.drift
+        # under a load (the stages or the counters show it), catch up fast: the stage
+        # baselines absorb the load too, and what the scale had not caught when they have
+        # would be excess. The CPU seconds' part is a step's own swing: at the usual rate.
+        rate = max(self.drift, LOAD_DRIFT) if self._load else self.drift
         self.scale *= math.exp(rate * excess)
         # the host's healthy use moves as fast as the scale: what the host explains is the
         # part of a load the scale has not taken in yet
@@ -327,6 +347,21 @@ class ResiHPDetector(Detector):
         healthy = max(least, min(own, cpu.cores - others))
         now = max(least, min(own, cpu.cores - cpu.others))
         return max(0.0, math.log(healthy / now))
+
+    def _own_level(self, cpu: HostCpu | None, excess: float) -> float:
+        """The log slowdown this process's own extra CPU seconds explain: excess + log(its
+        cores now / its healthy cores), >= 0 (a slow device leaves cores idle: its excess
+        comes with fewer cores and stays unexplained; slower cores take more seconds at the
+        same cores). 0 where the counters are unknown, where these cores do not run every
+        device of the job (with several processes, one host's slower cores are a slow
+        device), or where the step is not CPU-bound (healthy use under OWN_BOUND of the
+        cores the others leave)."""
+        if not self._cpu_known(cpu) or not cpu.every_device:
+            return 0.0
+        own, others = self._cpu_base
+        if own < OWN_BOUND * (cpu.cores - others) or own <= 0:
+            return 0.0
+        return max(0.0, excess + math.log(max(cpu.own, 1e-3 * own) / own))
 
     def _update_cpu_base(self, cpu: HostCpu | None, rate: float) -> None:
         if cpu is None:

@@ -19,6 +19,9 @@ class HostCpu:
     own: float  # this process, every thread
     others: float  # every other process, and what the hypervisor gave other guests (steal)
     cores: int  # the host's cores
+    # these cores run every device of the job (one process): cores running slower then slow
+    # every device alike, so this process's extra CPU seconds are the machine's, not a device's
+    every_device: bool = True
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.own) and math.isfinite(self.others)) or self.cores < 1:

@@ -376,3 +376,51 @@ def test_a_slow_device_that_lifts_every_stage_is_not_taken_for_a_load() -> None:
     det, verdicts = run("resihp", lifted_stream(80, 60, 1.5, with_cpu=False),
                         fake_prober({5: 1.5}, 60))
     assert verdicts == []
+
+
+def swing_stream(swing: range, factor: float, cores_follow: bool, own: float = 1.8,
+                 cores: int = 2, every_device: bool = True, n: int = 90,
+                 seed: int = 9) -> list[StepObservation]:
+    """Healthy steps of a process using `own` of the host's `cores` (nothing else runs);
+    over `swing` every step takes `factor` longer. `cores_follow`: the process's cores fall
+    by the factor (the same CPU work over a longer step: a slow device left them idle);
+    else they stay (the cores ran slower and the work took more CPU seconds).
+    `every_device`: those cores run every device of the job (one process)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step, tokens, l2, sim, _ in simulated(n, rng):
+        f = factor if step in swing else 1.0
+        used = own / f if cores_follow else own
+        cpu = HostCpu(used * rng.lognormal(0, 0.01), float(rng.normal(0, 0.02)), cores,
+                      every_device)
+        out.append(StepObservation(step, PLAN, tokens, l2,
+                                   sim.step_time_s * f * rng.lognormal(0, 0.02), host_cpu=cpu))
+    return out
+
+
+def test_a_slower_machine_is_told_from_a_slow_device_by_the_cpu_seconds() -> None:
+    """The same 1.15x steps over 6 steps: where this process kept its cores busy, its CPU
+    seconds rose with the step (the cores ran slower, as the 2-core machine's own swings
+    did) and no alarm is raised; where its cores fell with the step, a device left them
+    idle, and it is caught within REACH_STEPS steps."""
+    det, verdicts = run("resihp", swing_stream(range(60, 66), 1.15, cores_follow=False),
+                        fake_prober({5: 1.15}, 60))
+    assert verdicts == [] and det.alarms == 0
+    det, verdicts = run("resihp", swing_stream(range(60, 66), 1.15, cores_follow=True),
+                        fake_prober({5: 1.15}, 60))
+    assert len(verdicts) == 1 and verdicts[0].devices == (5,)
+    assert 60 <= verdicts[0].step < 60 + REACH_STEPS
+
+
+@pytest.mark.parametrize("host", [dict(own=1.0, cores=64), dict(every_device=False)],
+                         ids=["gpu_host", "one_host_of_several"])
+def test_cpu_seconds_explain_nothing_where_they_do_not_speak_for_every_device(
+        host: dict) -> None:
+    """A GPU host (the process uses 1 of 64 cores, and a host thread spin-waiting on a slow
+    GPU keeps its use up as the step lengthens), or one host of a job of several processes
+    (its cores running slower make its devices the slow ones): the process's CPU seconds
+    explain nothing, and the excess is caught."""
+    steps = swing_stream(range(60, 90), 1.15, cores_follow=False, **host)
+    det, verdicts = run("resihp", steps, fake_prober({5: 1.15}, 60))
+    assert len(verdicts) == 1 and verdicts[0].devices == (5,)
+    assert 60 <= verdicts[0].step < 60 + REACH_STEPS

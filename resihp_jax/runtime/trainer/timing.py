@@ -35,7 +35,8 @@ class StepTiming:
         """This step as the whole job saw it: each process times only its own devices, and
         the step took as long as its slowest process waited for it. The host CPU is each
         field's maximum over the processes that measured it (the most others' cores: a load
-        on any one host slows the whole step)."""
+        on any one host slows the whole step); with several processes no one host's cores
+        run every device (`HostCpu.every_device`)."""
         from resihp_jax.meshes.agree import max_over_processes  # noqa: PLC0415
 
         cpu = self.host_cpu
@@ -43,7 +44,9 @@ class StepTiming:
         head = [self.step_time_s, cpu is not None,
                 *((cpu.own, cpu.others, cpu.cores) if cpu is not None else unmeasured)]
         flat = max_over_processes(np.concatenate([head, self.fwd_DxPxT.ravel()]))
-        gathered = HostCpu(float(flat[2]), float(flat[3]), int(flat[4])) if flat[1] else None
+        gathered = HostCpu(float(flat[2]), float(flat[3]), int(flat[4]),
+                           every_device=cpu is None or cpu.every_device
+                           and jax.process_count() == 1) if flat[1] else None
         return StepTiming(float(flat[0]), flat[5:].reshape(self.fwd_DxPxT.shape), gathered)
 
     @property

@@ -79,4 +79,5 @@ def test_a_steps_timing_keeps_its_host_cpu_through_the_gather() -> None:
     gathered = StepTiming(1.5, fwd, HostCpu(1.25, 0.5, 4)).gathered()
     assert gathered.step_time_s == 1.5 and np.array_equal(gathered.fwd_DxPxT, fwd)
     assert fields(gathered.host_cpu) == (1.25, 0.5, 4)
+    assert gathered.host_cpu.every_device  # one process: its host's cores run every device
     assert StepTiming(1.5, fwd).gathered().host_cpu is None

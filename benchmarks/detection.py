@@ -18,8 +18,10 @@ alarms, predictor MAPE, cost); then one real run per fault trial (one random dev
 when it suspects. The detectors see every healthy step before a trial's onset (alarms there
 are false alarms) and a copy of them sees the faulty steps. Per trial: the step-level
 slowdown the fault caused (median observed / predicted after the onset against the same
-before it) and whether each detector caught it within 5 steps on the right device;
-`step_reach.reliable` is the smallest step-level slowdown caught every time from there up.
+before it), this process's cores over the faulty steps against those before (a slow
+device leaves cores idle, so they fall as the step lengthens) and whether each detector
+caught it within 5 steps on the right device; `step_reach.reliable` is the smallest
+step-level slowdown caught every time from there up.
 
 Host load: the same detectors while another process keeps one core busy (a Python busy loop)
 for part of a healthy stretch, and from a few steps before a 1.5x/2x fault on: false alarms
@@ -280,6 +282,7 @@ def fault_trial(run: Run, plan_index: int, live: dict, factor: float, rng: np.ra
     run.injector.slow(device, factor, onset)
     found: dict[str, tuple[int, tuple[int, ...]]] = {}
     before, after = [], []  # observed / healthy prediction of each step
+    cores: tuple[list[float], list[float]] = ([], [])  # this process's cores, before / after
     if load is not None:
         load.on()
     try:
@@ -287,6 +290,7 @@ def fault_trial(run: Run, plan_index: int, live: dict, factor: float, rng: np.ra
             obs = run.run_step()
             before.append(obs.step_time_s / live["resihp"].cost.predict(
                 obs.plan, obs.mb_tokens, obs.mb_sum_l2))
+            _add_cores(cores[0], obs)
             _healthy(live, obs, tallies, load is not None)
         detectors = _copies(live)
         while run.step < onset + max_after and (len(found) < len(detectors) or
@@ -294,6 +298,7 @@ def fault_trial(run: Run, plan_index: int, live: dict, factor: float, rng: np.ra
             obs = run.run_step()
             after.append(obs.step_time_s / live["resihp"].cost.predict(
                 obs.plan, obs.mb_tokens, obs.mb_sum_l2))
+            _add_cores(cores[1], obs)
             for name, det in detectors.items():
                 verdict = None if name in found else det.observe(obs)
                 if verdict is not None:
@@ -307,8 +312,17 @@ def fault_trial(run: Run, plan_index: int, live: dict, factor: float, rng: np.ra
         delay, named = found.get(name, (None, ()))
         tallies[name].trials.append(Trial(plan_index, factor, slowdown, delay,
                                           named == (device,)))
-    return f"  {factor}x on device {device} from step {onset} (step {slowdown:.2f}x): " + \
+    # a slow device leaves cores idle: this process's cores fall as its step lengthens (where
+    # they do not, the cores ran slower: what ours takes as the machine's own swing)
+    held = f", our cores {np.median(cores[1]) / np.median(cores[0]):.2f}x" \
+        if cores[0] and cores[1] else ""
+    return f"  {factor}x on device {device} from step {onset} (step {slowdown:.2f}x{held}): " + \
         ", ".join(f"{n}={_said(tallies[n].trials[-1], found.get(n))}" for n in detectors)
+
+
+def _add_cores(into: list[float], obs: StepObservation) -> None:
+    if obs.host_cpu is not None:
+        into.append(obs.host_cpu.own)
 
 
 def _said(trial: Trial, found: tuple | None) -> str:

@@ -215,14 +215,18 @@ def _observe(det, obs: StepObservation) -> None:  # noqa: ANN001
     """Feed a step the run took as healthy: a verdict on it (the probes named a device) is
     met as the trainer meets every verdict, by a re-plan after which the detector measures
     afresh (`rebaseline`), so one false verdict counts once, not on every step after it.
-    A false alarm of ours is printed with the steps it rests on."""
+    A false alarm of ours is printed with the steps it rests on and the host's counters on
+    its step (this process's cores and the others')."""
     before = det.alarms
     if det.observe(obs) is not None:
         det.rebaseline()
     if det.alarms > before and getattr(det, "evidence", None):
         steps = ", ".join(f"{s} {np.expm1(e):+.1%} ({u:.1f})" for s, e, u in det.evidence)
+        cpu = obs.host_cpu
+        cores = "" if cpu is None else \
+            f"; cores: ours {cpu.own:.2f}, other processes' {cpu.others:.2f} of {cpu.cores}"
         print(f"  {det.name} false alarm at step {obs.step}; step, excess over the prediction "
-              f"(unexplained, in sigmas): {steps}")
+              f"(unexplained, in sigmas): {steps}{cores}")
 
 
 def _healthy(detectors: dict, obs: StepObservation, tallies: dict[str, Tally],

@@ -49,18 +49,19 @@ itself; on a saturated host they take what the slow device leaves idle, so a fau
 load shows partly as host load, and the stage shares (which no load moves) still see it.
 
 Where the process keeps the host's cores busy (its step is CPU-bound, as 8 fake devices on 2
-cores are), the same counters tell a slow device from a slow machine: a slow device leaves
+cores are), the same counters tell a slow device from a slow machine. A slow device leaves
 cores idle while the others wait for it, so this process's cores fall as its step lengthens
-(a 1.2x device's 1.09x step: 0.92x the cores, a 2x device: 0.6-0.7x), while when the cores
+(`benchmarks/detection.py` prints them per trial; `--data synthetic:bimodal --seed 6`: a 1.2x
+device's steps at 0.91-0.96x the cores, a 2x device's at 0.64-0.71x). When the cores
 themselves run slower (the machine's own swings, which raised both false alarms of a full
-`benchmarks/detection.py --data synthetic:lognormal --seed 12` run: steps 6% to 15% slower
-over 5 steps, the process at its healthy 1.87 of 2 cores throughout, nothing else running)
-the process burns more CPU seconds for the same batch. The part of an excess those extra
-seconds explain (excess + log(cores now / healthy cores)) is the machine's, not a device's.
-It counts only in a job of one process (with several, one host's slower cores are a slow
-device of the job) whose healthy use is at least OWN_BOUND of the cores the others leave
-it: on a GPU host the process uses a few of many cores, and a host thread spin-waiting on a
-slow GPU would burn CPU in step with the wall time.
+`benchmarks/detection.py --data synthetic:lognormal --seed 12` run: steps 6% to 16% slower
+over 4-5 steps, the process at its healthy cores throughout, nothing else running), the
+process burns more CPU seconds for the same batch. The part of an excess those extra seconds
+explain (excess + log(cores now / healthy cores)) is the machine's, not a device's. It counts
+only in a job of one process (with several, one host's slower cores are a slow device of the
+job) whose healthy use is at least OWN_BOUND of the cores the others leave it: on a GPU host
+the process uses a few of many cores, and a host thread spin-waiting on a slow GPU would burn
+CPU in step with the wall time.
 
 Stage times are not fitted as cost-model rows by default (`fit_stage_times`): on shared
 host cores one micro-batch's forward mostly measures what the other devices run at the same

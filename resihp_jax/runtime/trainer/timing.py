@@ -45,8 +45,7 @@ class StepTiming:
                 *((cpu.own, cpu.others, cpu.cores) if cpu is not None else unmeasured)]
         flat = max_over_processes(np.concatenate([head, self.fwd_DxPxT.ravel()]))
         gathered = HostCpu(float(flat[2]), float(flat[3]), int(flat[4]),
-                           every_device=jax.process_count() == 1
-                           and (cpu is None or cpu.every_device)) if flat[1] else None
+                           every_device=jax.process_count() == 1) if flat[1] else None
         return StepTiming(float(flat[0]), flat[5:].reshape(self.fwd_DxPxT.shape), gathered)
 
     @property

@@ -5,7 +5,9 @@ Three switches of a ResilientTrainer on 8 fake CPU devices, in this order:
   and the trainer then moves to a new layer and micro-batch split of the same mesh (the row
   exercises that path whatever the scheduler picks, and says what it picked);
 - mesh_warm: a verdict that device 5 stopped; the scheduler's plan for it was compiled ahead
-  of time by the trainer's background Precompiler (waited for before the verdict);
+  of time by the trainer's background Precompiler (waited for before the verdict) and, with
+  `ResilienceConfig.warm_prepared` (on here unless `--no-warm-prepared`), run once on zeros
+  there, so its first step pays none of the executable's first-run setup;
 - mesh_cold: a verdict that device 2 also stopped, with nothing prepared and an empty
   persistent compilation cache: the new mesh compiles on the training thread.
 Faults are synthetic verdicts handed to `ResilientTrainer.react` (no device is really slowed
@@ -25,7 +27,7 @@ network-bound), the step by the batch: `overhead_ratio` (in steady steps; target
 therefore depends on the tokens per step, which `--seq-len` and `--microbatch-size` set.
 
 Usage: python benchmarks/recovery.py [--quick] [--model small|tiny] [--seed S]
-           [--seq-len N] [--microbatch-size B]
+           [--seq-len N] [--microbatch-size B] [--no-warm-prepared]
 """
 
 from __future__ import annotations
@@ -154,6 +156,10 @@ def main() -> None:
                         help="tokens per row (default 128 with --quick, else 256)")
     parser.add_argument("--microbatch-size", type=int, default=2,
                         help="rows per micro-batch (8 micro-batches per step)")
+    parser.add_argument("--no-warm-prepared", dest="warm_prepared", action="store_false",
+                        help="do not run the prepared program once ahead (ResilienceConfig."
+                             "warm_prepared off, its default): the first step on the new mesh "
+                             "then pays the executable's first-run setup")
     args = parser.parse_args()
     seq_len, steady, rounds = (128, 3, 2) if args.quick else (256, 5, 4)
     seq_len = args.seq_len or seq_len
@@ -168,7 +174,8 @@ def main() -> None:
                          microbatch_size=microbatch_size, seq_len=seq_len, seed=args.seed)
     wall = time.perf_counter()
     with tempfile.TemporaryDirectory() as cache:  # empty: the cold row compiles for real
-        config = ResilienceConfig(precompile=0, compile_cache_dir=cache)
+        config = ResilienceConfig(precompile=0, compile_cache_dir=cache,
+                                  warm_prepared=args.warm_prepared)
         trainer = ResilientTrainer(model, TrainConfig(), plan, jax.devices(), data, config)
         _steps(trainer, 2)
         half = model.n_layers // 2
@@ -189,7 +196,7 @@ def main() -> None:
     print(f"recovery on 8 fake CPU devices, model {model.name} ({model.param_count() / 1e6:.1f}M"
           f" params), start plan {plan.describe()}, seq_len {seq_len}, "
           f"{microbatches * microbatch_size * seq_len} tokens per step; faults: synthetic "
-          "verdicts\n")
+          f"verdicts; prepared program run once ahead: {'yes' if args.warm_prepared else 'no'}\n")
     _table(rows)
     print(f"\nbackground compile of the warm row's program (off the critical path): "
           f"{prepare_s:.1f} s")
@@ -217,6 +224,7 @@ def main() -> None:
         "breakdown_s": {c: {k: round(by[c][k], 3) for k in ("plan_s", "compile_s", "move_s",
                                                              "step_s")} for c in by},
         "checkpoint_overhead": round(ckpt["overhead"], 4),
+        "warm_prepared": args.warm_prepared,
         "model": model.name, "tokens_per_step": microbatches * microbatch_size * seq_len}))
 
 

@@ -257,11 +257,13 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
                           out_shardings=shardings)
 
     def restaged(state: TrainState, positions_L: jax.Array, index_PxL: jax.Array):
-        # a new split of the same mesh: each device builds only its own stage's slots
+        # a new split of the same mesh: each device builds only its own stage's slots (the
+        # old state is donated, as the step donates it, so the new one lands in memory
+        # already touched instead of a state's worth of fresh pages)
         return layout.to_stage_layout(canonical_of(state, positions_L), index_PxL)
 
     restage_fn = jax.jit(restaged, in_shardings=(shardings, replicated, replicated),
-                         out_shardings=shardings)
+                         out_shardings=shardings, donate_argnums=0 if train.donate_state else ())
     return StepProgram(model, train, plan, mesh, layer_slots, mb_slots, optimizer, shardings,
                        batch_sharding, replicated, step_fn, grads_fn, canonical_sh,
                        to_canonical_fn, to_stage_fn, restage_fn)

@@ -148,7 +148,8 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
                           out_shardings=shardings)
     restage_fn = jax.jit(
         lambda s, pos, idx: layout.to_stage_layout(layout.to_canonical_layout(s, pos), idx),
-        in_shardings=(shardings, replicated, replicated), out_shardings=shardings)
+        in_shardings=(shardings, replicated, replicated), out_shardings=shardings,
+        donate_argnums=0 if train.donate_state else ())
     train = train.replace(layer_slots=layer_slots, microbatch_slots=mb_slots)
     return UserStepProgram(parts, train, plan, mesh, layer_slots, mb_slots, optimizer,
                            shardings, batch_sharding, replicated, step_fn, grads_fn,

@@ -48,6 +48,7 @@ from resihp_jax.train.instrument import FaultHook
 from resihp_jax.runtime.trainer.loop import StepRecord, device_batch, diverged
 from resihp_jax.runtime.trainer.precompile import Precompiler
 from resihp_jax.train.staging import HostStaging
+from resihp_jax.train.warmup import warm_up
 from resihp_jax.runtime.recovery.run_identity import run_identity
 from resihp_jax.runtime.trainer.host_cpu import CpuMeter
 from resihp_jax.runtime.trainer.timing import StageTimer, StepTiming, timed_step
@@ -94,6 +95,12 @@ class ResilienceConfig:
     # several processes only (where a hung step restarts the job anyway; one process
     # re-plans around the device it names).
     untimed_start: bool | None = None
+    # Run each prepared program once, in the background, on a zero state (train/warmup.py),
+    # so the first step after a switch onto its mesh pays none of the executable's first-run
+    # setup. Off by default: while it runs it holds a second state and the step's activations
+    # on the new mesh's devices, which on GPUs share memory with the running step. One
+    # process only (a run's collectives would interleave with the step's across processes).
+    warm_prepared: bool = False
 
     def __post_init__(self) -> None:
         for name in ("step_timeout_s", "hang_floor_s", "device_memory_gb", "horizon_s"):
@@ -102,6 +109,9 @@ class ResilienceConfig:
         if not self.hang_factor > 1:
             raise ConfigError(f"ResilienceConfig.hang_factor={self.hang_factor!r}: must be > 1 "
                               "(a step slower than predicted is not yet hung)")
+        if self.warm_prepared not in (True, False):
+            raise ConfigError(f"ResilienceConfig.warm_prepared={self.warm_prepared!r}: must be "
+                              "True or False")
         if self.untimed_start not in (None, True, False):
             raise ConfigError(f"ResilienceConfig.untimed_start={self.untimed_start!r}: must be "
                               "True, False or None (in a job of several processes only)")
@@ -204,7 +214,8 @@ class ResilientTrainer:
         # host memory for a move onto a prepared mesh, touched while it is prepared (one
         # process only: a job of several moves through orbax)
         self.staging = HostStaging(budget_bytes=0 if multi_process() else None)
-        self.precompiler = Precompiler(self._compiled, stage=self._reserve_staging)
+        self._warmed: set[int] = set()  # ids of the step executables run once ahead
+        self.precompiler = Precompiler(self._compiled, stage=self._stage_prepared)
         if untimed:  # the stage-timed step, for a step boundary after it compiled
             self.precompiler.prepare([self.plan])
         self._untimed_cached: set[tuple] = {self.plan.mesh_key()} if untimed else set()
@@ -265,10 +276,15 @@ class ResilientTrainer:
         program = self.precompiler.take(self.plan) or self._compiled(self.plan)
         self._install(program, self.plan)
 
-    def _reserve_staging(self, program: StepProgram) -> None:
-        """Touch, in the background, the host buffers a move onto `program`'s mesh fills."""
+    def _stage_prepared(self, program: StepProgram) -> None:
+        """In the background: touch the host buffers a move onto `program`'s mesh fills, and
+        (with `warm_prepared`) run the program once."""
         if self.staging.budget_bytes:
             self.staging.reserve(program.abstract_state())
+        if self.config.warm_prepared and not multi_process() and \
+                id(program.step_fn) not in self._warmed:
+            warm_up(program)
+            self._warmed.add(id(program.step_fn))
 
     def _install(self, program: StepProgram, plan: Plan, timed: bool = True) -> None:
         self.program, self.plan, self._timed = program, plan, timed

@@ -1,0 +1,43 @@
+"""Run a compiled program once, on a zero state, before a switch needs it.
+
+A compiled executable is not yet ready to run fast: its first run sets up what the runtime
+builds lazily. On XLA:CPU that is the runtime of each fused matrix kernel (XNNPACK/YNN, made
+at the first execution and pooled with the executable); on GPUs the kernels' modules are
+loaded and the collectives' communicators created at the first run. A switch onto a prepared
+mesh paid all of it in its first step: `python benchmarks/recovery.py --quick` (`small`, 8
+fake CPU devices) measured that first step 1.04x and 1.08x a steady one, 1.00x and 1.06x
+with the program run once here beforehand.
+
+The run is a real step of the program on a state of zeros (a state's worth of memory and the
+step's activations on the new mesh's devices while it lasts) and one packed batch of token 0,
+with every device's stage knob `OFF`, so no host callback fires: the detector's stage timer
+and a fault hook see nothing of it. Its result is dropped.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from resihp_jax.train.instrument import OFF
+from resihp_jax.train.step import StepProgram
+
+
+def warm_up(program: StepProgram) -> None:
+    """Run `program`'s step, and its re-split of the stage layout, once on zeros."""
+    plan = program.plan
+    shapes = program.abstract_state()
+    zeros = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                    out_shardings=program.state_shardings)()
+    # the same layout again: the program a later split-only switch on this mesh runs
+    state = program.restage_fn(zeros, program.canonical_positions(),
+                               program.stage_index_array())
+    rows_MxBxS = (plan.n_microbatches, plan.microbatch_size, plan.seq_len)
+    tokens_MxBxS = np.zeros(rows_MxBxS, np.int32)
+    # one document per row: every attention block runs, as in a packed batch
+    segments_MxBxS = np.ones(rows_MxBxS, np.int32)
+    positions_MxBxS = np.broadcast_to(np.arange(plan.seq_len, dtype=np.int32), rows_MxBxS)
+    batch = program.shard_batch(tokens_MxBxS, segments_MxBxS, positions_MxBxS)
+    knobs_DxPxT = np.full((plan.dp, plan.pp, plan.tp), OFF, np.float32)
+    jax.block_until_ready(program.step(state, batch, knobs_DxPxT))

@@ -1,0 +1,32 @@
+"""A prepared program run once ahead, on zeros, with no host callback firing."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from resihp_jax.data import BatchIterator
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model.config import get_model_config
+from resihp_jax.runtime.trainer.loop import device_batch
+from resihp_jax.train.aot import compile_program
+from resihp_jax.train.config import TrainConfig
+from resihp_jax.train.instrument import Instrument
+from resihp_jax.train.step import build_step
+from resihp_jax.train.warmup import warm_up
+
+
+def test_the_warm_up_runs_the_step_with_no_callback_and_a_real_step_still_calls_back() -> None:
+    calls: list[tuple] = []
+    model = get_model_config("tiny")
+    plan = Plan.uniform(1, 2, 1, n_layers=model.n_layers, n_microbatches=2,
+                        microbatch_size=1, seq_len=32)
+    program = compile_program(build_step(model, TrainConfig(), plan, jax.devices(),
+                                         Instrument(lambda *args: calls.append(args))))
+    warm_up(program)
+    assert calls == []  # the stage timer and a fault hook see nothing of the warm-up
+    data = BatchIterator("synthetic:lognormal", n_microbatches=2, microbatch_size=1,
+                         seq_len=32, seed=0)
+    state, metrics = program.step(program.init_state(0), device_batch(program, data.next_batch()))
+    assert np.isfinite(float(metrics["loss"])) and int(state.step) == 1
+    assert calls  # the markers are live: only the warm-up's OFF knobs kept them quiet

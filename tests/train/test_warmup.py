@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 from resihp_jax.data import BatchIterator
+from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
 from resihp_jax.runtime.trainer.loop import device_batch
+from resihp_jax.runtime.trainer.resilient import ResilienceConfig
 from resihp_jax.train.aot import compile_program
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.instrument import Instrument
@@ -30,3 +33,9 @@ def test_the_warm_up_runs_the_step_with_no_callback_and_a_real_step_still_calls_
     state, metrics = program.step(program.init_state(0), device_batch(program, data.next_batch()))
     assert np.isfinite(float(metrics["loss"])) and int(state.step) == 1
     assert calls  # the markers are live: only the warm-up's OFF knobs kept them quiet
+
+
+def test_warm_prepared_takes_a_bool() -> None:
+    with pytest.raises(ConfigError, match="warm_prepared='yes'"):
+        ResilienceConfig(warm_prepared="yes")  # type: ignore[arg-type]
+    assert ResilienceConfig().warm_prepared is False  # a second state in memory: asked for

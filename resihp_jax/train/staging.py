@@ -15,8 +15,9 @@ when its data starts on a 64-byte boundary (numpy aligns to 16), so every buffer
 the placement then copies nothing for replicated and leading-axis-sharded leaves (`python
 benchmarks/recovery.py`, `small`, the prepared mesh's move: 0.073 s and 0.085 s in two full
 runs, against 0.19-0.21 s in three with numpy's own alignment). The first step on them
-writes its outputs to new memory (XLA cannot donate a buffer it adopted): 1.06x and 1.08x a
-steady step in those two runs.
+writes its outputs to new memory (XLA cannot donate a buffer it adopted); what made that
+step slower than a steady one was mostly the executable's own first run, which
+`train/warmup.py` takes off the switch.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ A compiled executable is not yet ready to run fast: its first run sets up what t
 builds lazily. On XLA:CPU that is the runtime of each fused matrix kernel (XNNPACK/YNN, made
 at the first execution and pooled with the executable); on GPUs the kernels' modules are
 loaded and the collectives' communicators created at the first run. A switch onto a prepared
-mesh paid all of it in its first step: `python benchmarks/recovery.py --quick` (`small`, 8
-fake CPU devices) measured that first step 1.04x and 1.08x a steady one, 1.00x and 1.06x
-with the program run once here beforehand.
+mesh paid all of it in its first step: in full runs of `python benchmarks/recovery.py`
+(`small`, 8 fake CPU devices) that first step took 1.07x a steady one with
+`--no-warm-prepared`, 1.04x, 0.98x and 1.03x in three runs with the program run once here
+beforehand.
 
 The run is a real step of the program on a state of zeros (a state's worth of memory and the
 step's activations on the new mesh's devices while it lasts) and one packed batch of token 0,

@@ -412,6 +412,16 @@ def test_a_slower_machine_is_told_from_a_slow_device_by_the_cpu_seconds() -> Non
     assert 60 <= verdicts[0].step < 60 + REACH_STEPS
 
 
+def test_a_slow_device_that_leaves_the_cores_busy_is_still_caught_past_the_margin() -> None:
+    """Devices sharing the cores keep them busy while a slow one sleeps: the process's CPU
+    seconds then rise with its 2x steps as they would on slower cores. They explain no more
+    than the stated margin, so the rest is caught within REACH_STEPS steps."""
+    det, verdicts = run("resihp", swing_stream(range(60, 90), 2.0, cores_follow=False),
+                        fake_prober({5: 2.0}, 60))
+    assert len(verdicts) == 1 and verdicts[0].devices == (5,)
+    assert 60 <= verdicts[0].step < 60 + REACH_STEPS
+
+
 @pytest.mark.parametrize("host", [dict(own=1.0, cores=64), dict(every_device=False)],
                          ids=["gpu_host", "one_host_of_several"])
 def test_cpu_seconds_explain_nothing_where_they_do_not_speak_for_every_device(

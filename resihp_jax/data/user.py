@@ -2,7 +2,8 @@
 
 `from_documents` wraps in-memory token arrays; `from_hf_dataset` and `from_grain` wrap any
 map-style dataset (`len(ds)` and `ds[i]`: a Hugging Face `datasets.Dataset`, a Grain
-`RandomAccessDataSource`), duck-typed so neither package is imported. Every epoch visits the
+`MapDataset` or `RandomAccessDataSource`), duck-typed so neither package is imported. Every
+epoch visits the
 documents in the given order (shuffle them yourself if you want another order); a document
 longer than a row continues in the next row as a new segment. Token ids are non-negative and
 fit int32. A fingerprint names the content so a saved position is never restored into other
@@ -10,6 +11,7 @@ data: over every token for `from_documents`, over a few sampled records for the 
 """
 
 import hashlib
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -24,6 +26,9 @@ FINGERPRINT_SAMPLES = 16  # records an adapter's fingerprint reads
 def as_document(tokens: Any, where: str) -> np.ndarray:
     """int32 [L]: one document's token ids; ConfigError naming `where` unless they are a
     1-D array of integers in 0 .. MAX_TOKEN_ID."""
+    if isinstance(tokens, str | bytes):  # a dataset's text column, for one
+        raise ConfigError(f"{where} holds text ({tokens[:24]!r}), not token ids: tokenize it "
+                          "first (a list or array of integer ids)")
     try:
         array_L = np.asarray(tokens)
     except (TypeError, ValueError) as err:  # ragged nested lists, for one
@@ -52,16 +57,27 @@ def documents_digest(docs: Iterable[np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-def check_map_style(data: Any, what: str) -> int:
-    """len(data); ConfigError unless `data` is a non-empty map-style dataset (len and [i])."""
-    if isinstance(data, str | bytes | Mapping) or not (
-            hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+LIST_HINT = "pass a list of its records (list(data))"
+
+
+def check_map_style(data: Any, what: str, hint: str = LIST_HINT) -> int:
+    """len(data); ConfigError unless `data` is a non-empty, finite map-style dataset (len and
+    [i]). `hint` says what to pass instead of an object without them."""
+    if isinstance(data, Mapping):  # a DatasetDict, or a dict of columns: no record [i]
+        keys = sorted(map(str, data))[:8]
         raise ConfigError(
-            f"{what} needs a map-style dataset with len() and [i], got "
-            f"{type(data).__name__}; pass a list of its records (list(data))")
+            f"{what} needs a map-style dataset with len() and [i], got a {type(data).__name__} "
+            f"with keys {keys}; pass one split (data['train']) or a list of records")
+    if isinstance(data, str | bytes) or not (
+            hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise ConfigError(f"{what} needs a map-style dataset with len() and [i], got "
+                          f"{type(data).__name__}; {hint}")
     n = len(data)
     if n == 0:
         raise ConfigError(f"{what} got an empty dataset; it needs at least one document")
+    if n >= sys.maxsize:  # Grain's MapDataset.repeat() without num_epochs
+        raise ConfigError(f"{what} got a dataset without end (len {n}); drop its .repeat(): "
+                          "the batch iterator starts the next epoch itself")
     return n
 
 
@@ -111,11 +127,12 @@ class RecordSource:
 
     max_doc_len: int | None = None
 
-    def __init__(self, records: Any, tokens_of: TokensOf, spec: str) -> None:
+    def __init__(self, records: Any, tokens_of: TokensOf, spec: str,
+                 hint: str = LIST_HINT) -> None:
         self.records = records
         self.spec = spec
         self._tokens_of = tokens_of
-        self._n = check_map_style(records, spec)
+        self._n = check_map_style(records, spec, hint)
         self._fingerprint = self._sampled_fingerprint()
 
     def document(self, index: int) -> np.ndarray:
@@ -157,17 +174,36 @@ def _field(key: str, what: str) -> TokensOf:
     return tokens_of
 
 
+HF_HINT = ("pass a datasets.Dataset (load it without streaming=True), or write the tokens "
+           "once with rh.data.write_token_file and train on the TokenFileSource")
+GRAIN_HINT = ("pass the grain.MapDataset (before .to_iter_dataset() or .batch()) or a "
+              "RandomAccessDataSource")
+
+
 def from_hf_dataset(ds: Any, column: str = "input_ids") -> RecordSource:
     """A DocumentSource over a map-style Hugging Face dataset (rows are dicts) whose `column`
-    holds each row's token ids, e.g. a tokenized `datasets.Dataset`."""
+    holds each row's token ids, e.g. a tokenized `datasets.Dataset` (`.with_format("numpy")`
+    makes reading a row cheaper)."""
     spec = f"hf_dataset:{column}"
-    return RecordSource(ds, _field(column, spec), spec)
+    return RecordSource(ds, _field(column, spec), spec, HF_HINT)
+
+
+def _grain_tokens(key: str | None, spec: str) -> TokensOf:
+    """record, index -> its tokens: the record itself, or its `key`; a record that a grain
+    MapDataset.filter() dropped reads as None and counts as an empty document."""
+    field = None if key is None else _field(key, spec)
+
+    def tokens_of(record: Any, index: int) -> Any:
+        if record is None:
+            return np.zeros(0, np.int32)
+        return record if field is None else field(record, index)
+
+    return tokens_of
 
 
 def from_grain(source: Any, key: str | None = None) -> RecordSource:
-    """A DocumentSource over a Grain RandomAccessDataSource (or any object with len() and
-    [i]) whose records are token id arrays, or dicts holding them under `key`."""
-    if key is None:
-        return RecordSource(source, lambda record, index: record, "grain")
-    spec = f"grain:{key}"
-    return RecordSource(source, _field(key, spec), spec)
+    """A DocumentSource over a Grain `MapDataset` or `RandomAccessDataSource` (or any object
+    with len() and [i]) whose records are token id arrays, or dicts holding them under `key`.
+    A record a `.filter()` dropped (None) counts as an empty document."""
+    spec = "grain" if key is None else f"grain:{key}"
+    return RecordSource(source, _grain_tokens(key, spec), spec, GRAIN_HINT)

@@ -2,6 +2,7 @@
 
 import json
 import struct
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -338,6 +339,7 @@ def test_documents_are_copied() -> None:
                           "2147483647"),
     ([np.array([2**31])], "token id 2147483648"),
     ([[1, 2], [3, [4]]], "document 1 must be a 1-D array"),
+    ([np.arange(2), "hello"], r"document 1 holds text \('hello'\), not token ids: tokenize"),
     ([], "empty dataset"),
     ([[], np.zeros(0, int)], "2 documents, all empty"),
     ((d for d in [np.arange(3)]), "map-style dataset .* got generator"),
@@ -508,6 +510,16 @@ class _IterableOnly:
         return iter([])
 
 
+class _Endless(FakeGrainSource):
+    """Grain's MapDataset.repeat() with no epoch count: its len is sys.maxsize."""
+
+    def __init__(self) -> None:
+        super().__init__(_docs())
+
+    def __len__(self) -> int:
+        return sys.maxsize
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: from_hf_dataset(FakeHFDataset(_docs()), column="ids"),
      r"hf_dataset:ids record 0 has no column 'ids'; it has \['input_ids', 'text'\]"),
@@ -515,7 +527,13 @@ class _IterableOnly:
      "grain:ids record 0 has no column 'ids'; it has ndarray"),
     (lambda: from_hf_dataset(_IterableOnly()),
      r"hf_dataset:input_ids needs a map-style dataset with len\(\) and \[i\], got "
-     r"_IterableOnly; pass a list of its records"),
+     r"_IterableOnly; pass a datasets.Dataset \(load it without streaming=True\)"),
+    (lambda: from_grain(_IterableOnly()),
+     r"grain needs a map-style .* got _IterableOnly; pass the grain.MapDataset \(before "
+     r"\.to_iter_dataset\(\)"),
+    (lambda: from_hf_dataset({"train": FakeHFDataset(_docs())}),
+     r"got a dict with keys \['train'\]; pass one split \(data\['train'\]\)"),
+    (lambda: from_grain(_Endless()), "got a dataset without end .* drop its .repeat"),
     (lambda: from_grain(FakeGrainSource([])), "got an empty dataset"),
     (lambda: from_grain(FakeGrainSource([np.arange(3.0)], np.float32)),
      "grain record 0 must hold integer token ids, got dtype float32"),
@@ -537,3 +555,79 @@ def test_a_real_hugging_face_dataset() -> None:
     in_memory = BatchIterator(from_documents(docs), seed=0, **SHAPE)
     for _ in range(3):
         _assert_same(hf.next_batch(), in_memory.next_batch())
+
+
+def _text_files(tmp_path: Path, docs: list[np.ndarray]) -> list[str]:
+    """Each document as a text file of its bytes (ids mod 95 as printable ASCII)."""
+    paths = []
+    for i, doc in enumerate(docs):
+        path = tmp_path / f"doc{i:02d}.txt"
+        path.write_bytes((doc % 95 + 32).astype(np.uint8).tobytes())
+        paths.append(str(path))
+    return paths
+
+
+def test_a_hugging_face_text_dataset_from_local_files(tmp_path: Path) -> None:
+    """load_dataset('text') over local files, tokenized by .map, as the hf example does."""
+    datasets = pytest.importorskip("datasets", reason="the datasets package is not installed "
+                                                      "(an optional extra: resihp_jax[hf])")
+    docs = [d for d in _docs(10) if d.size]  # the text loader keeps no empty file
+    expected = [d % 95 + 32 for d in docs]
+    loaded = datasets.load_dataset("text", data_files=_text_files(tmp_path, docs),
+                                   sample_by="document", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=r"got a DatasetDict with keys \['train'\]; pass one "
+                                          r"split \(data\['train'\]\)"):
+        from_hf_dataset(loaded)
+    ds = loaded["train"].map(lambda row: {"input_ids": list(row["text"].encode())},
+                             remove_columns=["text"])
+    for rows in (ds, ds.with_format("numpy")):
+        source = from_hf_dataset(rows)
+        assert source.items_per_epoch() == len(docs)
+        for i in reversed(range(len(docs))):
+            np.testing.assert_array_equal(source.item(0, i), expected[i])
+        assert source.fingerprint() == from_grain(expected).fingerprint()
+        hf = BatchIterator(source, seed=0, **SHAPE)
+        in_memory = BatchIterator(from_documents(expected), seed=0, **SHAPE)
+        for _ in range(3):
+            _assert_same(hf.next_batch(), in_memory.next_batch())
+    with pytest.raises(ConfigError, match=r"hf_dataset:text record 0 holds text \('.*'\), "
+                                          "not token ids: tokenize it first"):
+        from_hf_dataset(loaded["train"], column="text")
+    with pytest.raises(ConfigError, match="got IterableDataset; pass a datasets.Dataset"):
+        from_hf_dataset(ds.to_iterable_dataset())
+
+
+def test_a_grain_map_dataset_with_a_filter(tmp_path: Path) -> None:
+    """A grain MapDataset pipeline (source, map, filter, shuffle): records a filter dropped
+    read as empty documents, and the order is the pipeline's own."""
+    grain = pytest.importorskip("grain", reason="the grain package is not installed "
+                                                "(an optional extra: resihp_jax[grain])")
+    docs = _docs(11)
+    kept = [d if d.size % 3 else np.zeros(0, np.int64) for d in docs]
+    ds = (grain.MapDataset.source(_text_files(tmp_path, docs))
+          .map(lambda path: np.frombuffer(Path(path).read_bytes(), np.uint8))
+          .filter(lambda tokens: tokens.size % 3 != 0))
+    assert ds[[i for i, d in enumerate(docs) if d.size % 3 == 0][0]] is None  # grain's marker
+    expected = [d % 95 + 32 for d in kept]
+    source = from_grain(ds)
+    for i in range(len(docs)):
+        assert source.item_size(0, i) == expected[i].size
+        np.testing.assert_array_equal(source.item(0, i), expected[i])
+    batches = BatchIterator(source, seed=0, **SHAPE)
+    in_memory = BatchIterator(from_documents(expected), seed=0, **SHAPE)
+    for _ in range(3):
+        _assert_same(batches.next_batch(), in_memory.next_batch())
+    shuffled = ds.shuffle(seed=4)
+    order = [next(i for i, e in enumerate(expected) if shuffled[k] is not None
+                  and np.array_equal(shuffled[k], e)) if shuffled[k] is not None else None
+             for k in range(len(docs))]
+    assert order != list(range(len(docs)))  # it did shuffle
+    as_dicts = from_grain(shuffled.map(lambda tokens: {"ids": tokens}), key="ids")
+    for k in range(len(docs)):
+        want = np.zeros(0) if order[k] is None else expected[order[k]]
+        np.testing.assert_array_equal(as_dicts.item(0, k), want)
+    with pytest.raises(ConfigError, match=r"got a dataset without end \(len \d+\)"):
+        from_grain(ds.repeat())
+    assert from_grain(ds.repeat(2)).items_per_epoch() == 2 * len(docs)
+    with pytest.raises(ConfigError, match="got PrefetchIterDataset; pass the grain.MapDataset"):
+        from_grain(ds.to_iter_dataset())

@@ -10,6 +10,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# a process that `resihp launch`, srun or a JobSet started joins its job here, before the
+# script builds its model (which starts JAX); elsewhere (a plain process, the CLI) nothing
+from resihp_jax.runtime.job.autojoin import join_if_launched as _join_if_launched
+
+_join_if_launched()
+
 # public name -> the module defining it; imported on first use (PEP 562), so that importing
 # the package (as the `resihp` CLI does) stays cheap and initializes no JAX backend
 _EXPORTS: dict[str, str] = {

@@ -1,5 +1,6 @@
 """`resihp launch`: N local processes of one training job, supervised and relaunched on the
-survivors when one dies or hangs (gloo collectives on CPU, loopback only)."""
+survivors when one dies or hangs: on a GPU node each process gets its share of the node's GPUs
+(NCCL collectives), else fake CPU devices (gloo collectives, loopback only)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,24 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 from resihp_jax.cli.args import check_output_dir
 from resihp_jax.errors import ConfigError
+from resihp_jax.runtime.job import accelerators
 from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--procs", type=int, required=True, help="processes to start (N)")
-    parser.add_argument("--devices-per-proc", type=int, default=2,
-                        help="fake CPU devices per process (default 2)")
+    parser.add_argument("--devices-per-proc", type=int, default=None,
+                        help="devices per process: on a GPU node, GPUs of the node (process i "
+                             "gets the i-th share, through CUDA_VISIBLE_DEVICES; default 1), "
+                             "else fake CPU devices (default 2)")
+    parser.add_argument("--platform", choices=accelerators.PLATFORMS, default="auto",
+                        help="gpu: share the node's GPUs (nvidia-smi -L, narrowed to "
+                             "CUDA_VISIBLE_DEVICES where set) among the processes; cpu: fake "
+                             "CPU devices; auto (default): gpu where the node lists a GPU")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="checkpoints, health record, heartbeats and logs (default: a new "
                              "temporary directory)")
@@ -102,7 +110,18 @@ def _check_parses(args: list[str]) -> None:
     parser.parse_args(args)
 
 
-def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+def devices(args: argparse.Namespace,
+            gpus: Callable[[], tuple[str, ...]] = accelerators.node_gpus
+            ) -> tuple[str, int, tuple[str, ...]]:
+    """(platform, devices per process, the node's GPUs) for these arguments; the GPUs are
+    read from the driver's listing, never by starting JAX here."""
+    found = gpus() if args.platform != "cpu" else ()
+    platform = accelerators.resolve_platform(args.platform, found)
+    return platform, accelerators.devices_per_proc(args.devices_per_proc, platform), found
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None,
+        gpus: Callable[[], tuple[str, ...]] = accelerators.node_gpus) -> int:
     out = out or sys.stdout  # looked up per call, so a redirected stdout is honoured
     faults = tuple(parse_fault(kind, text) for kind in ("kill", "hang", "slow")
                    for text in getattr(args, kind))
@@ -111,12 +130,19 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts={args.max_restarts}: must be >= 0")
     command = _user_command(args.train_args)
-    config = LaunchConfig(args.procs, args.devices_per_proc, directory.absolute(),
+    platform, per_proc, found = devices(args, gpus)
+    config = LaunchConfig(args.procs, per_proc, directory.absolute(),
                           () if command else _train_args(args.train_args), faults,
                           args.max_restarts, readmit_after_steps=args.readmit_after,
-                          command=command, standby=not args.no_standby)
-    print(f"resihp launch: {config.procs} processes x {config.devices_per_proc} devices, "
-          f"job directory {directory}", file=out)
+                          command=command, standby=not args.no_standby, platform=platform,
+                          gpus=found)
+    what = (f"GPU(s) each, of the node's {len(found)}" if platform == "gpu"
+            else "fake CPU devices")
+    print(f"resihp launch: {config.procs} processes x {per_proc} {what}, job directory "
+          f"{directory}", file=out)
+    if platform == "gpu" and config.standby:
+        print("resihp launch: no warm standby on GPUs (it would hold GPU memory beside the "
+              "job); a relaunch starts fresh processes", file=out)
     summary = Supervisor(config, out=sys.stderr).run()
     print(f"\n{'restarts':<14}{summary.restarts}\n{'steps lost':<14}{summary.steps_lost}\n"
           f"{'final step':<14}{summary.final_step}", file=out)

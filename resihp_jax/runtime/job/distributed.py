@@ -135,9 +135,9 @@ def initialize(spec: JobSpec, init_timeout_s: int, heartbeat_timeout_s: int) -> 
 
     if xla_bridge.backends_are_initialized():
         raise ConfigError(f"this process is {spec.describe()}, but JAX started before it "
-                          "joined the job: call rh.join_job() at the top of the script, before "
-                          "anything uses JAX (building a model does), or give rh.fit a "
-                          "function rngs -> model")
+                          "joined the job: import resihp_jax before anything uses JAX (it "
+                          "joins the job then), or call rh.join_job() first (with "
+                          "RESIHP_JOIN_ON_IMPORT=0)")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs = dict(initialization_timeout=init_timeout_s,
                   heartbeat_timeout_seconds=heartbeat_timeout_s)

@@ -26,6 +26,7 @@ injected (`clock`).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from resihp_jax.errors import ConfigError, HostsLeftOut
-from resihp_jax.runtime.job import distributed, heartbeat, standby
+from resihp_jax.runtime.job import accelerators, distributed, heartbeat, standby
 from resihp_jax.runtime.recovery import health_record
 from resihp_jax.faults.throttle import Throttle
 from resihp_jax.runtime.job.exits import EXIT_CODES, USER_ERROR
@@ -96,8 +97,27 @@ class LaunchConfig:
     # a kill or hang due at a step waits until the standby is ready, as a failure in a long
     # job finds it (benchmarks; the job must run long enough for it)
     faults_wait_for_standby: bool = False
+    # "cpu": devices_per_proc fake CPU devices per process; "gpu": devices_per_proc of the
+    # node's `gpus` per process (CUDA_VISIBLE_DEVICES), process p{i} always on the i-th share
+    platform: str = "cpu"
+    gpus: tuple[str, ...] = ()
+
+    @property
+    def keeps_standby(self) -> bool:
+        # on GPUs a standby would hold CUDA contexts and its compiled programs' memory on
+        # GPUs the running job uses (it cannot know, before its go, whose GPUs it takes
+        # over): no standby there; a relaunch starts fresh processes
+        return self.standby and self.platform == "cpu"
+
+    def process_env(self, host: str) -> dict[str, str]:
+        """The device variables of the process on `host` (p{i}; a standby's are CPU-only)."""
+        index = int(host[1:]) if re.fullmatch(r"p\d+", host) else 0
+        share = accelerators.gpu_share(self.gpus, self.devices_per_proc, index)
+        return accelerators.process_env(self.platform, self.devices_per_proc, share)
 
     def __post_init__(self) -> None:
+        if self.platform not in ("cpu", "gpu"):
+            raise ConfigError(f"platform={self.platform!r}: valid are cpu, gpu")
         if self.readmit_after_steps is not None and self.readmit_after_steps < 1:
             raise ConfigError(f"--readmit-after={self.readmit_after_steps}: must be >= 1")
         if self.procs < 1 or self.devices_per_proc < 1:
@@ -109,6 +129,8 @@ class LaunchConfig:
             if not 0 <= fault.process < self.procs:
                 raise ConfigError(f"--{fault.kind} names process {fault.process}; valid: 0.."
                                   f"{self.procs - 1}")
+        if self.platform == "gpu":
+            accelerators.check_fits(self.gpus, self.procs, self.devices_per_proc)
 
 
 @dataclass
@@ -193,16 +215,15 @@ class Supervisor:
         # the job's coordination service lives here, not in process 0: JAX aborts every
         # process when the service goes away, which would cost the survivors' copies
         service = distributed.start_service(f"127.0.0.1:{port}", len(hosts))
-        env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={cfg.devices_per_proc}",
-                   **{heartbeat.ENV_VAR: str(beat_dir), distributed.EXTERNAL_SERVICE_ENV: "1"},
-                   **(extra_env or {}))
+        env = dict(os.environ, **{heartbeat.ENV_VAR: str(beat_dir),
+                                  distributed.EXTERNAL_SERVICE_ENV: "1"}, **(extra_env or {}))
         procs = []
         for index, (host, path) in enumerate(zip(hosts, logs)):
             log = open(path, "w")  # noqa: SIM115
             cmd, own_env = self._command(f"127.0.0.1:{port}", len(hosts), index, host)
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env={**env, **own_env},
+                                          stdin=subprocess.DEVNULL,
+                                          env={**env, **cfg.process_env(host), **own_env},
                                           start_new_session=True))
             log.close()
         return procs, service
@@ -210,7 +231,7 @@ class Supervisor:
     # ---- the standby ---------------------------------------------------------------------
     def _start_standby(self, n: int) -> None:
         """A standby for the next incarnation, one process fewer than the `n` running."""
-        if not self.config.standby or n < 2 or self._standby is not None:
+        if not self.config.keeps_standby or n < 2 or self._standby is not None:
             return
         cfg, nxt = self.config, self._incarnation + 1
         go = cfg.checkpoint_dir / "standby" / f"incarnation{nxt}" / standby.GO_FILE
@@ -260,7 +281,7 @@ class Supervisor:
 
     def _faults_held(self) -> bool:
         """Fail-stop faults wait for a ready standby (faults_wait_for_standby)."""
-        if not (self.config.faults_wait_for_standby and self.config.standby):
+        if not (self.config.faults_wait_for_standby and self.config.keeps_standby):
             return False
         return self._standby is None or not self._standby.ready()
 

@@ -61,6 +61,19 @@ class TrainingRun:
         self.active: Any = None  # the loop of the current run (AdaptRun or TrainRun)
 
     def run(self) -> list[Any]:
+        try:
+            return self._run()
+        except (ResihpError, JobStepFailed):
+            raise
+        except BaseException as err:
+            # a peer that died while this process joined, planned or waited as a standby
+            # (an all-gather of hosts or plans broke): a step failure too, not a crash
+            failed = peer_failure(err)
+            if failed is not None:
+                raise failed from err
+            raise
+
+    def _run(self) -> list[Any]:
         t0 = time.perf_counter()
         from resihp_jax.runtime.job.join import join  # noqa: PLC0415 - JAX starts here
         from resihp_jax.runtime.trainer.compiles import install  # noqa: PLC0415

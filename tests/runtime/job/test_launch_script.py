@@ -1,7 +1,8 @@
-"""`resihp launch -- python my_train.py`: a user's own script (its own NNX model, rh.fit) runs
-as a job of 4 processes x 2 fake devices; a killed process 0 and a hung process are survived,
-the job relaunches on the survivors and the script's own log holds every step once, with the
-losses of the uninterrupted run."""
+"""`resihp launch -- python my_train.py`: a user's own script, written as for one process
+(imports, its own NNX model built, then rh.fit: no line about the job, `import resihp_jax`
+joins it), runs as a job of 4 processes x 2 fake devices; a killed process 0 and a hung
+process are survived, the job relaunches on the survivors and the script's own log holds
+every step once, with the losses of the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ SCRIPT = textwrap.dedent('''
     cli.add_argument("--step-timeout-s", type=float, default=120.0)
     cli.add_argument("--sleep-s", type=float, default=0.0)  # after each step: time to inject
     args = cli.parse_args()
-    rh.join_job()  # before the model is built: it starts JAX
 
     class Block(nnx.Module):
         def __init__(self, rngs):
@@ -110,7 +110,8 @@ def test_a_users_script_survives_a_killed_process_0_and_a_hang(script, tmp_path:
     the survivors' copies of the step the fault interrupted, each by the warm standby."""
     path, reference = script
     log = tmp_path / "log.jsonl"
-    code = main(["launch", "--procs", "4", "--devices-per-proc", "2", "--kill", "0@2",
+    code = main(["launch", "--procs", "4", "--platform", "cpu", "--devices-per-proc", "2",
+                 "--kill", "0@2",
                  "--hang", "2@4", "--max-restarts", "2", "--checkpoint-dir",
                  str(tmp_path / "job"), "--", "python", str(path), str(log), "--steps",
                  str(STEPS), "--step-timeout-s", str(STEP_TIMEOUT_S)])
@@ -141,11 +142,12 @@ def test_a_users_script_survives_a_killed_process_0_and_a_hang(script, tmp_path:
 
 def test_a_gpu_job_on_cpu_devices_is_refused_not_restarted(script, tmp_path: Path,
                                                            monkeypatch, capsys) -> None:
-    """What examples/slurm/train.sbatch sets: every process stops at rh.join_job with exit 2
+    """What examples/slurm/train.sbatch sets: every process stops as rh.fit joins, exit 2
     (a restart cannot help), named after the script, instead of training on CPUs."""
     monkeypatch.setenv("RESIHP_EXPECT_PLATFORM", "gpu")
     path, _ = script
-    code = main(["launch", "--procs", "2", "--devices-per-proc", "1", "--checkpoint-dir",
+    code = main(["launch", "--procs", "2", "--platform", "cpu", "--devices-per-proc", "1",
+                 "--checkpoint-dir",
                  str(tmp_path / "job"), "--", "python", str(path), str(tmp_path / "log")])
     assert code == 2
     assert "refused its input" in capsys.readouterr().err

@@ -1,19 +1,38 @@
-"""The public front door: `import resihp_jax as rh` exposes `rh.__all__`, lazily and cheaply."""
+"""The public front door: `import resihp_jax as rh` exposes one story in `rh.__all__` (what a
+user's script needs), the building blocks for one's own loop under `rh.engine`, every name
+documented in docs/api.md with its signature, the old top-level names still resolving for one
+release with a DeprecationWarning, and nothing of it starting JAX."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
+import re
 import subprocess
 import sys
+import types
+import warnings
+from pathlib import Path
 
 import pytest
 
 import resihp_jax as rh
+from resihp_jax import engine
 
-NEEDED = {"Plan", "TrainConfig", "ResilienceConfig", "ResilientTrainer", "ModelConfig",
-          "get_model_config", "BatchIterator", "build_step", "move_state", "Checkpointer",
-          "Health", "make_detector", "run_policy", "use_cpu_devices", "devices",
-          "ResihpError", "ConfigError", "PlanError", "CheckpointError", "TrainingDiverged"}
+API_MD = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+
+# what a user's script needs, by the issue: fit and its result, Plan, the data types, the
+# resilience config, the step record, the job calls, the errors, the namespaces
+STORY = {"fit", "FitResult", "Plan", "PackedBatch", "ResilienceConfig", "StepRecord",
+         "join_job", "use_cpu_devices", "ResihpError", "ConfigError", "PlanError",
+         "CheckpointError", "TrainingDiverged", "data", "nn", "models", "engine"}
+# the building blocks for one's own loop
+ENGINE = {"build_step", "move_state", "TrainingRun", "RunConfig", "ResilientTrainer",
+          "Checkpointer", "make_detector", "run_policy", "Health", "ModelConfig",
+          "get_model_config", "TrainConfig", "BatchIterator", "JobSpec", "job_spec"}
+NAMESPACES = {"rh": rh, "rh.engine": engine, "rh.data": rh.data, "rh.nn": rh.nn,
+              "rh.models": rh.models}
 
 
 def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
@@ -23,17 +42,52 @@ def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
-def test_every_public_name_resolves_and_is_documented() -> None:
-    assert NEEDED <= set(rh.__all__)
+def _assert_documented(qualified: str, obj: object) -> None:
+    doc = (obj.__doc__ or "").strip()
+    assert doc, f"{qualified} has no docstring"
+    # a dataclass without a docstring gets its signature as __doc__: not documentation
+    name = qualified.rsplit(".", 1)[1]
+    assert not doc.startswith(f"{name}("), f"{qualified} has only the generated docstring"
+
+
+def test_one_public_story_of_at_most_20_names() -> None:
+    assert len(rh.__all__) <= 20, len(rh.__all__)
+    assert STORY <= set(rh.__all__), STORY - set(rh.__all__)
     assert len(set(rh.__all__)) == len(rh.__all__)
-    assert set(rh.__all__) == set(rh._EXPORTS)  # the list and the lazy table agree
+    # the list and the lazy tables agree
+    assert set(rh.__all__) == set(rh._EXPORTS) | set(rh._SUBMODULES)
     assert set(rh.__all__) <= set(dir(rh))
+    assert not set(rh.__all__) & set(engine.__all__)  # each name has one home
     for name in rh.__all__:
-        obj = getattr(rh, name)
-        doc = (obj.__doc__ or "").strip()
-        assert doc, f"rh.{name} has no docstring"
-        # a dataclass without a docstring gets its signature as __doc__: not documentation
-        assert not doc.startswith(f"{name}("), f"rh.{name} has only the generated docstring"
+        _assert_documented(f"rh.{name}", getattr(rh, name))
+
+
+def test_the_engine_holds_the_building_blocks() -> None:
+    assert set(engine.__all__) == ENGINE
+    assert set(engine.__all__) == set(engine._EXPORTS)
+    assert set(engine.__all__) <= set(dir(engine))
+    assert rh.engine is engine
+    for name in engine.__all__:
+        _assert_documented(f"rh.engine.{name}", getattr(engine, name))
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        engine.no_such_thing  # noqa: B018
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE))
+def test_a_moved_name_still_resolves_with_a_warning_naming_its_new_place(name: str) -> None:
+    with pytest.warns(DeprecationWarning, match=rf"rh\.{name} has moved to rh\.engine\.{name}"):
+        old = getattr(rh, name)
+    assert old is getattr(engine, name)
+    assert name not in rh.__all__ and name not in dir(rh)
+    with pytest.warns(DeprecationWarning):  # every use warns, not only the first
+        getattr(rh, name)
+
+
+def test_a_moved_name_warns_at_the_callers_line() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rh.build_step  # noqa: B018
+    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
 
 
 def test_errors_are_one_family() -> None:
@@ -47,6 +101,93 @@ def test_unknown_attribute_names_itself() -> None:
     assert not hasattr(rh, "no_such_thing")
 
 
+# --- docs/api.md: every public name, with its signature --------------------------------------
+
+ENTRY = re.compile(r"^- `(rh(?:\.\w+)+)(\((.*?)\))?`", flags=re.M)
+
+
+def _documented() -> dict[str, str | None]:
+    """docs/api.md's entries: qualified name -> its parameter text (None: no signature)."""
+    found: dict[str, str | None] = {}
+    for name, with_parens, params in ENTRY.findall(API_MD.read_text()):
+        assert name not in found, f"docs/api.md documents {name} twice"
+        found[name] = params if with_parens else None
+    return found
+
+
+def _split_params(text: str) -> list[str]:
+    """Top-level comma-separated parts of a parameter list (brackets may hold commas)."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    return parts + ([current.strip()] if current.strip() else [])
+
+
+def _real_parameters(obj: object) -> list[inspect.Parameter]:
+    params = list(inspect.signature(obj).parameters.values())
+    if inspect.isclass(obj) and [p.kind for p in params] == [inspect.Parameter.VAR_POSITIONAL,
+                                                             inspect.Parameter.VAR_KEYWORD]:
+        # an NNX module's metaclass hides its constructor's parameters: read __init__'s
+        params = list(inspect.signature(obj.__init__).parameters.values())[1:]
+    return params
+
+
+def _check_signature(qualified: str, obj: object, documented: str) -> None:
+    real = {p.name: p for p in _real_parameters(obj)}
+    shown = [p for p in _split_params(documented) if p not in ("*", "/")]
+    names = [p.split("=", 1)[0].lstrip("*") for p in shown]
+    assert names == list(real), f"docs/api.md: {qualified}({documented}) but it takes {list(real)}"
+    for part in shown:
+        if "=" not in part:
+            continue
+        name, default = part.split("=", 1)
+        actual = real[name.lstrip("*")].default
+        try:
+            value = ast.literal_eval(default)
+        except (ValueError, SyntaxError):
+            continue  # a default named (a constant, a call), not written out
+        if type(actual) in (int, float, str, bool, type(None), tuple):  # not a factory
+            assert value == actual, f"docs/api.md: {qualified}: {part}, code: {actual!r}"
+
+
+def test_docs_api_documents_every_public_name_with_its_signature() -> None:
+    documented = _documented()
+    expected = {f"{prefix}.{name}": getattr(ns, name)
+                for prefix, ns in NAMESPACES.items() for name in ns.__all__}
+    missing = sorted(set(expected) - set(documented))
+    assert not missing, f"docs/api.md lacks {missing}"
+    stray = sorted(set(documented) - set(expected))
+    assert not stray, f"docs/api.md documents names that are not public: {stray}"
+    for qualified, obj in expected.items():
+        params = documented[qualified]
+        if params is not None:
+            _check_signature(qualified, obj, params)
+        elif inspect.isfunction(obj):
+            raise AssertionError(f"docs/api.md gives {qualified} without its signature")
+
+
+def test_the_signature_check_sees_a_wrong_signature() -> None:
+    with pytest.raises(AssertionError, match="it takes"):
+        _check_signature("rh.fit", rh.fit, "model, data")
+    with pytest.raises(AssertionError, match="seed=1"):
+        _check_signature("rh.engine.build_step", lambda seed=0: None, "seed=1")
+
+
+def test_docs_api_lists_every_moved_name() -> None:
+    text = API_MD.read_text()
+    moved = text[text.index("## Moved names"):]
+    for name in rh._MOVED_TO_ENGINE:
+        assert f"`rh.{name}`" in moved, name
+
+
+# --- importing is cheap -----------------------------------------------------------------------
+
 def test_importing_starts_no_jax_backend_and_sets_no_flag() -> None:
     code = """
 import os, sys
@@ -54,8 +195,11 @@ import resihp_jax.cli
 assert "jax" not in sys.modules, "import resihp_jax.cli imported jax"
 import resihp_jax as rh
 assert "jax" not in sys.modules, "import resihp_jax imported jax"
-rh.Plan, rh.get_model_config("tiny"), rh.ConfigError
-rh.build_step, rh.ResilientTrainer, rh.move_state  # these import jax itself
+import resihp_jax.engine
+rh.engine, rh.data  # numpy only
+assert "jax" not in sys.modules, "import resihp_jax.engine imported jax"
+rh.Plan, rh.engine.get_model_config("tiny"), rh.ConfigError
+rh.engine.build_step, rh.engine.ResilientTrainer, rh.fit, rh.nn, rh.models  # these import jax
 from jax._src import xla_bridge
 assert "jax" in sys.modules
 assert os.environ.get("XLA_FLAGS") is None, os.environ["XLA_FLAGS"]
@@ -80,3 +224,9 @@ print("ok")
 def test_use_cpu_devices_rejects_a_bad_count() -> None:
     with pytest.raises(rh.ConfigError):
         rh.use_cpu_devices(0)
+
+
+def test_namespaces_are_modules() -> None:
+    for prefix, ns in NAMESPACES.items():
+        assert isinstance(ns, types.ModuleType), prefix
+        assert (ns.__doc__ or "").strip(), f"{prefix} has no docstring"

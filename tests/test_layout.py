@@ -17,8 +17,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "resihp_jax"
 MAX_MODULES_PER_FOLDER = 15
 
 # Lowest layer first. A module may import its own group and the groups of lower layers,
-# never a group of its own layer or of a higher one. The package's `__init__` (the front
-# door, `import resihp_jax as rh`) may import anything.
+# never a group of its own layer or of a higher one. The front doors, the package's `__init__`
+# (`import resihp_jax as rh`) and `rh.engine` (the building blocks for one's own loop), may
+# import anything, lazily; no module of the library imports them.
 LAYERS: list[set[str]] = [
     {"errors", "vma"},
     {"model", "data"},
@@ -42,6 +43,7 @@ def _module_name(path: Path) -> str:
 
 
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+FRONT_DOORS = {"resihp_jax", "resihp_jax.engine"}
 
 
 def _imports(name: str, path: Path) -> set[str]:
@@ -70,6 +72,9 @@ GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 
 def _group(module: str) -> str:
+    """The module's group; "" for a front door."""
+    if module in FRONT_DOORS:
+        return ""
     parts = module.split(".")[1:]
     if parts[:1] == ["runtime"] and len(parts) > 1:
         return f"runtime.{parts[1]}"
@@ -136,6 +141,31 @@ def test_only_the_command_line_parses_arguments() -> None:
         if "argparse" in imported or "Namespace" in text:
             offenders.append(module)
     assert not offenders, f"argparse or a Namespace outside resihp_jax/cli: {offenders}"
+
+
+@pytest.mark.parametrize("target", ["resihp_jax", "resihp_jax.engine"])
+def test_no_library_module_imports_a_front_door(target: str, monkeypatch) -> None:
+    """The front doors sit above everything: a runtime module importing one is reported."""
+    module = "resihp_jax.runtime.run.fit"
+    monkeypatch.setitem(GRAPH, module, GRAPH[module] | {target})
+    with pytest.raises(AssertionError, match=f"{module} -> {target}"):
+        test_imports_follow_the_layers()
+
+
+def _imports_our_modules(node: ast.stmt) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        return (node.module or "").startswith("resihp_jax")
+    return isinstance(node, ast.Import) and any(a.name.startswith("resihp_jax")
+                                                for a in node.names)
+
+
+def test_the_front_doors_import_only_lazily() -> None:
+    """`import resihp_jax` and `import resihp_jax.engine` load no other module of ours at
+    import time: every import in them is under TYPE_CHECKING or a string for importlib."""
+    for door in sorted(FRONT_DOORS):
+        tree = ast.parse(MODULES[door].read_text())
+        eager = [node for node in tree.body if _imports_our_modules(node)]
+        assert not eager, f"{door} imports at import time: {[ast.unparse(n) for n in eager]}"
 
 
 @pytest.mark.parametrize("module", ["resihp_jax.model.layers", "resihp_jax.scheduler.ours"])

@@ -32,7 +32,7 @@ def _packed_rows() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def test_parameters_carry_the_logical_names_the_default_rules_shard() -> None:
     with nnx.use_eager_sharding(False):
-        model = rh.models.Llama(rh.get_model_config("tiny"), rngs=nnx.Rngs(0))
+        model = rh.models.Llama(rh.engine.get_model_config("tiny"), rngs=nnx.Rngs(0))
     specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model, nnx.Param)))
     block = specs["blocks"][0]
     assert tuple(specs["table"]) == ("vocab", "embed")
@@ -48,7 +48,7 @@ def test_parameters_carry_the_logical_names_the_default_rules_shard() -> None:
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])
 def test_logits_loss_and_gradients_equal_the_builtin_decoders(preset: str) -> None:
-    cfg = rh.get_model_config(preset)
+    cfg = rh.engine.get_model_config(preset)
     params = decoder.init_params(cfg, SEED)
     model = from_builtin(cfg, params)
     tokens, seg, pos = _packed_rows()
@@ -86,7 +86,8 @@ def _plan() -> rh.Plan:
                                                 microbatches_per_group=(3, 1))
 
 
-def _builtin_run(cfg: rh.ModelConfig, train: TrainConfig, batches) -> tuple[list[float], dict]:
+def _builtin_run(cfg: rh.engine.ModelConfig, train: TrainConfig,
+                 batches) -> tuple[list[float], dict]:
     """The built-in path: `build_step` (hand-written Megatron collectives) from `SEED`."""
     program = build_step(cfg, train, _plan(), jax.devices())
     state = program.init_state(SEED)
@@ -100,7 +101,7 @@ def _builtin_run(cfg: rh.ModelConfig, train: TrainConfig, batches) -> tuple[list
 
 
 def test_fit_trains_it_to_the_builtin_steps_losses_and_weights() -> None:
-    cfg, train = rh.get_model_config("tiny-gqa"), TrainConfig()
+    cfg, train = rh.engine.get_model_config("tiny-gqa"), TrainConfig()
     batches = make_batches(N_MB, MB_SIZE, SEQ, n_batches=STEPS, seed=3)
     want_losses, want_params = _builtin_run(cfg, train, batches)
     model = from_builtin(cfg, decoder.init_params(cfg, SEED))  # the same initial weights
@@ -118,7 +119,7 @@ def test_fit_trains_it_to_the_builtin_steps_losses_and_weights() -> None:
 
 
 def test_it_computes_in_bf16_from_the_config_or_from_weights_the_step_cast() -> None:
-    cfg = rh.get_model_config("tiny", dtype="bfloat16")
+    cfg = rh.engine.get_model_config("tiny", dtype="bfloat16")
     params = decoder.init_params(cfg, SEED)
     tokens, seg, pos = _packed_rows()
     want = jax.jit(lambda p: decoder.forward_logits(p, tokens, seg, pos, cfg))(params)

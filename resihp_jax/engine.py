@@ -1,0 +1,86 @@
+"""`rh.engine`: the building blocks behind `rh.fit`, for writing one's own training loop.
+
+The step program (`build_step`, `move_state`), the run `resihp train` performs
+(`TrainingRun`, `RunConfig`, `JobSpec`, `job_spec`), the resilient loop (`ResilientTrainer`,
+`Checkpointer`), detectors and scheduler policies on their own (`make_detector`, `Health`,
+`run_policy`) and the built-in model's configs and data (`ModelConfig`, `get_model_config`,
+`TrainConfig`, `BatchIterator`). A script that trains its own model needs none of them: it
+calls `rh.fit`. Like the package, this module imports nothing until a name is used, so
+importing it starts no JAX backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> the module defining it; imported on first use (PEP 562)
+_EXPORTS: dict[str, str] = {
+    # the step, built from the built-in model's configs
+    "ModelConfig": "resihp_jax.model.config",
+    "get_model_config": "resihp_jax.model.config",
+    "TrainConfig": "resihp_jax.train.config",
+    "BatchIterator": "resihp_jax.data.iterator",
+    "build_step": "resihp_jax.train.step",
+    "move_state": "resihp_jax.train.reshard",
+    # the resilient loop and its checkpoints
+    "ResilientTrainer": "resihp_jax.runtime.trainer.resilient",
+    "Checkpointer": "resihp_jax.runtime.recovery.checkpoint",
+    # the run `resihp train` performs, from typed configs
+    "RunConfig": "resihp_jax.runtime.run.config",
+    "TrainingRun": "resihp_jax.runtime.run.training",
+    "JobSpec": "resihp_jax.runtime.job.distributed",
+    "job_spec": "resihp_jax.runtime.job.distributed",
+    # detection and re-planning on their own
+    "Health": "resihp_jax.perfmodel.health",
+    "make_detector": "resihp_jax.detector.base",
+    "run_policy": "resihp_jax.scheduler.policies",
+}
+
+# spelt out, not computed from _EXPORTS, so that linters and type checkers read it
+__all__ = [
+    "BatchIterator",
+    "Checkpointer",
+    "Health",
+    "JobSpec",
+    "ModelConfig",
+    "ResilientTrainer",
+    "RunConfig",
+    "TrainConfig",
+    "TrainingRun",
+    "build_step",
+    "get_model_config",
+    "job_spec",
+    "make_detector",
+    "move_state",
+    "run_policy",
+]
+
+if TYPE_CHECKING:
+    from resihp_jax.data.iterator import BatchIterator
+    from resihp_jax.detector.base import make_detector
+    from resihp_jax.model.config import ModelConfig, get_model_config
+    from resihp_jax.perfmodel.health import Health
+    from resihp_jax.runtime.job.distributed import JobSpec, job_spec
+    from resihp_jax.runtime.recovery.checkpoint import Checkpointer
+    from resihp_jax.runtime.run.config import RunConfig
+    from resihp_jax.runtime.run.training import TrainingRun
+    from resihp_jax.runtime.trainer.resilient import ResilientTrainer
+    from resihp_jax.scheduler.policies import run_policy
+    from resihp_jax.train.config import TrainConfig
+    from resihp_jax.train.reshard import move_state
+    from resihp_jax.train.step import build_step
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resihp_jax.engine' has no attribute {name!r}; "
+                             "its names are in resihp_jax.engine.__all__")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -152,20 +152,28 @@ def test_no_library_module_imports_a_front_door(target: str, monkeypatch) -> Non
         test_imports_follow_the_layers()
 
 
-def _imports_our_modules(node: ast.stmt) -> bool:
-    if isinstance(node, ast.ImportFrom):
-        return (node.module or "").startswith("resihp_jax")
-    return isinstance(node, ast.Import) and any(a.name.startswith("resihp_jax")
-                                                for a in node.names)
+# the one module a front door imports at import time: a process a launcher started joins its
+# job there, before the script can start JAX (it imports no JAX itself)
+EAGER_AT_THE_DOOR = {"resihp_jax": {"resihp_jax.runtime.job.autojoin"}, "resihp_jax.engine": set()}
 
 
-def test_the_front_doors_import_only_lazily() -> None:
-    """`import resihp_jax` and `import resihp_jax.engine` load no other module of ours at
-    import time: every import in them is under TYPE_CHECKING or a string for importlib."""
+def _eager_imports(tree: ast.Module) -> set[str]:
+    """Our modules a file imports at import time (not under TYPE_CHECKING, not in a function)."""
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("resihp_jax"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("resihp_jax")}
+    return found
+
+
+def test_the_front_doors_import_lazily() -> None:
+    """`import resihp_jax` and `import resihp_jax.engine` load nothing of ours beyond the
+    join at import: every other name is imported on first use (PEP 562)."""
     for door in sorted(FRONT_DOORS):
-        tree = ast.parse(MODULES[door].read_text())
-        eager = [node for node in tree.body if _imports_our_modules(node)]
-        assert not eager, f"{door} imports at import time: {[ast.unparse(n) for n in eager]}"
+        eager = _eager_imports(ast.parse(MODULES[door].read_text()))
+        assert eager <= EAGER_AT_THE_DOOR[door], f"{door} imports at import time: {eager}"
 
 
 @pytest.mark.parametrize("module", ["resihp_jax.model.layers", "resihp_jax.scheduler.ours"])

@@ -21,7 +21,7 @@ from jax import lax
 
 from resihp_jax import vma
 from resihp_jax.errors import ConfigError
-from resihp_jax.model import flash
+from resihp_jax.model import flash, flash_fit
 
 _F32 = jnp.float32
 # Finite stand-in for -inf: exp(_MASKED - _MASKED) stays finite, so rows with no key yet
@@ -326,7 +326,8 @@ def segment_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
     `implementation`: "blocksparse" (a scan of conds over block pairs), "pallas" (fused flash
     kernel; Triton on GPUs, interpreted elsewhere), "dense" (masked O(S^2) reference), or
     "auto" (see `resolve_implementation`). Both sparse kernels do work growing with the sum of
-    squared document lengths, in blocks of `block_size` tokens."""
+    squared document lengths, in blocks of `block_size` tokens; on GPUs the fused kernel may
+    run smaller blocks that fit, or fall back to "blocksparse" (`flash_fit.choose`)."""
     _check_inputs(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS)
     s = q_BxSxHxK.shape[1]
     kind = resolve_implementation(implementation, seq_len=s, block_size=block_size)
@@ -335,8 +336,15 @@ def segment_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
     _check_block_size(s, block_size)
     TRACED_CALLS[0] += 1
     if kind == "pallas":
+        # Blocks that fit the GPU's shared memory (<= block_size), or the block-sparse scan
+        # where the fused kernel does not compile: probed once per configuration (flash_fit).
+        h, d, g = q_BxSxHxK.shape[2], q_BxSxHxK.shape[3], k_BxSxGxK.shape[2]
+        choice = flash_fit.choose(flash_fit.config_for(jax.default_backend(), q_BxSxHxK.dtype,
+                                                       d, h, g, block_size))
+        kind = choice.implementation
+    if kind == "pallas":
         return flash.flash_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS,
-                                     block_q=block_size, block_k=block_size)
+                                     block_q=choice.block_q, block_k=choice.block_k)
     args = (q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS.astype(jnp.int32))
     # Inside shard_map, give all inputs the same varying axes up front: the kernel's carries
     # and branches then agree, and autodiff of the pcast sums dk/dv over replicated kv heads.

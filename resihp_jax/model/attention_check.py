@@ -7,7 +7,7 @@ catch that: two rows packed differently, documents crossing block boundaries, a 
 document, padding, grouped KV heads, the model's block size, head size and dtype. It compares
 outputs and gradients with `dense_attention`, and checks that changing the keys and values of
 some documents leaves every other document's outputs as they were. Once per process per
-configuration.
+configuration. `select_kernel` says which kernel and blocks a configuration runs.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.model.attention import dense_attention, resolve_implementation, segment_attention
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.model.flash import GPU_PLATFORMS
+from resihp_jax.model.flash_fit import KernelChoice, choose, config_for
 
 # Implementations that need no start-up check: the reference itself, and the block-sparse
 # kernel that the test suite holds to it.
@@ -71,6 +72,19 @@ def _worst(got, want) -> float:
     return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-6))
 
 
+def select_kernel(implementation: str, *, platform: str, seq_len: int, block_size: int,
+                  head_dim: int, n_heads: int, n_kv_heads: int, dtype: str) -> KernelChoice:
+    """The kernel and blocks `segment_attention` runs for this configuration on `platform`
+    (`implementation` as `segment_attention` takes it): the fused kernel at blocks that fit
+    the GPU, or "blocksparse" where it does not compile. On GPUs the first call per
+    configuration compiles a probe (cached per process)."""
+    kind = resolve_implementation(implementation, platform, seq_len=seq_len,
+                                  block_size=block_size)
+    if kind != "pallas":
+        return KernelChoice(kind, block_size, block_size, "not the fused kernel")
+    return choose(config_for(platform, dtype, head_dim, n_heads, n_kv_heads, block_size))
+
+
 def check_attention(implementation: str, *, block_size: int, head_dim: int, n_heads: int,
                     n_kv_heads: int, dtype: str = "float32",
                     device: jax.Device | None = None) -> None:
@@ -78,9 +92,12 @@ def check_attention(implementation: str, *, block_size: int, head_dim: int, n_he
     `dense_attention`; a no-op for the reference kernels and for a configuration already
     checked in this process."""
     platform = (device or jax.devices()[0]).platform
-    kind = resolve_implementation(implementation, platform, seq_len=4 * block_size,
-                                  block_size=block_size)
-    config = (kind, platform, block_size, head_dim, n_heads // n_kv_heads, dtype)
+    choice = select_kernel(implementation, platform=platform, seq_len=4 * block_size,
+                           block_size=block_size, head_dim=head_dim, n_heads=n_heads,
+                           n_kv_heads=n_kv_heads, dtype=dtype)
+    kind = choice.implementation
+    config = (kind, platform, block_size, choice.block_q, head_dim, n_heads // n_kv_heads,
+              dtype)
     if kind in UNCHECKED or config in _passed:
         return
     heads = (n_heads // n_kv_heads * min(n_kv_heads, 2), min(n_kv_heads, 2))
@@ -108,7 +125,8 @@ def check_attention(implementation: str, *, block_size: int, head_dim: int, n_he
     bad = {n: e for n, e in errors.items() if e > (1e-2 if n == "leak" else tol)}
     if bad:
         raise AttentionMismatch(
-            f"attention implementation {kind!r} on {platform} (block {block_size}, head dim "
+            f"attention implementation {kind!r} on {platform} (block {block_size}, kernel "
+            f"blocks {choice.block_q}x{choice.block_k}, head dim "
             f"{head_dim}, {heads[0]} heads over {heads[1]} kv heads, {dtype}) disagrees with "
             f"the dense masked reference on packed rows: {bad} (relative to the reference's "
             f"largest value; 'leak' is how far other documents moved an output, tolerance "
@@ -127,6 +145,11 @@ def step_attention(implementation: str, model: ModelConfig, seq_len: int,
                           f"{device.platform}): elsewhere the kernel only runs interpreted, "
                           "which JAX cannot do inside the step's shard_map; valid here: auto, "
                           "blocksparse, dense")
+    # A fused kernel that does not compile here runs as "blocksparse": say so to the step.
+    kind = select_kernel(kind, platform=device.platform, seq_len=seq_len,
+                         block_size=model.attn_block, head_dim=model.head_dim,
+                         n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
+                         dtype=model.dtype).implementation
     check_attention(kind, block_size=model.attn_block, head_dim=model.head_dim,
                     n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, dtype=model.dtype,
                     device=device)

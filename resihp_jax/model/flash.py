@@ -34,6 +34,9 @@ _DOT_NT = (((1,), (1,)), ((), ()))  # a @ b^T
 _DOT_NN = (((1,), (0,)), ((), ()))  # a @ b
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 MIN_BLOCK = 16  # Triton's smallest matmul tile
+# Triton's software-pipelining depth for the kernels' block loops: the tiles of the next
+# iteration load while this one computes (flash_fit.py sizes shared memory from it).
+NUM_STAGES = 2
 
 
 # ----------------------------------------------------------------------------- loop bounds
@@ -204,12 +207,17 @@ def _out(shape: tuple[int, ...], dtype: Any, like: jax.Array) -> jax.ShapeDtypeS
     return jax.ShapeDtypeStruct(shape, dtype, vma=frozenset(vma.varying_axes(like)))
 
 
+def num_warps(d: int) -> int:
+    """Warps per kernel instance for (padded) head dim `d`: wider tiles get more threads."""
+    return 4 if d <= 64 else 8
+
+
 def _params(d: int, interpret: bool) -> dict[str, Any]:
     if interpret:
         return {"interpret": True}
     from jax.experimental.pallas import triton as plgpu
-    return {"compiler_params": plgpu.CompilerParams(num_warps=4 if d <= 64 else 8,
-                                                    num_stages=2)}
+    return {"compiler_params": plgpu.CompilerParams(num_warps=num_warps(d),
+                                                    num_stages=NUM_STAGES)}
 
 
 def _forward(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, seg_BxS, block_q, block_k, interpret, scale):
@@ -322,6 +330,11 @@ def supports(seq_len: int, block_size: int) -> bool:
             and seq_len % block_size == 0)
 
 
+def padded_head_dim(d: int) -> int:
+    """The head dim the kernels compute with: Triton tiles are powers of two, at least 16."""
+    return max(MIN_BLOCK, 1 << (d - 1).bit_length())
+
+
 def _pad_head_dim(x: jax.Array, d: int) -> jax.Array:
     return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, d - x.shape[3]))) if x.shape[3] < d else x
 
@@ -347,9 +360,9 @@ def flash_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.A
     # theirs; autodiff of the pcast sums dk, dv over kv heads replicated across devices.
     q, k, v, seg = vma.vary(args, axes)
     d = q.shape[3]
-    # Triton tiles are powers of two and at least 16 wide: pad the head dimension with zeros
-    # (no change to any dot product; the padded output columns are cut off).
-    d_pad = max(MIN_BLOCK, 1 << (d - 1).bit_length())
+    # Pad the head dimension with zeros to a Triton tile width (no change to any dot
+    # product; the padded output columns are cut off).
+    d_pad = padded_head_dim(d)
     o = _flash(*(_pad_head_dim(x, d_pad) for x in (q, k, v)), seg, block_q, block_k,
                bool(interpret), 1.0 / math.sqrt(d))
     return o[..., :d]

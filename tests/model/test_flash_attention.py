@@ -194,7 +194,7 @@ def test_leakage_check_passes_the_kernel_and_catches_a_leaky_one(monkeypatch):
     check = functools.partial(attention_check.check_attention, block_size=16, head_dim=16,
                               n_heads=4, n_kv_heads=2)
     check("pallas")
-    assert ("pallas", "cpu", 16, 16, 2, "float32") in attention_check._passed
+    assert ("pallas", "cpu", 16, 16, 16, 2, "float32") in attention_check._passed
     check("blocksparse")  # covered by the test suite: nothing run, nothing recorded
     assert len(attention_check._passed) == 1
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,41 @@ def test_a_failure_to_join_at_import_is_one_line_and_exit_2(code: str, env: dict
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().startswith(message) and "Traceback" not in done.stderr, \
         done.stderr
+
+
+def _free_slurm_job_id() -> int:
+    """A job id whose coordinator port (JAX's SLURM detection: 61440 + id % 4096) is free."""
+    for port in range(61440 + os.getpid() % 4000, 65536):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port - 61440 + 4096
+    raise RuntimeError("no free port for the coordinator")
+
+
+def test_a_natural_script_joins_as_srun_tasks(tmp_path: Path) -> None:
+    """Two tasks of one srun step (SLURM's variables only): the script imports resihp_jax,
+    then starts JAX (as building a model does), and is one process of a job of two."""
+    script = tmp_path / "natural.py"
+    script.write_text("import jax, jax.numpy as jnp\nimport resihp_jax as rh\n"
+                      "jnp.ones(3).block_until_ready()\n"
+                      "print(jax.process_index(), jax.process_count(), len(jax.devices()))\n")
+    job = str(_free_slurm_job_id())
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("RESIHP_", "SLURM_", "OMPI_"))}
+    tasks = [subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**clean, "JAX_PLATFORMS": "cpu",
+                        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                        "SLURM_JOB_ID": job, "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
+                        "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "SLURM_STEP_ID": "0",
+                        "SLURM_STEP_NODELIST": "localhost", "SLURM_NODELIST": "localhost"})
+        for i in range(2)]
+    outs = [task.communicate(timeout=300) for task in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], [err[-2000:] for _, err in outs]
+    assert sorted(out.split()[-3:] for out, _ in outs) == [["0", "2", "4"], ["1", "2", "4"]]
 
 
 def test_the_batch_scripts_own_python_does_not_join() -> None:

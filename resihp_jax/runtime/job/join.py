@@ -130,7 +130,9 @@ def _all_hosts(host: str) -> tuple[str, ...]:
 def join_job(checkpoint_dir: str | Path | None = None, ladder: Ladder | None = None) -> Job:
     """Join the job this process was started in (`resihp launch`, SLURM, Kubernetes: read
     from the RESIHP_* variables or the cluster's own) before anything uses JAX; alone, a job
-    of one. Call it at the top of a training script whose model is built before `rh.fit`."""
+    of one. `import resihp_jax` has already connected a launched process (autojoin.py), so a
+    script needs no call; one that opted out (RESIHP_JOIN_ON_IMPORT=0) calls it before it
+    builds its model. Calling it again returns the same job."""
     from resihp_jax.runtime.job.distributed import job_spec  # noqa: PLC0415
     from resihp_jax.runtime.job.exits import run_as_job_process  # noqa: PLC0415
 

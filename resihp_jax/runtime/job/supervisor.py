@@ -18,6 +18,11 @@ copies), then gives the standby the word, and the standby restores and trains wi
 programs it compiled while it waited. Any other failure, or a standby that died, relaunches
 fresh processes.
 
+Each process gets its devices from the supervisor's environment, never from a JAX backend
+of its own (accelerators.py): on a GPU node its share of the GPUs (CUDA_VISIBLE_DEVICES, kept
+by host across relaunches, so a survivor stays on its GPUs) and no standby (it would hold GPU
+memory beside the job before its go); elsewhere fake CPU devices.
+
 Faults for testing (`Fault`): kill (SIGKILL), hang (SIGSTOP), slow (a CPU quota from
 outside, see `Throttle`), each once every process has finished a given step. Time is
 injected (`clock`).

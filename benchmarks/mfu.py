@@ -56,6 +56,8 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
 class Runner(NamedTuple):
     step: Callable[[Any], tuple[Any, dict[str, jax.Array]]]
     state: Any
+    # state -> the step lowered for it (jax.stages.Lowered): memory, HLO, no new compile
+    lower: Callable[[Any], Any] | None = None
 
 
 def peak_flops(device: jax.Device, override_tflops: float | None) -> float | None:
@@ -148,7 +150,7 @@ def peer_runner(model: ModelConfig, train: TrainConfig, devices: list[jax.Device
 
     state = jax.jit(init, out_shardings=replicated)()
     step.lower(state, *flat).compile()  # raises here if the implementation does not fit
-    return Runner(lambda s: step(s, *flat), state)
+    return Runner(lambda s: step(s, *flat), state, lambda s: step.lower(s, *flat))
 
 
 def best_peer(model: ModelConfig, train: TrainConfig, devices: list[jax.Device],
@@ -176,7 +178,8 @@ def our_runner(model: ModelConfig, train: TrainConfig, plan: Plan, devices: list
     sharded = program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
                                   batch.positions_MxBxS)
     kind = step_attention(train.attention, model, plan.seq_len, devices[0])  # checked: cached
-    return Runner(lambda s: program.step(s, sharded), program.init_state(seed)), kind
+    return Runner(lambda s: program.step(s, sharded), program.init_state(seed),
+                  lambda s: program.step_fn.lower(s, sharded, program.splits())), kind
 
 
 def measure(runners: dict[str, Runner], warmup: int, rounds: int

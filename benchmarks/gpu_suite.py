@@ -1,0 +1,140 @@
+"""Every GPU figure from one command: the fused attention kernel, the user's path, speed
+against a plain-JAX peer, the price of resilience, start-up, memory and a profile.
+
+GPU time comes in minutes, so one command turns them into every figure: each section prints
+its table; a section that raises is recorded (its error's first line) and the next one runs;
+a section that would start past --budget-s is skipped, saying so. The run ends with one line
+of JSON (device, versions, commit, each section's results and seconds, errors), also written
+to --out. Timing rows are medians over interleaved rounds, each with the ratio against its
+baseline measured in the same run. --quick runs every section on CPU at tiny sizes with the
+Pallas kernel interpreted (under 2 minutes); the full run is planned for under 8 minutes on one
+H100, most of it compiling (see gpu_sections/__init__.py).
+Usage: PYTHONPATH=. python benchmarks/gpu_suite.py [--quick] [--sections a,b]
+       [--budget-s 450] [--out gpu_suite.json] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `benchmarks` and `resihp_jax` without PYTHONPATH too
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+from benchmarks.gpu_sections import SECTIONS, section_runner  # noqa: E402
+
+
+def parse_sections(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in SECTIONS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown section(s) {', '.join(bad) or repr(text)}; valid: {', '.join(SECTIONS)}")
+    return [n for n in SECTIONS if n in names]  # the suite's order (see gpu_sections)
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of seconds > 0")
+    return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag value is one line on stderr (no usage block) and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes on CPU, Pallas interpreted (< 2 min)")
+    parser.add_argument("--sections", type=parse_sections, default=list(SECTIONS),
+                        help=f"comma-separated sections to run (default all: "
+                             f"{','.join(SECTIONS)})")
+    parser.add_argument("--budget-s", type=positive_seconds, default=450.0,
+                        help="skip sections that would start after this many seconds "
+                             "(default 450)")
+    parser.add_argument("--out", default="gpu_suite.json",
+                        help="write the final JSON here too (default gpu_suite.json)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    return parser.parse_args(argv)
+
+
+def commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def environment() -> dict[str, Any]:
+    import flax  # noqa: PLC0415
+    import jax  # noqa: PLC0415
+
+    device = jax.devices()[0]
+    return {"device": device.device_kind, "platform": device.platform,
+            "device_count": jax.device_count(), "jax": jax.__version__,
+            "flax": flax.__version__, "commit": commit()}
+
+
+def run_sections(names: list[str], quick: bool, budget_s: float, seed: int
+                 ) -> dict[str, Any]:
+    from benchmarks.gpu_sections.common import Suite, first_line  # noqa: PLC0415
+
+    suite = Suite(quick=quick, seed=seed)
+    results: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    skipped: list[str] = []
+    start = time.perf_counter()
+    for name in names:
+        elapsed = time.perf_counter() - start
+        planned = SECTIONS[name][2 if quick else 1]
+        if elapsed >= budget_s:
+            print(f"\n== {name}: skipped, the budget of {budget_s:.0f} s is spent "
+                  f"({elapsed:.0f} s elapsed; planned {planned:.0f} s)", flush=True)
+            skipped.append(name)
+            continue
+        print(f"\n== {name} (at {elapsed:.0f} s; planned {planned:.0f} s)", flush=True)
+        t0 = time.perf_counter()
+        try:
+            results[name] = section_runner(name)(suite)
+        except Exception as error:  # noqa: BLE001 - one failure must not waste the others
+            errors[name] = first_line(error)
+            print(f"== {name}: FAILED: {errors[name]}", flush=True)
+        seconds[name] = round(time.perf_counter() - t0, 2)
+    return {"sections": results, "seconds": seconds, "errors": errors, "skipped": skipped,
+            "total_s": round(time.perf_counter() - start, 2)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    env = environment()
+    print(f"gpu_suite: {env['device']} ({env['platform']}), jax {env['jax']}, flax "
+          f"{env['flax']}, commit {env['commit']}; sections {','.join(args.sections)}; "
+          f"budget {args.budget_s:.0f} s{' (quick)' if args.quick else ''}", flush=True)
+    outcome = run_sections(args.sections, args.quick, args.budget_s, args.seed)
+    result = {**env, "quick": args.quick, **outcome}
+    line = json.dumps(result, default=float)
+    Path(args.out).write_text(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,7 @@
 """Your own GPT-2-style Flax NNX model, trained resiliently on a token file (byte tokens of
-the Python standard library): python examples/user_model/train_gpt2.py [--steps N]."""
+the Python standard library): python examples/user_model/train_gpt2.py [--steps N]. Hosts:
+  resihp launch --procs 2 --devices-per-proc 4 -- python examples/user_model/train_gpt2.py
+  srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=4 python examples/user_model/train_gpt2.py"""
 import argparse
 import pathlib
 

@@ -140,6 +140,9 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
     # gradient over dp/pp/tp inside every backward tick (one all-reduce per tick instead of
     # one per step), and those all-reduces race the pipeline permute into a deadlock.
     params = vma.vary(params, ALL_AXES)
+    if pp == 1:
+        return single_stage_loss_sum(params, tokens, seg, pos, n_mb_D, knob, cfg=cfg,
+                                     remat=remat, instrument=instrument, attention=attention)
     # The float32 masters are cast to the compute dtype here, once per step, outside the
     # tick scan: every tick reuses the same loop-invariant copy. Gradients reach the masters
     # through `gated`, never through this cast, so the copy carries no tangent (else the
@@ -197,3 +200,123 @@ def run_ticks(work: Callable[..., tuple[jax.Array, jax.Array]], stage: jax.Array
     carry0 = vma.vary((x_like, jnp.zeros((), jnp.float32)), axes)
     (_, loss_sum), _ = jax.lax.scan(tick, carry0, jnp.arange(mb_slots + pp - 1))
     return jax.lax.psum(loss_sum, axes) if axes else loss_sum
+
+
+# ------------------------------------------------------------------ a single stage (pp == 1)
+
+
+def accumulated_loss_sum(slot_loss: Callable[[Any, Any, jax.Array], jax.Array],
+                         prepare: Callable[[Any], Any], masters: Any, data: Any,
+                         n_busy: jax.Array, n_slots: int, loss_axes: tuple[str, ...],
+                         grad_axes: tuple[str, ...]) -> jax.Array:
+    """Sum over micro-batch slots m < n_busy of `slot_loss(prepare(masters), data, m)`, with
+    gradient accumulation instead of a differentiated schedule.
+
+    Reverse mode of a scan over slots whose body is gated by a `cond` either copies the
+    weights into per-slot residuals or (`gated`) re-runs each forward in the backward. One
+    stage needs neither: each slot takes `value_and_grad` of its own loss (ordinary autodiff
+    through the layer scan, so each matmul runs once forward and twice backward, as in a
+    plain jit step) and adds the gradients to a float32 accumulator. A custom VJP hands the
+    accumulator, scaled by the incoming cotangent, back as the masters' gradient, so callers
+    differentiate this like any loss. `prepare` makes what the slots compute with (the
+    compute-dtype copy), once per step; the gradient with respect to it is cast to each
+    master's dtype before accumulating, which is what autodiff through the cast would give.
+    A slot the group has no micro-batch for costs nothing (`cond`). `masters` must already
+    vary over `grad_axes`; the loss comes out varying over `loss_axes`.
+    """
+    def sum_slots(one_slot: Callable[[jax.Array], Any], like: Any, n_busy: jax.Array) -> Any:
+        def typed(out: tuple[Any, Any]) -> tuple[Any, Any]:
+            return vma.vary(out[0], loss_axes), vma.vary(out[1], grad_axes)
+
+        zeros = typed(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), like))
+
+        def add(acc: tuple[Any, Any], m: jax.Array) -> tuple[tuple[Any, Any], None]:
+            out = jax.lax.cond(m < n_busy, lambda: typed(one_slot(m)), lambda: zeros)
+            return jax.tree.map(jnp.add, acc, out), None
+
+        return jax.lax.scan(add, zeros, jnp.arange(n_slots))[0]
+
+    loss_like = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def loss_only(masters: Any, inputs: tuple[Any, jax.Array]) -> jax.Array:
+        (data, n_busy), compute = inputs, prepare(masters)
+        return sum_slots(lambda m: (slot_loss(compute, data, m), None), (loss_like, None),
+                         n_busy)[0]
+
+    def with_grads(masters: Any, inputs: tuple[Any, jax.Array]) -> tuple[jax.Array, Any]:
+        (data, n_busy), compute = inputs, prepare(masters)
+
+        def one_slot(m: jax.Array) -> tuple[jax.Array, Any]:
+            loss, d_compute = jax.value_and_grad(slot_loss)(compute, data, m)
+            return loss, jax.tree.map(lambda d, w: d.astype(w.dtype), d_compute, masters)
+
+        return sum_slots(one_slot, (loss_like, masters), n_busy)
+
+    inputs = (data, n_busy)
+    no_inputs = jax.tree.map(lambda _: None, inputs)  # integer ids and the knob: no gradient
+
+    @jax.custom_vjp
+    def run(masters: Any, inputs: tuple[Any, jax.Array]) -> jax.Array:
+        return loss_only(masters, inputs)
+
+    def run_fwd(masters: Any, inputs: tuple[Any, jax.Array]) -> tuple[jax.Array, Any]:
+        return with_grads(masters, inputs)  # the residual: the accumulated gradients
+
+    def run_bwd(grads: Any, g: jax.Array) -> tuple[Any, Any]:
+        return jax.tree.map(lambda a: (g * a).astype(a.dtype), grads), no_inputs
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(masters, inputs)
+
+
+def single_stage_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
+                          pos: jax.Array, n_mb_D: jax.Array, knob: jax.Array, *,
+                          cfg: ModelConfig, remat: bool, instrument: Instrument | None = None,
+                          attention: str = "auto") -> jax.Array:
+    """`pipeline_loss_sum` of a one-stage plan: no ticks, no permute, no layer gates (every
+    slot up to the model's depth is a layer); only missing micro-batches are skipped.
+
+    `params` already vary over every mesh axis. The stage timing markers bracket each
+    micro-batch's layers, forward and (through their VJPs) backward, keyed on tick = slot.
+    `remat` recomputes each layer in its backward (jax.checkpoint)."""
+    masters = {"embed": params["embed"], "head": params["head"],
+               # slots past the model's depth (a larger requested slot count) are padding
+               "layers": jax.tree.map(lambda a: a[0, :cfg.n_layers], params["layers"])}
+
+    def prepare(m: dict[str, Any]) -> dict[str, Any]:
+        # float32 rows are gathered and cast per token (as the decoder does), never the table
+        return {"embed": m["embed"],
+                **layers.compute_weights({"layers": m["layers"], "head": m["head"]}, cfg.dtype)}
+
+    def layer(x: jax.Array, p: dict[str, jax.Array], seg_BxS: jax.Array,
+              pos_BxS: jax.Array) -> jax.Array:
+        x = x + jax.lax.psum(layers.attention_partial(p, x, seg_BxS, pos_BxS, cfg, attention),
+                             "tp")
+        return x + jax.lax.psum(layers.mlp_partial(p, x, cfg), "tp")
+
+    layer_fn = jax.checkpoint(layer) if remat else layer
+
+    def slot_loss(c: dict[str, Any], data: tuple[jax.Array, ...], m: jax.Array) -> jax.Array:
+        tokens_MxBxS, seg_MxBxS, pos_MxBxS, knob_ = data
+        tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
+        table_VxD = c["embed"]["table"]
+        x_BxSxD = jax.lax.psum(layers.embed_partial(
+            table_VxD, tok_BxS, layers.vocab_offset(table_VxD.shape[0], "tp"), cfg.dtype), "tp")
+        if instrument is not None:
+            coords = instrument.coords(knob_, jnp.asarray(True), m, timed=m == TIMED_SLOT)
+            x_BxSxD = instrument.enter(x_BxSxD, coords)
+        x_BxSxD = jax.lax.scan(lambda x, p: (layer_fn(x, p, seg_BxS, pos_BxS), None),
+                               x_BxSxD, c["layers"])[0]
+        if instrument is not None:
+            x_BxSxD = instrument.exit(x_BxSxD, coords)
+        targets_BxS, weights_BxS = layers.next_token_targets(tok_BxS, seg_BxS)
+        head = c["head"]
+        local = layers.loss_partials(layers.logits(head["norm"], head["w"], x_BxSxD, cfg),
+                                     targets_BxS, layers.vocab_offset(head["w"].shape[-1], "tp"))
+        return layers.nll_sum(layers.reduce_loss_partials(local, "tp"), weights_BxS)
+
+    data = (tokens[0], seg[0], pos[0], knob.reshape(()))
+    loss = accumulated_loss_sum(slot_loss, prepare, masters, data,
+                                n_mb_D[jax.lax.axis_index("dp")], tokens.shape[1],
+                                STEP_AXES, ALL_AXES)
+    return jax.lax.psum(loss, STEP_AXES)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from resihp_jax import vma
 from resihp_jax.model.layers import next_token_targets
-from resihp_jax.train.pipeline import STEP_AXES, gated, run_ticks
+from resihp_jax.train.pipeline import STEP_AXES, accumulated_loss_sum, gated, run_ticks
 from resihp_jax.train.user_model import ModelParts
 
 
@@ -70,6 +70,11 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
     axes = STEP_AXES if manual else ()
     # one reduction of the shell's and the layers' gradients per step, not one per tick
     params = vma.vary(params, axes)
+    if pp == 1:
+        my_microbatches = n_mb_D[jax.lax.axis_index("dp") if manual else 0]
+        return _single_stage_loss_sum(params, (tokens[0], seg[0], pos[0]), my_microbatches,
+                                      parts=parts, remat=remat, compute_dtype=compute_dtype,
+                                      axes=axes)
     shell = params["shell"]
     layers = jax.tree.map(lambda a: a[0], params["blocks"])
     shell_c, layers_c = compute_copy((shell, layers), compute_dtype)
@@ -97,3 +102,32 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
 
     return run_ticks(jax.checkpoint(work) if remat else work, stage, pp, mb_slots,
                      my_microbatches, x_like, axes)
+
+
+def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
+                           n_microbatches: jax.Array, *, parts: ModelParts, remat: bool,
+                           compute_dtype: str | None, axes: tuple[str, ...]) -> jax.Array:
+    """A one-stage plan: gradient accumulation over micro-batches, with no tick schedule
+    and no layer gates (pipeline.py: `accumulated_loss_sum`). `remat` recomputes each
+    block in its backward."""
+    masters = (params["shell"],
+               # slots past the model's depth (a larger requested slot count) are padding
+               jax.tree.map(lambda a: a[0, :parts.n_layers], params["blocks"]))
+
+    def block(x: jax.Array, c: Any, seg_BxS: jax.Array, pos_BxS: jax.Array) -> jax.Array:
+        return parts.block(c, x, seg_BxS, pos_BxS)
+
+    block_fn = jax.checkpoint(block) if remat else block
+
+    def slot_loss(compute: tuple[Any, Any], data_: tuple[jax.Array, ...],
+                  m: jax.Array) -> jax.Array:
+        (shell_c, layers_c), (tokens_MxBxS, seg_MxBxS, pos_MxBxS) = compute, data_
+        tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
+        x_BxSxD = jax.lax.scan(lambda x, c: (block_fn(x, c, seg_BxS, pos_BxS), None),
+                               parts.embed(shell_c, tok_BxS, pos_BxS), layers_c)[0]
+        targets_BxS, weights_BxS = next_token_targets(tok_BxS, seg_BxS)
+        return token_nll_sum(parts.head(shell_c, x_BxSxD), targets_BxS, weights_BxS)
+
+    loss = accumulated_loss_sum(slot_loss, lambda ms: compute_copy(ms, compute_dtype),
+                                masters, data, n_microbatches, data[0].shape[0], axes, axes)
+    return jax.lax.psum(loss, axes) if axes else loss

@@ -6,6 +6,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import functools
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from jax import export
 from jax.sharding import AxisType, PartitionSpec as P
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.model import attention_check, flash
+from resihp_jax.model import attention_check, flash, flash_fit
 from resihp_jax.model.attention import (
     computed_block_pairs,
     dense_attention,
@@ -148,13 +149,22 @@ def test_block_ranges_on_jax_and_numpy_agree():
             np.testing.assert_array_equal(a, np.asarray(b))
 
 
-def test_lowers_to_triton_for_cuda_without_a_gpu():
+# bfloat16 at blocks 64; float32 head dim 64 at the blocks fitted to an H100 for the presets'
+# 128 (its own 128 asks more shared memory than the H100 has)
+_H100_F32_BLOCK = flash_fit.fit_block(
+    128, 4, 64, flash_fit.device_shared_memory(SimpleNamespace(compute_capability="9.0")))
+
+
+@pytest.mark.parametrize("dtype,block", [(jnp.bfloat16, 64), (jnp.float32, _H100_F32_BLOCK)],
+                         ids=["bfloat16", "float32_fitted"])
+def test_lowers_to_triton_for_cuda_without_a_gpu(dtype, block):
     """Pallas's Triton lowering (power-of-two tiles, supported ops) runs on any host; what
     stays for a GPU is Triton's own compile."""
-    q = jax.ShapeDtypeStruct((2, 256, 8, 64), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((2, 256, 8, 64), dtype)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, 64), dtype)
     seg = jax.ShapeDtypeStruct((2, 256), jnp.int32)
-    kernel = functools.partial(flash.flash_attention, block_q=64, block_k=64, interpret=False)
+    kernel = functools.partial(flash.flash_attention, block_q=block, block_k=block,
+                               interpret=False)
     grads = jax.grad(lambda q, k, v, s: kernel(q, k, v, s).astype(jnp.float32).sum(), (0, 1, 2))
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     exported = export.export(jax.jit(grads), platforms=["cuda"],

@@ -17,6 +17,7 @@ import pytest
 
 from resihp_jax.model import attention_check, flash, flash_fit
 from resihp_jax.model.attention import dense_attention, segment_attention
+from resihp_jax.model.config import get_model_config
 from resihp_jax.model.flash_fit import FitSettings, KernelFallbackWarning
 
 SM90 = SimpleNamespace(compute_capability="9.0", platform="gpu")  # an H100 or H200
@@ -173,3 +174,17 @@ def test_halved_blocks_chosen_while_the_step_is_traced_match_the_requested_ones(
     for name, got, req, ref in zip("qkv", grads, grads_req, grads_ref, strict=True):
         np.testing.assert_allclose(got, req, atol=1e-5, err_msg=f"d{name} vs blocks 32")
         np.testing.assert_allclose(got, ref, atol=2e-5, err_msg=f"d{name} vs dense")
+
+
+def test_the_step_is_built_with_the_kernel_that_runs():
+    """A step on a GPU whose fused kernel does not compile is built (and reported) with the
+    block-sparse kernel; nothing runs on the fake device."""
+    tried: list[int] = []
+    gpu = SimpleNamespace(platform="gpu", compute_capability="9.0")
+    model = get_model_config("tiny", attn_block=32)
+    settings = FitSettings(compile_fn=_compiler(tried, None), limit=H100_LIMIT)
+    with flash_fit.fitting(settings), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert attention_check.step_attention("auto", model, 128, gpu) == "blocksparse"
+    assert tried == [32, 16]
+    assert len(_fallback_warnings(caught)) == 1

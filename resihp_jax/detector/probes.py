@@ -121,6 +121,9 @@ class Prober:
                  host: Callable[..., None] | None = None, *, size: int = 256,
                  iters: int = 8, repeats: int = 5, link_bytes: int = 1 << 18) -> None:
         self.plan, self.repeats = plan, repeats
+        self._fn: Callable | None = None
+        if plan.n_devices == 1:
+            return  # nothing to compare one device with: `run` builds and times nothing
         self.mesh = make_mesh(plan, devices)
         self._timer = _ProbeTimer(plan.device_grid())
         timer = self._timer
@@ -177,6 +180,8 @@ class Prober:
         self._shard = shard
 
     def run(self, knobs_DxPxT: np.ndarray | None = None) -> ProbeResult:
+        if self._fn is None:  # one device: it stands out from no median (`localize`: None)
+            return ProbeResult({int(self.plan.device_ids[0]): 0.0}, {}, 0.0)
         if knobs_DxPxT is None:
             knobs_DxPxT = np.ones((self.plan.dp, self.plan.pp, self.plan.tp), np.float32)
         knobs = put_global(np.asarray(knobs_DxPxT, np.float32), self._shard)

@@ -18,6 +18,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.job.deadline import Ladder
 from resihp_jax.runtime.job.heartbeat import Heartbeat
 from resihp_jax.runtime.recovery.checkpoint import deadline_beside_write
+from resihp_jax.runtime.trainer.deferred import compile_layouts
 from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
 from resihp_jax.runtime.recovery.resume import start_state
@@ -69,6 +70,12 @@ class AdaptRun:
         self.trainer.warm_up()
         phases["compile_s"] = time.perf_counter() - t0
         self.snapshots = host_copies(copies, job, self.trainer.checkpointer)
+
+    def prepare_all(self) -> None:
+        """Compile now what the trainer would compile after its first step (a warm standby,
+        before its go: a relaunch's restore moves the layout on its critical path)."""
+        compile_layouts(self.trainer.program)
+        self.trainer.start_background()
 
     def attach(self, job: Any, compiles_from: float) -> None:
         """Train in `job` (a standby's, once its go named its hosts; see attach_job)."""

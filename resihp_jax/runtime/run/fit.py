@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -29,6 +30,7 @@ from resihp_jax.runtime.job.supervisor import CHECKPOINT_DIR_ENV, LOCAL_COPY_DIR
 from resihp_jax.runtime.run.auto_plan import auto_plan
 from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.run.training import TrainingRun
+from resihp_jax.runtime.trainer.compiles import install
 from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig
 from resihp_jax.train.config import TrainConfig
@@ -74,6 +76,8 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     compute_dtype: None (the parameters' own dtype, float32) or 'bfloat16' (bf16 compute from
         float32 master weights; loss, softmax statistics and gradients in float32).
     """
+    install()  # the start-up count includes the model's split and facts below
+    started = time.time()
     _check_args(steps, plan, optimizer)
     if compute_dtype not in (None, "float32", "bfloat16"):
         raise ConfigError(f"compute_dtype={compute_dtype!r}: valid are None, 'float32', "
@@ -117,7 +121,7 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         local_copy_dir=local_copy_dir)
     training = TrainingRun(facts, TrainConfig(remat=remat), plan, config, spec,
                            data=_batches(data, plan, seed), programs=programs, on_step=on_step,
-                           resilience=resilience, devices=devices)
+                           resilience=resilience, devices=devices, compiles_from=started)
     records: list[StepRecord] = []
     if spec.single:
         records = training.run()

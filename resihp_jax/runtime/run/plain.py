@@ -23,12 +23,12 @@ from resihp_jax.runtime.job.heartbeat import Heartbeat
 from resihp_jax.runtime.recovery.copy_writers import node_of_host
 from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots, activate, deactivate
 from resihp_jax.runtime.trainer.compiles import foreground_hits_since, foreground_since
+from resihp_jax.runtime.trainer.deferred import BackgroundCompiles, compile_layouts, compile_step
 from resihp_jax.runtime.trainer.loop import StepRecord, train
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.job.watchdog import Watchdog
 from resihp_jax.runtime.recovery.checkpoint import deadline_beside_write
-from resihp_jax.train.aot import compile_program
 from resihp_jax.train.step import build_step
 
 
@@ -51,9 +51,16 @@ class TrainRun:
         import jax  # noqa: PLC0415
 
         t0 = time.perf_counter()
-        self.program = compile_program(build_step(model, train_cfg, plan, jax.devices()))
+        # the step alone: the layout moves only a checkpoint save (or a restore) runs
+        self.program = compile_step(build_step(model, train_cfg, plan, jax.devices()))
         phases["compile_s"] = time.perf_counter() - t0
         self.snapshots = host_copies(copies, job, ckpt)
+        self._background = BackgroundCompiles()
+
+    def prepare_all(self) -> None:
+        """Compile now what the run would compile after its first step (a warm standby,
+        before its go: a relaunch's restore moves the layout on its critical path)."""
+        compile_layouts(self.program)
 
     def attach(self, job: Any, compiles_from: float) -> None:
         """Train in `job` (a standby's, once its go named its hosts; see attach_job)."""
@@ -74,6 +81,7 @@ class TrainRun:
 
     def close(self) -> None:
         self.watchdog.close()
+        self._background.close()
         close_host_copies(self.snapshots)
         try:
             if self.ckpt is not None:
@@ -118,11 +126,21 @@ class TrainRun:
             record = dataclasses.replace(record, host_copy_s=self.snapshots.capture(
                 record.step, state, self.program, self.data.state(), record.to_json()))
         self.sink.add(record)
+        self._layouts_for_saves(record.step)
         self.deadline.observe(self.plan, record.sum_sq_lengths, record.step_time_s)
         save_s = self._save_deadline_s(record.step)
         self.watchdog.arm(record.step, save_s, "the checkpoint save")
         self._beat(record.step, save_s)
         return record
+
+    def _layouts_for_saves(self, step: int) -> None:
+        """A save moves the state to the canonical layout: that program compiles in the
+        background from the first step on, and is waited for when a save is due."""
+        if self.ckpt is None:
+            return
+        self._background.start(lambda: compile_layouts(self.program, ("to_canonical_fn",)))
+        if step % self.config.checkpoint_every == 0 or step >= self.config.steps:
+            self._background.wait()
 
     def _save_deadline_s(self, step: int) -> float:
         """The deadline of the save after `step`: learned from the saves before it (a peer

@@ -78,9 +78,9 @@ class Precompiler:
             self._proposals = [f for f in self._proposals if not f.done()] + [future]
         return future
 
-    def run_later(self, work: Callable[[], object]) -> None:
+    def run_later(self, work: Callable[[], object]) -> Future[None]:
         """Run `work` in the background thread after what is queued (its result dropped; a
-        failure only loses what it would have saved)."""
+        failure only loses what it would have saved). The future says when it ran."""
         def quiet() -> None:
             try:
                 work()
@@ -88,8 +88,9 @@ class Precompiler:
                 warnings.warn(f"background work failed ({err!r})", stacklevel=1)
 
         with self._lock:
-            self._extras = [f for f in self._extras if not f.done()] + [
-                self._pool.submit(quiet)]
+            future = self._pool.submit(quiet)
+            self._extras = [f for f in self._extras if not f.done()] + [future]
+        return future
 
     def has(self, plan: Plan) -> bool:
         """Whether `plan`'s program is prepared, being prepared or queued."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -34,6 +35,7 @@ from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.detector import (Prober, StepFailed, StepObservation, Verdict, make_detector,
                                  run_guarded)
 from resihp_jax.detector.attention_work import mb_attention_l2
+from resihp_jax.detector.base import DETECTORS
 from resihp_jax.detector.probes import gathered_probe
 from resihp_jax.errors import ConfigError, HostsLeftOut, JobStepFailed, PlanError
 from resihp_jax.meshes import layout
@@ -44,6 +46,8 @@ from resihp_jax.meshes.agree import from_primary, multi_process
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, deadline_beside_write
 from resihp_jax.runtime.trainer.compile_cache import default_cache_dir, enable_compilation_cache
 from resihp_jax.runtime.trainer.compiles import counting
+from resihp_jax.runtime.trainer.deferred import await_started, compile_layouts, compile_step
+from resihp_jax.runtime.trainer.unwatched import Unwatched
 from resihp_jax.train.instrument import FaultHook
 from resihp_jax.runtime.trainer.loop import StepRecord, device_batch, diverged
 from resihp_jax.runtime.trainer.precompile import Precompiler
@@ -60,6 +64,7 @@ from resihp_jax.train.reshard import move_state, move_via_orbax, same_devices
 from resihp_jax.train.step import StepProgram, TrainState, build_step
 
 LIKELY_SLOWDOWNS = (2.0, 4.0)  # the fail-slow factors the precompiler plans for
+DETECTOR_OFF = "off"  # ResilienceConfig.detector: watch nothing (a failed step still re-plans)
 
 
 @dataclass(frozen=True)
@@ -82,8 +87,13 @@ class ResilienceConfig:
     local_copy_dir: str | None = None  # node-local survivors' copies (recovery/local_copies.py)
     precompile: int = 4  # programs of likely next plans compiled in the background (0: off)
     # after a fail-slow verdict, train an interim split while a new mesh compiles in the
-    # background instead of stalling for the compile
+    # background instead of stalling for the compile; and after the first step, compile the
+    # layout moves (checkpoints, re-plans) in the background. False: both compile when needed
     background_compile: bool = True
+    # the step carries the host callbacks that time each stage (the detector localizes by
+    # them, a hung step names its device, injected faults act through them). False: never
+    # (step times only; no fault_hook)
+    stage_timing: bool = True
     # JAX's persistent compilation cache (None: off). It holds every program without host
     # callbacks (state moves, the step when no instrument is attached): JAX never persists
     # an executable that calls back into Python.
@@ -109,9 +119,13 @@ class ResilienceConfig:
         if not self.hang_factor > 1:
             raise ConfigError(f"ResilienceConfig.hang_factor={self.hang_factor!r}: must be > 1 "
                               "(a step slower than predicted is not yet hung)")
-        if self.warm_prepared not in (True, False):
-            raise ConfigError(f"ResilienceConfig.warm_prepared={self.warm_prepared!r}: must be "
-                              "True or False")
+        for name in ("warm_prepared", "background_compile", "stage_timing"):
+            if getattr(self, name) not in (True, False):
+                raise ConfigError(f"ResilienceConfig.{name}={getattr(self, name)!r}: must be "
+                                  "True or False")
+        if self.detector != DETECTOR_OFF and self.detector not in DETECTORS:
+            raise ConfigError(f"ResilienceConfig.detector={self.detector!r}: valid are "
+                              f"{', '.join(sorted(DETECTORS))}, {DETECTOR_OFF!r} (none)")
         if self.untimed_start not in (None, True, False):
             raise ConfigError(f"ResilienceConfig.untimed_start={self.untimed_start!r}: must be "
                               "True, False or None (in a job of several processes only)")
@@ -199,10 +213,18 @@ class ResilientTrainer:
         wanted = self.config.untimed_start
         wanted = multi_process() if wanted is None else wanted
         untimed = bool(self._cache_dir and wanted and self.fault_hook is None)
+        if self.fault_hook is not None and not self.config.stage_timing:
+            raise ConfigError("a fault_hook acts through the stage-timing callbacks: "
+                              "ResilienceConfig(stage_timing=True)")
+        timed = self.config.stage_timing and not untimed
         self._untimed_wanted = bool(wanted)
-        self._install(self._compiled(self.plan, timed=not untimed), self.plan, timed=not untimed)
-        self.detector = make_detector(self.config.detector, prober=self._probe,
-                                      model=self.model, clock=self.clock)
+        # the step alone: the layout moves and every background compile wait for the first
+        # step (`start_background`), so nothing competes with it for the host's cores
+        self._install(self._compiled(self.plan, timed=timed, layouts=False), self.plan,
+                      timed=timed)
+        self.detector = (Unwatched() if self.config.detector == DETECTOR_OFF else
+                         make_detector(self.config.detector, prober=self._probe,
+                                       model=self.model, clock=self.clock))
         # asynchronous: orbax copies the state to host before `save` returns, so the
         # donation of the next step cannot touch what is being written
         self.checkpointer = (Checkpointer(
@@ -216,10 +238,9 @@ class ResilientTrainer:
         self.staging = HostStaging(budget_bytes=0 if multi_process() else None)
         self._warmed: set[int] = set()  # ids of the step executables run once ahead
         self.precompiler = Precompiler(self._compiled, stage=self._stage_prepared)
-        if untimed:  # the stage-timed step, for a step boundary after it compiled
-            self.precompiler.prepare([self.plan])
-        self._untimed_cached: set[tuple] = {self.plan.mesh_key()} if untimed else set()
-        self._cache_untimed()
+        self._untimed_cached: set[tuple] = set() if timed else {self.plan.mesh_key()}
+        self._layouts: Future[None] | None = None  # the first program's moves, compiling
+        self._background_started = False
         self.state: TrainState | None = None
         # the newest step finished on the devices (maybe not yet yielded)
         self.completed: int | None = None
@@ -228,12 +249,15 @@ class ResilientTrainer:
         # verdict and reason that chose it
         self._pending: tuple[Plan, Verdict, str] | None = None
         self._costs_fitted = False
-        self._prepare_next()
 
     # ---- programs ------------------------------------------------------------------------
-    def _compiled(self, plan: Plan, timed: bool = True) -> StepProgram:
+    def _compiled(self, plan: Plan, timed: bool | None = None,
+                  layouts: bool = True) -> StepProgram:
         """`plan`'s program, built and compiled now (any thread); `timed`: with the stage
-        timing (and fault) callbacks, else without (the persistent cache can hold it)."""
+        timing (and fault) callbacks, else without (the persistent cache can hold it;
+        default: `config.stage_timing`); `layouts`: its layout moves too, else they compile
+        on first use (deferred.py)."""
+        timed = self.config.stage_timing if timed is None else timed
         slots = max(self.train_cfg.microbatch_slots or layout.default_microbatch_slots(
             plan.n_microbatches, plan.dp), max(plan.microbatches_per_group))
         train_cfg = self.train_cfg.replace(microbatch_slots=slots)
@@ -243,7 +267,23 @@ class ResilientTrainer:
         else:
             program = build_step(self.model, train_cfg, plan, self.devices,
                                  instrument=instrument)
-        return compile_program(program)
+        return compile_program(program) if layouts else compile_step(program)
+
+    def start_background(self) -> None:
+        """Start what the first step does not need, in the background thread: the current
+        program's layout moves, the stage-timed step of an untimed start, the untimed step
+        for the compile cache, the likely next plans. Once; `run` calls it after the first
+        step (a warm standby before its go, which it waits for anyway)."""
+        if self._background_started:
+            return
+        self._background_started = True
+        program = self.program
+        if self.config.background_compile:
+            self._layouts = self.precompiler.run_later(lambda: compile_layouts(program))
+        if self._untimed_start():  # the stage-timed step, for a step boundary once compiled
+            self.precompiler.prepare([self.plan])
+        self._cache_untimed()
+        self._prepare_next()
 
     def _cache_untimed(self) -> None:
         """Compile the current plan's untimed program once, in the background, so that JAX
@@ -263,12 +303,16 @@ class ResilientTrainer:
     def _timed_ready(self) -> bool:
         """The untimed start may end: the stage-timed program is compiled (on process 0,
         which decides for all: every process must run the same program in a step)."""
-        if self._timed:
+        if not self._untimed_start():
             return False
         if not self.precompiler.has(self.plan):  # cancelled for a switch's program: again
             self.precompiler.prepare([self.plan])
         ready = self.plan.mesh_key() in self.precompiler.ready()
         return bool(from_primary(ready or None)) if multi_process() else ready
+
+    def _untimed_start(self) -> bool:
+        """An untimed start lasts: the current program is untimed, and a timed one is wanted."""
+        return not self._timed and self.config.stage_timing
 
     def _take_timed(self) -> None:
         """Run the stage-timed program from the next step on: same plan, same shardings, so
@@ -346,11 +390,14 @@ class ResilientTrainer:
             if not (math.isfinite(record.loss) and math.isfinite(record.grad_norm)):
                 raise diverged(record, self.checkpointer)  # that step is never saved
             done = record.step
+            self.start_background()  # (after the first step; a no-op after that)
             if not self._costs_fitted and self.detector.cost_params() is not None:
                 # the scheduler now plans with measured costs: its picks may change
                 self._costs_fitted = True
                 self._prepare_next()
             if self.checkpointer:
+                if done % self.config.checkpoint_interval == 0:  # a save moves the layout
+                    await_started(self._layouts)
                 self.checkpointer.save(done, self.state, self.program, self.data.state())
             # judged before it is yielded, so the caller sees this step's prediction
             verdict = _agreed(self.detector.observe(self._observation(record, batch)))
@@ -362,6 +409,7 @@ class ResilientTrainer:
             elif self._timed_ready():
                 self._take_timed()
         if self.checkpointer:  # a later run resumes where this one ended
+            await_started(self._layouts)
             self.checkpointer.save(done, self.state, self.program, self.data.state(),
                                    force=True)
             self.checkpointer.wait()
@@ -519,6 +567,7 @@ class ResilientTrainer:
         exists (the data position then comes from the checkpoint, else `data_before`)."""
         if self.on_long_work is not None:
             self.on_long_work("switch")
+        await_started(self._layouts)  # a new split runs the current program's restage
         with counting() as count:
             t0 = self.clock()
             program, kind = self._program_for(new)
@@ -542,7 +591,8 @@ class ResilientTrainer:
         if kind != "split_only" and self._timed:  # (an untimed one waits for its timed one)
             self.precompiler.keep(self.program)  # going back later compiles nothing
         # a new split of the untimed program stays untimed until the timed one takes over
-        self._install(program, new, timed=self._timed or kind != "split_only")
+        self._install(program, new,
+                      timed=(self._timed or kind != "split_only") and self.config.stage_timing)
         self.staging.clear()  # reserved for the plans likely after the old one
         self._cache_untimed()
         self._prepare_next()

@@ -1,0 +1,88 @@
+"""What a run compiles before its first step, and what it leaves for later.
+
+The first step needs its train step and nothing else. A StepProgram's layout moves (to the
+canonical layout for a checkpoint, back for a restore, between splits for a re-plan) serve
+only later work, so a run compiles its step alone (`compile_step`) and the moves in a
+background thread once the first step is done (`compile_layouts`, which warms the jitted
+functions' own caches: a later call with the same shardings runs the executable built here).
+Until then a move compiles on first use, in whatever thread calls it, and is counted there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
+from resihp_jax.train.aot import abstract_args
+from resihp_jax.train.step import StepProgram, canonical_state_shapes
+
+
+def compile_step(program: StepProgram) -> StepProgram:
+    """`program` with its step compiled now; its layout moves compile when first used (or in
+    the background, `compile_layouts`)."""
+    state, batch, splits = abstract_args(program)
+    step = program.step_fn.lower(state, batch, splits).compile()
+    program.check_compiled(step)
+    return dataclasses.replace(program, step_fn=step)
+
+
+MOVES = ("to_canonical_fn", "to_stage_fn", "restage_fn")
+
+
+def compile_layouts(program: StepProgram, moves: tuple[str, ...] = MOVES) -> None:
+    """Build the executables of `program`'s layout `moves` into their jitted functions'
+    caches (a no-op for moves already compiled ahead of time)."""
+    state, _, _ = abstract_args(program)
+    plan, rep = program.plan, program.replicated
+    positions = jax.ShapeDtypeStruct((plan.n_layers,), jnp.int32, sharding=rep)
+    index = jax.ShapeDtypeStruct((plan.pp, program.layer_slots), jnp.int32, sharding=rep)
+    canonical = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        canonical_state_shapes(state, plan.n_layers), program.canonical_shardings)
+    args = {"to_canonical_fn": (state, positions), "to_stage_fn": (canonical, index),
+            "restage_fn": (state, positions, index)}
+    for name in moves:
+        fn = getattr(program, name)
+        if hasattr(fn, "lower"):  # a jitted function, not an executable compiled ahead
+            fn.lower(*args[name]).compile()
+
+
+def await_started(future: Future | None) -> None:
+    """Wait for background work that has started (compiling it again here would cost more);
+    work still queued is cancelled, so its caller compiles what it needs on first use."""
+    if future is None or (not future.running() and future.cancel()):
+        return
+    try:
+        future.result()
+    except Exception as err:  # noqa: BLE001 - a failed background compile: compile on use
+        warnings.warn(f"compiling the layout moves in the background failed ({err!r}); "
+                      "they compile when first used", stacklevel=2)
+
+
+class BackgroundCompiles:
+    """One piece of work run once, in a thread of its own that the compile counter knows as
+    background (compiles.BACKGROUND_PREFIX): a run without the ResilientTrainer's
+    Precompiler."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._future: Future | None = None
+
+    def start(self, work: Callable[[], object]) -> None:
+        """Start `work` unless started before."""
+        if self._future is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=BACKGROUND_PREFIX)
+            self._future = self._pool.submit(work)
+
+    def wait(self) -> None:
+        await_started(self._future)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -97,3 +97,28 @@ def test_fit_on_one_device_compiles_at_most_five_before_its_first_step(
     built = _built(start, result.records[0].end_unix_s)
     assert _printed(capsys.readouterr().out) == len(built)  # the run's own line is honest
     _at_most_five(built)
+
+
+def test_every_resilience_feature_can_be_turned_off() -> None:
+    """What a benchmark times against rh.fit's defaults: no detector, no stage timing, no
+    background compiles (no checkpoints, hence no survivors' copies: checkpoint_dir=None)."""
+    off = rh.ResilienceConfig(detector="off", stage_timing=False, precompile=0,
+                              background_compile=False, untimed_start=False,
+                              compile_cache_dir=None, checkpoint_dir=None)
+    assert (off.detector, off.stage_timing, off.background_compile) == ("off", False, False)
+    with pytest.raises(rh.ConfigError, match="detector='none': valid are .*'off'"):
+        rh.ResilienceConfig(detector="none")
+    with pytest.raises(rh.ConfigError, match="stage_timing='no': must be True or False"):
+        rh.ResilienceConfig(stage_timing="no")  # type: ignore[arg-type]
+
+
+def test_a_one_device_plan_builds_no_probe_program() -> None:
+    from resihp_jax.detector.probes import Prober, localize
+
+    plan = rh.Plan.uniform(1, 1, 1, n_layers=4, n_microbatches=2, microbatch_size=2,
+                           seq_len=32).replace(device_ids=(3,))
+    _listen()
+    start = time.time()
+    result = Prober(plan, jax.devices()).run()
+    assert _built(start, time.time()) == []  # nothing compiled: one device, nothing to compare
+    assert localize(result) is None and set(result.compute_s) == {3}

@@ -5,7 +5,9 @@ micro-batch t - s (if its DP group has that many), then every stage passes its a
 the next with one collective permute. Reverse-mode autodiff of the scan gives the backward
 ticks in reverse order (all forwards, then all backwards: GPipe). Stages skip empty layer
 slots and missing micro-batches with `lax.cond`, so the uneven splits are runtime arrays and
-skipped work costs no compute.
+skipped work costs no compute. A one-stage plan (pp == 1) has no schedule to run: its step
+is gradient accumulation over the micro-batch slots (`single_stage_loss_sum`), with no gates
+and so no forward re-run in the backward.
 
 Mixed precision: the float32 master weights are cast to `cfg.dtype` once per step; layers,
 TP all-reduces and the permute run in that dtype, while logits, softmax statistics, the loss

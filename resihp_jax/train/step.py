@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -304,3 +305,32 @@ def canonical_state_shapes(stage_shapes: TrainState, n_layers: int) -> TrainStat
     """Shapes of a state whose layer leaves are in canonical order `[n_layers, ...]`."""
     positions = jax.ShapeDtypeStruct((n_layers,), jnp.int32)
     return jax.eval_shape(layout.to_canonical_layout, stage_shapes, positions)
+
+
+# cuBLAS matmuls leave a compiled GPU program as custom calls, not as `dot` instructions
+_GEMM_CALL = re.compile(r'custom_call_target="__cublas')
+_HLO_DOT = re.compile(r"\sdot\(")
+_FUNC = re.compile(r"func\.func\s+(?:\w+\s+)*@([\w.$-]+)\(")
+
+
+def matmul_count(lowered_or_compiled: Any) -> int:
+    """Matrix multiplications a step's program writes down, each counted once where it is
+    written (a loop body's once, however often the loop runs): the `dot_general` ops of a
+    lowered program's StableHLO, a function's counted at each call, or the `dot`
+    instructions (and cuBLAS calls) of a compiled program's HLO. A backward that re-runs
+    the forward shows up here as extra matmuls in the backward loop bodies."""
+    text = lowered_or_compiled.as_text()
+    if isinstance(lowered_or_compiled, jax.stages.Compiled):
+        return len(_HLO_DOT.findall(text)) + len(_GEMM_CALL.findall(text))
+    starts = [(m.start(), m.group(1)) for m in _FUNC.finditer(text)]
+    bodies = {name: text[start:end] for (start, name), (end, _) in
+              zip(starts, starts[1:] + [(len(text), "")])}
+
+    @functools.cache
+    def count(name: str) -> int:
+        body = bodies[name]
+        return body.count("stablehlo.dot_general") + sum(
+            count(callee) for callee in re.findall(r"call @([\w.$-]+)\(", body)
+            if callee in bodies)
+
+    return count("main") if "main" in bodies else text.count("stablehlo.dot_general")

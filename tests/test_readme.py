@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from resihp_jax.demo.summary import HEADER
-from tests.doc_blocks import ROOT, Block, blocks, run
+from tests.doc_blocks import CODE_LANGUAGES, NO_RUN, ROOT, RUNNABLE, Block, blocks, run
 
 README = ROOT / "README.md"
 QUICKSTART = ('pip install -e . && resihp demo',
@@ -61,6 +61,16 @@ def test_the_script_is_a_whole_users_script_of_at_most_30_lines() -> None:
     for needed in ("nnx.Module", "optax.", "rh.data.", "rh.fit("):
         assert needed in code, needed
     assert "rh.join_job" not in code  # it runs unchanged under a launcher
+
+
+def test_every_block_meant_to_run_is_run_here() -> None:
+    """The README's runnable blocks are the script and the launch command, both run below;
+    every other block of shell or Python says no-run (an install, a cluster, minutes)."""
+    runnable = [b for b in blocks(README) if b.runs]
+    assert {b.line for b in runnable} == {_script().line, _launch_block().line}, runnable
+    for block in blocks(README):
+        if block.language in CODE_LANGUAGES:
+            assert block.language in RUNNABLE and set(block.flags) <= {NO_RUN}, block.name
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,9 @@ class Detector:
         self.prober, self.model, self.clock, self.margin = prober, model, clock, margin
         self.probe_runs = probe_runs
         self.alarms = 0
+        # probes run to check the devices while no step was suspect (`_check_due`): not
+        # alarms, a detector's own schedule
+        self.checks = 0
         self.cost_s = 0.0  # time spent deciding (probes excluded)
         self.probe_s = 0.0  # time stalled in probes
         self.steps = 0
@@ -49,7 +52,10 @@ class Detector:
         self.cost_s += self.clock() - t0
         self.steps += 1
         if not suspicious:
-            return None
+            if self.prober is None or not self._check_due():
+                return None
+            self.checks += 1
+            return self.validate(obs.step)
         self.alarms += 1
         verdict = self.validate(obs.step)
         if verdict is None:
@@ -98,6 +104,10 @@ class Detector:
 
     def _cleared(self, obs: StepObservation) -> None:
         """The probes found nothing: the suspicion was a false alarm."""
+
+    def _check_due(self) -> bool:
+        """Should the probes check the devices after this unsuspected step? (none: never)"""
+        return False
 
 
 def _fastest(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:

@@ -66,6 +66,11 @@ job) whose healthy use is at least OWN_BOUND of the cores the others leave it: o
 the process uses a few of many cores, and a host thread spin-waiting on a slow GPU would burn
 CPU in step with the wall time.
 
+The baseline is only as healthy as the devices were while the warm-up learned it: a device
+that turned slow during the warm-up is in it, and later steps never stand out against it
+(a user's job slowed at step 12 of a 24-step warm-up ran on unnoticed). So the first step
+judged is followed by one probe of every device (`Detector.checks`, not an alarm).
+
 Stage times are not fitted as cost-model rows by default (`fit_stage_times`): on shared
 host cores one micro-batch's forward mostly measures what the other devices run at the same
 moment (an 18% robust sigma, against 2.3% for whole steps), and as rows they drowned the
@@ -163,6 +168,8 @@ class ResiHPDetector(Detector):
         self._stage_streak = 0
         self._cpu_base: tuple[float, float] | None = None  # healthy (own, others) cores
         self._cpu_seen = 0
+        # the devices were checked by a probe when the warm-up ended (`_check_due`)
+        self._baseline_checked = False
         self._rebase_left = 0  # steps left in which to re-measure `scale` after a re-plan
         self._rebase_ratios: list[float] = []  # observed / raw prediction over those steps
 
@@ -228,6 +235,16 @@ class ResiHPDetector(Detector):
         self._level_base, self._level_spread, self._shared, self._load = None, 0.0, 0.0, 0.0
         self._stage_shared = 0.0
         self._cpu_base, self._cpu_seen = None, 0  # the new plan uses the cores its own way
+
+    def _check_due(self) -> bool:
+        """Once, on the first step judged after the warm-up: the baseline is only as healthy
+        as the devices were while it was learned. A device that turned slow during the
+        warm-up (or was slow from the start) is in it, and the steps never stand out against
+        it: the probes check every device once before the baseline is trusted."""
+        if self._baseline_checked or self._warming():
+            return False
+        self._baseline_checked = True
+        return True
 
     def _warming(self) -> bool:
         return not self.cost.ready or self._learned < self.warmup or not self._sigma

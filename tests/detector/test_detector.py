@@ -18,7 +18,7 @@ from resihp_jax.detector import (
     make_detector,
     run_guarded,
 )
-from resihp_jax.detector.ours import REACH_STEPS
+from resihp_jax.detector.ours import REACH_STEPS, WARMUP_STEPS
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
@@ -236,7 +236,7 @@ def test_noisier_healthy_steps_raise_the_threshold() -> None:
     healthy steps raises a suspicion."""
     thresholds = []
     for noise in (0.01, 0.04):
-        det = make_detector("resihp", model=CFG, prober=lambda step: None, warmup=8)
+        det = make_detector("resihp", model=CFG, prober=fake_prober({}, 0), warmup=8)
         assert [det.observe(obs) for obs in stream(80, seed=3, noise=noise)] == [None] * 80
         assert det.alarms == 0
         thresholds.append(det.threshold)
@@ -244,7 +244,7 @@ def test_noisier_healthy_steps_raise_the_threshold() -> None:
 
 
 def test_healthy_time_is_predicted_only_after_warmup() -> None:
-    det = make_detector("resihp", model=CFG, prober=lambda step: None, warmup=8)
+    det = make_detector("resihp", model=CFG, prober=fake_prober({}, 0), warmup=8)
     obs = stream(40, seed=5)
     assert det.healthy_time_s(PLAN, obs[0].mb_tokens, obs[0].mb_sum_l2) is None
     for o in obs[:-1]:
@@ -434,3 +434,19 @@ def test_cpu_seconds_explain_nothing_where_they_do_not_speak_for_every_device(
     det, verdicts = run("resihp", steps, fake_prober({5: 1.15}, 60))
     assert len(verdicts) == 1 and verdicts[0].devices == (5,)
     assert 60 <= verdicts[0].step < 60 + REACH_STEPS
+
+
+def test_a_device_slow_during_the_warmup_is_found_when_it_ends() -> None:
+    """A device slow from step 10 of the 24-step warm-up: its slower steps are learned as the
+    baseline, so no later step stands out, and without a check it would never be named. The
+    one probe after the warm-up names it (a check, not an alarm); on healthy devices that
+    probe finds nothing and is the only one."""
+    steps = stream(60, seed=4, slow={3: 3.0}, onset=10)
+    det = make_detector("resihp", model=CFG, prober=fake_prober({3: 3.0}, 10))
+    verdicts = [(obs.step, det.observe(obs)) for obs in steps]
+    named = [(step, v) for step, v in verdicts if v is not None]
+    assert len(named) == 1 and named[0][1].devices == (3,) and named[0][1].kind == "compute"
+    assert named[0][0] == WARMUP_STEPS - 1 and det.checks == 1 and det.alarms == 0
+    healthy = make_detector("resihp", model=CFG, prober=fake_prober({}, 0))
+    assert [healthy.observe(obs) for obs in stream(60, seed=4)] == [None] * 60
+    assert healthy.checks == 1 and healthy.alarms == 0

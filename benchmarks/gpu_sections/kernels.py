@@ -20,8 +20,8 @@ import numpy as np
 from benchmarks import mfu
 from benchmarks.attention_cost import lognormal_docs
 from benchmarks.gpu_sections.common import Suite, first_line, interleaved, median_ms, print_table
-from resihp_jax.model import flash
 from resihp_jax.model.attention import dense_attention, segment_attention
+from resihp_jax.model.attention_check import select_kernel
 
 # the llama presets' attn_block (128) and the smaller tiles a fitted block may come down to
 GPU_BLOCKS = (32, 64, 128)
@@ -46,12 +46,14 @@ class Case:
 
 def cases(quick: bool) -> list[Case]:
     if quick:  # interpreted on CPU: tiny rows, a few of each kind
-        return [Case("float32", 64, 4, 4, 64, 2, 16), Case("bfloat16", 128, 4, 1, 64, 2, 32),
-                Case("float32", 64, 4, 2, 128, 1, 32)]
-    found = [Case(dtype, d, 32, g, 2048, 4, 128) for dtype in ("float32", "bfloat16")
-             for d in (64, 128) for g in (4, 32)]
-    found += [Case("bfloat16", 128, 32, 4, 2048, 4, b) for b in GPU_BLOCKS if b != 128]
-    found += [Case("bfloat16", d, 32, g, 8192, 1, 128) for d in (64, 128) for g in (4, 32)]
+        return [Case("float32", 64, 4, 4, 64, 2, 16), Case("bfloat16", 128, 4, 2, 64, 2, 32)]
+    # every value of each axis, not their product: each configuration costs its compiles
+    gqa, mha = (32, 4), (32, 32)
+    found = [Case("float32", d, *gqa, 2048, 4, 128) for d in (64, 128)]
+    found += [Case("bfloat16", d, *heads, 2048, 4, 128) for d, heads in
+              ((64, gqa), (128, gqa), (128, mha))]
+    found += [Case("bfloat16", 128, *gqa, 2048, 4, b) for b in GPU_BLOCKS if b != 128]
+    found += [Case("bfloat16", 128, *heads, 8192, 1, 128) for heads in (gqa, mha)]
     return found
 
 
@@ -64,9 +66,12 @@ def packed_rows(rows: int, seq_len: int, seed: int) -> np.ndarray:
 
 
 def chosen_blocks(case: Case) -> str:
-    """Which blocks the library runs for this request (the request itself until the kernel
-    says otherwise)."""
-    return f"{case.block}x{case.block}"
+    """The kernel and blocks the library runs for this request (blocks that fit the GPU's
+    shared memory, or the block-sparse fallback): `select_kernel`, as the step asks it."""
+    choice = select_kernel("pallas", platform=jax.default_backend(), seq_len=case.seq_len,
+                           block_size=case.block, head_dim=case.head_dim, n_heads=case.heads,
+                           n_kv_heads=case.kv_heads, dtype=case.dtype)
+    return f"{choice.implementation} {choice.block_q}x{choice.block_k}"
 
 
 def value_and_grads(attention: Callable, q, k, v, seg, w):
@@ -132,7 +137,7 @@ def one_case(suite: Suite, case: Case, rounds: int) -> dict[str, Any]:
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
         o_ref, grads_ref = jax.jit(functools.partial(value_and_grads, grouped_dense))(
             *f32, seg, w)
-    row: dict[str, Any] = {"case": case.name, "blocks": chosen_blocks(case),
+    row: dict[str, Any] = {"case": case.name, "runs": chosen_blocks(case),
                            "err_o": relative_error(o, o_ref)}
     row.update({f"err_d{n}": relative_error(a, b)
                 for n, a, b in zip("qkv", grads, grads_ref)})
@@ -166,13 +171,12 @@ def run(suite: Suite) -> dict[str, Any]:
         try:
             rows.append(one_case(suite, case, rounds=3 if suite.quick else 10))
         except Exception as error:  # noqa: BLE001 - a configuration that fails is a row
-            rows.append({"case": case.name, "blocks": chosen_blocks(case),
-                         "error": first_line(error)})
+            rows.append({"case": case.name, "error": first_line(error)})
         print(f"  {rows[-1]}")
-    columns = ["case", "blocks", "err_o", "err_dq", "err_dk", "err_dv", "pad_max", "leak_max",
+    columns = ["case", "runs", "err_o", "err_dq", "err_dk", "err_dv", "pad_max", "leak_max",
                "ok", "ours_ms", "peer", "peer_ms", "peer_over_ours", "error"]
     print_table("kernels: fused attention vs float32 masked softmax; fwd+bwd ms vs "
                 "jax.nn.dot_product_attention (peer/ours > 1: ours faster)", rows, columns)
     failed = [r["case"] for r in rows if "error" in r]
     return {"rows": rows, "interpreted": interpreted, "all_ok": all(r.get("ok") for r in rows),
-            "failed_to_run": failed, "pallas_default_min_block": flash.MIN_BLOCK}
+            "failed_to_run": failed}

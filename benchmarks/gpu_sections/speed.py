@@ -46,9 +46,8 @@ def measure_pair(pair: Pair, warmup: int, rounds: int) -> dict[str, list[float]]
 
 def configs(quick: bool) -> list[tuple[str, int, int, bool]]:
     """(name, rows, seq_len, long documents)."""
-    if quick:
-        return [("4x64", 4, 64, False), ("1x256 long docs", 1, 256, True),
-                ("8x64 (512 tokens)", 8, 64, False)]
+    if quick:  # the 32k row runs the same code as the first: left out (compiles are the time)
+        return [("4x64", 4, 64, False), ("1x128 long docs", 1, 128, True)]
     return [("4x2048", 4, 2048, False), ("1x8192 long docs", 1, 8192, True),
             ("16x2048 (32768 tokens)", 16, 2048, False)]
 

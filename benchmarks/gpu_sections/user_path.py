@@ -110,8 +110,9 @@ def llama_bf16(suite: Suite, size: dict[str, int]) -> dict[str, Any]:
 
 def run(suite: Suite) -> dict[str, Any]:
     size = sizes(suite.quick)
-    rows = [equivalence(suite, size, "adam(1e-3)", optax.adam(1e-3)),
-            equivalence(suite, size, "sgd(0.1)", optax.sgd(0.1))]
+    rows = [equivalence(suite, size, "sgd(0.1)", optax.sgd(0.1))]
+    if not suite.quick:  # the same code with another optimizer: two more compiles on CPU
+        rows.insert(0, equivalence(suite, size, "adam(1e-3)", optax.adam(1e-3)))
     print_table(f"user_path: rh.fit (plan 1/1/1) vs a plain jax.jit loop, the example's GPT-2 "
                 f"(d={size['d']}, {size['layers']} layers), {size['rows']} x {size['seq']} rows",
                 rows, list(rows[0]))

@@ -54,6 +54,7 @@ class Throttle:
         self.mode = BUSY if busy(pid) is not None else DUTY
         self.busy_s = 0.0  # the process's busy time since the throttle began
         self.stopped_s = 0.0  # how long it was held stopped
+        self.holds: list[tuple[float, float]] = []  # each stop: (busy time it paid for, held)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="resihp-throttle")
         self._thread.start()
@@ -65,13 +66,16 @@ class Throttle:
         except (ProcessLookupError, PermissionError):
             return False
 
-    def _hold(self, seconds: float) -> bool:
-        """Stop the process for `seconds` (False: it is gone, or the throttle is lifted)."""
+    def _hold(self, busy: float) -> bool:
+        """Stop the process for FACTOR - 1 times `busy` (False: it is gone, or the throttle
+        is lifted)."""
         if not self._signal(signal.SIGSTOP):
             return False
         t0 = self._clock()
-        lifted = self._stop.wait(seconds)
-        self.stopped_s += self._clock() - t0
+        lifted = self._stop.wait((self.factor - 1.0) * busy)
+        held = self._clock() - t0
+        self.stopped_s += held
+        self.holds.append((busy, held))
         return self._signal(signal.SIGCONT) and not lifted
 
     def _run(self) -> None:
@@ -95,7 +99,7 @@ class Throttle:
             self.busy_s += stretch
             owed += stretch
             if owed >= self.period_s:
-                if not self._hold((self.factor - 1.0) * owed):
+                if not self._hold(owed):
                     return
                 owed = 0.0
             # a stopped process accrues no busy time: measure afresh from here
@@ -105,7 +109,7 @@ class Throttle:
         run_s = self.period_s / self.factor
         while not self._stop.wait(run_s):
             self.busy_s += run_s
-            if not self._hold(self.period_s - run_s):
+            if not self._hold(run_s):  # stopped for period - run_s
                 return
 
     def stop(self) -> None:

@@ -1,0 +1,267 @@
+"""A slow process under a user's own model: detected, named and planned around, end to end.
+
+A user's script (its own GPT-NeoX-style NNX model: parallel attention and MLP residual, its
+own dense masked attention; `rh.fit` under plan dp=2,pp=2,tp=2) runs as `resihp launch
+--procs 4 --devices-per-proc 2 --slow 2=FACTOR@ONSET -- python script.py`, once per factor
+(3x and 1.5x), beside the same script uninterrupted in one process on 8 devices.
+
+The slowdown is real: from step ONSET on, the launcher stretches every stretch of time
+process p2 spends running or waiting for a core by FACTOR (SIGSTOP for FACTOR - 1 times as
+long; faults/throttle.py), so its own work takes FACTOR times as long and its waits on peers
+do not. The table shows how much it cost: p2's busy seconds per step (its threads running or
+runnable, from the kernel's schedstat, read by the script) and the job's tokens/s before,
+during and after. What the detector sees is the job's step only (a user's step has no stage
+timing): a suspicion from the step times, or the check of every device when the warm-up ends,
+and probes that time each device.
+
+Per factor: steps from onset to the verdict, the host the verdict named (by its devices),
+false alarms (probes before the onset that were suspicions, and any verdict before it), what
+the re-plan did (a new split, a new mesh, or the job relaunched without the slow host),
+tokens/s of wall time before the onset, from the onset to the verdict and after the re-plan
+(probes, switch and any relaunch included), every step trained once and the losses against
+the uninterrupted run. One JSON line ends it. The machine's load average is printed with it:
+on 2 shared cores every figure moves with it.
+
+Usage: python benchmarks/user_slow.py [--quick] [--factors 3,1.5] [--onset 28]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor  # noqa: E402
+
+SLOW_PROCESS = 2
+DEVICES_PER_PROC = 2
+# the user's script: python script.py LOG --steps N. Every process appends one JSON line per
+# step to LOG.<host>; process 0 also each probe the detector ran (benchmark instrumentation:
+# the library does not report its cleared suspicions to a script)
+SCRIPT = textwrap.dedent('''
+    import argparse, glob, json, os, time
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from flax import nnx
+    import resihp_jax as rh
+    from resihp_jax.detector.base import Detector
+
+    cli = argparse.ArgumentParser()
+    cli.add_argument("log")
+    cli.add_argument("--steps", type=int, default=40)
+    args = cli.parse_args()
+    P, INIT = nnx.with_partitioning, nnx.initializers.normal(0.02)
+    HOST = os.environ.get("RESIHP_HOST_ID", "single")
+
+    class Block(nnx.Module):
+        def __init__(self, d, heads, rngs):
+            self.heads = heads
+            self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+            self.qkv = nnx.Linear(d, 3 * d, kernel_init=P(INIT, ("embed", "heads")), rngs=rngs)
+            self.o = nnx.Linear(d, d, kernel_init=P(INIT, ("heads", "embed")), rngs=rngs)
+            self.up = nnx.Linear(d, 4 * d, kernel_init=P(INIT, ("embed", "mlp")), rngs=rngs)
+            self.down = nnx.Linear(4 * d, d, kernel_init=P(INIT, ("mlp", "embed")), rngs=rngs)
+
+        def __call__(self, h, segment_ids, positions):  # GPT-NeoX: parallel residual
+            b, s, d = h.shape
+            qkv = self.qkv(self.ln1(h)).reshape(b, s, 3 * self.heads, d // self.heads)
+            q, k, v = jnp.split(qkv, 3, axis=2)
+            causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
+            mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
+            att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // self.heads)
+            att = jax.nn.softmax(jnp.where(mask[:, None], att, -1e9), axis=-1)
+            a = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d)
+            return h + self.o(a) + self.down(jax.nn.gelu(self.up(self.ln2(h))))
+
+    class NeoX(nnx.Module):
+        def __init__(self, rngs, vocab=256, d=64, heads=4, layers=4):
+            self.emb = nnx.Embed(vocab, d, embedding_init=P(INIT, ("vocab", "embed")), rngs=rngs)
+            self.blocks = nnx.List([Block(d, heads, rngs) for _ in range(layers)])
+            self.ln = nnx.LayerNorm(d, rngs=rngs)
+            self.out = nnx.Linear(d, vocab, kernel_init=P(INIT, ("embed", "vocab")), rngs=rngs)
+
+        def embed(self, tokens, positions):
+            return self.emb(tokens)
+
+        def head(self, h):
+            return self.out(self.ln(h))
+
+    def busy_s():  # this process's threads running or waiting for a core
+        total = 0
+        for path in glob.glob(f"/proc/{os.getpid()}/task/*/schedstat"):
+            try:
+                total += sum(int(x) for x in open(path).read().split()[:2])
+            except (OSError, ValueError):
+                pass
+        return total / 1e9
+
+    validate = Detector.validate
+    def logged_validate(self, step):
+        alarm = self.alarms
+        verdict = validate(self, step)
+        if jax.process_index() == 0:
+            with open(f"{args.log}.probes", "a") as f:
+                f.write(json.dumps({"step": step, "check": self.alarms == alarm and
+                                    self.checks > 0, "devices": verdict and
+                                    list(verdict.devices), "slowdown": verdict and
+                                    verdict.slowdown}) + "\\n")
+        return verdict
+    Detector.validate = logged_validate
+
+    with nnx.use_eager_sharding(False):
+        model = NeoX(nnx.Rngs(0))
+    docs = [np.arange(i, i + 5 + (37 * i) % 120) % 256 for i in range(3000)]
+    plan = rh.Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=2, seq_len=128)
+    last = [busy_s()]
+
+    def log(record):
+        now = busy_s()
+        row = {"step": record.step, "loss": record.loss, "t": record.step_time_s,
+               "end": record.end_unix_s, "tokens": record.tokens, "busy": now - last[0],
+               "plan": record.plan, "host": HOST}
+        last[0] = now
+        with open(f"{args.log}.{HOST}", "a") as f:
+            f.write(json.dumps(row) + "\\n")
+
+    rh.fit(model, rh.data.from_documents(docs), optimizer=optax.adam(3e-3), plan=plan,
+           steps=args.steps, on_step=log, progress=False,
+           resilience=rh.ResilienceConfig(compile_cache_dir=None))
+''')
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def reference(script: Path, steps: int) -> dict[int, float]:
+    """The script's losses uninterrupted: one process, 8 devices."""
+    log = script.with_name("reference")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    for name in ("RESIHP_NUM_PROCESSES", "SLURM_JOB_ID"):
+        env.pop(name, None)
+    subprocess.run([sys.executable, str(script), str(log), "--steps", str(steps)], env=env,
+                   check=True, capture_output=True, timeout=1200)
+    return {r["step"]: r["loss"] for r in _rows(log.with_name("reference.single"))}
+
+
+def rate(rows: list[dict], after: int, until: int) -> float | None:
+    """Tokens per second of wall time from the end of step `after` to the end of `until`."""
+    ends = {r["step"]: r for r in rows}
+    if after not in ends or until not in ends or until <= after:
+        return None
+    tokens = sum(ends[s]["tokens"] for s in range(after + 1, until + 1) if s in ends)
+    return tokens / (ends[until]["end"] - ends[after]["end"])
+
+
+def one_factor(root: Path, script: Path, factor: float, onset: int, steps: int,
+               ref: dict[int, float]) -> dict:
+    job, log = root / f"slow{factor:g}", root / f"slow{factor:g}" / "log"
+    job.mkdir(parents=True)
+    config = LaunchConfig(4, DEVICES_PER_PROC, job, (),
+                          (Fault("slow", SLOW_PROCESS, onset, factor),), max_restarts=2,
+                          command=(sys.executable, str(script), str(log), "--steps",
+                                   str(steps)))
+    sup = Supervisor(config, out=io.StringIO())
+    sup.run()
+    by_host: dict[str, list[dict]] = {}
+    for path in job.glob("log.p*"):
+        by_host[path.suffix[1:]] = _rows(path)
+    first = {r["step"]: r for r in sorted(by_host.get("p0", []), key=lambda r: r["end"])}
+    injected = int(sup.summary.injected[0].split(":")[0].split()[1]) \
+        if sup.summary.injected else onset
+    probes = _rows(job / "log.probes")
+    verdicts = [p for p in probes if p["devices"]]
+    found = next((p for p in verdicts if p["step"] >= injected), None)
+    false_alarms = sum(1 for p in probes if p["step"] < injected and
+                       (not p["check"] or p["devices"]))
+    named = None if found is None else sorted({d // DEVICES_PER_PROC for d in found["devices"]})
+    losses = [first[s]["loss"] for s in sorted(first)]
+    want = [ref[s] for s in sorted(first)]
+    slow_rows = {r["step"]: r for r in by_host.get(f"p{SLOW_PROCESS}", [])}
+    verdict_step = found["step"] if found else steps
+    after_from = min(verdict_step + 3, steps - 2)
+    return {
+        "factor": factor, "onset": injected,
+        "verdict_step": found and found["step"],
+        "steps_to_verdict": found and found["step"] - injected,
+        "named_process": named, "named_right": named == [SLOW_PROCESS],
+        "estimated_slowdown": found and round(found["slowdown"], 2),
+        "false_alarms": false_alarms, "probes": len(probes),
+        "restarts": sup.summary.restarts, "plans": sup.summary.plans,
+        "failures": [f"{f.kind}: {f.detail}" for f in sup.summary.failures],
+        "steps_once": sorted(first) == list(range(1, steps + 1)),
+        "max_loss_rel_err": float(max(abs(a - b) / abs(b) for a, b in zip(losses, want))),
+        "tok_s_before": rate(list(first.values()), 4, injected),
+        "tok_s_during": rate(list(first.values()), injected, verdict_step),
+        "tok_s_after": rate(list(first.values()), after_from, steps),
+        "step_s_before": _span_mean(first, "t", 5, injected + 1),
+        "step_s_during": _span_mean(first, "t", injected + 1, verdict_step + 1),
+        "p2_busy_s_before": _span_mean(slow_rows, "busy", 5, injected + 1),
+        "p2_busy_s_during": _span_mean(slow_rows, "busy", injected + 1, verdict_step + 1),
+    }
+
+
+def _span_mean(rows: dict[int, dict], key: str, start: int, stop: int) -> float | None:
+    """Mean of `key` over the steps start..stop-1 that `rows` holds."""
+    values = [rows[s][key] for s in range(start, stop) if s in rows]
+    return sum(values) / len(values) if values else None
+
+
+def _fmt(x: object, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec) if isinstance(x, float) else str(x)
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.add_argument("--quick", action="store_true", help="12 steps after the onset")
+    cli.add_argument("--factors", default="3,1.5")
+    cli.add_argument("--onset", type=int, default=28,
+                     help="step of the slowdown (after the detector's 24-step warm-up)")
+    args = cli.parse_args()
+    factors = [float(f) for f in args.factors.split(",")]
+    steps = args.onset + (12 if args.quick else 24)
+    load0 = os.getloadavg()[0]
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        script = root / "neox_train.py"
+        script.write_text(SCRIPT)
+        ref = reference(script, steps)
+        rows = [one_factor(root, script, f, args.onset, steps, ref) for f in factors]
+    print(f"user's NeoX model, dp=2,pp=2,tp=2 over 4 processes x 2 CPU devices, "
+          f"--slow {SLOW_PROCESS}=FACTOR@{args.onset}, {steps} steps; load average "
+          f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores)")
+    head = ("factor", "to verdict", "named", "false al.", "p2 busy/step", "step s",
+            "tok/s before", "during", "after", "after/before", "restarts", "losses")
+    print(" | ".join(head))
+    for r in rows:
+        ratio = r["tok_s_after"] / r["tok_s_before"] \
+            if r["tok_s_after"] and r["tok_s_before"] else None
+        print(" | ".join([
+            f"{r['factor']:g}x", _fmt(r["steps_to_verdict"]),
+            f"p{r['named_process'][0]}" if r["named_process"] else "-",
+            str(r["false_alarms"]),
+            f"{_fmt(r['p2_busy_s_before'])} -> {_fmt(r['p2_busy_s_during'])}",
+            f"{_fmt(r['step_s_before'])} -> {_fmt(r['step_s_during'])}",
+            _fmt(r["tok_s_before"], ".0f"), _fmt(r["tok_s_during"], ".0f"),
+            _fmt(r["tok_s_after"], ".0f"), _fmt(ratio), str(r["restarts"]),
+            "equal" if r["steps_once"] and r["max_loss_rel_err"] < 1e-4 else
+            f"DIFFER ({r['max_loss_rel_err']:.1e})"]))
+        for failure in r["failures"]:
+            print(f"  {r['factor']:g}x: {failure}")
+    print(json.dumps({"benchmark": "user_slow", "quick": args.quick, "steps": steps,
+                      "load_start": round(load0, 1), "wall_s": round(time.time() - started, 1),
+                      "rows": rows}, default=lambda x: round(x, 4) if isinstance(x, float)
+                     else str(x)))
+
+
+if __name__ == "__main__":
+    main()

@@ -278,9 +278,13 @@ def single_stage_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Ar
     """`pipeline_loss_sum` of a one-stage plan: no ticks, no permute, no layer gates (every
     slot up to the model's depth is a layer); only missing micro-batches are skipped.
 
-    `params` already vary over every mesh axis. The stage timing markers bracket each
-    micro-batch's layers, forward and (through their VJPs) backward, keyed on tick = slot.
-    `remat` recomputes each layer in its backward (jax.checkpoint)."""
+    `params` already vary over every mesh axis. The TP all-reduces run inside the slot's
+    `cond`: its predicate (does this DP group have micro-batch m) is shared by every member
+    of a tp group, so each all-reduce is joined by its whole group or skipped by all of it.
+    The gradients' DP reduction stays outside, once per step (the transpose of the caller's
+    `vma.vary`). The stage timing markers bracket each micro-batch's layers, forward and
+    (through their VJPs) backward, keyed on tick = slot. `remat` recomputes each layer in
+    its backward (jax.checkpoint)."""
     masters = {"embed": params["embed"], "head": params["head"],
                # slots past the model's depth (a larger requested slot count) are padding
                "layers": jax.tree.map(lambda a: a[0, :cfg.n_layers], params["layers"])}

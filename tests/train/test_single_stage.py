@@ -30,6 +30,8 @@ from resihp_jax.train.user_pipeline import token_nll_sum
 from resihp_jax.train.user_step import build_user_step
 from tests.helpers import (canonical_grads, make_batches, max_relative_error,
                            reference_loss_and_grads)
+from tests.train.test_bf16 import _dot_operand_dtypes
+from tests.train.test_train_equivalence import BF16_GRAD_TOL, BF16_LOSS_RTOL
 from tests.train.user_models import make_gpt2
 
 CFG = get_model_config("tiny")
@@ -115,15 +117,24 @@ UNEVEN = Plan.uniform(2, 1, 2, n_layers=CFG.n_layers, n_microbatches=M, microbat
                       seq_len=S).replace(microbatches_per_group=(1, 3))
 
 
-def test_builtin_data_parallel_one_stage_uneven_split_equals_the_reference() -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_builtin_data_parallel_one_stage_uneven_split_equals_the_reference(dtype: str) -> None:
+    """Float32 to the reference's tolerance; bf16 compute (float32 masters, every matmul in
+    bf16, gradients accumulated in float32) to the bf16 tolerance every plan is held to."""
     batch = make_batches(M, B, S)[0]
     ref_loss, ref_grads = reference_loss_and_grads(CFG, decoder.init_params(CFG, 0), batch)
-    program = build_step(CFG, TrainConfig(), UNEVEN, jax.devices()[:4])
-    state = program.init_state(0)
-    loss, grads = program.loss_and_grads(state.params, program.shard_batch(
-        batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS))
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    assert max_relative_error(canonical_grads(program, grads), jax.device_get(ref_grads)) < 1e-4
+    program = build_step(get_model_config("tiny", dtype=dtype), TrainConfig(), UNEVEN,
+                         jax.devices()[:4])
+    params, sharded = program.init_state(0).params, program.shard_batch(
+        batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS)
+    loss, grads = program.loss_and_grads(params, sharded)
+    loss_rtol, grad_tol = (1e-5, 1e-4) if dtype == "float32" else (BF16_LOSS_RTOL, BF16_GRAD_TOL)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=loss_rtol)
+    grads = canonical_grads(program, grads)
+    assert all(g.dtype == np.float32 for g in jax.tree.leaves(grads))
+    assert max_relative_error(grads, jax.device_get(ref_grads)) < grad_tol
+    jaxpr = jax.make_jaxpr(program.loss_and_grads_fn)(params, sharded, program.splits())
+    assert set(_dot_operand_dtypes(jaxpr.jaxpr)) == {(dtype, dtype)}
 
 
 @pytest.mark.parametrize("remat", [False, True])

@@ -20,6 +20,7 @@ from resihp_jax.perfmodel.costs import CostParams
 from resihp_jax.perfmodel.facts import ModelFacts
 
 ProbeFn = Callable[[int], ProbeResult]
+CHECK_RUNS, CHECK_EVERY = 3, 2  # a check's verdict: named in 3 probe runs, 2 steps apart
 
 
 class Detector:
@@ -38,6 +39,8 @@ class Detector:
         # probes run to check the devices while no step was suspect (`_check_due`): not
         # alarms, a detector's own schedule
         self.checks = 0
+        # a check that named devices, confirmed by later runs: (its result, runs left, next)
+        self._check: tuple[ProbeResult, int, int] | None = None
         self.cost_s = 0.0  # time spent deciding (probes excluded)
         self.probe_s = 0.0  # time stalled in probes
         self.steps = 0
@@ -52,10 +55,15 @@ class Detector:
         self.cost_s += self.clock() - t0
         self.steps += 1
         if not suspicious:
-            if self.prober is None or not self._check_due():
+            if self.prober is None:
+                return None
+            if self._check is not None:
+                return self._checked(obs.step) if obs.step >= self._check[2] else None
+            if not self._check_due():
                 return None
             self.checks += 1
-            return self.validate(obs.step)
+            return self._checked(obs.step)
+        self._check = None  # a suspicion's own probes decide now
         self.alarms += 1
         verdict = self.validate(obs.step)
         if verdict is None:
@@ -81,6 +89,28 @@ class Detector:
             found = localize(result, self.margin)
         self.probe_s += self.clock() - t0
         if found is None:
+            return None
+        return Verdict(step, found.devices, found.kind, found.slowdown, found.confidence,
+                       self.name)
+
+    def _checked(self, step: int) -> Verdict | None:
+        """One run of a check (no step was suspect). Devices it names must stand out again
+        in CHECK_RUNS runs CHECK_EVERY steps apart, each device at its fastest over them:
+        with no step to back it, one run cannot tell a slow device from a passing burst of
+        other work on its host (a background compile on shared cores named a healthy
+        process 5x slow, back to back over both runs of one validation)."""
+        t0 = self.clock()
+        result = self.prober(step)
+        runs_left = CHECK_RUNS - 1
+        if self._check is not None:
+            result, runs_left = _combined(self._check[0], result), self._check[1] - 1
+        found = localize(result, self.margin)
+        self.probe_s += self.clock() - t0
+        self._check = None
+        if found is None:
+            return None
+        if runs_left > 0:
+            self._check = (result, runs_left, step + CHECK_EVERY)
             return None
         return Verdict(step, found.devices, found.kind, found.slowdown, found.confidence,
                        self.name)

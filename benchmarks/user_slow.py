@@ -103,18 +103,18 @@ SCRIPT = textwrap.dedent('''
                 pass
         return total / 1e9
 
-    validate = Detector.validate
-    def logged_validate(self, step):
-        alarm = self.alarms
-        verdict = validate(self, step)
-        if jax.process_index() == 0:
-            with open(f"{args.log}.probes", "a") as f:
-                f.write(json.dumps({"step": step, "check": self.alarms == alarm and
-                                    self.checks > 0, "devices": verdict and
-                                    list(verdict.devices), "slowdown": verdict and
-                                    verdict.slowdown}) + "\\n")
-        return verdict
-    Detector.validate = logged_validate
+    def logged(probe, check):  # each probe the detector runs, and what it concluded
+        def run(self, step):
+            verdict = probe(self, step)
+            if jax.process_index() == 0:
+                with open(f"{args.log}.probes", "a") as f:
+                    f.write(json.dumps({"step": step, "check": check, "devices": verdict and
+                                        list(verdict.devices), "slowdown": verdict and
+                                        verdict.slowdown}) + "\n")
+            return verdict
+        return run
+    Detector.validate = logged(Detector.validate, False)  # a suspicion's probes
+    Detector._checked = logged(Detector._checked, True)  # the check after the warm-up
 
     with nnx.use_eager_sharding(False):
         model = NeoX(nnx.Rngs(0))

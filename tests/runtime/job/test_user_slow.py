@@ -43,15 +43,15 @@ def test_a_slow_process_under_a_users_model_is_named_and_planned_around(tmp_path
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["final_step"] == STEPS and summary["steps_lost"] == 0, summary
     logs = (job / "logs" / "incarnation0-p0.log").read_text()
-    # the verdict: a re-plan in place (process 0's log) or the job relaunched without p2
-    named = [(int(s), [int(d) for d in devs.split(",")]) for s, devs in
-             re.findall(r"step (\d+): devices \[([\d, ]+)\] compute", logs)]
-    excluded = [f for f in out.splitlines() if "excluded" in f and "p2" in f]
-    assert named or excluded, logs[-3000:] + out
-    if named:
-        step, devices = named[0]
-        assert devices == [4, 5] and ONSET <= step <= ONSET + WITHIN, named
-    assert all(step >= ONSET for step, _ in named)  # nothing named before the onset
+    # the verdict, in process 0's log: a re-plan in place ("step N: devices [..] compute
+    # xF; re-planned to ...") or one that leaves p2 out and relaunches without it
+    named = [(int(s), [int(d) for d in devs.split(",")]) for s, devs in re.findall(
+        r"step (\d+): (?:the new plan leaves process\(es\) \[[\d, ]+\] out \()?"
+        r"devices \[([\d, ]+)\] compute", logs)]
+    assert named, logs[-3000:] + out
+    step, devices = named[0]
+    assert devices == [4, 5] and ONSET <= step <= ONSET + WITHIN, named  # p2's, in time
+    assert "excluded" not in out or "without slow host(s) p2" in out
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # every step once
     np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)

@@ -110,7 +110,7 @@ SCRIPT = textwrap.dedent('''
                 with open(f"{args.log}.probes", "a") as f:
                     f.write(json.dumps({"step": step, "check": check, "devices": verdict and
                                         list(verdict.devices), "slowdown": verdict and
-                                        verdict.slowdown}) + "\n")
+                                        verdict.slowdown}) + "\\n")
             return verdict
         return run
     Detector.validate = logged(Detector.validate, False)  # a suspicion's probes

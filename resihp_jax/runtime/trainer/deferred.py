@@ -54,9 +54,9 @@ def compile_layouts(program: StepProgram, moves: tuple[str, ...] = MOVES) -> Non
 
 
 def await_started(future: Future | None) -> None:
-    """Wait for background work that has started (compiling it again here would cost more);
-    work still queued is cancelled, so its caller compiles what it needs on first use."""
-    if future is None or (not future.running() and future.cancel()):
+    """Wait for background work started earlier (compiling it again here would cost more; it
+    is first in its thread's queue: started after the first step, before anything else)."""
+    if future is None or future.cancelled():
         return
     try:
         future.result()

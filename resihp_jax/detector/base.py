@@ -146,7 +146,7 @@ def _fastest(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
 
 def _combined(a: ProbeResult, b: ProbeResult) -> ProbeResult:
     return ProbeResult(_fastest(a.compute_s, b.compute_s), _fastest(a.link_s, b.link_s),
-                       a.wall_s + b.wall_s)
+                       a.wall_s + b.wall_s, a.hosts or b.hosts)
 
 
 DETECTORS: dict[str, type[Detector]] = {}

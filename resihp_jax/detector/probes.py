@@ -33,6 +33,8 @@ class ProbeResult:
     compute_s: dict[int, float]  # device id -> fastest kernel time over the repeats
     link_s: dict[int, float]  # device id -> fastest neighbour-transfer time
     wall_s: float = 0.0  # how long the probe stalled training
+    # device id -> the process (host) it belongs to, in a job of several processes
+    hosts: dict[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,21 @@ def _outliers(times: dict[int, float], margin: float) -> tuple[list[int], float,
     return slow, factor, z
 
 
+def _with_host_peers(slow: list[int], times: dict[int, float], hosts: dict[int, int] | None,
+                     margin: float) -> list[int]:
+    """`slow` and every other device of the same hosts that is slower than the median by
+    more than `margin` too. A slow host (a throttled process, a hot node) slows all its
+    devices by unequal factors, and the `_outliers` cut near the worst can leave one of them
+    out; a plan that dropped only the named one would keep the host and cut a healthy one."""
+    if not slow or not hosts:
+        return slow
+    med = float(np.median(list(times.values())))
+    named = {hosts.get(d) for d in slow} - {None}
+    peers = [d for d, t in times.items() if d not in slow and hosts.get(d) in named
+             and t > (1.0 + margin) * med]
+    return sorted(slow + peers)
+
+
 def localize(result: ProbeResult, margin: float = 0.12) -> Localization | None:
     """Compute outliers first (they also slow their transfers); else link outliers."""
     if not result.compute_s:
@@ -76,6 +93,7 @@ def localize(result: ProbeResult, margin: float = 0.12) -> Localization | None:
         if not times:
             continue
         slow, factor, z = _outliers(times, margin)
+        slow = _with_host_peers(slow, times, result.hosts, margin)
         if slow and len(slow) <= len(times) // 2:
             confidence = float(1.0 - math.exp(-max(z, 0.0) / 3.0))
             return Localization(tuple(slow), kind, factor, round(confidence, 4))
@@ -205,4 +223,5 @@ def gathered_probe(result: ProbeResult, device_ids: tuple[int, ...]) -> ProbeRes
     both = max_over_processes(local)
     compute = {d: float(t) for d, t in zip(ids, both[0]) if t > 0}
     link = {d: float(t) for d, t in zip(ids, both[1]) if t > 0}
-    return ProbeResult(compute, link, float(both[2].max()))
+    hosts = {int(d.id): int(d.process_index) for d in jax.devices() if int(d.id) in ids}
+    return ProbeResult(compute, link, float(both[2].max()), hosts)

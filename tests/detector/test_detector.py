@@ -470,3 +470,17 @@ def test_a_device_slow_in_one_run_of_the_check_only_is_not_named() -> None:
     det = make_detector("resihp", model=CFG, prober=prober)
     assert [det.observe(obs) for obs in stream(40, seed=4)] == [None] * 40
     assert len(runs) == 2 and runs[1] == runs[0] + CHECK_EVERY and det.alarms == 0
+
+
+def test_a_slow_hosts_other_slow_devices_are_named_with_it() -> None:
+    """Device 4 is 3x, device 5 (same process) 1.6x: the cut near the worst leaves 5 out, yet
+    a plan that kept 5 would keep the slow host. Knowing the hosts, both are named; a healthy
+    device beside a slow one is not."""
+    base = {d: 0.01 for d in range(8)}
+    hosts = {d: d // 2 for d in range(8)}
+    result = ProbeResult({**base, 4: 0.03, 5: 0.016}, {})
+    assert localize(result).devices == (4,)
+    with_hosts = ProbeResult(result.compute_s, {}, 0.0, hosts)
+    assert localize(with_hosts).devices == (4, 5)
+    alone = ProbeResult({**base, 4: 0.03}, {}, 0.0, hosts)
+    assert localize(alone).devices == (4,)

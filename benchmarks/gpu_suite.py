@@ -1,5 +1,5 @@
-"""Every GPU figure from one command: the fused attention kernel, the user's path, speed
-against a plain-JAX peer, the price of resilience, start-up, memory and a profile.
+"""Every GPU figure from one command: fused attention, the user's path, speed against a
+plain-JAX peer, the price of resilience, start-up, memory and a profile.
 
 GPU time comes in minutes, so one command turns them into every figure: each section prints
 its table; a section that raises is recorded (its error's first line) and the next one runs;
@@ -7,8 +7,8 @@ a section that would start past --budget-s is skipped, saying so. The run ends w
 of JSON (device, versions, commit, each section's results and seconds, errors), also written
 to --out. Timing rows are medians over interleaved rounds, each with the ratio against its
 baseline measured in the same run. --quick runs every section on CPU at tiny sizes with the
-Pallas kernel interpreted (under 2 minutes); the full run is planned for under 8 minutes on one
-H100, most of it compiling (see gpu_sections/__init__.py).
+Pallas kernel interpreted (about 3 CPU minutes on 2 cores, nearly all compiling); the full run
+is planned for under 8 minutes on one H100, most of it compiling (gpu_sections/__init__.py).
 Usage: PYTHONPATH=. python benchmarks/gpu_suite.py [--quick] [--sections a,b]
        [--budget-s 450] [--out gpu_suite.json] [--seed 0]
 """
@@ -59,12 +59,12 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--quick", action="store_true",
-                        help="tiny sizes on CPU, Pallas interpreted (< 2 min)")
+                        help="tiny sizes on CPU, the Pallas kernel interpreted")
     parser.add_argument("--sections", type=parse_sections, default=list(SECTIONS),
-                        help=f"comma-separated sections to run (default all: "
-                             f"{','.join(SECTIONS)})")
+                        help=f"comma-separated sections to run, in the suite's order "
+                             f"(default all: {','.join(SECTIONS)})")
     parser.add_argument("--budget-s", type=positive_seconds, default=450.0,
                         help="skip sections that would start after this many seconds "
                              "(default 450)")

@@ -37,7 +37,7 @@ def sizes(quick: bool) -> tuple[ModelConfig, int, int, int, int]:
     if quick:
         return get_model_config("tiny"), 4, 64, 8, 3  # startup's fit: the same programs
     # llama-1b's layer at 4 layers: a step of tens of ms, state of ~4 GB (a real checkpoint)
-    return get_model_config("llama-1b", n_layers=4), 4, 2048, 30, 10
+    return get_model_config("llama-1b", n_layers=4), 4, 2048, 24, 10
 
 
 def wall_rate(records: list[Any]) -> dict[str, float]:

@@ -8,11 +8,12 @@ own dense masked attention; `rh.fit` under plan dp=2,pp=2,tp=2) runs as `resihp 
 The slowdown is real: from step ONSET on, the launcher stretches every stretch of time
 process p2 spends running or waiting for a core by FACTOR (SIGSTOP for FACTOR - 1 times as
 long; faults/throttle.py), so its own work takes FACTOR times as long and its waits on peers
-do not. The table shows how much it cost: p2's busy seconds per step (its threads running or
-runnable, from the kernel's schedstat, read by the script) and the job's tokens/s before,
-during and after. What the detector sees is the job's step only (a user's step has no stage
-timing): a suspicion from the step times, or the check of every device when the warm-up ends,
-and probes that time each device.
+do not. The table shows what it did: p2's CPU seconds per step (the same work before and
+during: the slowdown stretches time, not work), the job's step time and tokens/s before,
+during and after, and under it p2's busy and stopped seconds as the throttle counted them.
+What the detector sees is the job's step only (a user's step has no stage timing): a
+suspicion from the step times, or the check of every device when the warm-up ends, and
+probes that time each device.
 
 Per factor: steps from onset to the verdict, the host the verdict named (by its devices),
 false alarms (probes before the onset that were suspicions, and any verdict before it), what
@@ -48,7 +49,7 @@ DEVICES_PER_PROC = 2
 # step to LOG.<host>; process 0 also each probe the detector ran (benchmark instrumentation:
 # the library does not report its cleared suspicions to a script)
 SCRIPT = textwrap.dedent('''
-    import argparse, glob, json, os, time
+    import argparse, json, os
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
     import resihp_jax as rh
@@ -94,14 +95,9 @@ SCRIPT = textwrap.dedent('''
         def head(self, h):
             return self.out(self.ln(h))
 
-    def busy_s():  # this process's threads running or waiting for a core
-        total = 0
-        for path in glob.glob(f"/proc/{os.getpid()}/task/*/schedstat"):
-            try:
-                total += sum(int(x) for x in open(path).read().split()[:2])
-            except (OSError, ValueError):
-                pass
-        return total / 1e9
+    def cpu_s():  # this process's CPU seconds, every thread
+        t = os.times()
+        return t.user + t.system
 
     def logged(probe, check):  # each probe the detector runs, and what it concluded
         def run(self, step):
@@ -120,12 +116,12 @@ SCRIPT = textwrap.dedent('''
         model = NeoX(nnx.Rngs(0))
     docs = [np.arange(i, i + 5 + (37 * i) % 120) % 256 for i in range(3000)]
     plan = rh.Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=2, seq_len=128)
-    last = [busy_s()]
+    last = [cpu_s()]
 
     def log(record):
-        now = busy_s()
+        now = cpu_s()
         row = {"step": record.step, "loss": record.loss, "t": record.step_time_s,
-               "end": record.end_unix_s, "tokens": record.tokens, "busy": now - last[0],
+               "end": record.end_unix_s, "tokens": record.tokens, "cpu": now - last[0],
                "plan": record.plan, "host": HOST}
         last[0] = now
         with open(f"{args.log}.{HOST}", "a") as f:
@@ -182,7 +178,9 @@ def one_factor(root: Path, script: Path, factor: float, onset: int, steps: int,
     found = next((p for p in verdicts if p["step"] >= injected), None)
     false_alarms = sum(1 for p in probes if p["step"] < injected and
                        (not p["check"] or p["devices"]))
-    named = None if found is None else sorted({d // DEVICES_PER_PROC for d in found["devices"]})
+    order = first[min(first)]["plan"]["device_ids"] if first else []  # process order
+    named = None if found is None else sorted(
+        {order.index(d) // DEVICES_PER_PROC for d in found["devices"] if d in order})
     losses = [first[s]["loss"] for s in sorted(first)]
     want = [ref[s] for s in sorted(first)]
     slow_rows = {r["step"]: r for r in by_host.get(f"p{SLOW_PROCESS}", [])}
@@ -204,8 +202,9 @@ def one_factor(root: Path, script: Path, factor: float, onset: int, steps: int,
         "tok_s_after": rate(list(first.values()), after_from, steps),
         "step_s_before": _span_mean(first, "t", 5, injected + 1),
         "step_s_during": _span_mean(first, "t", injected + 1, verdict_step + 1),
-        "p2_busy_s_before": _span_mean(slow_rows, "busy", 5, injected + 1),
-        "p2_busy_s_during": _span_mean(slow_rows, "busy", injected + 1, verdict_step + 1),
+        "p2_cpu_s_before": _span_mean(slow_rows, "cpu", 5, injected + 1),
+        "p2_cpu_s_during": _span_mean(slow_rows, "cpu", injected + 1, verdict_step + 1),
+        "throttle": sup.summary.throttled,
     }
 
 
@@ -239,7 +238,7 @@ def main() -> None:
     print(f"user's NeoX model, dp=2,pp=2,tp=2 over 4 processes x 2 CPU devices, "
           f"--slow {SLOW_PROCESS}=FACTOR@{args.onset}, {steps} steps; load average "
           f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores)")
-    head = ("factor", "to verdict", "named", "false al.", "p2 busy/step", "step s",
+    head = ("factor", "to verdict", "named", "false al.", "p2 cpu s/step", "step s",
             "tok/s before", "during", "after", "after/before", "restarts", "losses")
     print(" | ".join(head))
     for r in rows:
@@ -249,7 +248,7 @@ def main() -> None:
             f"{r['factor']:g}x", _fmt(r["steps_to_verdict"]),
             f"p{r['named_process'][0]}" if r["named_process"] else "-",
             str(r["false_alarms"]),
-            f"{_fmt(r['p2_busy_s_before'])} -> {_fmt(r['p2_busy_s_during'])}",
+            f"{_fmt(r['p2_cpu_s_before'])} -> {_fmt(r['p2_cpu_s_during'])}",
             f"{_fmt(r['step_s_before'])} -> {_fmt(r['step_s_during'])}",
             _fmt(r["tok_s_before"], ".0f"), _fmt(r["tok_s_during"], ".0f"),
             _fmt(r["tok_s_after"], ".0f"), _fmt(ratio), str(r["restarts"]),
@@ -257,6 +256,9 @@ def main() -> None:
             f"DIFFER ({r['max_loss_rel_err']:.1e})"]))
         for failure in r["failures"]:
             print(f"  {r['factor']:g}x: {failure}")
+        for held in r["throttle"]:  # what the injected slowdown really did to p2
+            print(f"  {r['factor']:g}x: {held['fault']}: p2 busy {held['busy_s']:.1f} s, "
+                  f"held stopped {held['stopped_s']:.1f} s ({held['mode']})")
     print(json.dumps({"benchmark": "user_slow", "quick": args.quick, "steps": steps,
                       "load_start": round(load0, 1), "wall_s": round(time.time() - started, 1),
                       "rows": rows}, default=lambda x: round(x, 4) if isinstance(x, float)

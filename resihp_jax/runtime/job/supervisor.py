@@ -170,6 +170,9 @@ class Summary:
     injected: list[str] = field(default_factory=list)  # each fault as it was injected
     relaunched_by: list[str] = field(default_factory=list)  # each relaunch: standby | fresh
     standby_rss_mb: list[float] = field(default_factory=list)  # each promoted standby's memory
+    # each slowdown once lifted: how it was applied (throttle.py's mode), the slowed
+    # process's busy seconds meanwhile and the seconds it was held stopped
+    throttled: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"restarts": self.restarts, "steps_lost": self.steps_lost,
@@ -313,7 +316,7 @@ class Supervisor:
             if fault in self._lifted or fault.until is None or step < fault.until:
                 continue
             if fault in self._throttles:  # a slowdown that comes and goes: it goes now
-                self._throttles.pop(fault).stop()
+                self._lift(fault)
                 self._lifted.add(fault)
                 print(f"launch: step {step}: slowdown of {fault.describe()} lifted",
                       file=self.out)
@@ -523,14 +526,20 @@ class Supervisor:
                 print(f"launch: host {host} readmitted (excluded at step {exclusion.step})",
                       file=self.out)
 
+    def _lift(self, fault: Fault) -> None:
+        throttle = self._throttles.pop(fault)
+        throttle.stop()
+        self.summary.throttled.append({"fault": fault.describe(), "mode": throttle.mode,
+                                       "busy_s": round(throttle.busy_s, 3),
+                                       "stopped_s": round(throttle.stopped_s, 3)})
+
     def _end(self, procs: dict[str, subprocess.Popen], failure: Failure | None,
              beats: dict[str, heartbeat.Beat]) -> None:
         """End every process. After a failure the others get SIGTERM first and up to
         `grace_s` to write their copies of the last step; a frozen process cannot (it is
         killed), nor can one still running after the grace period."""
-        for throttle in self._throttles.values():
-            throttle.stop()  # lets a throttled process run (and write) again
-        self._throttles.clear()
+        for fault in list(self._throttles):
+            self._lift(fault)  # lets a throttled process run (and write) again
         running = [(h, p) for h, p in procs.items() if p.poll() is None]
         if failure is not None:
             now = time.time()

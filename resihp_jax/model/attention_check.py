@@ -46,9 +46,9 @@ def packed_rows(block: int) -> np.ndarray:
     return rows
 
 
-def _inputs(block: int, head_dim: int, heads: tuple[int, int], dtype: str, seed: int):
+def _inputs(key: jax.Array, block: int, head_dim: int, heads: tuple[int, int], dtype: str):
     h, g = heads
-    keys = jax.random.split(jax.random.key(seed), 5)
+    keys = jax.random.split(key, 5)
     s = 4 * block
     q = jax.random.normal(keys[0], (2, s, h, head_dim), jnp.float32)
     k = jax.random.normal(keys[1], (2, s, g, head_dim), jnp.float32)
@@ -66,10 +66,32 @@ def _value_and_grads(attention, q, k, v, seg, w):
     return o.astype(jnp.float32), grads
 
 
-def _worst(got, want) -> float:
+def _worst(got: jax.Array, want: jax.Array) -> jax.Array:
     """Largest difference relative to the reference's largest magnitude."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-6))
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-6)
+
+
+def _errors(kernel, block: int, head_dim: int, heads: tuple[int, int], dtype: str,
+            seg_BxS: jax.Array) -> dict[str, jax.Array]:
+    """Every difference the check judges, computed in one program (one compile at start-up:
+    run op by op, the reference and the inputs alone built dozens of small executables)."""
+    (q, k, v), w, key2 = _inputs(jax.random.key(0), block, head_dim, heads, dtype)
+    cast = lambda f: lambda q_, k_, v_, s_: f(*(x.astype(dtype) for x in (q_, k_, v_)), s_)  # noqa: E731
+    o, grads = _value_and_grads(cast(kernel), q, k, v, seg_BxS, w)
+    o_ref, grads_ref = _value_and_grads(dense_attention, q, k, v, seg_BxS, w)
+    errors = {"output": _worst(o, o_ref)}
+    errors.update({f"d{n}": _worst(a, b) for n, a, b in zip("qkv", grads, grads_ref,
+                                                              strict=True)})
+    # Leakage shows exactly: new keys and values for the odd documents must leave the even
+    # documents' outputs as they were (masked terms are zero, not merely small).
+    odd_BxSx1x1 = (seg_BxS % 2 == 1)[:, :, None, None]
+    k2 = jnp.where(odd_BxSx1x1, jax.random.normal(key2, k.shape), k)
+    v2 = jnp.where(odd_BxSx1x1, v + 100.0, v)
+    o2, _ = _value_and_grads(cast(kernel), q, k2, v2, seg_BxS, w)
+    even_BxS = (seg_BxS > 0) & (seg_BxS % 2 == 0)
+    errors["leak"] = jnp.max(jnp.where(even_BxS[:, :, None, None], jnp.abs(o2 - o), 0.0))
+    return errors
 
 
 def select_kernel(implementation: str, *, platform: str, seq_len: int, block_size: int,
@@ -101,27 +123,12 @@ def check_attention(implementation: str, *, block_size: int, head_dim: int, n_he
     if kind in UNCHECKED or config in _passed:
         return
     heads = (n_heads // n_kv_heads * min(n_kv_heads, 2), min(n_kv_heads, 2))
-    (q, k, v), w, key = _inputs(block_size, head_dim, heads, dtype, seed=0)
-    seg_np = packed_rows(block_size)
-    seg = jnp.asarray(seg_np)
     kernel = functools.partial(segment_attention, block_size=block_size, implementation=kind)
-    cast = lambda f: lambda q_, k_, v_, s_: f(*(x.astype(dtype) for x in (q_, k_, v_)), s_)  # noqa: E731
-    run = jax.jit(functools.partial(_value_and_grads, cast(kernel)))
+    run = jax.jit(functools.partial(_errors, kernel, block_size, head_dim, heads, dtype))
     put = functools.partial(jax.device_put, device=device)
-    o, grads = run(*map(put, (q, k, v, seg, w)))
-    o_ref, grads_ref = _value_and_grads(dense_attention, q, k, v, seg, w)
+    seg = put(np.asarray(packed_rows(block_size)))
+    errors = {n: float(e) for n, e in jax.device_get(run(seg)).items()}
     tol = 1e-3 if dtype == "float32" else 3e-2  # TF32 matmuls on GPUs; bf16 rounding
-    errors = {"output": _worst(o, o_ref)}
-    errors.update({f"d{n}": _worst(a, b) for n, a, b in zip("qkv", grads, grads_ref,
-                                                              strict=True)})
-    # Leakage shows exactly: new keys and values for the odd documents must leave the even
-    # documents' outputs as they were (masked terms are zero, not merely small).
-    odd_S = (seg_np % 2 == 1)[:, :, None, None]
-    k2 = jnp.where(odd_S, jax.random.normal(key, k.shape), k)
-    v2 = jnp.where(odd_S, v + 100.0, v)
-    o2, _ = run(*map(put, (q, k2, v2, seg, w)))
-    even = (seg_np > 0) & (seg_np % 2 == 0)
-    errors["leak"] = float(np.max(np.abs(np.asarray(o2) - np.asarray(o))[even]))
     bad = {n: e for n, e in errors.items() if e > (1e-2 if n == "leak" else tol)}
     if bad:
         raise AttentionMismatch(

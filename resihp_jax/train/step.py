@@ -173,7 +173,7 @@ class StepProgram:
 
     def init_state(self, seed: int) -> TrainState:
         """Fresh state built directly in its shardings (never materialized whole)."""
-        index_PxL = jnp.asarray(self.stage_index())
+        index_PxL = self.stage_index()  # numpy: jnp.asarray would compile a program
 
         def init(index: jax.Array) -> TrainState:
             params = layout.to_stage_layout(decoder.init_params(self.model, seed), index)
@@ -195,7 +195,7 @@ class StepProgram:
 
 def abstract_state(model: ModelConfig, optimizer: optax.GradientTransformation, plan: Plan,
                    layer_slots: int) -> TrainState:
-    index_PxL = jnp.asarray(layout.stage_index(plan.layers_per_stage, layer_slots))
+    index_PxL = layout.stage_index(plan.layers_per_stage, layer_slots)  # numpy, no compile
 
     def init() -> TrainState:
         params = layout.to_stage_layout(decoder.init_params(model, 0), index_PxL)

@@ -105,15 +105,17 @@ def split_model(model: Any) -> tuple[ModelParts, Any, Any]:
                        _treedef(layer_splits[0][1]), block_rest, blocks_type, len(blocks),
                        _logical(shell_params), _logical(layer_splits[0][1]),
                        type(model).__name__)
-    layers = jax.tree.map(_stack, *(nnx.to_pure_dict(p) for _, p, _ in layer_splits))
+    layers = _stack_layers([nnx.to_pure_dict(p) for _, p, _ in layer_splits])
     return parts, nnx.to_pure_dict(shell_params), layers
 
 
-def _stack(*leaves: Any) -> Any:
-    """The blocks' copies of one parameter stacked [n_layers, ...] (shapes stay shapes)."""
-    if isinstance(leaves[0], jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct((len(leaves),) + tuple(leaves[0].shape), leaves[0].dtype)
-    return jnp.stack(leaves)
+def _stack_layers(per_layer: list[Any]) -> Any:
+    """The blocks' parameters stacked [n_layers, ...] leaf by leaf (shapes stay shapes), in
+    one program: stacking leaf by leaf eagerly compiled one program per parameter shape."""
+    if isinstance(jax.tree.leaves(per_layer[0])[0], jax.ShapeDtypeStruct):
+        return jax.tree.map(lambda *xs: jax.ShapeDtypeStruct((len(xs),) + tuple(xs[0].shape),
+                                                            xs[0].dtype), *per_layer)
+    return jax.jit(lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees))(per_layer)
 
 
 def check_contract(model: Any) -> None:

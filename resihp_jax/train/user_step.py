@@ -55,7 +55,7 @@ class UserStepProgram(StepProgram):
             return TrainState(jnp.zeros((), jnp.int32), staged, self.optimizer.init(staged))
 
         return jax.jit(init, out_shardings=self.state_shardings)(
-            params, jnp.asarray(self.stage_index()))
+            params, self.stage_index())
 
     def check_compiled(self, compiled_step: Any) -> None:
         """Warn (ParameterGatherWarning) naming each tp-sharded parameter the compiled step
@@ -115,7 +115,7 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
     check_divisible(example_params, canonical_specs, dict(mesh.shape), "model parameter ")
     layer_slots = layout.layer_slots_for(plan, train.layer_slots)
     mb_slots = layout.microbatch_slots_for(plan, train.microbatch_slots)
-    index_PxL = jnp.asarray(layout.stage_index(plan.layers_per_stage, layer_slots))
+    index_PxL = layout.stage_index(plan.layers_per_stage, layer_slots)  # numpy, no compile
     shapes = jax.eval_shape(
         lambda p: _fresh_state(optimizer, layout.to_stage_layout(p, index_PxL)), example_params)
     specs = _state_specs(optimizer, shapes, param_specs(parts, axis_rules, stage_layout=True))

@@ -80,11 +80,6 @@ def _packed(seq: int = 32) -> list[rh.PackedBatch]:
         for b in make_batches(4, 2, seq, n_batches=2, seed=3)]
 
 
-@pytest.mark.xfail(strict=True, raises=TooManyCompiles, reason=(
-    "rh.fit's own start-up in train/ still compiles eagerly: split_model stacks each block "
-    "parameter with an eager jnp.stack (one executable per shape), model_facts builds its "
-    "probe tokens with eager jnp ops and compiles the block and head for cost_analysis, and "
-    "build_user_step turns its stage index into a jax array (jnp.asarray compiles)"))
 def test_fit_on_one_device_compiles_at_most_five_before_its_first_step(
         capsys: pytest.CaptureFixture[str]) -> None:
     _listen()

@@ -21,6 +21,10 @@ from resihp_jax.perfmodel.facts import ModelFacts
 
 ProbeFn = Callable[[int], ProbeResult]
 CHECK_RUNS, CHECK_EVERY = 3, 2  # a check's verdict: named in 3 probe runs, 2 steps apart
+# ... and at least this slow over them: with no step behind it, a device a little slower than
+# the others in every run is as likely the probe's noise on shared cores (the wall-timed
+# probe of 4 processes on 2 cores: 0.8-1.2x on healthy devices) as a fault worth a re-plan
+CHECK_MIN_SLOWDOWN = 1.5
 
 
 class Detector:
@@ -107,7 +111,7 @@ class Detector:
         found = localize(result, self.margin)
         self.probe_s += self.clock() - t0
         self._check = None
-        if found is None:
+        if found is None or found.slowdown < CHECK_MIN_SLOWDOWN:
             return None
         if runs_left > 0:
             self._check = (result, runs_left, step + CHECK_EVERY)

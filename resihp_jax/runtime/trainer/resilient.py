@@ -503,12 +503,14 @@ class ResilientTrainer:
         if verdict.kind == "stopped" and set(verdict.devices) & set(new.device_ids):
             raise PlanError(f"device(s) {list(verdict.devices)} stopped at step {verdict.step} "
                             f"and no plan without them exists: {outcome.reason}")
-        # a process the new plan leaves without devices must leave the job; only the hosts
-        # of the named devices are excluded from it, the others come back at the relaunch
+        # a process the new plan leaves without devices must leave the job (it could take no
+        # part in the move through orbax: a process without shards of a leaf cannot restore
+        # it); only the hosts of the named devices are excluded from it, the others come
+        # back at the relaunch (also when no named host is left out)
         left_out = set(_processes_left_out(self.devices, new)) \
             - set(_processes_left_out(self.devices, old)) if multi_process() else set()
         named = {d.process_index for d in self.devices if int(d.id) in verdict.devices}
-        if left_out & named:
+        if left_out:
             raise HostsLeftOut(tuple(sorted(left_out & named)), verdict.step,
                                f"devices {list(verdict.devices)} {verdict.kind} "
                                f"x{verdict.slowdown:.2f}; plan {new.describe()}")

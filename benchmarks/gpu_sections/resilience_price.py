@@ -11,9 +11,9 @@ copies), each against the same run with it off, in the same process one after th
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import tempfile
+import threading
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,8 @@ import resihp_jax as rh
 from benchmarks.gpu_sections.common import Suite, print_table
 from benchmarks.gpu_sections.startup import packed
 from resihp_jax.data import BatchIterator
-from resihp_jax.detector import DETECTORS
+from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
+from resihp_jax.runtime.trainer.resilient import DETECTOR_OFF
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig, get_model_config
 from resihp_jax.runtime.run.config import RunConfig
@@ -51,19 +52,23 @@ def wall_rate(records: list[Any]) -> dict[str, float]:
             "max_step_gap_ms": round(float(np.max(gaps)) * 1e3, 3)}
 
 
+def drain_background() -> None:
+    """Wait for the background compiles a finished run left in flight (its pool is shut down
+    without waiting): otherwise they run on into the next run's timed steps."""
+    for thread in threading.enumerate():
+        if thread.name.startswith(BACKGROUND_PREFIX):
+            thread.join()
+
+
 def all_off() -> tuple[rh.ResilienceConfig, list[str]]:
-    """ResilienceConfig with everything off that it can turn off, and what it cannot."""
-    off = {"checkpoint_dir": None, "precompile": 0, "background_compile": False,
-           "compile_cache_dir": None, "warm_prepared": False}
-    gaps = []
-    found = [name for name in ("off", "none") if name in DETECTORS]
-    if found:
-        off["detector"] = found[0]
-    else:
-        gaps.append(f"no detector can be turned off (ResilienceConfig.detector: one of "
-                    f"{', '.join(sorted(DETECTORS))}); stage timing and probes stay on")
-    fields = {f.name for f in dataclasses.fields(rh.ResilienceConfig)}
-    return rh.ResilienceConfig(**{k: v for k, v in off.items() if k in fields}), gaps
+    """ResilienceConfig with everything off (detector, stage timing, checkpoints and the
+    survivors' copies they bring, background and ahead-of-time compiles), and what it cannot
+    turn off."""
+    off = rh.ResilienceConfig(detector=DETECTOR_OFF, stage_timing=False, checkpoint_dir=None,
+                              precompile=0, background_compile=False, untimed_start=False,
+                              compile_cache_dir=None, warm_prepared=False)
+    # the per-step host CPU meter (two /proc/stat reads) has no switch
+    return off, ["the per-step host CPU counters (two /proc/stat reads a step) stay on"]
 
 
 def fit_rates(suite: Suite, model: ModelConfig, rows: int, seq: int, steps: int,
@@ -83,6 +88,7 @@ def fit_rates(suite: Suite, model: ModelConfig, rows: int, seq: int, steps: int,
                             optimizer=TrainConfig().optimizer(), plan=plan, steps=steps,
                             seed=suite.seed, devices=[suite.device], progress=False,
                             resilience=config)
+            drain_background()
             rates[name] = wall_rate(result.records)
     return rates, gaps
 
@@ -96,6 +102,7 @@ def train_rates(suite: Suite, model: ModelConfig, rows: int, seq: int,
         config = RunConfig(steps=steps, seed=suite.seed, progress=False, adapt=adapt)
         records = TrainingRun(model, TrainConfig(), plan, config, out=io.StringIO(),
                               devices=[suite.device]).run()
+        drain_background()
         rates[name] = wall_rate(records)
     return rates
 

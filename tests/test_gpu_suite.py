@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
 SECTIONS = ("kernels", "startup", "memory", "profile", "speed", "user_path",
             "resilience_price")

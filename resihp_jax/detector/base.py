@@ -20,7 +20,7 @@ from resihp_jax.perfmodel.costs import CostParams
 from resihp_jax.perfmodel.facts import ModelFacts
 
 ProbeFn = Callable[[int], ProbeResult]
-CHECK_RUNS, CHECK_EVERY = 3, 2  # a check's verdict: named in 3 probe runs, 2 steps apart
+CHECK_RUNS, CHECK_EVERY = 3, 4  # a check's verdict: named in 3 probe runs, 4 steps apart
 # ... and at least this slow over them: with no step behind it, a device a little slower than
 # the others in every run is as likely the probe's noise on shared cores (the wall-timed
 # probe of 4 processes on 2 cores: 0.8-1.2x on healthy devices) as a fault worth a re-plan

@@ -68,8 +68,8 @@ CPU in step with the wall time.
 
 The baseline is only as healthy as the devices were while the warm-up learned it: a device
 that turned slow during the warm-up is in it, and later steps never stand out against it
-(a user's job slowed at step 12 of a 24-step warm-up ran on unnoticed). So the first step
-judged is followed by one probe of every device (`Detector.checks`, not an alarm).
+(a user's job slowed at step 12 of a 24-step warm-up ran on unnoticed). So CHECK_AFTER steps
+after the warm-up the probes check every device (`Detector.checks`, not an alarm).
 
 Stage times are not fitted as cost-model rows by default (`fit_stage_times`): on shared
 host cores one micro-batch's forward mostly measures what the other devices run at the same
@@ -115,6 +115,8 @@ OWN_BOUND = 0.8
 # a residual counts towards the plan's RMS up to this many robust sigmas: a swing of the host
 # widens the sigma, a step of a fault held back by mistake cannot blow it up
 RMS_CLIP = 6.0
+# steps after the warm-up before the probes check every device (`_check_due`)
+CHECK_AFTER = 6
 
 
 @register
@@ -170,6 +172,7 @@ class ResiHPDetector(Detector):
         self._cpu_seen = 0
         # the devices were checked by a probe when the warm-up ended (`_check_due`)
         self._baseline_checked = False
+        self._since_warm = 0  # steps judged since the warm-up ended (for the check)
         self._rebase_left = 0  # steps left in which to re-measure `scale` after a re-plan
         self._rebase_ratios: list[float] = []  # observed / raw prediction over those steps
 
@@ -237,11 +240,17 @@ class ResiHPDetector(Detector):
         self._cpu_base, self._cpu_seen = None, 0  # the new plan uses the cores its own way
 
     def _check_due(self) -> bool:
-        """Once, on the first step judged after the warm-up: the baseline is only as healthy
-        as the devices were while it was learned. A device that turned slow during the
-        warm-up (or was slow from the start) is in it, and the steps never stand out against
-        it: the probes check every device once before the baseline is trusted."""
+        """Once, CHECK_AFTER steps after the warm-up: the baseline is only as healthy as the
+        devices were while it was learned. A device that turned slow during the warm-up (or
+        was slow from the start) is in it, and the steps never stand out against it: the
+        probes check every device once. Not at once: the trainer starts compiling the likely
+        next plans when the warm-up ends (the cost model is ready), and on shared cores a
+        process busy compiling makes its devices' probes slow (a healthy process was named
+        2x slow in every run of a check made then)."""
         if self._baseline_checked or self._warming():
+            return False
+        self._since_warm += 1
+        if self._since_warm <= CHECK_AFTER:
             return False
         self._baseline_checked = True
         return True

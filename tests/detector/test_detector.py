@@ -19,7 +19,7 @@ from resihp_jax.detector import (
     run_guarded,
 )
 from resihp_jax.detector.base import CHECK_EVERY, CHECK_RUNS
-from resihp_jax.detector.ours import REACH_STEPS, WARMUP_STEPS
+from resihp_jax.detector.ours import CHECK_AFTER, REACH_STEPS, WARMUP_STEPS
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
@@ -448,7 +448,7 @@ def test_a_device_slow_during_the_warmup_is_found_when_it_ends() -> None:
     named = [(step, v) for step, v in verdicts if v is not None]
     assert len(named) == 1 and named[0][1].devices == (3,) and named[0][1].kind == "compute"
     # (it must stand out in every run of the check: one at the warm-up's end, then 2 more)
-    assert named[0][0] == WARMUP_STEPS - 1 + (CHECK_RUNS - 1) * CHECK_EVERY
+    assert named[0][0] == WARMUP_STEPS - 1 + CHECK_AFTER + (CHECK_RUNS - 1) * CHECK_EVERY
     assert det.checks == 1 and det.alarms == 0
     healthy = make_detector("resihp", model=CFG, prober=fake_prober({}, 0))
     assert [healthy.observe(obs) for obs in stream(60, seed=4)] == [None] * 60
@@ -472,7 +472,7 @@ def test_a_device_slow_in_one_run_of_the_check_only_is_not_named() -> None:
         return busy_first(step) if len(runs) == 1 else healthy(step)
 
     det = make_detector("resihp", model=CFG, prober=prober)
-    assert [det.observe(obs) for obs in stream(40, seed=4)] == [None] * 40
+    assert [det.observe(obs) for obs in stream(50, seed=4)] == [None] * 50
     assert len(runs) == 2 and runs[1] == runs[0] + CHECK_EVERY and det.alarms == 0
 
 

@@ -48,7 +48,7 @@ def test_a_slow_process_under_a_users_model_is_named_and_planned_around(tmp_path
     # or excluded as slow by one that relaunched without it), and process 0's log its step
     record = health_record.load(job)
     slow = set(record.slow) | {h for h, e in record.excluded.items()
-                               if e.reason.startswith("slow")}
+                               if "slow" in e.reason}
     assert slow == {"p2"}, (record, logs[-3000:], out)
     named = [int(s) for s in re.findall(r"step (\d+): (?:the new plan leaves process\(es\) "
                                         r"\[[\d, ]+\] out \()?devices \[[\d, ]+\] compute",

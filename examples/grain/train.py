@@ -43,7 +43,7 @@ if __name__ == "__main__":
     rh.use_cpu_devices(8)  # no accelerator: 8 fake CPU devices
     stdlib = sorted(pathlib.Path(argparse.__file__).parent.glob("*.py"))[:100]
     ds = pipeline(args.text or [str(f) for f in stdlib])
-    config = rh.get_model_config("tiny-gqa")
+    config = rh.models.get_model_config("tiny-gqa")
     plan = rh.Plan.uniform(2, 2, 2, n_layers=config.n_layers, n_microbatches=4,
                            microbatch_size=2, seq_len=128)
     result = rh.fit(lambda rngs: rh.models.Llama(config, rngs=rngs), rh.data.from_grain(ds),

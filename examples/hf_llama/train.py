@@ -37,7 +37,7 @@ if __name__ == "__main__":
     rh.use_cpu_devices(8)  # no accelerator: 8 fake CPU devices
     stdlib = sorted(pathlib.Path(argparse.__file__).parent.glob("*.py"))[:100]
     ds = load(args.text or [str(f) for f in stdlib])
-    config = rh.get_model_config("tiny")
+    config = rh.models.get_model_config("tiny")
     plan = rh.Plan.uniform(2, 2, 2, n_layers=config.n_layers, n_microbatches=4,
                            microbatch_size=2, seq_len=128)
     result = rh.fit(lambda rngs: rh.models.Llama(config, rngs=rngs),

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from resihp_jax.model import layers
-from resihp_jax.model.config import ModelConfig
+from resihp_jax.model.config import ModelConfig, get_model_config
 from resihp_jax.nn import segment_attention
 
 # Built-in (model/decoder.py) layer parameter name -> this model's block attribute path.
@@ -109,9 +109,12 @@ class LlamaBlock(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """Llama-style decoder for `config` (a `ModelConfig`, e.g. `rh.get_model_config('tiny')`)."""
+    """Llama-style decoder for `config`: a `ModelConfig` (`rh.models.get_model_config('tiny')`)
+    or a preset's name ('tiny')."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, config: ModelConfig | str, *, rngs: nnx.Rngs) -> None:
+        if isinstance(config, str):
+            config = get_model_config(config)
         d, v = config.d_model, config.vocab_size
         self.config = config
         self.table = _normal(rngs, (v, d), 1.0, ("vocab", "embed"))

@@ -20,15 +20,15 @@ def _losses(path: Path) -> list[float]:
 
 
 def _script_run(tmp_path: Path, adapt: bool) -> tuple[list, str]:
-    model = rh.get_model_config("tiny")
+    model = rh.engine.get_model_config("tiny")
     plan = rh.Plan.uniform(2, 2, 2, n_layers=model.n_layers, n_microbatches=4,
                            microbatch_size=2, seq_len=64).replace(
         layers_per_stage=(1, 3), microbatches_per_group=(3, 1))
-    config = rh.RunConfig(steps=3, seed=7, progress=False, adapt=adapt,
+    config = rh.engine.RunConfig(steps=3, seed=7, progress=False, adapt=adapt,
                           checkpoint_dir=str(tmp_path / "ckpt"),
                           metrics=str(tmp_path / "script.jsonl"))
     out = io.StringIO()
-    records = rh.TrainingRun(model, rh.TrainConfig(), plan, config, out=out).run()
+    records = rh.engine.TrainingRun(model, rh.engine.TrainConfig(), plan, config, out=out).run()
     return records, out.getvalue()
 
 
@@ -57,7 +57,7 @@ def test_a_script_runs_what_the_command_runs(tmp_path: Path, adapt: bool) -> Non
 ])
 def test_a_bad_run_config_is_named(changes: dict, message: str) -> None:
     with pytest.raises(rh.ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
-        rh.RunConfig(**changes)
+        rh.engine.RunConfig(**changes)
 
 
 @pytest.mark.parametrize("error, several, step_failure", [

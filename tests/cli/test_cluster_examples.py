@@ -581,14 +581,17 @@ def test_jobset_restarts_the_whole_job_on_shared_storage() -> None:
 
 # ---- README -------------------------------------------------------------------------------
 
-def test_readme_cluster_section_points_at_the_examples() -> None:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("\n## Running on a cluster\n")
-    assert text.index("\n## Commands\n") < start < text.index("\n## Library\n")
-    section = text[start:text.index("\n## ", start + 1)]
+def test_the_cluster_docs_point_at_the_examples() -> None:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("\n## On several hosts\n")
+    hosts = readme[start:readme.index("\n## ", start + 1)]
+    for example in (SBATCH, SBATCH_CPU, JOBSET):
+        assert example.relative_to(ROOT).as_posix() in hosts, example
+    assert "docs/cluster.md" in hosts
+    guide = (ROOT / "docs" / "cluster.md").read_text()
     for example in (SBATCH, SBATCH_CPU, JOBSET, ROOT / "examples/slurm/local-setup.sh"):
         name = example.relative_to(ROOT).as_posix()
-        assert name in section and example.is_file(), name
+        assert name in guide and example.is_file(), name
     for term in ("--resume", "--checkpoint-dir", "health.json", "75", "74", "resihp launch",
                  "VENV", "cred_expire", "survivors/", "RESIHP_EXPECT_PLATFORM"):
-        assert term in section, term
+        assert term in guide, term

@@ -27,7 +27,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 from benchmarks.gpu_sections import SECTIONS, section_runner  # noqa: E402
 
@@ -110,8 +110,11 @@ def cache_identical_programs() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-def run_sections(names: list[str], quick: bool, budget_s: float, seed: int
+def run_sections(names: list[str], quick: bool, budget_s: float, seed: int,
+                 partial: Callable[[dict[str, Any]], None] = lambda _: None
                  ) -> dict[str, Any]:
+    """Run `names` in order; after each, `partial(outcome so far)` (so a run killed at its
+    time limit still leaves every finished section's figures on disk)."""
     from benchmarks.gpu_sections.common import Suite, compiles_so_far, first_line  # noqa: PLC0415,E501
 
     suite = Suite(quick=quick, seed=seed)
@@ -143,6 +146,9 @@ def run_sections(names: list[str], quick: bool, budget_s: float, seed: int
         compiles[name] = {"executables": n1 - n0, "compile_s": round(c1 - c0, 2)}
         print(f"== {name}: {seconds[name]:.1f} s, {n1 - n0} executables compiled "
               f"({c1 - c0:.1f} s)", flush=True)
+        partial({"sections": results, "seconds": seconds, "compiles": compiles,
+                 "errors": errors, "skipped": skipped, "unfinished": True,
+                 "total_s": round(time.perf_counter() - start, 2)})
     return {"sections": results, "seconds": seconds, "compiles": compiles, "errors": errors,
             "skipped": skipped, "total_s": round(time.perf_counter() - start, 2)}
 
@@ -153,11 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"gpu_suite: {env['device']} ({env['platform']}), jax {env['jax']}, flax "
           f"{env['flax']}, commit {env['commit']}; sections {','.join(args.sections)}; "
           f"budget {args.budget_s:.0f} s{' (quick)' if args.quick else ''}", flush=True)
-    outcome = run_sections(args.sections, args.quick, args.budget_s, args.seed)
-    result = {**env, "quick": args.quick, **outcome}
-    line = json.dumps(result, default=float)
-    Path(args.out).write_text(line + "\n")
-    print(line)
+    def write(outcome: dict[str, Any]) -> str:
+        line = json.dumps({**env, "quick": args.quick, **outcome}, default=float)
+        Path(args.out).write_text(line + "\n")
+        return line
+
+    print(write(run_sections(args.sections, args.quick, args.budget_s, args.seed,
+                             partial=write)))
 
 
 if __name__ == "__main__":

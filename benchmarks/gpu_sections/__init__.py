@@ -11,10 +11,11 @@ from typing import Any, Callable
 # name -> (module, planned seconds on one H100, CPU seconds of --quick measured on a 2-core
 # host). The H100 plan counts compiles: ~30 s per llama-1b step program (ours, the peer,
 # rh.fit's), ~8 s per fused-attention configuration (fit probe, Triton forward and backward,
-# reference, peer), ~10 s per small rh.fit: 475 s in all; the last section starts at 385 s,
+# reference, peer), ~10 s per small rh.fit: 495 s in all; the last section starts at 405 s,
 # inside the default budget (450 s).
 SECTIONS: dict[str, tuple[str, float, float]] = {
     "kernels": ("kernels", 80.0, 25.0),  # 9 configurations
+    "float32_model": ("float32_model", 20.0, 10.0),  # one small float32 rh.fit
     "startup": ("startup", 110.0, 45.0),  # llama-1b: build_step, peer, rh.fit (cold)
     "memory": ("memory", 5.0, 1.0),  # no compile: the executables the steps ran
     "profile": ("profile", 10.0, 3.0),

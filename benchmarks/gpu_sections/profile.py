@@ -24,10 +24,13 @@ def op_times(xplane: str) -> dict[str, tuple[float, int]]:
     """Operation name -> (total ns, executions): a device's "XLA Ops" line on GPUs, XLA:CPU's
     worker threads otherwise."""
     data = jax.profiler.ProfileData.from_file(xplane)
-    device = [line for plane in data.planes if plane.name.startswith("/device:")
-              for line in plane.lines if line.name == "XLA Ops"]
-    lines = device or [line for plane in data.planes if plane.name == "/host:CPU"
-                       for line in plane.lines if line.name.startswith("tf_XLA")]
+    device = [(line.name, line) for plane in data.planes if plane.name.startswith("/device:")
+              for line in plane.lines]
+    # the device's "XLA Ops" line; where a release records none, its kernels per stream
+    lines = ([line for name, line in device if name == "XLA Ops"]
+             or [line for name, line in device if name.startswith("Stream")]
+             or [line for plane in data.planes if plane.name == "/host:CPU"
+                 for line in plane.lines if line.name.startswith("tf_XLA")])
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for line in lines:
         for event in line.events:
@@ -44,6 +47,16 @@ def traced_ops(pair: Pair, name: str, steps: int) -> dict[str, tuple[float, int]
             pair.advance(name, steps)
         files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
         return op_times(files[0])
+
+
+def trace_lines(pair: Pair) -> list[str]:
+    """'plane: line' names of a one-step trace of ours (what to read when no operation was)."""
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder):
+            pair.advance("ours", 1)
+        data = jax.profiler.ProfileData.from_file(
+            glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
+        return sorted({f"{p.name}: {line.name}" for p in data.planes for line in p.lines})[:40]
 
 
 def top_ops(ops: dict[str, tuple[float, int]], steps: int) -> list[dict[str, Any]]:
@@ -90,5 +103,7 @@ def run(suite: Suite) -> dict[str, Any]:
     print_table("matmuls in each compiled step", [{"program": n, **c} for n, c in counts.items()],
                 ["program", *counts["ours"]])
     totals = {n: round(sum(r["ms_per_step"] for r in t), 3) for n, t in tops.items()}
+    if not all(tops.values()):  # nothing read: say which planes and lines the trace held
+        print(f"profile: no operations read; trace lines: {trace_lines(pair)}")
     return {"top_ops": tops, "top_ms_per_step": totals, "matmuls": counts,
             "traced_steps": steps}

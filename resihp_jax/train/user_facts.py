@@ -20,7 +20,21 @@ from resihp_jax.model.attention import TRACED_CALLS
 from resihp_jax.train.user_model import ModelParts, mesh_specs
 
 ATTENTION_COSTS = ("document", "row")
-_PROBE_LENGTHS = (64, 128)  # two row lengths: FLOPs = a * S + b * S^2 separates a and b
+# two row lengths: FLOPs = a * S + b * S^2 separates a and b. Short rows first (cheap to
+# lower); a model that only takes multiples of a larger block (segment attention with
+# block_size=128, say) is probed at half and all of the training rows' length, then at
+# that length and twice it.
+_PROBE_LENGTHS = (64, 128)
+
+
+def probe_lengths(seq_len: int | None) -> list[tuple[int, int]]:
+    """The pairs of row lengths to try, in order (see _PROBE_LENGTHS)."""
+    pairs = [_PROBE_LENGTHS]
+    if seq_len:
+        if seq_len % 2 == 0:
+            pairs.append((seq_len // 2, seq_len))
+        pairs.append((seq_len, 2 * seq_len))
+    return list(dict.fromkeys(pairs))
 
 
 @dataclass(frozen=True)
@@ -96,23 +110,23 @@ def _tokens(seq: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def model_facts(parts: ModelParts, shell: Any, layers: Any, name: str,
                 axis_rules: Sequence[tuple[str, str | None]],
                 attention_cost: str | None = None,
-                compute_dtype: str | None = None) -> UserModelFacts:
-    """The facts of a model split by `split_model` (arrays or shapes)."""
+                compute_dtype: str | None = None,
+                seq_len: int | None = None) -> UserModelFacts:
+    """The facts of a model split by `split_model` (arrays or shapes); `seq_len`, the
+    training rows' length, gives probe lengths the model accepts when short rows do not."""
     layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layers)
     shell = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), shell)
-    tokens, seg, pos = _tokens(_PROBE_LENGTHS[0])
-    h = jax.eval_shape(parts.embed, shell, tokens, pos)
-    logits = jax.eval_shape(parts.head, shell, h)
-
-    def block_flops(seq: int) -> float:
-        t, s, q = _tokens(seq)
-        x = jax.ShapeDtypeStruct((1, seq, h.shape[-1]), h.dtype)
-        return _flops(parts.block, layer, x, s, q)
-
-    calls_before = TRACED_CALLS[0]
-    f1, f2 = (block_flops(s) for s in _PROBE_LENGTHS)
+    pairs = probe_lengths(seq_len)
+    for i, (s1, s2) in enumerate(pairs):
+        calls_before = TRACED_CALLS[0]
+        try:
+            h, f1, f2 = _block_flops(parts, shell, layer, s1, s2)
+            break
+        except Exception:  # noqa: BLE001 - a length this model refuses: try the next pair
+            if i == len(pairs) - 1:
+                raise
     calls_segment_attention = TRACED_CALLS[0] > calls_before
-    s1, s2 = _PROBE_LENGTHS
+    logits = jax.eval_shape(parts.head, shell, h)
     quadratic = max((f2 / s2 - f1 / s1) / (s2 - s1), 0.0)  # b in f = a*S + b*S^2
     linear = max(f1 / s1 - quadratic * s1, 0.0)
     head = _flops(parts.head, shell, jax.ShapeDtypeStruct((1, s1, h.shape[-1]), h.dtype)) / s1
@@ -124,6 +138,20 @@ def model_facts(parts: ModelParts, shell: Any, layers: Any, name: str,
         activation_elements=_residual_elements(parts, layer, h) / s1,
         sharded_dims=_tp_dims(parts, shell, layer, axis_rules),
         attention_cost=_attention_cost(attention_cost, calls_segment_attention))
+
+
+def _block_flops(parts: ModelParts, shell: Any, layer: Any, s1: int, s2: int
+                 ) -> tuple[Any, float, float]:
+    """(embedding output's shape at s1, one block's FLOPs on a row of s1, of s2 tokens)."""
+    tokens, _, pos = _tokens(s1)
+    h = jax.eval_shape(parts.embed, shell, tokens, pos)
+
+    def block_flops(seq: int) -> float:
+        _, s, q = _tokens(seq)
+        x = jax.ShapeDtypeStruct((1, seq, h.shape[-1]), h.dtype)
+        return _flops(parts.block, layer, x, s, q)
+
+    return h, block_flops(s1), block_flops(s2)
 
 
 def _residual_elements(parts: ModelParts, layer: Any, h: Any) -> float:

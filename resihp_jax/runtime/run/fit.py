@@ -95,7 +95,7 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
                       or os.environ.get(LOCAL_COPY_DIR_ENV)) if checkpoint_dir else None
     parts, params = _split(model, seed)
     facts = model_facts(parts, params["shell"], params["blocks"], parts.name, axis_rules,
-                        attention_cost, compute_dtype)
+                        attention_cost, compute_dtype, seq_len=_seq_len(plan, data))
     resilience = resilience or ResilienceConfig(compile_cache_dir=None)
     if isinstance(plan, str):  # "auto", checked above
         rows, seq_len = _batch_shape(data)
@@ -152,6 +152,16 @@ def _check_args(steps: int, plan: Any, optimizer: Any) -> None:
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise ConfigError(f"optimizer: expected an optax GradientTransformation, got "
                           f"{type(optimizer).__name__}")
+
+
+def _seq_len(plan: Plan | str, data: Any) -> int | None:
+    """The training rows' length: the plan's, else the first batch's (None when unknown)."""
+    if isinstance(plan, Plan):
+        return plan.seq_len
+    try:
+        return _batch_shape(data)[1]
+    except ConfigError:
+        return None  # plan="auto" on other data is refused below, naming the data
 
 
 def _batch_shape(data: Any) -> tuple[int, int]:

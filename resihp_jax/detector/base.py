@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from resihp_jax.detector.probes import ProbeResult, localize
+from resihp_jax.detector.probes import Localization, ProbeResult, localize
 from resihp_jax.detector.verdict import StepObservation, Verdict
 import numpy as np
 
@@ -20,7 +20,10 @@ from resihp_jax.perfmodel.costs import CostParams
 from resihp_jax.perfmodel.facts import ModelFacts
 
 ProbeFn = Callable[[int], ProbeResult]
-CHECK_RUNS, CHECK_EVERY = 3, 4  # a check's verdict: named in 3 probe runs, 4 steps apart
+# a check's verdict: named in 3 probe runs, 2 steps apart (a check that names a device is
+# confirmed within 4 steps: issue 46's 10 steps from the onset to the verdict leave a check
+# period of 6 for it to start)
+CHECK_RUNS, CHECK_EVERY = 3, 2
 # ... and at least this slow over them: with no step behind it, a device a little slower than
 # the others in every run is as likely the probe's noise on shared cores (the wall-timed
 # probe of 4 processes on 2 cores: 0.8-1.2x on healthy devices) as a fault worth a re-plan
@@ -111,7 +114,7 @@ class Detector:
         found = localize(result, self.margin)
         self.probe_s += self.clock() - t0
         self._check = None
-        if found is None or found.slowdown < CHECK_MIN_SLOWDOWN:
+        if found is None or found.slowdown < CHECK_MIN_SLOWDOWN or _not_one_whole_host(found, result):
             return None
         if runs_left > 0:
             self._check = (result, runs_left, step + CHECK_EVERY)
@@ -142,6 +145,24 @@ class Detector:
     def _check_due(self) -> bool:
         """Should the probes check the devices after this unsuspected step? (none: never)"""
         return False
+
+
+def _not_one_whole_host(found: Localization, result: ProbeResult) -> bool:
+    """In a job of several processes, a check names the devices of one host, all of them, or
+    nobody. What slows a host (a throttled process, a hot node) slows every device it drives,
+    while load on shared cores pulls on single devices here and there: seen in a job's first
+    steps (4 processes on 2 cores, a standby compiling beside them), a device of each of p0,
+    p1 and p3 at 1.68x in every run of one check, and p2's second device alone at 3.09x in
+    another, long before p2 was slowed. A check has no slow step behind it; a suspicion's
+    probes (`validate`) still name any devices."""
+    hosts = result.hosts
+    if not hosts:
+        return False
+    named = {hosts.get(d) for d in found.devices}
+    if len(named) != 1:
+        return True
+    host = named.pop()
+    return set(found.devices) != {d for d, h in hosts.items() if h == host}
 
 
 def _fastest(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:

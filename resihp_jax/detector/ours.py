@@ -117,6 +117,11 @@ OWN_BOUND = 0.8
 RMS_CLIP = 6.0
 # steps after the warm-up before the probes check every device (`_check_due`)
 CHECK_AFTER = 6
+# while the warm-up learns (no step can be judged yet), the probes check every device on the
+# WARMUP_CHECK_FIRST-th step and every WARMUP_CHECK_EVERY steps after it (`_check_due`)
+# (not before step 12: a job's first steps share the cores with its compiles, a standby's
+# included, and the probes' times swing most then)
+WARMUP_CHECK_FIRST, WARMUP_CHECK_EVERY = 12, 6
 
 
 @register
@@ -240,14 +245,22 @@ class ResiHPDetector(Detector):
         self._cpu_base, self._cpu_seen = None, 0  # the new plan uses the cores its own way
 
     def _check_due(self) -> bool:
-        """Once, CHECK_AFTER steps after the warm-up: the baseline is only as healthy as the
-        devices were while it was learned. A device that turned slow during the warm-up (or
-        was slow from the start) is in it, and the steps never stand out against it: the
-        probes check every device once. Not at once: the trainer starts compiling the likely
-        next plans when the warm-up ends (the cost model is ready), and on shared cores a
+        """While the warm-up learns, every WARMUP_CHECK_EVERY steps from the
+        WARMUP_CHECK_FIRST-th: no step can be judged then, and a device that turns slow
+        meanwhile would otherwise wait for the warm-up's end to be found (a job slowed at step
+        12 of a 36-step run was never named). The probes compare the devices with each other,
+        so they need no baseline. Then once more, CHECK_AFTER steps after the warm-up: the
+        baseline is only as healthy as the devices were while it was learned, and a device
+        slow in it never stands out in the steps. Not at the warm-up's end: the trainer starts
+        compiling the likely next plans then (the cost model is ready), and on shared cores a
         process busy compiling makes its devices' probes slow (a healthy process was named
-        2x slow in every run of a check made then)."""
-        if self._baseline_checked or self._warming():
+        2x slow in every run of a check made then). Every input here is the same in every
+        process of a job (the steps seen), so they all run the probe's collectives alike."""
+        if self._warming():
+            n = self.steps  # steps observed, this one included
+            return (not self._baseline_checked and n >= WARMUP_CHECK_FIRST
+                    and (n - WARMUP_CHECK_FIRST) % WARMUP_CHECK_EVERY == 0)
+        if self._baseline_checked:
             return False
         self._since_warm += 1
         if self._since_warm <= CHECK_AFTER:

@@ -1,11 +1,17 @@
 """The per-device body of a user's model's train step: the same GPipe schedule as the
-built-in model's (pipeline.py), over 'dp' and 'pp' only.
+built-in model's (pipeline.py).
 
-The shard_map is manual over 'dp' and 'pp'; 'tp' stays automatic, so the tensor parallelism
-comes from the parameters' shardings (logical names -> 'tp') and XLA inserts its collectives
-itself, also inside the layer gates: every member of a tp group takes the same branch of a
-gate (the predicate depends on 'dp' and 'pp' only), so a collective inside a branch is always
-joined by the whole group. The user's code has no collectives of its own.
+With tensor parallelism (tp > 1) the shard_map is manual over 'dp' and 'pp'; 'tp' stays
+automatic, so the tensor parallelism comes from the parameters' shardings (logical names ->
+'tp') and XLA inserts its collectives itself, also inside the layer gates: every member of a
+tp group takes the same branch of a gate (the predicate depends on 'dp' and 'pp' only), so a
+collective inside a branch is always joined by the whole group. The user's code has no
+collectives of its own.
+
+Without it (tp == 1) nothing is left for XLA to split: the shard_map is manual over every
+mesh axis, as the built-in model's is, and the stage work can be bracketed by an `Instrument`
+(host callbacks run only where every axis is manual): per-stage timing and injected
+per-device slowdowns reach the user's model exactly as they reach the built-in one.
 """
 
 from __future__ import annotations
@@ -16,8 +22,11 @@ import jax
 import jax.numpy as jnp
 
 from resihp_jax import vma
+from resihp_jax.meshes.plan import TIMED_SLOT
 from resihp_jax.model.layers import next_token_targets
-from resihp_jax.train.pipeline import STEP_AXES, accumulated_loss_sum, gated, run_ticks
+from resihp_jax.train.instrument import Instrument
+from resihp_jax.train.pipeline import (ALL_AXES, STEP_AXES, accumulated_loss_sum, gated,
+                                       run_ticks)
 from resihp_jax.train.user_model import ModelParts
 
 
@@ -57,24 +66,29 @@ def compute_copy(params: Any, dtype: str | None) -> Any:
 
 
 def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
-                           pos: jax.Array, n_layers_P: jax.Array, n_mb_D: jax.Array, *,
-                           parts: ModelParts, pp: int, remat: bool,
-                           compute_dtype: str | None = None, manual: bool = True
-                           ) -> jax.Array:
+                           pos: jax.Array, n_layers_P: jax.Array, n_mb_D: jax.Array,
+                           knob: jax.Array | None = None, *, parts: ModelParts, pp: int,
+                           remat: bool, compute_dtype: str | None = None,
+                           axes: tuple[str, ...] = STEP_AXES,
+                           instrument: Instrument | None = None) -> jax.Array:
     """Sum of token losses over all DP groups' micro-batches (same value on every device).
 
-    Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...].
-    `manual`: inside a shard_map manual over 'dp' and 'pp'. With dp = pp = 1 the step runs
-    outside any shard_map (XLA:SPMD refuses a partially manual program whose manual axes all
-    have one device: its reductions over them become cross-partition all-reduces)."""
-    axes = STEP_AXES if manual else ()
+    Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...]; knob
+    [1, 1, 1] (this device's runtime value for `instrument`'s host callbacks).
+    `axes`: the shard_map's manual axes: ALL_AXES (tp == 1: fully manual, the only case that
+    takes an `instrument`), STEP_AXES ('tp' automatic), or () outside any shard_map (dp = pp
+    = 1 with tp > 1: XLA:SPMD refuses a partially manual program whose manual axes all have
+    one device, as its reductions over them become cross-partition all-reduces)."""
+    _check_axes(axes, instrument, knob)
+    manual = bool(axes)
     # one reduction of the shell's and the layers' gradients per step, not one per tick
     params = vma.vary(params, axes)
     if pp == 1:
         my_microbatches = n_mb_D[jax.lax.axis_index("dp") if manual else 0]
         return _single_stage_loss_sum(params, (tokens[0], seg[0], pos[0]), my_microbatches,
-                                      parts=parts, remat=remat, compute_dtype=compute_dtype,
-                                      axes=axes)
+                                      knob, parts=parts, remat=remat,
+                                      compute_dtype=compute_dtype, axes=axes,
+                                      instrument=instrument)
     shell = params["shell"]
     layers = jax.tree.map(lambda a: a[0], params["blocks"])
     shell_c, layers_c = compute_copy((shell, layers), compute_dtype)
@@ -87,13 +101,17 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
     x_like = jnp.zeros(h_like.shape, h_like.dtype)
 
     def work(x_recv: jax.Array, m: jax.Array, busy: jax.Array, t: jax.Array):
-        del t  # the tick: the built-in model's stage timing keys on it
         tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
         emb = gated(parts.embed, busy & (stage == 0), shell, shell_c, (), (tok_BxS, pos_BxS),
                     axes)
         x_BxSxD = jnp.where(stage == 0, emb, x_recv)
+        if instrument is not None:  # the stage's blocks, as the built-in model brackets them
+            coords = instrument.coords(knob.reshape(()), busy, t, timed=m == TIMED_SLOT)
+            x_BxSxD = instrument.enter(x_BxSxD, coords)
         x_BxSxD = _run_stage(parts, layers, layers_c, busy, my_layers, x_BxSxD, seg_BxS,
                              pos_BxS, axes)
+        if instrument is not None:
+            x_BxSxD = instrument.exit(x_BxSxD, coords)
         targets_BxS, weights_BxS = next_token_targets(tok_BxS, seg_BxS)
         loss = gated(lambda c, x_, t, w: token_nll_sum(parts.head(c, x_), t, w),
                      busy & (stage == pp - 1), shell, shell_c, (x_BxSxD,),
@@ -104,12 +122,27 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
                      my_microbatches, x_like, axes)
 
 
+def _check_axes(axes: tuple[str, ...], instrument: Instrument | None,
+                knob: jax.Array | None) -> None:
+    if axes not in (ALL_AXES, STEP_AXES, ()):
+        raise ValueError(f"manual axes {axes}: expected {ALL_AXES}, {STEP_AXES} or ()")
+    if instrument is not None and axes != ALL_AXES:
+        raise ValueError(f"an Instrument needs a step manual over every mesh axis {ALL_AXES} "
+                         f"(plans with tp == 1); this one is manual over {axes}")
+    if instrument is not None and knob is None:
+        raise ValueError("an Instrument needs the per-device knob array")
+
+
 def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
-                           n_microbatches: jax.Array, *, parts: ModelParts, remat: bool,
-                           compute_dtype: str | None, axes: tuple[str, ...]) -> jax.Array:
+                           n_microbatches: jax.Array, knob: jax.Array | None, *,
+                           parts: ModelParts, remat: bool, compute_dtype: str | None,
+                           axes: tuple[str, ...],
+                           instrument: Instrument | None = None) -> jax.Array:
     """A one-stage plan: gradient accumulation over micro-batches, with no tick schedule
     and no layer gates (pipeline.py: `accumulated_loss_sum`). `remat` recomputes each
-    block in its backward."""
+    block in its backward. The `instrument`'s markers bracket each micro-batch's blocks,
+    forward and (through their VJPs) backward, keyed on tick = slot, as the built-in
+    model's one-stage step does."""
     masters = (params["shell"],
                # slots past the model's depth (a larger requested slot count) are padding
                jax.tree.map(lambda a: a[0, :parts.n_layers], params["blocks"]))
@@ -121,13 +154,22 @@ def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
 
     def slot_loss(compute: tuple[Any, Any], data_: tuple[jax.Array, ...],
                   m: jax.Array) -> jax.Array:
-        (shell_c, layers_c), (tokens_MxBxS, seg_MxBxS, pos_MxBxS) = compute, data_
+        (shell_c, layers_c), (tokens_MxBxS, seg_MxBxS, pos_MxBxS, knob_) = compute, data_
         tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
+        x_BxSxD = parts.embed(shell_c, tok_BxS, pos_BxS)
+        if instrument is not None:
+            coords = instrument.coords(knob_, jnp.asarray(True), m, timed=m == TIMED_SLOT)
+            x_BxSxD = instrument.enter(x_BxSxD, coords)
         x_BxSxD = jax.lax.scan(lambda x, c: (block_fn(x, c, seg_BxS, pos_BxS), None),
-                               parts.embed(shell_c, tok_BxS, pos_BxS), layers_c)[0]
+                               x_BxSxD, layers_c)[0]
+        if instrument is not None:
+            x_BxSxD = instrument.exit(x_BxSxD, coords)
         targets_BxS, weights_BxS = next_token_targets(tok_BxS, seg_BxS)
         return token_nll_sum(parts.head(shell_c, x_BxSxD), targets_BxS, weights_BxS)
 
+    # the knob rides with the data: an input the accumulation takes no gradient for
+    knob_ = jnp.ones((), jnp.float32) if knob is None else knob.reshape(())
     loss = accumulated_loss_sum(slot_loss, lambda ms: compute_copy(ms, compute_dtype),
-                                masters, data, n_microbatches, data[0].shape[0], axes, axes)
+                                masters, (*data, knob_), n_microbatches, data[0].shape[0],
+                                axes, axes)
     return jax.lax.psum(loss, axes) if axes else loss

@@ -4,6 +4,10 @@ interface as the built-in model's, so every split, re-plan and state move works 
 The state's parameters are `{"shell": ..., "blocks": ...}` (train/user_model.py), the blocks
 in the stage layout `[pp, slots, ...]`. The optimizer is the user's optax transformation,
 applied as given. Shardings come from the parameters' logical names and `axis_rules`.
+
+A plan with tp == 1 runs a step manual over every mesh axis, which takes an `Instrument`
+(stage timing, injected slowdowns) as the built-in step does; with tp > 1 'tp' is left to
+XLA and no Instrument can reach the stage work (train/user_pipeline.py).
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from resihp_jax.meshes import layout
 from resihp_jax.meshes.mesh import make_mesh
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.train.config import TrainConfig
+from resihp_jax.train.instrument import Instrument
 from resihp_jax.train.param_gathers import parameter_gathers, warn_parameter_gathers
-from resihp_jax.train.step import (Batch, Splits, StepProgram, TrainState,
+from resihp_jax.train.pipeline import ALL_AXES, STEP_AXES
+from resihp_jax.train.step import (KNOB_SPEC, Batch, Splits, StepProgram, TrainState,
                                    canonical_state_shapes, step_functions)
 from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, check_divisible,
                                          mesh_specs)
@@ -99,17 +105,24 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
                     axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES,
                     train: TrainConfig | None = None,
                     initial_params: Callable[[int], Any] | None = None,
-                    compute_dtype: str | None = None) -> UserStepProgram:
+                    compute_dtype: str | None = None,
+                    instrument: Instrument | None = None) -> UserStepProgram:
     """Compile-ready program of a user's model for `plan` on `devices`.
 
     `example_params`: canonical parameters (arrays or shapes) fixing every leaf's shape;
     `train` carries the step's slot counts, remat and donation (its optimizer fields are
     ignored: `optimizer` is applied as given). `compute_dtype` ('bfloat16'): the blocks,
-    embedding and head compute in it from float32 master weights; the loss stays float32."""
+    embedding and head compute in it from float32 master weights; the loss stays float32.
+    `instrument` (plans with tp == 1 only) brackets each device's stage work with host
+    callbacks that get the step's per-device knob, as `build_step`'s does."""
     train = train or TrainConfig()
     if plan.n_layers != parts.n_layers:
         raise PlanError(f"Plan.layers_per_stage={plan.layers_per_stage} sums to "
                         f"{plan.n_layers} layers; the model has {parts.n_layers} blocks")
+    if instrument is not None and plan.tp != 1:
+        raise PlanError(f"an Instrument reaches a user's model only under plans with tp == 1 "
+                        f"(host callbacks need every mesh axis manual); this plan has "
+                        f"tp={plan.tp}")
     mesh = make_mesh(plan, devices)
     canonical_specs = param_specs(parts, axis_rules, stage_layout=False)
     check_divisible(example_params, canonical_specs, dict(mesh.shape), "model parameter ")
@@ -123,19 +136,8 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
                              is_leaf=lambda x: isinstance(x, P))
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P("dp"))
-    manual = jax.tree.map(lambda s: P(*s[:1]) if s and s[0] == "pp" else P(), specs.params,
-                          is_leaf=lambda x: isinstance(x, P))
-    body = functools.partial(user_pipeline_loss_sum, parts=parts, pp=plan.pp,
-                             remat=train.remat, compute_dtype=compute_dtype,
-                             manual=plan.dp * plan.pp > 1)
-    sharded_loss = body if plan.dp * plan.pp == 1 else jax.shard_map(
-        body, mesh=mesh, in_specs=(manual, P("dp"), P("dp"), P("dp"), P(), P()),
-        out_specs=P(), axis_names={"dp", "pp"})
-
-    def loss_sum(params: Any, batch: Batch, splits: Splits) -> jax.Array:
-        return sharded_loss(params, batch.tokens, batch.segment_ids, batch.positions,
-                            splits.layers_per_stage, splits.microbatches_per_group)
-
+    loss_sum = _sharded_loss_sum(parts, plan, mesh, specs.params, train, compute_dtype,
+                                 instrument)
     step_fn, grads_fn = step_functions(loss_sum, optimizer, shardings, mesh, train.donate_state)
     canonical = jax.eval_shape(layout.to_canonical_layout, shapes,
                                jax.ShapeDtypeStruct((parts.n_layers,), jnp.int32))
@@ -156,6 +158,34 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
                            canonical_sh, to_canonical_fn, to_stage_fn, restage_fn,
                            param_specs=canonical_specs, state_shapes=shapes,
                            initial_params=initial_params)
+
+
+def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, specs: Any,
+                      train: TrainConfig, compute_dtype: str | None,
+                      instrument: Instrument | None) -> Callable[[Any, Batch, Splits], jax.Array]:
+    """(params, batch, splits) -> the batch's summed token losses, per-device body inside a
+    shard_map: manual over every axis when tp == 1 (the knob array goes in, and so may an
+    Instrument); else manual over 'dp' and 'pp' with 'tp' automatic; with dp = pp = 1 and
+    tp > 1 no shard_map at all (train/user_pipeline.py says why)."""
+    axes = ALL_AXES if plan.tp == 1 else STEP_AXES if plan.dp * plan.pp > 1 else ()
+    body = functools.partial(user_pipeline_loss_sum, parts=parts, pp=plan.pp,
+                             remat=train.remat, compute_dtype=compute_dtype, axes=axes,
+                             instrument=instrument)
+    batch_specs = (P("dp"),) * 3
+    if axes == ALL_AXES:  # every axis manual: the parameters' whole specs, tp included
+        sharded = jax.shard_map(body, mesh=mesh,
+                                in_specs=(specs, *batch_specs, P(), P(), KNOB_SPEC),
+                                out_specs=P())
+        return lambda params, batch, splits: sharded(
+            params, *batch, splits.layers_per_stage, splits.microbatches_per_group,
+            splits.knobs)
+    if axes == STEP_AXES:  # a parameter's 'tp' sharding travels on its NamedSharding
+        manual = jax.tree.map(lambda s: P(*s[:1]) if s and s[0] == "pp" else P(), specs,
+                              is_leaf=lambda x: isinstance(x, P))
+        body = jax.shard_map(body, mesh=mesh, in_specs=(manual, *batch_specs, P(), P()),
+                             out_specs=P(), axis_names=set(STEP_AXES))
+    return lambda params, batch, splits: body(
+        params, *batch, splits.layers_per_stage, splits.microbatches_per_group)
 
 
 def _fresh_state(optimizer: optax.GradientTransformation, params: Any) -> TrainState:

@@ -104,10 +104,12 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
 
     def programs(cfg: TrainConfig, plan_: Plan, devices_: Sequence[jax.Device],
                  instrument: Any = None) -> UserStepProgram:
-        del instrument  # stage timing of users' models: not yet (the probes still localize)
+        # stage timing and injected slowdowns reach a user's model where its step is manual
+        # over every mesh axis (tp == 1); with tp > 1 the probes still localize
         program = build_user_step(parts, optimizer, plan_, devices_, params,
                                   axis_rules=axis_rules, train=cfg,
-                                  compute_dtype=compute_dtype)
+                                  compute_dtype=compute_dtype,
+                                  instrument=instrument if plan_.tp == 1 else None)
         return dataclasses.replace(program, initial_params=_initializer(program, model, params))
 
     config = RunConfig(

@@ -26,7 +26,14 @@ step-level slowdown caught every time from there up.
 Host load: the same detectors while another process keeps one core busy (a Python busy loop)
 for part of a healthy stretch, and from a few steps before a 1.5x/2x fault on: false alarms
 per 50 loaded steps and detection under load are their own rows.
-Usage: python benchmarks/detection.py [--quick] [--data SOURCE] [--seed S]
+A user's model (`--model gpt2`): the same run measures the built-in model (its usual rows)
+and then the GPT-2 example's own NNX model (examples/user_model/train_gpt2.py), built through
+the library's user path (split_model, model_facts, build_user_step, as `rh.fit` builds it)
+under plans with tp == 1, where the user's step takes the same Instrument: the same injected
+faults, the same detectors fed the same way, each model's figures against its own floor,
+side by side (`--quick --model gpt2`: one plan per model; the Instrument's cost is left to
+the built-in model's own `--quick` run).
+Usage: python benchmarks/detection.py [--quick] [--data SOURCE] [--seed S] [--model NAME]
        python benchmarks/detection.py --record tests/detector/healthy_run.json
 (--record: a short healthy run with its batch layouts and floor, the replay test's fixture.)
 """
@@ -39,7 +46,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
+import functools  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
+import pathlib  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -47,6 +57,8 @@ from dataclasses import dataclass, field  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.detector import Prober, StepObservation, make_detector  # noqa: E402
@@ -63,6 +75,9 @@ from resihp_jax.runtime.trainer.timing import StageTimer, timed_step  # noqa: E4
 from resihp_jax.train.config import TrainConfig  # noqa: E402
 from resihp_jax.train.instrument import Instrument  # noqa: E402
 from resihp_jax.train.step import build_step  # noqa: E402
+from resihp_jax.train.user_facts import model_facts  # noqa: E402
+from resihp_jax.train.user_model import DEFAULT_AXIS_RULES, split_model  # noqa: E402
+from resihp_jax.train.user_step import build_user_step  # noqa: E402
 
 NAMES = ("resihp", "greyhound", "mad")
 FACTORS = (1.2, 1.5, 2.0, 5.0)
@@ -74,6 +89,20 @@ MODEL = "tiny"
 PLANS = ((1, 4, 2, 4, 1, 1024), (2, 2, 2, 4, 1, 1024))
 QUICK_PLAN = (1, 4, 2, 4, 1, 512)
 RECORD_PLAN, RECORD_STEPS = (1, 4, 2, 4, 1, 512), 120
+MODELS = ("builtin", "gpt2")  # --model: the built-in model alone, or it and the example's
+# The GPT-2 example's model at the built-in rows' sizes (width 64, 4 heads, 4 blocks, byte
+# vocabulary, MLP 4x wide), its own block-sparse segment attention (blocks of 32): with rows
+# of 1024 (512 quick) tokens, one per micro-batch, attention's sum of l^2 then dominates its
+# step as it does the built-in model's, so its healthy step times swing with the batch's
+# lengths alike. Plans with tp == 1 only (there the user's step is manual over every mesh
+# axis and takes the Instrument: stage timing, injected slowdowns): the built-in rows' plans
+# with tp 1 in place of 2, so the schedules and micro-batch routing are the same.
+GPT2_EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "user_model" / \
+    "train_gpt2.py"
+GPT2_SIZES = dict(d=64, heads=4, layers=4)
+GPT2_BLOCK = 32  # the example's segment_attention block size
+GPT2_PLANS = ((1, 4, 1, 4, 1, 1024), (2, 2, 1, 4, 1, 1024))
+GPT2_QUICK_PLAN = (1, 4, 1, 4, 1, 512)
 LOAD_FACTORS = (1.5, 2.0)
 # Spins until its parent is gone: a benchmark killed mid-load leaves no busy core behind (a
 # bare `while True: pass` outlived a killed run and loaded every later measurement).
@@ -109,20 +138,29 @@ class Tally:
 
 
 class Run:
-    """One compiled plan: program, injector, stage timer, prober, data, reference batch."""
+    """One compiled plan: program, injector, stage timer, prober, data, reference batch.
+    `model`: "builtin" (the built-in decoder, `build_step`) or "gpt2" (the example's NNX
+    model through the user path); `facts` is what its detectors are told of the model."""
 
-    def __init__(self, spec: tuple[int, ...], data: str, seed: int) -> None:
+    def __init__(self, spec: tuple[int, ...], data: str, seed: int,
+                 model: str = "builtin") -> None:
         dp, pp, tp, m, b, s = spec
-        self.cfg = get_model_config(MODEL)
+        self.model = model
+        self.cfg = get_model_config(MODEL)  # the built-in model's (the overhead row's)
         self.plan = Plan.uniform(dp, pp, tp, n_layers=self.cfg.n_layers, n_microbatches=m,
                                  microbatch_size=b, seq_len=s)
         self.injector = FaultInjector(self.plan)
         self.timer = StageTimer((dp, pp, tp), cpu=CpuMeter())
-        host = chain_hosts(self.injector, self.timer)
-        self.program = build_step(self.cfg, TrainConfig(), self.plan, jax.devices(),
-                                  Instrument(host))
+        instrument = Instrument(chain_hosts(self.injector, self.timer))
+        if model == "builtin":
+            self.facts, self.attn_block = self.cfg, self.cfg.attn_block
+            self.program = build_step(self.cfg, TrainConfig(), self.plan, jax.devices(),
+                                      instrument)
+            self.state = self.program.init_state(seed)
+        else:
+            self.facts, self.program, self.state = gpt2_program(self.plan, seed, instrument)
+            self.attn_block = GPT2_BLOCK
         self.prober = Prober(self.plan, jax.devices(), self.injector)
-        self.state = self.program.init_state(seed)
         self.data = BatchIterator(data, n_microbatches=m, microbatch_size=b, seq_len=s,
                                   seed=seed)
         self.reference = self.data.next_batch()  # the batch the floor is timed on
@@ -144,12 +182,39 @@ class Run:
     def run_step(self) -> StepObservation:
         batch = self.data.next_batch()
         timing = self._timed(batch, self.injector.knobs(self.step))
-        tokens, attn = features(batch.segment_ids_MxBxS, self.cfg.attn_block)
+        tokens, attn = features(batch.segment_ids_MxBxS, self.attn_block)
         obs = StepObservation(self.step, self.plan, tokens, attn,
                               timing.step_time_s, timing.stage_DxP, timing.host_cpu)
         self.last_layout = batch.doc_lengths
         self.step += 1
         return obs
+
+
+@functools.cache
+def gpt2_example():  # noqa: ANN201 - the example's module
+    """examples/user_model/train_gpt2.py as a module (its training runs only as a script)."""
+    spec = importlib.util.spec_from_file_location("train_gpt2_example", GPT2_EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gpt2_program(plan: Plan, seed: int, instrument: Instrument):  # noqa: ANN201
+    """(facts, program, state) of the example's GPT-2 under `plan` (tp == 1), built as
+    `rh.fit` builds a user's model: split into shell and stacked blocks, facts read off the
+    model by XLA's cost analysis, the step from `build_user_step` with the Instrument, the
+    example's own optimizer."""
+    if plan.tp != 1:
+        raise ValueError(f"plan {plan.describe()}: the user's step takes the Instrument only "
+                         "with tp == 1")
+    with nnx.use_eager_sharding(False):
+        model = gpt2_example().GPT2(**GPT2_SIZES, max_len=plan.seq_len, rngs=nnx.Rngs(seed))
+    parts, shell, blocks = split_model(model)
+    facts = model_facts(parts, shell, blocks, parts.name, DEFAULT_AXIS_RULES,
+                        seq_len=plan.seq_len)
+    program = build_user_step(parts, optax.adamw(3e-3), plan, jax.devices(),
+                              {"shell": shell, "blocks": blocks}, instrument=instrument)
+    return facts, program, program.init_state({"shell": shell, "blocks": blocks})
 
 
 def features(segment_ids_MxBxS: np.ndarray, attn_block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -257,7 +322,7 @@ def loaded_healthy(run: Run, live: dict, tallies: dict[str, Tally], load: HostLo
 
 
 def replay_healthy(run: Run, record: list[StepObservation], tallies: dict[str, Tally]) -> dict:
-    detectors = {n: make_detector(n, model=run.cfg, prober=run.probe) for n in NAMES}
+    detectors = {n: make_detector(n, model=run.facts, prober=run.probe) for n in NAMES}
     for obs in record:
         for name, det in detectors.items():
             _observe(det, obs)
@@ -464,7 +529,7 @@ def record_fixture(path: str, data: str, seed: int, n_steps: int = RECORD_STEPS)
         run.reference_step()
     skipped = run.data.batches_served
     steps, layouts, floor = record_healthy(run, n_steps, floor_every=3)
-    det = make_detector("resihp", model=run.cfg, prober=run.probe)
+    det = make_detector("resihp", model=run.facts, prober=run.probe)
     errors = []
     for obs in steps:
         det.observe(obs)
@@ -502,73 +567,70 @@ def main() -> None:
     parser.add_argument("--record", metavar="PATH", help="record the replay test's fixture")
     parser.add_argument("--record-steps", type=int, default=RECORD_STEPS, metavar="N",
                         help=f"healthy steps --record keeps (default {RECORD_STEPS})")
+    parser.add_argument("--model", default="builtin", metavar="{" + ",".join(MODELS) + "}",
+                        help="builtin (default): the built-in model; gpt2: the built-in model "
+                        "and the GPT-2 example's own NNX model (the user path, tp == 1 "
+                        "plans), side by side")
     args = parser.parse_args()
+    if args.model not in MODELS:
+        parser.exit(2, f"detection.py: --model {args.model!r}: valid are "
+                       f"{', '.join(MODELS)}\n")
     data = args.data or "synthetic:lognormal"
     if args.record_steps != RECORD_STEPS and not args.record:
         parser.error("--record-steps sets the length of a --record fixture; give --record PATH")
     if args.record_steps < 2 * WARMUP_STEPS:
         parser.error(f"--record-steps {args.record_steps}: the detector needs at least "
                      f"{2 * WARMUP_STEPS} steps (its warm-up, then steps to judge)")
+    if args.record and args.model != "builtin":
+        parser.error("--record records the built-in model's fixture: leave --model out")
     if args.record:
         record_fixture(args.record, data, args.seed, args.record_steps)
         return
     t_start = time.perf_counter()
     rng = np.random.default_rng(args.seed)
     if args.quick:
-        jobs, healthy, floor_every, trials, max_after = [QUICK_PLAN], 32, 4, 1, CATCH_STEPS
-        load_stretch, load_factors, load_trials, overhead_steps = (2, 6, 2), (2.0,), 1, 2
+        schedule = Schedule(healthy=32, floor_every=4, trials=1, max_after=CATCH_STEPS,
+                            load_stretch=(2, 6, 2), load_factors=(2.0,), load_trials=1)
+        overhead_steps = 2
     else:
-        jobs, healthy, floor_every, trials, max_after = list(PLANS), 250, 4, 3, 8
-        load_stretch, load_factors, load_trials, overhead_steps = (5, 30, 5), LOAD_FACTORS, 2, 8
-    tallies = {n: Tally() for n in NAMES}
-    load_tallies = {n: Tally() for n in NAMES}
+        schedule = Schedule(healthy=250, floor_every=4, trials=3, max_after=8,
+                            load_stretch=(5, 30, 5), load_factors=LOAD_FACTORS, load_trials=2)
+        overhead_steps = 8
+    models = ["builtin"] if args.model == "builtin" else ["builtin", args.model]
     load = HostLoad()
-    cvs, floors, samples, shorts = [], [], [], []
     print(f"faults: injected fail-slow delays (Instrument host callback sleeps (f-1) x busy time "
           f"on the chosen device; train step and probes alike); model {MODEL}, data {data}")
-    for index, spec in enumerate(jobs):
-        run = Run(spec, data, args.seed)
-        for _ in range(2):  # compile and warm up
-            run.run_step()
-            run.reference_step()
-        record, _, floor = record_healthy(run, healthy, floor_every)
-        times = [o.step_time_s for o in record]
-        cvs.append(cv(times))
-        floors.append(cv(floor))
-        shorts.append(short_cv(floor))
-        samples.append(len(floor))
-        before = {n: tallies[n].false_alarms for n in NAMES}
-        live = replay_healthy(run, record, tallies)
-        ours = live["resihp"]
-        replayed = {n: tallies[n].false_alarms - before[n] for n in NAMES}
-        print(f"plan {run.plan.describe()}: {len(times)} healthy steps, mean "
-              f"{1e3 * np.mean(times):.0f} ms, CV {100 * cvs[-1]:.1f}%; noise floor (the same "
-              f"batch {len(floor)} times) {100 * floors[-1]:.1f}% (step to step "
-              f"{100 * shorts[-1]:.1f}%); ours: noise sigma "
-              f"{100 * ours.noise_of(run.plan):.1f}%, stated reach {ours.reach(run.plan):.3f}x")
-        for factor in FACTORS:
-            for _ in range(trials):
-                print(fault_trial(run, index, live, factor, rng, tallies, max_after))
-        print("  false alarms: " + ", ".join(
-            f"{n} {replayed[n]} in the {len(record)} replayed steps + "
-            f"{tallies[n].false_alarms - before[n] - replayed[n]} in the live steps before "
-            f"the onsets" for n in NAMES))
-        print(loaded_healthy(run, live, load_tallies, load, *load_stretch))
-        for factor in load_factors:
-            for _ in range(load_trials):
-                print(fault_trial(run, index, live, factor, rng, load_tallies, max_after, load)
-                      + " (host loaded)")
-    overhead, host_share = instrument_overhead(run, args.seed, overhead_steps)
-    floor = float(np.average(floors, weights=samples))
-    result = summarize(tallies, floors, floor)
-    loaded = summarize_load(load_tallies)
-    print_tables(result, loaded, floor)
-    print(f"healthy steps {tallies['resihp'].healthy_steps}, step-time CV "
-          f"{100 * np.mean(cvs):.1f}%, noise floor {100 * floor:.1f}% (per plan: "
-          f"{', '.join(f'{100 * f:.1f}%' for f in floors)})")
-    print(f"timing: Instrument on vs off {overhead:+.1f}% step time, of which our host "
-          f"functions (vs a no-op host) {host_share:+.1f}%; "
-          f"wall {time.perf_counter() - t_start:.0f} s")
+    measured: dict[str, Measured] = {}
+    for model in models:
+        if model != "builtin":
+            print(f"\nmodel {model}: the example's own NNX model "
+                  f"({GPT2_EXAMPLE.relative_to(GPT2_EXAMPLE.parents[2])}, {GPT2_SIZES}), "
+                  "built through the user path (split_model, build_user_step), tp == 1 plans")
+        began = time.perf_counter()
+        measured[model] = measure_model(model, jobs_of(model, args.quick), data, args.seed, rng,
+                                        schedule, load)
+        print(f"  ({model}: {time.perf_counter() - began:.0f} s, compiles included)")
+    builtin = measured["builtin"]
+    # The Instrument's own cost (built-in model): a quick run of two models leaves it to the
+    # built-in model's quick run, to stay within its time.
+    overhead, host_share = (instrument_overhead(builtin.last_run, args.seed, overhead_steps)
+                            if not (args.quick and len(models) > 1) else (None, None))
+    result, loaded, floor = builtin.result, builtin.loaded, builtin.floor
+    tallies, floors, cvs = builtin.tallies, builtin.floors, builtin.cvs
+    for model, m in measured.items():
+        if len(measured) > 1:
+            print(f"\n== model {model}: plans {', '.join(m.plans)}")
+        print_tables(m.result, m.loaded, m.floor)
+        print(f"healthy steps {m.tallies['resihp'].healthy_steps}, step-time CV "
+              f"{100 * np.mean(m.cvs):.1f}%, noise floor {100 * m.floor:.1f}% (per plan: "
+              f"{', '.join(f'{100 * f:.1f}%' for f in m.floors)})")
+    headlines = {model: headline(m) for model, m in measured.items()}
+    if len(measured) > 1:
+        print_side_by_side(headlines)
+    cost = ("not measured (see the built-in model's own --quick run)" if overhead is None
+            else f"Instrument on vs off {overhead:+.1f}% step time, of which our host "
+                 f"functions (vs a no-op host) {host_share:+.1f}%")
+    print(f"timing (builtin): {cost}; wall {time.perf_counter() - t_start:.0f} s")
     ours, ours_loaded = result["resihp"], loaded["resihp"]
     targets = {  # issue 28's, for ours
         "no_false_alarm": ours["false_alarms"] == 0,
@@ -578,11 +640,15 @@ def main() -> None:
         "2x_5x_always_caught": all(ours["caught_by_factor"].get(f) == 1.0 for f in ("2.0", "5.0")),
         "load_false_alarms_per_50_le_1": ours_loaded["false_alarms_per_50_loaded"] <= 1.0,
         "cost_pct_le_1": ours["cost_pct"] <= 1.0}
-    print("targets (ours): " + ", ".join(f"{k} {'met' if v else 'NOT met'}"
-                                         for k, v in targets.items()))
+    print("targets (ours, builtin): " + ", ".join(f"{k} {'met' if v else 'NOT met'}"
+                                                  for k, v in targets.items()))
+    for model in models[1:]:
+        print(f"targets (ours, {model}): " + ", ".join(
+            f"{k} {'met' if v else 'NOT met'}" for k, v in headlines[model]["targets"].items()))
     trial_rows = [{"plan": t.plan, "factor": t.factor, "step_slowdown": round(t.slowdown, 3),
                    "caught": {n: tallies[n].trials[i].caught for n in NAMES}}
                   for i, t in enumerate(tallies["resihp"].trials)]
+    shorts, samples = builtin.shorts, builtin.samples
     print(json.dumps({
         "noise_floor_pct": round(100 * floor, 2),
         "noise_floor_pct_per_plan": [round(100 * f, 2) for f in floors],
@@ -597,7 +663,152 @@ def main() -> None:
         "step_reach": result["resihp"]["step_reach"],
         "targets": targets,
         "trials": trial_rows,
-        "host_load": loaded}))
+        "host_load": loaded,
+        "models": headlines}))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How much of each plan a run measures (the same for every model)."""
+    healthy: int  # healthy steps recorded and replayed
+    floor_every: int  # a floor sample after every this many healthy steps
+    trials: int  # fault trials per factor
+    max_after: int  # faulty steps a trial runs at most
+    load_stretch: tuple[int, int, int]  # healthy steps before, during and after a host load
+    load_factors: tuple[float, ...]
+    load_trials: int
+
+    def __post_init__(self) -> None:
+        if min(self.healthy, self.floor_every, self.trials, self.max_after) < 1:
+            raise ValueError(f"{self}: every count must be >= 1")
+
+
+@dataclass
+class Measured:
+    """One model's runs: the detectors' tallies, each plan's floor, the summaries."""
+    model: str
+    plans: list[str] = field(default_factory=list)
+    tallies: dict[str, Tally] = field(default_factory=lambda: {n: Tally() for n in NAMES})
+    load_tallies: dict[str, Tally] = field(default_factory=lambda: {n: Tally() for n in NAMES})
+    cvs: list[float] = field(default_factory=list)
+    floors: list[float] = field(default_factory=list)
+    shorts: list[float] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    last_run: Run | None = None
+
+    @property
+    def floor(self) -> float:
+        return float(np.average(self.floors, weights=self.samples))
+
+    @property
+    def result(self) -> dict:
+        return summarize(self.tallies, self.floors, self.floor)
+
+    @property
+    def loaded(self) -> dict:
+        return summarize_load(self.load_tallies)
+
+
+def jobs_of(model: str, quick: bool) -> list[tuple[int, ...]]:
+    if model == "builtin":
+        return [QUICK_PLAN] if quick else list(PLANS)
+    return [GPT2_QUICK_PLAN] if quick else list(GPT2_PLANS)
+
+
+def measure_model(model: str, jobs: list[tuple[int, ...]], data: str, seed: int,
+                  rng: np.random.Generator, schedule: Schedule, load: HostLoad) -> Measured:
+    """Every plan of one model: a healthy run replayed through the detectors, the fault
+    trials fed live, the host-load stretch and loaded trials."""
+    out = Measured(model)
+    tallies, load_tallies = out.tallies, out.load_tallies
+    for index, spec in enumerate(jobs):
+        run = Run(spec, data, seed, model)
+        out.plans.append(run.plan.describe())
+        for _ in range(2):  # compile and warm up
+            run.run_step()
+            run.reference_step()
+        record, _, floor = record_healthy(run, schedule.healthy, schedule.floor_every)
+        times = [o.step_time_s for o in record]
+        out.cvs.append(cv(times))
+        out.floors.append(cv(floor))
+        out.shorts.append(short_cv(floor))
+        out.samples.append(len(floor))
+        before = {n: tallies[n].false_alarms for n in NAMES}
+        live = replay_healthy(run, record, tallies)
+        ours = live["resihp"]
+        replayed = {n: tallies[n].false_alarms - before[n] for n in NAMES}
+        print(f"{model} plan {run.plan.describe()}: {len(times)} healthy steps, mean "
+              f"{1e3 * np.mean(times):.0f} ms, CV {100 * out.cvs[-1]:.1f}%; noise floor (the "
+              f"same batch {len(floor)} times) {100 * out.floors[-1]:.1f}% (step to step "
+              f"{100 * out.shorts[-1]:.1f}%); ours: noise sigma "
+              f"{100 * ours.noise_of(run.plan):.1f}%, stated reach {ours.reach(run.plan):.3f}x")
+        for factor in FACTORS:
+            for _ in range(schedule.trials):
+                print(fault_trial(run, index, live, factor, rng, tallies, schedule.max_after))
+        print("  false alarms: " + ", ".join(
+            f"{n} {replayed[n]} in the {len(record)} replayed steps + "
+            f"{tallies[n].false_alarms - before[n] - replayed[n]} in the live steps before "
+            f"the onsets" for n in NAMES))
+        print(loaded_healthy(run, live, load_tallies, load, *schedule.load_stretch))
+        for factor in schedule.load_factors:
+            for _ in range(schedule.load_trials):
+                print(fault_trial(run, index, live, factor, rng, load_tallies,
+                                  schedule.max_after, load) + " (host loaded)")
+        out.last_run = run
+    return out
+
+
+def headline(m: Measured) -> dict:
+    """One model's headline figures for ours: false alarms over the healthy steps, MAPE
+    against the floor, slowdowns caught (within CATCH_STEPS steps, the right device), reach,
+    and the issue's targets for a user's model."""
+    ours, loaded = m.result["resihp"], m.loaded["resihp"]
+    trials = m.tallies["resihp"].trials
+    reach = ours["step_reach"]
+    return {
+        "plans": m.plans,
+        "noise_floor_pct": round(100 * m.floor, 2),
+        "step_time_cv": round(float(np.mean(m.cvs)), 4),
+        "healthy_steps": ours["healthy_steps"],
+        "false_alarms": ours["false_alarms"],
+        "mape_pct": ours["mape_pct"],
+        "mape_over_floor": ours["mape_over_floor"],
+        "caught": sum(t.caught for t in trials),
+        "trials": len(trials),
+        "caught_by_factor": ours["caught_by_factor"],
+        "localization_accuracy": ours["localization_accuracy"],
+        "median_delay_steps": ours["median_delay_steps"],
+        "step_reach": reach,
+        "load_false_alarms_per_50": loaded["false_alarms_per_50_loaded"],
+        "targets": {"no_false_alarm": ours["false_alarms"] == 0,
+                    "mape_over_floor_le_1.3": ours["mape_over_floor"] is not None
+                    and ours["mape_over_floor"] <= 1.3,
+                    "every_trial_over_margin_caught": reach["missed_over_margin"] == 0},
+    }
+
+
+def print_side_by_side(headlines: dict[str, dict]) -> None:
+    """Ours on each model, one column per model."""
+    models = list(headlines)
+    rows = [
+        ("plans (mesh)", lambda h: ", ".join(p.split(" ")[0] for p in h["plans"])),
+        ("noise floor", lambda h: f"{h['noise_floor_pct']:.1f}%"),
+        ("false alarms / healthy steps", lambda h: f"{h['false_alarms']} / {h['healthy_steps']}"),
+        ("MAPE / floor", lambda h: "-" if h["mape_over_floor"] is None
+         else f"{h['mape_over_floor']:.2f} ({h['mape_pct']:.1f}%)"),
+        (f"caught within {CATCH_STEPS} steps, right device",
+         lambda h: f"{h['caught']} of {h['trials']}"),
+        ("caught by factor", lambda h: " ".join(f"{v:g}" for v in h["caught_by_factor"].values())),
+        ("over the margin, missed", lambda h: f"{h['step_reach']['missed_over_margin']} of "
+                                              f"{h['step_reach']['over_margin']}"),
+        ("step_reach partial / reliable", lambda h: f"{h['step_reach']['partial']} / "
+                                                    f"{h['step_reach']['reliable']}"),
+        ("false alarms per 50 loaded", lambda h: f"{h['load_false_alarms_per_50']:.2f}"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"\nours, side by side\n{'':<{width}}  " + "  ".join(f"{m:>24}" for m in models))
+    for label, cell in rows:
+        print(f"{label:<{width}}  " + "  ".join(f"{cell(headlines[m]):>24}" for m in models))
 
 
 if __name__ == "__main__":

@@ -119,9 +119,10 @@ RMS_CLIP = 6.0
 CHECK_AFTER = 6
 # while the warm-up learns (no step can be judged yet), the probes check every device on the
 # WARMUP_CHECK_FIRST-th step and every WARMUP_CHECK_EVERY steps after it (`_check_due`)
-# (not before step 12: a job's first steps share the cores with its compiles, a standby's
-# included, and the probes' times swing most then)
-WARMUP_CHECK_FIRST, WARMUP_CHECK_EVERY = 12, 6
+# (not before step 18: a job's first steps share the cores with its compiles, a standby's
+# included, and the probes' times swing most then: checks from step 6 or 12 named healthy
+# hosts of a job of 4 processes on 2 loaded cores at 1.5x-3x in every run of a check)
+WARMUP_CHECK_FIRST, WARMUP_CHECK_EVERY = 18, 6
 
 
 @register

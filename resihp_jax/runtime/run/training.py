@@ -157,6 +157,7 @@ class TrainingRun:
         if config.checkpoint_dir is not None:  # (the adapting trainer keeps its own)
             ckpt = Checkpointer(config.checkpoint_dir, interval=config.checkpoint_every,
                                 asynchronous=True, local_copy_dir=config.local_copy_dir,
+                                put_off_while_writing=True,
                                 identity=run_identity(self.model, train_cfg, data.state()))
         return TrainRun(config, copies, job, self.model, train_cfg, plan, data, ckpt,
                         self.ladder, self.phases, self.out, self._compiles_from)

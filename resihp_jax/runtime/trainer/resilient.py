@@ -231,7 +231,7 @@ class ResilientTrainer:
             self.config.checkpoint_dir, interval=self.config.checkpoint_interval,
             asynchronous=True, identity=run_identity(self.model, self.train_cfg,
                                                      self.data.state()),
-            local_copy_dir=self.config.local_copy_dir)
+            local_copy_dir=self.config.local_copy_dir, put_off_while_writing=True)
             if self.config.checkpoint_dir else None)
         # host memory for a move onto a prepared mesh, touched while it is prepared (one
         # process only: a job of several moves through orbax)

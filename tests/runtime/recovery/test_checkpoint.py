@@ -270,3 +270,30 @@ def test_a_save_may_take_a_multiple_of_the_longest_save_so_far_before_it_counts_
     assert ckpt.save_deadline_s(10.0, 3.0, 120.0) == 15.0 + 2 * 3.0
     save(4, 50.0, 1.0)
     assert ckpt.save_deadline_s(10.0, 3.0, 120.0) == 120.0  # never past the start-up deadline
+
+
+def test_a_save_due_while_the_last_write_runs_is_put_off_not_waited_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saves due faster than the disk writes them: the due step does not wait for the write
+    under way (orbax would stall it); the first step that finds the write done saves, with
+    its own data position, and the interval goes on from the policy's steps."""
+    plan = Plan.uniform(1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
+    program = step_program(CFG, TrainConfig(), plan)
+    state = program.init_state(0)
+    ckpt = Checkpointer(tmp_path / "ckpt", interval=2, asynchronous=True,
+                        put_off_while_writing=True)
+    writing = [True]
+    monkeypatch.setattr(ckpt, "saving", lambda: writing[0])
+    assert not ckpt.save(2, state, program, {"position": 2})  # due, the write still runs
+    assert not ckpt.save(3, state, program, {"position": 3})  # still running: put off again
+    writing[0] = False
+    assert ckpt.save(3, state, program, {"position": 3})  # done now: the owed save
+    assert not ckpt.save(3, state, program, {"position": 3})  # saved already
+    ckpt.wait()
+    assert ckpt.latest_step() == 3
+    assert ckpt.restore(program).data_state == {"position": 3}
+    assert not ckpt.save(5, state, program, {"position": 5})  # not due: the interval's steps
+    assert ckpt.save(6, state, program, {"position": 6})
+    ckpt.wait()
+    assert ckpt.latest_step() == 6
+    ckpt.close()

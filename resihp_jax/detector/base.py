@@ -114,7 +114,8 @@ class Detector:
         found = localize(result, self.margin)
         self.probe_s += self.clock() - t0
         self._check = None
-        if found is None or found.slowdown < CHECK_MIN_SLOWDOWN or _not_one_whole_host(found, result):
+        if (found is None or found.slowdown < CHECK_MIN_SLOWDOWN
+                or _not_one_whole_host(found, result)):
             return None
         if runs_left > 0:
             self._check = (result, runs_left, step + CHECK_EVERY)

@@ -261,7 +261,11 @@ class ResilientTrainer:
         slots = max(self.train_cfg.microbatch_slots or layout.default_microbatch_slots(
             plan.n_microbatches, plan.dp), max(plan.microbatches_per_group))
         train_cfg = self.train_cfg.replace(microbatch_slots=slots)
-        instrument = self._instrument if timed else None
+        # One device: its stage timing compares it with no other stage (and no probe is
+        # built), while on a GPU each host callback stalls the step: no callbacks there,
+        # unless a fault hook injects through them
+        instrument = (self._instrument if timed and (plan.n_devices > 1
+                                                     or self.fault_hook is not None) else None)
         if self.programs is not None:
             program = self.programs(train_cfg, plan, self.devices, instrument)
         else:

@@ -10,6 +10,7 @@ user can get wrong is checked before JAX starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -20,9 +21,13 @@ from resihp_jax.demo import app
 from resihp_jax.demo.config import DemoConfig, check_at_least, check_plot_name, check_two_files
 from resihp_jax.demo.plot import PLOT_SUFFIXES
 from resihp_jax.demo.scenario import parse_kill, parse_slow
+from resihp_jax.demo.user_model import DEFAULT_PLAN as USER_PLAN
+from resihp_jax.demo.user_model import USER_MODELS, DemoUserModel, check_user_plan
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import PRESETS, ModelConfig, get_model_config
+
+BUILTIN_PLAN = "dp=2,pp=2,tp=2"  # the built-in model's starting mesh
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,10 +38,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--devices", type=int, default=None,
         help="devices in the pool, fake CPU devices when no accelerator; more than the plan "
              "needs leaves spares for re-plans (default: dp*pp*tp of --plan)")
-    add("--plan", default="dp=2,pp=2,tp=2", help="starting mesh (default dp=2,pp=2,tp=2)")
+    add("--plan", default=None,
+        help=f"starting mesh (default {BUILTIN_PLAN}; with --model gpt2 {USER_PLAN}: a "
+             "user's model trains on plans with tp=1 only, where injected slowdowns reach it)")
     add("--microbatches", default=None,
         help="micro-batches per DP group, e.g. 4,4 (default: 4 per group)")
-    add("--model", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
+    add("--model", default="tiny", choices=sorted(PRESETS) + sorted(USER_MODELS),
+        help="a built-in model preset, or gpt2: the GPT-2 example's own NNX model "
+             "(rh.models.GPT2, examples/user_model/train_gpt2.py) trained through rh.fit's "
+             "path, a user's model (default tiny)")
     add("--dtype", default=None, choices=("float32", "bfloat16"),
         help="parameter and compute dtype (default: the preset's)")
     add("--data", default="corpus",
@@ -48,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--microbatch-size", type=int, default=2, help="rows per micro-batch (default 2)")
     add("--slow", default="5=3.0@32", metavar="DEVICE=FACTOR@STEP",
         help="device DEVICE runs FACTOR times slower from STEP on; the detector learns healthy "
-             "steps first, so STEP must be after its warm-up (default 5=3.0@32; 'none': no "
+             "steps over its warm-up (steps 1..24), where only its probe checks of every "
+             "device find a slowdown, of 1.5x or more (default 5=3.0@32; 'none': no "
              "slowdown)")
     add("--kill", default="2@48", metavar="DEVICE@STEP",
         help="device DEVICE stops at STEP (fail-stop; may be the slowed device) (default 2@48; "
@@ -85,13 +96,14 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
     _check_numbers(args)
     plot = None if args.plot.strip().lower() == "none" else args.plot
     _check_outputs(args, plot)
-    model = get_model_config(args.model, dtype=args.dtype) if args.dtype else \
-        get_model_config(args.model)
+    model = demo_model(args.model, args.dtype)
     plan = demo_plan(args, model)
     n_devices = plan.n_devices if args.devices is None else args.devices
     if n_devices < plan.n_devices:
-        raise ConfigError(f"--devices={n_devices}: --plan {args.plan} needs "
+        raise ConfigError(f"--devices={n_devices}: --plan {plan_text(args)} needs "
                           f"dp*pp*tp={plan.n_devices} devices")
+    if isinstance(model, DemoUserModel):
+        check_user_plan(plan, f"--plan {plan_text(args)}", model)
     plan.check(model, range(n_devices))
     check_at_least(args.precompile, 0, "--precompile")
     slow, kill = parse_slow(args.slow), parse_kill(args.kill)
@@ -120,14 +132,30 @@ def _check_outputs(args: argparse.Namespace, plot: str | None) -> None:
                           "starts from scratch: give a new or empty directory")
 
 
-def demo_plan(args: argparse.Namespace, model: ModelConfig) -> Plan:
-    mesh = parse_mesh(args.plan)
+def demo_model(name: str, dtype: str | None) -> ModelConfig | DemoUserModel:
+    """A preset's config, or a user's model's sizes (`--model gpt2`), in `dtype` if given."""
+    if name in USER_MODELS:
+        model = USER_MODELS[name]
+        return dataclasses.replace(model, dtype=dtype) if dtype else model
+    return get_model_config(name, dtype=dtype) if dtype else get_model_config(name)
+
+
+def plan_text(args: argparse.Namespace) -> str:
+    """--plan as given, else the model's default (a user's model starts at tp=1)."""
+    if args.plan is not None:
+        return args.plan
+    return USER_PLAN if args.model in USER_MODELS else BUILTIN_PLAN
+
+
+def demo_plan(args: argparse.Namespace, model: ModelConfig | DemoUserModel) -> Plan:
+    text = plan_text(args)
+    mesh = parse_mesh(text)
     dp, pp, tp = mesh["dp"], mesh["pp"], mesh["tp"]
     per_group = (parse_int_list(args.microbatches, "--microbatches") if args.microbatches
                  else (4,) * dp)
     if len(per_group) != dp:
         raise ConfigError(f"--microbatches={args.microbatches}: {len(per_group)} group(s) given; "
-                          f"--plan {args.plan} has dp={dp}")
+                          f"--plan {text} has dp={dp}")
     plan = Plan.uniform(dp, pp, tp, n_layers=model.n_layers, n_microbatches=sum(per_group),
                         microbatch_size=args.microbatch_size, seq_len=args.seq_len)
     return plan.replace(microbatches_per_group=per_group)

@@ -13,11 +13,15 @@ from typing import TYPE_CHECKING, Any, TextIO
 from resihp_jax.demo.config import DemoConfig
 from resihp_jax.demo.loop import DemoLog, run_demo
 from resihp_jax.demo.plot import save_timeline
-from resihp_jax.demo.scenario import check_fault_timing, check_kill_survivable
+from resihp_jax.demo.scenario import DetectorTiming, check_fault_timing, check_kill_survivable
 from resihp_jax.demo.summary import FaultOutcome, match_faults, write_summary
+from resihp_jax.demo.user_model import DemoUserModel
+from resihp_jax.demo.user_model import build as build_user_model
 
 if TYPE_CHECKING:
     from resihp_jax.data import BatchIterator
+    from resihp_jax.perfmodel.facts import ModelFacts
+    from resihp_jax.runtime.run.user_programs import UserPrograms
 
 DEVICE_MEMORY_GB = 4.0  # what the trainer's scheduler assumes per fake device
 EXIT_UNDETECTED = 1  # an injected fault slowed the run and was never detected
@@ -30,11 +34,12 @@ def run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     from resihp_jax.runtime.job.devices import request_host_devices
 
     request_host_devices(config.n_devices)  # before anything imports JAX
-    warnings = _check_faults(config)
+    model, programs = _model(config)
+    warnings = _check_faults(config, model)
     data = _data(config)
     for line in warnings:
         print(f"resihp demo: warning: {line}", file=err)
-    log = run_demo(config, data, out, err)
+    log = run_demo(config, data, out, err, model=model, programs=programs)
     outcomes = match_faults(config.faults, log.points, log.replans)
     missed = write_summary(outcomes, log.points, log.replans, log.alarms, out)
     if log.error is not None:  # the summary said what happened up to the error
@@ -47,14 +52,20 @@ def run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     return EXIT_UNDETECTED if missed else 0
 
 
-def _check_faults(config: DemoConfig) -> list[str]:
+def _model(config: DemoConfig) -> tuple[ModelFacts, UserPrograms | None]:
+    """What the trainer and the scheduler know of the model, and a user's model's step
+    builder (None: the built-in model's own step)."""
+    if isinstance(config.model, DemoUserModel):
+        return build_user_model(config.model, config.plan, config.seed)
+    return config.model, None
+
+
+def _check_faults(config: DemoConfig, model: ModelFacts) -> list[str]:
     """Refuse a fault the run cannot show (its timing against the detector's warm-up, a stop
     no plan survives); return the warnings about risky ones."""
-    from resihp_jax.detector.ours import WARMUP_STEPS
-
     warnings = check_fault_timing(config.slow, config.kill, steps=config.steps,
-                                  warmup=WARMUP_STEPS)
-    check_kill_survivable(config.kill, config.plan, config.model, range(config.n_devices),
+                                  timing=DetectorTiming.from_detector())
+    check_kill_survivable(config.kill, config.plan, model, range(config.n_devices),
                           DEVICE_MEMORY_GB)
     return warnings
 

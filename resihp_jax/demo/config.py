@@ -15,6 +15,7 @@ from pathlib import Path
 
 from resihp_jax.demo.plot import PLOT_SUFFIXES
 from resihp_jax.demo.scenario import Fault, KillSpec, SlowSpec, check_fault_range
+from resihp_jax.demo.user_model import DemoUserModel, check_user_plan
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig
@@ -23,7 +24,7 @@ from resihp_jax.model.config import ModelConfig
 @dataclass(frozen=True)
 class DemoConfig:
     """One demo run: the model and starting plan, the injected faults, and what to write."""
-    model: ModelConfig
+    model: ModelConfig | DemoUserModel  # a built-in preset, or a user's model (user_model.py)
     plan: Plan  # the starting mesh, its split and the batch shape (micro-batches, seq_len)
     n_devices: int  # the pool: more than the plan needs leaves spares for re-plans
     steps: int
@@ -53,6 +54,8 @@ class DemoConfig:
         if self.n_devices < self.plan.n_devices:
             raise ConfigError(f"n_devices={self.n_devices}: the plan {self.plan.describe()} "
                               f"needs dp*pp*tp={self.plan.n_devices} devices")
+        if isinstance(self.model, DemoUserModel):
+            check_user_plan(self.plan, "plan", self.model)
         self.plan.check(self.model, range(self.n_devices))
 
     @property

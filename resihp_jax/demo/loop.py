@@ -11,10 +11,14 @@ from typing import TYPE_CHECKING, Any, TextIO
 from resihp_jax.demo.config import DemoConfig
 from resihp_jax.demo.progress import Progress, progress_mode
 from resihp_jax.demo.summary import ReplanPoint, StepPoint, plan_label
+from resihp_jax.demo.user_model import DemoUserModel
 from resihp_jax.errors import PlanError, ResihpError
 
 if TYPE_CHECKING:
     from resihp_jax.data import BatchIterator
+    from resihp_jax.model.config import ModelConfig
+    from resihp_jax.perfmodel.facts import ModelFacts
+    from resihp_jax.runtime.run.user_programs import UserPrograms
     from resihp_jax.faults.injector import FaultInjector
     from resihp_jax.runtime.trainer.resilient import ResilienceConfig
 
@@ -31,17 +35,21 @@ class DemoLog:
     error: ResihpError | None = None  # a user-caused error met mid-run (e.g. no plan left)
 
 
-def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO) -> DemoLog:
+def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO, *,
+             model: ModelFacts | None = None, programs: UserPrograms | None = None
+             ) -> DemoLog:
+    """Train under the config's faults; `model` and `programs`: a user's model's facts and
+    step builder (user_model.build), else the built-in model's config and step."""
     from resihp_jax.runtime.job.devices import select_devices
     from resihp_jax.runtime.trainer.resilient import ResilientTrainer
     from resihp_jax.train.config import TrainConfig
 
     devices = select_devices(config.n_devices)
     injector = _injector(config)
-    trainer = ResilientTrainer(config.model, TrainConfig(), config.plan, devices, data,
-                               _resilience(config), fault_hook=injector)
+    trainer = ResilientTrainer(model or config.model, TrainConfig(), config.plan, devices, data,
+                               _resilience(config), fault_hook=injector, programs=programs)
     faults = "; ".join(f.describe() for f in config.faults) or "none (a healthy run)"
-    print(f"resihp demo: {config.model.name} ({config.model.dtype}) on {config.n_devices} "
+    print(f"resihp demo: {model_label(config.model)} on {config.n_devices} "
           f"{devices[0].platform} device(s), data {config.data}, plan "
           f"{config.plan.describe()}; faults: {faults}", file=out, flush=True)
     log = DemoLog(metrics=config.metrics)
@@ -60,6 +68,12 @@ def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO) 
             metrics.close()
         log.alarms = trainer.detector.alarms
     return log
+
+
+def model_label(model: ModelConfig | DemoUserModel) -> str:
+    if isinstance(model, DemoUserModel):
+        return model.describe()
+    return f"{model.name} ({model.dtype})"
 
 
 def _injector(config: DemoConfig) -> FaultInjector:

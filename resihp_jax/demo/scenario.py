@@ -10,10 +10,13 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from resihp_jax.errors import ConfigError, PlanError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from resihp_jax.perfmodel.facts import ModelFacts
 
 # After a re-plan the detector re-measures the healthy step time over 3 steps; a slowdown
 # that starts inside that window becomes part of the new normal.
@@ -79,10 +82,10 @@ def _float(text: str) -> float | None:
 
 
 def check_faults(slow: SlowSpec | None, kill: KillSpec | None, *, steps: int,
-                 plan_devices: Sequence[int], warmup: int) -> list[str]:
+                 plan_devices: Sequence[int], timing: DetectorTiming) -> list[str]:
     """Raise ConfigError for a fault the run cannot show; return warnings for risky ones."""
     check_fault_range(slow, kill, steps=steps, plan_devices=plan_devices)
-    return check_fault_timing(slow, kill, steps=steps, warmup=warmup)
+    return check_fault_timing(slow, kill, steps=steps, timing=timing)
 
 
 def check_fault_range(slow: SlowSpec | None, kill: KillSpec | None, *, steps: int,
@@ -99,19 +102,49 @@ def check_fault_range(slow: SlowSpec | None, kill: KillSpec | None, *, steps: in
                               f"1..{steps} (--steps={steps})")
 
 
+@dataclass(frozen=True)
+class DetectorTiming:
+    """When the detector can find a slowdown (detector/ours.py and base.py say why): it learns
+    healthy step times over steps 1..warmup, so a slowdown from inside them never stands out
+    in the steps; meanwhile its probes check every device, at step `first_check` and every
+    `check_every` steps after it, and once more `check_after` steps after the warm-up. A
+    device a check names is confirmed `confirm_steps` later, when it is at least
+    `min_slowdown` times slower than the others."""
+    warmup: int
+    first_check: int
+    check_every: int
+    check_after: int
+    confirm_steps: int
+    min_slowdown: float
+
+    @classmethod
+    def from_detector(cls) -> DetectorTiming:
+        """The detector's own values (importing it imports JAX: call it once the host's
+        devices are requested)."""
+        from resihp_jax.detector import base, ours  # noqa: PLC0415
+
+        return cls(warmup=ours.WARMUP_STEPS, first_check=ours.WARMUP_CHECK_FIRST,
+                   check_every=ours.WARMUP_CHECK_EVERY, check_after=ours.CHECK_AFTER,
+                   confirm_steps=base.CHECK_EVERY * (base.CHECK_RUNS - 1),
+                   min_slowdown=base.CHECK_MIN_SLOWDOWN)
+
+    def check_from(self, step: int) -> int:
+        """The first probe check at or after `step` (a step of the warm-up)."""
+        checks = range(self.first_check, self.warmup, self.check_every)
+        return next((c for c in checks if c >= step), self.warmup + self.check_after)
+
+
 def check_fault_timing(slow: SlowSpec | None, kill: KillSpec | None, *, steps: int,
-                       warmup: int) -> list[str]:
-    """Raise ConfigError for a slowdown inside the detector's warm-up (`warmup` steps, known
-    only once the detector is imported); return warnings for risky timings."""
-    return [] if slow is None else _check_slow(slow, kill, steps, warmup)
+                       timing: DetectorTiming) -> list[str]:
+    """Raise ConfigError for a slowdown inside the detector's warm-up that its probe checks
+    cannot find (too small); return warnings for risky timings."""
+    return [] if slow is None else _check_slow(slow, kill, steps, timing)
 
 
-def _check_slow(slow: SlowSpec, kill: KillSpec | None, steps: int, warmup: int) -> list[str]:
-    if slow.step <= warmup:
-        raise ConfigError(
-            f"--slow: step {slow.step} is inside the detector's warm-up: it learns healthy step "
-            f"times over steps 1..{warmup}, so a slowdown from step {slow.step} would be learned "
-            f"as normal and never detected; start it at step {warmup + 1} or later")
+def _check_slow(slow: SlowSpec, kill: KillSpec | None, steps: int,
+                timing: DetectorTiming) -> list[str]:
+    if slow.step <= timing.warmup:
+        return _check_slow_in_warmup(slow, steps, timing)
     out = []
     if slow.factor < RELIABLE_FACTOR:
         out.append(f"a {slow.factor:g}x slowdown is below {RELIABLE_FACTOR:g}x, what the "
@@ -126,7 +159,27 @@ def _check_slow(slow: SlowSpec, kill: KillSpec | None, steps: int, warmup: int) 
     return out
 
 
-def check_kill_survivable(kill: KillSpec | None, plan: Plan, model: ModelConfig,
+def _check_slow_in_warmup(slow: SlowSpec, steps: int, timing: DetectorTiming) -> list[str]:
+    """A slowdown from inside the warm-up is learned as healthy by the step times: only the
+    probes' checks of every device can find it, and only when it is large enough for them."""
+    warmup = f"the detector's warm-up (steps 1..{timing.warmup})"
+    least = f"{timing.min_slowdown:g}"
+    if slow.factor < timing.min_slowdown:
+        raise ConfigError(
+            f"--slow: a {slow.factor:g}x slowdown from step {slow.step} is inside {warmup}, "
+            f"where only the probes' checks can find one, and they name {least}x or more; "
+            f"give a factor >= {least}, or start it at step {timing.warmup + 1} or later")
+    check = timing.check_from(slow.step)
+    found = check + timing.confirm_steps
+    text = (f"the slowdown from step {slow.step} is inside {warmup}, whose step times it learns "
+            f"as healthy: the probes' check of every device at step {check} can find it, "
+            f"with a verdict at step {found} at the earliest")
+    if found > steps:
+        text += f", after the run's end (--steps={steps}): it may be missed"
+    return [text]
+
+
+def check_kill_survivable(kill: KillSpec | None, plan: Plan, model: ModelFacts,
                           pool: Sequence[int], device_memory_gb: float) -> None:
     """Refuse a fail-stop that leaves no plan to continue on (asks the scheduler the trainer
     will ask, on the health map that the stop leaves)."""

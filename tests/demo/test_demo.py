@@ -15,8 +15,8 @@ from resihp_jax.cli import main
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
-from resihp_jax.demo.scenario import (KillSpec, SlowSpec, check_faults,
-                                            check_kill_survivable, parse_kill, parse_slow)
+from resihp_jax.demo.scenario import (DetectorTiming, KillSpec, SlowSpec, check_faults,
+                                      check_kill_survivable, parse_kill, parse_slow)
 from resihp_jax.demo.loop import replan_text
 from resihp_jax.demo.plot import save_timeline
 from resihp_jax.demo.progress import Progress, progress_mode
@@ -26,6 +26,9 @@ from resihp_jax.demo.summary import (ReplanPoint, StepPoint, false_alarms, match
 A = "dp=2,pp=2,tp=2 devices=0,1,2,3,4,5,6,7"
 B = "dp=3,pp=1,tp=2 devices=0,1,2,3,4,6"
 C = "dp=3,pp=1,tp=2 devices=0,1,7,3,4,6"
+# a detector's timing, given: a warm-up of 24 steps, probe checks at 12 and 18, then at 30
+TIMING = DetectorTiming(warmup=24, first_check=12, check_every=6, check_after=6,
+                        confirm_steps=4, min_slowdown=1.5)
 
 
 # ---- flags ---------------------------------------------------------------------------------
@@ -44,18 +47,43 @@ def test_fault_flags_parse() -> None:
     (SlowSpec(9, 3.0, 30), None, "device 9 is not in the plan"),
     (None, KillSpec(2, 65), "step 65 is outside the run; valid steps are 1..64"),
     (SlowSpec(5, 3.0, 0), None, "outside the run"),
-    (SlowSpec(5, 3.0, 24), None, "inside the detector's warm-up.*step 25 or later"),
+    # inside the warm-up only the probes' checks find a slowdown, and only from 1.5x
+    (SlowSpec(5, 1.4, 24), None, "1.4x slowdown from step 24 is inside the detector's "
+     "warm-up .* name 1.5x or more; give a factor >= 1.5, or start it at step 25 or later"),
 ])
 def test_faults_the_run_cannot_show_are_refused(slow, kill, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        check_faults(slow, kill, steps=64, plan_devices=range(8), warmup=24)
+        check_faults(slow, kill, steps=64, plan_devices=range(8), timing=TIMING)
+
+
+def test_the_timing_is_read_off_the_detector() -> None:
+    from resihp_jax.detector import base, ours
+
+    timing = DetectorTiming.from_detector()
+    assert (timing.warmup, timing.first_check, timing.check_every, timing.check_after) == (
+        ours.WARMUP_STEPS, ours.WARMUP_CHECK_FIRST, ours.WARMUP_CHECK_EVERY, ours.CHECK_AFTER)
+    assert timing.confirm_steps == base.CHECK_EVERY * (base.CHECK_RUNS - 1)
+    assert timing.min_slowdown == base.CHECK_MIN_SLOWDOWN
+
+
+@pytest.mark.parametrize("onset, check", [(1, 12), (12, 12), (13, 18), (18, 18), (19, 30),
+                                          (24, 30)])
+def test_a_slowdown_in_the_warm_up_warns_when_it_can_be_found(onset: int, check: int) -> None:
+    (warning,) = check_faults(SlowSpec(5, 1.5, onset), None, steps=64, plan_devices=range(8),
+                              timing=TIMING)
+    assert f"from step {onset} is inside the detector's warm-up (steps 1..24)" in warning
+    assert f"check of every device at step {check} can find it, with a verdict at step " \
+        f"{check + 4} at the earliest" in warning and "missed" not in warning
+    (late,) = check_faults(SlowSpec(5, 3.0, onset), None, steps=check + 3,
+                           plan_devices=range(8), timing=TIMING)
+    assert late.endswith(f"after the run's end (--steps={check + 3}): it may be missed")
 
 
 def test_risky_faults_warn() -> None:
     assert check_faults(SlowSpec(5, 3.0, 32), KillSpec(5, 48), steps=64,
-                        plan_devices=range(8), warmup=24) == []  # same device: fine
+                        plan_devices=range(8), timing=TIMING) == []  # same device: fine
     warnings = check_faults(SlowSpec(5, 1.2, 62), KillSpec(2, 60), steps=64,
-                            plan_devices=range(8), warmup=24)
+                            plan_devices=range(8), timing=TIMING)
     assert len(warnings) == 3
     assert any("1.2x" in w for w in warnings) and any("only 3 step" in w for w in warnings)
     assert any("fail-stop at step 60" in w for w in warnings)
@@ -74,7 +102,7 @@ def test_a_stop_that_leaves_no_plan_is_refused() -> None:
     (["--steps", "0"], "--steps=0: must be >= 1"),
     (["--slow", "5=3.0@80"], "step 80 is outside the run; valid steps are 1..64"),
     (["--kill", "9@40"], "device 9 is not in the plan"),
-    (["--slow", "5=3.0@10"], "warm-up"),
+    (["--slow", "5=1.2@10"], "inside the detector's warm-up .* factor >= 1.5"),
     (["--metrics", "{tmp}/missing/m.jsonl"], "does not exist"),
     (["--metrics", "{tmp}"], "is a directory"),
     (["--plot", "{tmp}/t.xyz"], "must end in .png"),

@@ -1,0 +1,93 @@
+"""A user's model made ready for the ResilientTrainer, as `rh.fit` makes it: split into its
+shell and stacked blocks, its facts read off it (what the planner and the cost models know),
+and for each plan its step program, starting from the model's own parameters.
+
+Anything that trains a user's model under the trainer (rh.fit, `resihp demo --model gpt2`)
+builds it here, so all of them run the same step: the Instrument (stage timing, injected
+per-device slowdowns) reaches the model's step exactly where it can, under plans with tp == 1
+(train/user_step.py says why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import optax
+from flax import nnx
+
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.train.config import TrainConfig
+from resihp_jax.train.instrument import Instrument
+from resihp_jax.train.user_facts import UserModelFacts, model_facts
+from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
+                                         split_model)
+from resihp_jax.train.user_step import UserStepProgram, build_user_step
+
+
+@dataclass(frozen=True)
+class UserPrograms:
+    """`programs(train_cfg, plan, devices, instrument)` -> the user's step for `plan` (the
+    ResilientTrainer's `programs`), starting from the model's parameters."""
+    model: Any  # the built nnx.Module, or the function rngs -> model
+    parts: ModelParts
+    params: dict[str, Any]  # canonical {"shell", "blocks"}: arrays, or shapes of a function
+    optimizer: optax.GradientTransformation
+    axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES
+    compute_dtype: str | None = None
+
+    def __call__(self, cfg: TrainConfig, plan: Plan, devices: Sequence[jax.Device],
+                 instrument: Instrument | None = None) -> UserStepProgram:
+        # stage timing and injected slowdowns reach a user's model where its step is manual
+        # over every mesh axis (tp == 1); with tp > 1 the probes still localize
+        program = build_user_step(self.parts, self.optimizer, plan, devices, self.params,
+                                  axis_rules=self.axis_rules, train=cfg,
+                                  compute_dtype=self.compute_dtype,
+                                  instrument=instrument if plan.tp == 1 else None)
+        return dataclasses.replace(program, initial_params=initializer(program, self.model,
+                                                                       self.params))
+
+
+def user_programs(model: Any, optimizer: optax.GradientTransformation, seed: int, *,
+                  axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES,
+                  compute_dtype: str | None = None) -> UserPrograms:
+    """The programs of `model` (an nnx.Module, or a function rngs -> model, then built
+    sharded inside each program, never whole on one device)."""
+    parts, params = split(model, seed)
+    return UserPrograms(model, parts, params, optimizer, tuple(axis_rules), compute_dtype)
+
+
+def user_facts(programs: UserPrograms, seq_len: int | None,
+               attention_cost: str | None = None) -> UserModelFacts:
+    """What the planner and the cost models know of the model, read at rows of `seq_len`."""
+    return model_facts(programs.parts, programs.params["shell"], programs.params["blocks"],
+                       programs.parts.name, programs.axis_rules, attention_cost,
+                       programs.compute_dtype, seq_len=seq_len)
+
+
+def split(model: Any, seed: int) -> tuple[ModelParts, dict[str, Any]]:
+    """(parts, canonical parameters): arrays of a built model, shapes of a model function."""
+    if not isinstance(model, nnx.Module) and callable(model):
+        model = abstract_model(model, seed)
+    parts, shell, blocks = split_model(model)
+    return parts, {"shell": shell, "blocks": blocks}
+
+
+def initializer(program: UserStepProgram, model: Any,
+                params: dict[str, Any]) -> Callable[[int], Any]:
+    """seed -> the canonical parameters training starts from: a built model's own, or a
+    model function's, built inside one program straight into its shardings."""
+    if isinstance(model, nnx.Module):
+        return lambda seed: params
+
+    def initial(seed: int) -> Any:
+        def build() -> dict[str, Any]:
+            with nnx.use_eager_sharding(False):
+                _, shell, blocks = split_model(model(nnx.Rngs(seed)))
+            return {"shell": shell, "blocks": blocks}
+
+        return jax.jit(build, out_shardings=program.canonical_shardings.params)()
+
+    return initial

@@ -162,10 +162,18 @@ def false_alarms(outcomes: list[FaultOutcome], alarms: int) -> int:
 
 def wrong_verdicts(outcomes: list[FaultOutcome], replans: list[ReplanPoint]
                    ) -> list[ReplanPoint]:
-    """Re-plans on verdicts that no injected fault explains (a switch that waited for a
-    background compile re-plans again on its fault's verdict: that one is explained)."""
+    """Re-plans on verdicts that no injected fault explains. Explained: a fault's own verdict
+    (a switch that waited for a background compile re-plans again on it), and a later one
+    naming only devices of faults found by then (a verdict whose plan was kept, because no
+    switch paid yet, is followed by more on the same slow device)."""
     used = {_verdict_of(o.replan) for o in outcomes if o.replan is not None}
-    return [r for r in replans if _verdict_of(r) not in used]
+    return [r for r in replans if _verdict_of(r) not in used and not _repeats(r, outcomes)]
+
+
+def _repeats(replan: ReplanPoint, outcomes: list[FaultOutcome]) -> bool:
+    found = {o.fault.device for o in outcomes
+             if o.replan is not None and o.replan.step <= replan.step}
+    return bool(replan.devices) and set(replan.devices) <= found
 
 
 def _verdict_of(replan: ReplanPoint) -> tuple[int, tuple[int, ...], str]:

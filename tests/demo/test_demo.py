@@ -177,6 +177,10 @@ def test_a_switch_finished_after_a_background_compile_is_no_false_verdict() -> N
     # 'after' is the rate the run settled on (C), not the interim split's
     assert outcomes[0].after == pytest.approx(10_000)
     assert wrong_verdicts(outcomes, replans + [_replan(50, 50, "link", (6,), C, C)]) != []
+    # a later verdict on the same slow device (its first plan was kept) is no wrong verdict
+    again = _replan(45, 45, "compute", (5,), C, C)
+    assert wrong_verdicts(outcomes, replans + [again]) == []
+    assert wrong_verdicts(outcomes, replans + [_replan(45, 45, "compute", (5, 6), C, C)]) != []
     # the log names the step the switch happened at, and the verdict it acts on
     assert replan_text(replans[0], "").startswith("step 33: resihp verdict: device(s) [5]")
     # positions past the step number (steps re-run after a restore) are no background switch

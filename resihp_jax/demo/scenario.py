@@ -106,14 +106,12 @@ def check_fault_range(slow: SlowSpec | None, kill: KillSpec | None, *, steps: in
 class DetectorTiming:
     """When the detector can find a slowdown (detector/ours.py and base.py say why): it learns
     healthy step times over steps 1..warmup, so a slowdown from inside them never stands out
-    in the steps; meanwhile its probes check every device, at step `first_check` and every
-    `check_every` steps after it, and once more `check_after` steps after the warm-up. A
-    device a check names is confirmed `confirm_steps` later, when it is at least
-    `min_slowdown` times slower than the others."""
+    in the steps; its probes check every device `check_after` steps after the warm-up and
+    every `check_period` steps after that. A device a check names is confirmed
+    `confirm_steps` later, when it is at least `min_slowdown` times slower than the others."""
     warmup: int
-    first_check: int
-    check_every: int
     check_after: int
+    check_period: int
     confirm_steps: int
     min_slowdown: float
 
@@ -123,15 +121,16 @@ class DetectorTiming:
         devices are requested)."""
         from resihp_jax.detector import base, ours  # noqa: PLC0415
 
-        return cls(warmup=ours.WARMUP_STEPS, first_check=ours.WARMUP_CHECK_FIRST,
-                   check_every=ours.WARMUP_CHECK_EVERY, check_after=ours.CHECK_AFTER,
+        return cls(warmup=ours.WARMUP_STEPS, check_after=ours.CHECK_AFTER,
+                   check_period=ours.CHECK_PERIOD,
                    confirm_steps=base.CHECK_EVERY * (base.CHECK_RUNS - 1),
                    min_slowdown=base.CHECK_MIN_SLOWDOWN)
 
     def check_from(self, step: int) -> int:
-        """The first probe check at or after `step` (a step of the warm-up)."""
-        checks = range(self.first_check, self.warmup, self.check_every)
-        return next((c for c in checks if c >= step), self.warmup + self.check_after)
+        """The first probe check at or after `step`."""
+        first = self.warmup + self.check_after
+        return first if step <= first else \
+            first + -(-(step - first) // self.check_period) * self.check_period
 
 
 def check_fault_timing(slow: SlowSpec | None, kill: KillSpec | None, *, steps: int,

@@ -7,6 +7,7 @@ the probe finds a culprit. Time is injected (`clock`), so is the probe (`prober(
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -111,11 +112,10 @@ class Detector:
         runs_left = CHECK_RUNS - 1
         if self._check is not None:
             result, runs_left = _combined(self._check[0], result), self._check[1] - 1
-        found = localize(result, self.margin)
+        found = _whole_host(localize(result, self.margin), result)
         self.probe_s += self.clock() - t0
         self._check = None
-        if (found is None or found.slowdown < CHECK_MIN_SLOWDOWN
-                or _not_one_whole_host(found, result)):
+        if found is None or found.slowdown < CHECK_MIN_SLOWDOWN:
             return None
         if runs_left > 0:
             self._check = (result, runs_left, step + CHECK_EVERY)
@@ -135,7 +135,10 @@ class Detector:
         return None
 
     def rebaseline(self, steps: int = 3) -> None:
-        """The cluster changed on purpose (a re-plan): judge later steps against it."""
+        """The cluster changed on purpose (a re-plan): judge later steps against it. A check
+        under way is dropped: its runs timed the old plan's devices (a check straddling a
+        re-plan named a device the re-plan had already taken out)."""
+        self._check = None
 
     def _suspect(self, obs: StepObservation) -> bool:
         raise NotImplementedError
@@ -148,22 +151,31 @@ class Detector:
         return False
 
 
-def _not_one_whole_host(found: Localization, result: ProbeResult) -> bool:
-    """In a job of several processes, a check names the devices of one host, all of them, or
+def _whole_host(found: Localization | None, result: ProbeResult) -> Localization | None:
+    """In a job of several processes, what a check names: the devices of the one host whose
+    devices it found slow, all of them (their slowdown against the other hosts' devices), or
     nobody. What slows a host (a throttled process, a hot node) slows every device it drives,
-    while load on shared cores pulls on single devices here and there: seen in a job's first
-    steps (4 processes on 2 cores, a standby compiling beside them), a device of each of p0,
-    p1 and p3 at 1.68x in every run of one check, and p2's second device alone at 3.09x in
-    another, long before p2 was slowed. A check has no slow step behind it; a suspicion's
-    probes (`validate`) still name any devices."""
+    while load on shared cores pulls on single devices here and there: in a job's first steps
+    (4 processes on 2 cores, a standby compiling beside them) a device of each of p0, p1 and
+    p3 stood out at 1.68x in every run of one check, and p2's second device alone at 2.3x to
+    3.1x in others, long before p2 was slowed; with p2 slowed 3x, one check found both its
+    devices and one of p1's. A check has no slow step behind it; a suspicion's probes
+    (`validate`) still name any devices. One process (hosts unknown): `found` as it is."""
     hosts = result.hosts
-    if not hosts:
-        return False
-    named = {hosts.get(d) for d in found.devices}
-    if len(named) != 1:
-        return True
-    host = named.pop()
-    return set(found.devices) != {d for d, h in hosts.items() if h == host}
+    if found is None or not hosts:
+        return found
+    named = set(found.devices)
+    whole = [h for h in {hosts.get(d) for d in named}
+             if h is not None and {d for d, g in hosts.items() if g == h} <= named]
+    if len(whole) != 1:
+        return None
+    devices = tuple(sorted(d for d, g in hosts.items() if g == whole[0]))
+    times = result.compute_s if found.kind == "compute" else result.link_s
+    rest = [t for d, t in times.items() if d not in devices]
+    if not rest:
+        return None
+    slowdown = float(np.median([times[d] for d in devices]) / np.median(rest))
+    return dataclasses.replace(found, devices=devices, slowdown=slowdown)
 
 
 def _fastest(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:

@@ -69,7 +69,9 @@ CPU in step with the wall time.
 The baseline is only as healthy as the devices were while the warm-up learned it: a device
 that turned slow during the warm-up is in it, and later steps never stand out against it
 (a user's job slowed at step 12 of a 24-step warm-up ran on unnoticed). So CHECK_AFTER steps
-after the warm-up the probes check every device (`Detector.checks`, not an alarm).
+after the warm-up, and every CHECK_PERIOD steps after that, the probes check every device
+(`Detector.checks`, not alarms): where the host's own swings hide a slow host's share of
+the step, they are what finds it.
 
 Stage times are not fitted as cost-model rows by default (`fit_stage_times`): on shared
 host cores one micro-batch's forward mostly measures what the other devices run at the same
@@ -117,12 +119,10 @@ OWN_BOUND = 0.8
 RMS_CLIP = 6.0
 # steps after the warm-up before the probes check every device (`_check_due`)
 CHECK_AFTER = 6
-# while the warm-up learns (no step can be judged yet), the probes check every device on the
-# WARMUP_CHECK_FIRST-th step and every WARMUP_CHECK_EVERY steps after it (`_check_due`)
-# (not before step 18: a job's first steps share the cores with its compiles, a standby's
-# included, and the probes' times swing most then: checks from step 6 or 12 named healthy
-# hosts of a job of 4 processes on 2 loaded cores at 1.5x-3x in every run of a check)
-WARMUP_CHECK_FIRST, WARMUP_CHECK_EVERY = 18, 6
+# then every CHECK_PERIOD steps (`_check_due`): a probe run costs a few of a GPU step's
+# milliseconds, every 12 steps well under 1%
+CHECK_PERIOD = 12
+
 
 
 @register
@@ -238,6 +238,7 @@ class ResiHPDetector(Detector):
         """After a re-plan, the known-degraded cluster is the new normal: re-measure the
         drift scale over the next `steps` steps (not learned by the cost model, never
         suspected), and re-learn each stage's share, so only a new fault raises a suspicion."""
+        super().rebaseline(steps)
         self._rebase_left, self._rebase_ratios = steps, []
         self.cusum, self._held = 0.0, []
         self._stage_streak, self._stage_base, self._stage_seen = 0, None, 0
@@ -246,27 +247,31 @@ class ResiHPDetector(Detector):
         self._cpu_base, self._cpu_seen = None, 0  # the new plan uses the cores its own way
 
     def _check_due(self) -> bool:
-        """While the warm-up learns, every WARMUP_CHECK_EVERY steps from the
-        WARMUP_CHECK_FIRST-th: no step can be judged then, and a device that turns slow
-        meanwhile would otherwise wait for the warm-up's end to be found (a job slowed at step
-        12 of a 36-step run was never named). The probes compare the devices with each other,
-        so they need no baseline. Then once more, CHECK_AFTER steps after the warm-up: the
-        baseline is only as healthy as the devices were while it was learned, and a device
-        slow in it never stands out in the steps. Not at the warm-up's end: the trainer starts
-        compiling the likely next plans then (the cost model is ready), and on shared cores a
-        process busy compiling makes its devices' probes slow (a healthy process was named
-        2x slow in every run of a check made then). Every input here is the same in every
-        process of a job (the steps seen), so they all run the probe's collectives alike."""
+        """CHECK_AFTER steps after the warm-up, then every CHECK_PERIOD steps. The baseline
+        is only as healthy as the devices were while it was learned: a device that turned
+        slow during the warm-up (or was slow from the start) is in it, and the steps never
+        stand out against it (a user's job slowed at step 12 of a 24-step warm-up ran on
+        unnoticed); and where the host's own swings are as large as a slow host's share of
+        the step (4 processes on 2 loaded cores: a 3x process lengthened the step ~1.4x
+        against a noise sigma of ~25%) no step stands out either. The probes compare the
+        devices with each other and need neither. Not in the warm-up, nor at its end: a job's
+        first steps share the cores with its compiles (a standby's included; the trainer
+        starts compiling the likely next plans when the warm-up ends), and on shared cores a
+        process busy compiling makes its devices' probes slow (checks from step 6, 12 or 18
+        named healthy hosts of a 4-process job at 1.5x-3x in every run of a check). Every
+        input here is the same in every process of a job (the steps seen), so they all run
+        the probes' collectives alike."""
         if self._warming():
-            n = self.steps  # steps observed, this one included
-            return (not self._baseline_checked and n >= WARMUP_CHECK_FIRST
-                    and (n - WARMUP_CHECK_FIRST) % WARMUP_CHECK_EVERY == 0)
-        if self._baseline_checked:
             return False
         self._since_warm += 1
-        if self._since_warm <= CHECK_AFTER:
+        if not self._baseline_checked:
+            if self._since_warm <= CHECK_AFTER:
+                return False
+            self._baseline_checked, self._since_warm = True, 0
+            return True
+        if self._since_warm < CHECK_PERIOD:
             return False
-        self._baseline_checked = True
+        self._since_warm = 0
         return True
 
     def _warming(self) -> bool:

@@ -8,7 +8,6 @@ model comes back as an instance of the user's class.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -18,7 +17,6 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 import optax
-from flax import nnx
 
 from resihp_jax.data import BatchIterator, packed_batches
 from resihp_jax.errors import ConfigError
@@ -30,14 +28,13 @@ from resihp_jax.runtime.job.supervisor import CHECKPOINT_DIR_ENV, LOCAL_COPY_DIR
 from resihp_jax.runtime.run.auto_plan import auto_plan
 from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.run.training import TrainingRun
+from resihp_jax.runtime.run.user_programs import user_facts, user_programs
 from resihp_jax.runtime.trainer.compiles import install
 from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig
 from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.user_facts import UserModelFacts, model_facts
-from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
-                                         split_model)
-from resihp_jax.train.user_step import UserStepProgram, build_user_step
+from resihp_jax.train.user_facts import UserModelFacts
+from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES)
 
 
 @dataclass(frozen=True)
@@ -93,24 +90,15 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         join_job(checkpoint_dir)  # before anything below starts JAX
     local_copy_dir = ((resilience.local_copy_dir if resilience is not None else None)
                       or os.environ.get(LOCAL_COPY_DIR_ENV)) if checkpoint_dir else None
-    parts, params = _split(model, seed)
-    facts = model_facts(parts, params["shell"], params["blocks"], parts.name, axis_rules,
-                        attention_cost, compute_dtype, seq_len=_seq_len(plan, data))
+    programs = user_programs(model, optimizer, seed, axis_rules=axis_rules,
+                             compute_dtype=compute_dtype)
+    parts = programs.parts
+    facts = user_facts(programs, _seq_len(plan, data), attention_cost)
     resilience = resilience or ResilienceConfig(compile_cache_dir=None)
     if isinstance(plan, str):  # "auto", checked above
         rows, seq_len = _batch_shape(data)
         plan, _ = auto_plan(facts, [d.id for d in (devices or jax.devices())], rows, seq_len,
                             device_memory_gb=resilience.device_memory_gb, remat=remat)
-
-    def programs(cfg: TrainConfig, plan_: Plan, devices_: Sequence[jax.Device],
-                 instrument: Any = None) -> UserStepProgram:
-        # stage timing and injected slowdowns reach a user's model where its step is manual
-        # over every mesh axis (tp == 1); with tp > 1 the probes still localize
-        program = build_user_step(parts, optimizer, plan_, devices_, params,
-                                  axis_rules=axis_rules, train=cfg,
-                                  compute_dtype=compute_dtype,
-                                  instrument=instrument if plan_.tp == 1 else None)
-        return dataclasses.replace(program, initial_params=_initializer(program, model, params))
 
     config = RunConfig(
         steps=steps, seed=seed, data=type(data).__name__, checkpoint_dir=checkpoint_dir,
@@ -175,32 +163,6 @@ def _batch_shape(data: Any) -> tuple[int, int]:
         raise ConfigError(f"data[0].tokens has shape {shape}: expected [rows, seq_len]")
     raise ConfigError(f"plan='auto' reads the batch shape off a sequence of rh.PackedBatch; "
                       f"data is a {type(data).__name__}: give an rh.Plan for it")
-
-
-def _split(model: Any, seed: int) -> tuple[ModelParts, dict[str, Any]]:
-    """(parts, canonical parameters): arrays of a built model, shapes of a model function."""
-    if not isinstance(model, nnx.Module) and callable(model):
-        model = abstract_model(model, seed)
-    parts, shell, blocks = split_model(model)
-    return parts, {"shell": shell, "blocks": blocks}
-
-
-def _initializer(program: UserStepProgram, model: Any,
-                 params: dict[str, Any]) -> Callable[[int], Any]:
-    """seed -> the canonical parameters training starts from: a built model's own, or a
-    model function's, built inside one program straight into its shardings."""
-    if isinstance(model, nnx.Module):
-        return lambda seed: params
-
-    def initial(seed: int) -> Any:
-        def build() -> dict[str, Any]:
-            with nnx.use_eager_sharding(False):
-                _, shell, blocks = split_model(model(nnx.Rngs(seed)))
-            return {"shell": shell, "blocks": blocks}
-
-        return jax.jit(build, out_shardings=program.canonical_shardings.params)()
-
-    return initial
 
 
 def _batches(data: Any, plan: Plan, seed: int) -> Any:

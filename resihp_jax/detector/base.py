@@ -49,6 +49,7 @@ class Detector:
         self.checks = 0
         # a check that named devices, confirmed by later runs: (its result, runs left, next)
         self._check: tuple[ProbeResult, int, int] | None = None
+        self.last_check_s = 0.0  # how long the last check's probe run stalled training
         self.cost_s = 0.0  # time spent deciding (probes excluded)
         self.probe_s = 0.0  # time stalled in probes
         self.steps = 0
@@ -109,6 +110,8 @@ class Detector:
         process 5x slow, back to back over both runs of one validation)."""
         t0 = self.clock()
         result = self.prober(step)
+        # what one run stalled the step (the same in every process of a job: gathered)
+        self.last_check_s = result.wall_s
         runs_left = CHECK_RUNS - 1
         if self._check is not None:
             result, runs_left = _combined(self._check[0], result), self._check[1] - 1

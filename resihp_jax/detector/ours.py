@@ -119,9 +119,11 @@ OWN_BOUND = 0.8
 RMS_CLIP = 6.0
 # steps after the warm-up before the probes check every device (`_check_due`)
 CHECK_AFTER = 6
-# then every CHECK_PERIOD steps (`_check_due`): a probe run costs a few of a GPU step's
-# milliseconds, every 12 steps well under 1%
-CHECK_PERIOD = 12
+# then every CHECK_PERIOD steps (`_check_due`), or as many more as keep a probe run's stall
+# within CHECK_BUDGET of the steps' time: a probe run costs a few of a GPU step's
+# milliseconds (every 12 steps well under 1%), on 8 fake devices of 2 CPU cores about as
+# much as one to three steps
+CHECK_PERIOD, CHECK_BUDGET = 12, 0.05
 
 
 
@@ -179,6 +181,7 @@ class ResiHPDetector(Detector):
         # the devices were checked by a probe when the warm-up ended (`_check_due`)
         self._baseline_checked = False
         self._since_warm = 0  # steps judged since the warm-up ended (for the check)
+        self._recent: deque[float] = deque(maxlen=CHECK_PERIOD)  # the last steps' times
         self._rebase_left = 0  # steps left in which to re-measure `scale` after a re-plan
         self._rebase_ratios: list[float] = []  # observed / raw prediction over those steps
 
@@ -269,15 +272,25 @@ class ResiHPDetector(Detector):
                 return False
             self._baseline_checked, self._since_warm = True, 0
             return True
-        if self._since_warm < CHECK_PERIOD:
+        if self._since_warm < self.check_period():
             return False
         self._since_warm = 0
         return True
+
+    def check_period(self) -> int:
+        """Steps between checks: CHECK_PERIOD, or more where a probe run stalls training for
+        more than CHECK_BUDGET of that many steps (from the last run's stall and the recent
+        steps' median, both the same in every process of a job)."""
+        if not self.last_check_s or not self._recent:
+            return CHECK_PERIOD
+        step_s = float(np.median(self._recent))
+        return max(CHECK_PERIOD, math.ceil(self.last_check_s / (CHECK_BUDGET * step_s)))
 
     def _warming(self) -> bool:
         return not self.cost.ready or self._learned < self.warmup or not self._sigma
 
     def _suspect(self, obs: StepObservation) -> bool:
+        self._recent.append(obs.step_time_s)
         if self._warming():
             if self.cost.ready:  # judged against the fit so far, before it learns the step:
                 # out-of-sample errors, as later steps will show (the fit's own residuals

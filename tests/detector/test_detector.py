@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Iterator
 
@@ -543,3 +544,20 @@ def test_a_re_plan_drops_the_check_under_way() -> None:
         if obs.step == first:
             det.rebaseline()
     assert runs == [first] and verdicts == [None] * len(verdicts)
+
+
+def test_checks_thin_out_where_a_probe_run_costs_much_of_a_step() -> None:
+    """Checks come every CHECK_PERIOD steps, or as far apart as keeps a probe run's stall
+    within CHECK_BUDGET of the steps' time (8 fake devices on 2 cores: a run as long as
+    two steps); their spacing reads only what every process of a job shares."""
+    from resihp_jax.detector.ours import CHECK_BUDGET
+
+    det = make_detector("resihp", model=CFG, prober=fake_prober({}, 0))
+    assert det.check_period() == CHECK_PERIOD  # nothing probed yet
+    for obs in stream(10, seed=4):
+        det.observe(obs)
+    step_s = float(np.median([o.step_time_s for o in stream(10, seed=4)]))
+    det.last_check_s = 2 * step_s
+    assert det.check_period() == max(CHECK_PERIOD, math.ceil(2 / CHECK_BUDGET))
+    det.last_check_s = 0.001 * step_s  # a GPU's probe run: the period itself
+    assert det.check_period() == CHECK_PERIOD

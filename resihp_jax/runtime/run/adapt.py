@@ -132,7 +132,14 @@ class AdaptRun:
             # the final checkpoint and the job's shutdown follow, guarded by no step deadline
             return float(self.ladder.init_timeout_s)
         deadline = self.ladder.deadline_s(self.trainer.detector.last_prediction_s)
-        return deadline_beside_write(self.trainer.checkpointer, deadline,  # see deadline_s
+        ckpt = self.trainer.checkpointer
+        if ckpt is not None and (self.data_step + 1) % self.config.checkpoint_every == 0:
+            # the trainer saves that step before it reports it: the save's own deadline on
+            # top (a slowed or loaded peer holds every process in orbax's barriers; two runs
+            # of a throttled 4-process job were called hung at a save step without it)
+            deadline += ckpt.save_deadline_s(self.ladder.floor_s, self.ladder.factor,
+                                             self.ladder.startup_s)
+        return deadline_beside_write(ckpt, deadline,  # see deadline_s
                                      self.ladder.startup_s)
 
     def _steps(self, start: int) -> list[StepRecord]:

@@ -394,3 +394,32 @@ def test_a_standby_keeps_its_programs_unless_the_health_record_changes_its_plan(
     prepared = _PreparedRun()
     assert take_over(moved) == ("built", moved, "p3") and prepared.closed
     assert "on devices [5], not the prepared one's [0]: compiling it" in out.getvalue()
+
+
+def test_a_save_steps_deadline_holds_the_save_too() -> None:
+    """The adapting run's trainer saves a checkpoint step before it reports the step, so the
+    deadline the processes publish for that step holds the save's own deadline on top (two
+    runs of a throttled 4-process job were called hung at their first save past the
+    warm-up); other steps keep the step's own."""
+    from types import SimpleNamespace
+
+    from resihp_jax.runtime.run.adapt import AdaptRun
+
+    class Ckpt:
+        def save_deadline_s(self, floor_s: float, factor: float, limit_s: float) -> float:
+            return 7.0
+
+        def deadline_beside_write(self, deadline_s: float, limit_s: float) -> float:
+            return deadline_s  # no write under way
+
+    run = object.__new__(AdaptRun)
+    run.ladder = Ladder(floor_s=10.0, factor=3.0, startup_s=120.0)
+    run.config = SimpleNamespace(steps=100, checkpoint_every=10)
+    run.trainer = SimpleNamespace(detector=SimpleNamespace(last_prediction_s=2.0),
+                                  checkpointer=Ckpt())
+    run.data_step = 28  # step 29 next: no save
+    assert run._next_deadline() == 10.0
+    run.data_step = 29  # step 30 next: saved before it is reported
+    assert run._next_deadline() == 10.0 + 7.0
+    run.trainer.checkpointer = None
+    assert run._next_deadline() == 10.0

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
-SECTIONS = ("kernels", "startup", "memory", "profile", "speed", "user_path",
+SECTIONS = ("kernels", "float32_model", "startup", "memory", "profile", "speed", "user_path",
             "resilience_price")
 
 

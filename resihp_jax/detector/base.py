@@ -53,6 +53,9 @@ class Detector:
         self.cost_s = 0.0  # time spent deciding (probes excluded)
         self.probe_s = 0.0  # time stalled in probes
         self.steps = 0
+        # a job of several processes: the devices are checked from its first steps on (what
+        # each detector's `_check_due` does with it; the trainer sets it)
+        self.job_checks = False
         self.last_prediction_s: float | None = None  # what the step was compared against
 
     def observe(self, obs: StepObservation) -> Verdict | None:

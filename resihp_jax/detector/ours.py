@@ -124,6 +124,13 @@ CHECK_AFTER = 6
 # milliseconds (every 12 steps well under 1%), on 8 fake devices of 2 CPU cores about as
 # much as one to three steps
 CHECK_PERIOD, CHECK_BUDGET = 12, 0.05
+# In a job of several processes (`Detector.job_checks`) the steps are timed only as a whole
+# and a user's model has no stage timing, so the checks are what names a slow host: from
+# step JOB_CHECK_START (the start-up's compiles are done), warm-up or not, every
+# JOB_CHECK_PERIOD steps or as many more as keep a probe run within JOB_CHECK_BUDGET of the
+# steps' time. A slowdown is then named at most JOB_CHECK_PERIOD + (CHECK_RUNS - 1) x
+# CHECK_EVERY = 10 steps after it began (issue 46's target), wherever that falls.
+JOB_CHECK_START, JOB_CHECK_PERIOD, JOB_CHECK_BUDGET = 4, 6, 0.1
 
 
 
@@ -263,7 +270,16 @@ class ResiHPDetector(Detector):
         process busy compiling makes its devices' probes slow (checks from step 6, 12 or 18
         named healthy hosts of a 4-process job at 1.5x-3x in every run of a check). Every
         input here is the same in every process of a job (the steps seen), so they all run
-        the probes' collectives alike."""
+        the probes' collectives alike. In a job of several processes (`job_checks`), from
+        JOB_CHECK_START on, warm-up or not: each process times its own devices there, all at
+        once, which a compile elsewhere does not single out (probes.py `_LocalProbe`)."""
+        if self.job_checks:
+            self._since_warm += 1
+            if self.steps < JOB_CHECK_START or self._since_warm < self.check_period(
+                    JOB_CHECK_PERIOD, JOB_CHECK_BUDGET):
+                return False
+            self._since_warm = 0
+            return True
         if self._warming():
             return False
         self._since_warm += 1
@@ -277,14 +293,14 @@ class ResiHPDetector(Detector):
         self._since_warm = 0
         return True
 
-    def check_period(self) -> int:
-        """Steps between checks: CHECK_PERIOD, or more where a probe run stalls training for
-        more than CHECK_BUDGET of that many steps (from the last run's stall and the recent
+    def check_period(self, period: int = CHECK_PERIOD, budget: float = CHECK_BUDGET) -> int:
+        """Steps between checks: `period`, or more where a probe run stalls training for
+        more than `budget` of that many steps (from the last run's stall and the recent
         steps' median, both the same in every process of a job)."""
         if not self.last_check_s or not self._recent:
-            return CHECK_PERIOD
+            return period
         step_s = float(np.median(self._recent))
-        return max(CHECK_PERIOD, math.ceil(self.last_check_s / (CHECK_BUDGET * step_s)))
+        return max(period, math.ceil(self.last_check_s / (budget * step_s)))
 
     def _warming(self) -> bool:
         return not self.cost.ready or self._learned < self.warmup or not self._sigma

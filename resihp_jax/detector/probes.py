@@ -1,10 +1,13 @@
 """Validation probes: time a compute kernel on each device and point-to-point transfers between
 pipeline neighbours, then localize the slow device(s).
 
-The probe is a small shard_map program on the plan's mesh. Its rounds run one device's kernel
-at a time (a psum after each round is the barrier), so on shared host cores every device is
-timed alone. Kernel and transfers are bracketed by the same Instrument markers as the train
-step, so an injected fail-slow delay slows the probe exactly as it slows training.
+The probe is a small shard_map program on the plan's mesh. In one process its rounds run one
+device's kernel at a time (a psum after each round is the barrier), so on shared host cores
+every device is timed alone, by host callbacks. In a job of several processes each process
+times its own devices' kernels in programs of their own, all processes at once
+(`_LocalProbe`); transfers are not timed there. Kernel and transfers are
+bracketed by the same Instrument markers as the train step, so an injected fail-slow delay
+slows the probe exactly as it slows training.
 """
 
 from __future__ import annotations
@@ -22,14 +25,21 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.mesh import AXES, make_mesh, put_global
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.train.instrument import FWD_END, FWD_START, Instrument, RegionTimer
+from resihp_jax.train.instrument import FWD_END, FWD_START, Coords, Instrument, RegionTimer
 
 LINK_TICK = 1 << 20  # ticks at or above this mark transfer rounds
-# the wall-timed probe (a job of several processes): each device's program runs WALL_WORK x
-# the kernel rounds of the callback-timed one, in WALL_PASSES round-robin passes (its time:
-# the fastest pass). On 4 processes of 2 shared cores one pass of the plain rounds swung
-# 0.6x-1.9x of the median on healthy devices.
-WALL_WORK, WALL_PASSES = 2, 3
+# the locally timed probe (a job of several processes, `_LocalProbe`): each device works for
+# a window of LOCAL_TARGET_S (per platform; else the default) in runs of at first
+# LOCAL_TRIAL kernel iterations; the fastest of LOCAL_PASSES passes counts. On XLA:CPU runs
+# of a few milliseconds read 0.2x-14x of the median on healthy processes (4 of them on 2
+# shared cores); a GPU's kernels keep time to a few percent over milliseconds
+LOCAL_TARGET_S, LOCAL_TARGET_DEFAULT_S = {"cpu": 0.1}, 0.01
+# ... and its kernel's matrices are this small on XLA:CPU (else the `size` of the mesh
+# probe): a larger matmul is split over the process's thread pool, whose threads wait for
+# each other at every one, and on oversubscribed shared cores one descheduled thread held a
+# healthy device's whole run up (0.5x-3.7x of the median with nothing else running)
+LOCAL_SIZE = {"cpu": 64}
+LOCAL_PASSES, LOCAL_TRIAL = 2, 4
 _SPEC = P(*AXES)
 
 
@@ -145,7 +155,6 @@ class Prober:
                  iters: int = 8, repeats: int = 5, link_bytes: int = 1 << 18) -> None:
         self.plan, self.repeats = plan, repeats
         self._fn: Callable | None = None
-        self._one_ran = False
         if plan.n_devices == 1:
             return  # nothing to compare one device with: `run` builds and times nothing
         self.mesh = make_mesh(plan, devices)
@@ -160,20 +169,26 @@ class Prober:
         inst = Instrument(both)
         n_dev, pp = plan.n_devices, plan.pp
         n_link = max(link_bytes // 4, 1)
+        # a job of several processes times compute locally (`_LocalProbe`) and no transfers:
+        # callbacks there read each process's own clock, which its other threads hold off
+        # for tens of milliseconds (healthy processes' devices read 2.4x-5x slow), and a
+        # transfer's time is all latency, no work to average that over
+        self._several = jax.process_count() > 1
+        compute_rounds = n_dev * repeats
+
+        def kernel(y, n):
+            return jax.lax.fori_loop(0, n, lambda _, a: jnp.tanh(a @ a) * 0.5, y)
 
         def body(x_NxN, buf_L, knob):
             x_NxN, buf_L, knob = x_NxN[0, 0, 0], buf_L[0, 0, 0], knob.reshape(())
             me = (jax.lax.axis_index("dp") * pp + jax.lax.axis_index("pp")) \
                 * plan.tp + jax.lax.axis_index("tp")
 
-            def kernel(y):
-                return jax.lax.fori_loop(0, iters, lambda _, a: jnp.tanh(a @ a) * 0.5, y)
-
             def round_(carry, r):
                 y, buf = carry
                 busy = me == (r % n_dev)
                 coords = inst.coords(knob, busy, r)
-                y = inst.exit(jax.lax.cond(busy, kernel, lambda a: a,
+                y = inst.exit(jax.lax.cond(busy, lambda a: kernel(a, iters), lambda a: a,
                                            inst.enter(y, coords)), coords)
                 barrier = jax.lax.psum(y[0, 0] * 0.0, AXES)
                 return (y + barrier, buf), None
@@ -188,82 +203,134 @@ class Prober:
                 return (y + jax.lax.psum(buf[0] * 0.0, AXES), buf), None
 
             carry = (x_NxN, buf_L)
-            carry, _ = jax.lax.scan(round_, carry, jnp.arange(n_dev * repeats))
+            carry, _ = jax.lax.scan(round_, carry, jnp.arange(compute_rounds))
             carry, _ = jax.lax.scan(link_round, carry, jnp.arange(repeats))
             return carry[0][None, None, None, :1, :1]
-
-        def one_body(x_NxN, knob, who):  # only device `who` runs its kernel, `repeats` times
-            x_NxN, knob, who = x_NxN[0, 0, 0], knob.reshape(()), who.reshape(())
-            me = (jax.lax.axis_index("dp") * pp + jax.lax.axis_index("pp")) \
-                * plan.tp + jax.lax.axis_index("tp")
-            busy = me == who
-            coords = inst.coords(knob, busy, 0)  # one region: an injected delay acts once
-
-            def work(a):
-                return jax.lax.fori_loop(0, WALL_WORK * iters * repeats,
-                                         lambda _, b: jnp.tanh(b @ b) * 0.5, a)
-
-            y = inst.exit(jax.lax.cond(busy, work, lambda a: a, inst.enter(x_NxN, coords)),
-                          coords)
-            # one barrier at the end: the program ends when the busy device is done
-            return (y + jax.lax.psum(y[0, 0] * 0.0, AXES))[None, None, None, :1, :1]
 
         fn = jax.shard_map(body, mesh=self.mesh, in_specs=(_SPEC, _SPEC, _SPEC),
                            out_specs=_SPEC, check_vma=False)
         self._fn = jax.jit(fn)
-        self._one = jax.jit(jax.shard_map(one_body, mesh=self.mesh,
-                                          in_specs=(_SPEC, _SPEC, _SPEC), out_specs=_SPEC,
-                                          check_vma=False))
         shard = NamedSharding(self.mesh, _SPEC)
         shape = (plan.dp, plan.pp, plan.tp)
         rng = np.random.default_rng(0)
-        self._x = put_global(rng.standard_normal(shape + (size, size), np.float32)
-                                 / math.sqrt(size), shard)
+        x_host = rng.standard_normal(shape + (size, size), np.float32) / math.sqrt(size)
+        self._x = put_global(x_host, shard)
         self._buf = put_global(np.ones(shape + (n_link,), np.float32), shard)
         self._shard = shard
+        if self._several:
+            platform = self.mesh.devices.flat[0].platform
+            local_size = LOCAL_SIZE.get(platform, size)
+            x_local = rng.standard_normal((local_size,) * 2, np.float32) / math.sqrt(local_size)
+            self._local = _LocalProbe(plan, x_local, inst,
+                                      lambda a: jnp.tanh(a @ a) * 0.5,
+                                      LOCAL_TARGET_S.get(platform, LOCAL_TARGET_DEFAULT_S))
+            self._barrier = jax.jit(jax.shard_map(
+                lambda y: y + jax.lax.psum(y * 0.0, AXES), mesh=self.mesh, in_specs=_SPEC,
+                out_specs=_SPEC, check_vma=False))
+            self._zero = put_global(np.zeros(shape, np.float32), shard)
 
     def run(self, knobs_DxPxT: np.ndarray | None = None) -> ProbeResult:
         if self._fn is None:  # one device: it stands out from no median (`localize`: None)
             return ProbeResult({int(self.plan.device_ids[0]): 0.0}, {}, 0.0)
         if knobs_DxPxT is None:
             knobs_DxPxT = np.ones((self.plan.dp, self.plan.pp, self.plan.tp), np.float32)
+        t0 = time.perf_counter()
+        if self._several:  # compute only: see `_LocalProbe` (and transfers below)
+            comp = self._local.times(np.asarray(knobs_DxPxT, np.float32), self._synced)
+            return ProbeResult(comp, {}, time.perf_counter() - t0)
         knobs = put_global(np.asarray(knobs_DxPxT, np.float32), self._shard)
         self._timer.regions.clear()
         self._timer.samples.clear()
-        t0 = time.perf_counter()
         jax.block_until_ready(self._fn(self._x, self._buf, knobs))
         comp, link = self._timer.collect()
-        if jax.process_count() > 1:
-            comp = self._walled(knobs)
         return ProbeResult(comp, link, time.perf_counter() - t0)
 
-    def _walled(self, knobs: jax.Array) -> dict[int, float]:
-        """Each device's kernel rounds timed by the wall time of a program in which it alone
-        runs them, less that of one in which nobody does. In a job of several processes the
-        host callbacks' clocks are read by each process's Python, which its other threads
-        (background compiles, checkpoint writes) can hold off for tens of milliseconds: on
-        4 processes of 2 shared cores they made the same healthy processes' devices look
-        2.4x to 5x slow in every run. The wall time of a whole collective program is the
-        same on every process and stretches only with the devices' own work."""
-        shape = (self.plan.dp, self.plan.pp, self.plan.tp)
-        if not self._one_ran:  # compiled (and run once) before anything is timed
-            nobody = put_global(np.full(shape, -1, np.int32), self._shard)
-            jax.block_until_ready(self._one(self._x, knobs, nobody))
-            self._one_ran = True
-        n = self.plan.n_devices
-        walls = np.full((WALL_PASSES, n + 1), np.inf)
-        for k in range(WALL_PASSES):  # round-robin passes: a passing burst hits one of them
-            for who in range(-1, n):
-                chosen = put_global(np.full(shape, who, np.int32), self._shard)
-                t0 = time.perf_counter()
-                jax.block_until_ready(self._one(self._x, knobs, chosen))
-                walls[k, who + 1] = time.perf_counter() - t0
-        fastest = walls.min(axis=0)
-        idle, grid = fastest[0], self.plan.device_grid().ravel()
-        # less the program's own cost (dispatch, the barrier), never below a quarter of the
-        # device's wall: a noisy idle program must not make a device's time vanish
-        return {int(grid[i]): max(w - idle, 0.25 * w) / (WALL_WORK * self.repeats)
-                for i, w in enumerate(fastest[1:])}
+    def _synced(self) -> None:
+        """Every process of the job here: the next pass starts within a collective's
+        latency in all of them."""
+        jax.block_until_ready(self._barrier(self._zero))
+
+
+class _LocalProbe:
+    """Each of this process's devices timed alone in a program of its own, by this process's
+    clock, while every other process times its devices the same way at the same moment.
+
+    Why not one collective program per device (the job waiting while one device works): a
+    process that is held up (a throttle's stop, a burst of its other threads) stalls every
+    collective program it takes part in, so it lengthened its peers' times as much as its
+    own, and a process slowed 3x read 1.1x-1.3x on 4 processes of 2 shared cores. Here no
+    program waits for another process; and with all processes working at once, load from
+    elsewhere on shared cores falls on all of them alike instead of on whichever device
+    happened to be working alone when it came.
+
+    Each device works for a window of about `target_s` of wall time, in runs of the kernel
+    (`_window`), and its rate counts: every process stays busy for the same window, so the
+    load they put on shared cores stays even until all are done (with a fixed amount of work
+    the healthy ones finish first and leave a slow one the cores: a 3x process read 2x); and
+    the window is long against what a process's clock adds (a Python thread holding the
+    interpreter delays a return by milliseconds) and against a throttle's period."""
+
+    def __init__(self, plan: Plan, x_NxN: np.ndarray, inst: Instrument,
+                 step: Callable[[jax.Array], jax.Array], target_s: float) -> None:
+        self.plan, self.target_s = plan, target_s
+
+        def program(x_NxN, knob, n, dp, pp, tp):
+            # one marked region, untimed (the clock is this process's own): it calls the host
+            # only where the device is slowed, so an injected delay acts on the probe's work
+            coords = Coords(dp, pp, tp, knob, jnp.bool_(True), jnp.int32(0), jnp.bool_(False))
+            y = jax.lax.fori_loop(0, n, lambda _, a: step(a), inst.enter(x_NxN, coords))
+            return inst.exit(y, coords)[:1, :1]
+
+        self._program = jax.jit(program)
+        grid = plan.device_grid()
+        local = {int(d.id): d for d in jax.local_devices()}
+        # (device id, its device, its mesh coordinates) of every plan device held here
+        self.mine = [(int(grid[c]), local[int(grid[c])], c) for c in np.ndindex(grid.shape)
+                     if int(grid[c]) in local]
+        self._x = {dev: jax.device_put(x_NxN, device) for dev, device, _ in self.mine}
+        self._coords = {dev: [jax.device_put(np.int32(c), device) for c in coords]
+                        for dev, device, coords in self.mine}
+        self.k = LOCAL_TRIAL  # kernel iterations a run (grown to the window: `_window`)
+        self._ran = False
+
+    def _run(self, dev: int, device: jax.Device, knob: jax.Array, n: int) -> None:
+        n_ = jax.device_put(np.int32(n), device)
+        jax.block_until_ready(self._program(self._x[dev], knob, n_, *self._coords[dev]))
+
+    def _window(self, dev: int, device: jax.Device, knob: float) -> float:
+        """Seconds per kernel iteration over a window of about `target_s` of runs: each run
+        `self.k` iterations, doubled while a run is short against the window (its dispatch
+        would count), halved while one is long (the window would overrun)."""
+        knob_ = jax.device_put(np.float32(knob), device)
+        k, done = self.k, 0
+        start = time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            self._run(dev, device, knob_, k)
+            now, done = time.perf_counter(), done + k
+            if now - start >= self.target_s:
+                break
+            took = now - t0
+            if took < self.target_s / 40 and k < 1 << 20:
+                k *= 2
+            elif took > self.target_s / 8 and k > 1:
+                k //= 2
+        self.k = k
+        return (now - start) / done
+
+    def times(self, knobs_DxPxT: np.ndarray, synced: Callable[[], None]) -> dict[int, float]:
+        """Device id -> seconds one kernel iteration takes (fastest of LOCAL_PASSES passes)."""
+        if not self._ran:  # compiled for each device (its own placement) before any timing
+            for dev, device, _ in self.mine:
+                self._run(dev, device, jax.device_put(np.float32(1.0), device), 1)
+            self._ran = True
+        fastest = {dev: math.inf for dev, _, _ in self.mine}
+        for _ in range(LOCAL_PASSES):
+            synced()
+            for dev, device, coords in self.mine:
+                fastest[dev] = min(fastest[dev],
+                                   self._window(dev, device, float(knobs_DxPxT[coords])))
+        return fastest
 
 
 def gathered_probe(result: ProbeResult, device_ids: tuple[int, ...]) -> ProbeResult:

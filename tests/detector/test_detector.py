@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from typing import Any, Iterator
@@ -20,7 +21,8 @@ from resihp_jax.detector import (
     run_guarded,
 )
 from resihp_jax.detector.base import CHECK_EVERY, CHECK_RUNS
-from resihp_jax.detector.ours import CHECK_AFTER, CHECK_PERIOD, REACH_STEPS, WARMUP_STEPS
+from resihp_jax.detector.ours import (CHECK_AFTER, CHECK_PERIOD, JOB_CHECK_PERIOD, REACH_STEPS,
+                                      WARMUP_STEPS)
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
@@ -461,6 +463,32 @@ def test_a_device_slow_during_the_warmup_is_found_by_the_check_after_it() -> Non
     # cores) is no verdict without a step behind it
     mild = make_detector("resihp", model=CFG, prober=fake_prober({3: 1.3}, 0))
     assert [mild.observe(obs) for obs in stream(60, seed=4)] == [None] * 60
+
+
+def test_in_a_job_the_checks_start_with_its_first_steps_and_name_a_slow_host_within_ten(
+        ) -> None:
+    """In a job of several processes (`job_checks`) a host slow from step 12, inside the
+    warm-up, is named by the checks, every JOB_CHECK_PERIOD steps from the start, within
+    JOB_CHECK_PERIOD + (CHECK_RUNS - 1) x CHECK_EVERY steps of its onset (issue 46: 10);
+    on healthy hosts those checks find nothing."""
+    hosts = {d: d // 2 for d in PLAN.device_ids}
+
+    def prober(slow: dict[int, float], onset: int):  # noqa: ANN202
+        inner = fake_prober(slow, onset)
+        return lambda step: dataclasses.replace(inner(step), hosts=hosts)
+
+    onset = 13
+    det = make_detector("resihp", model=CFG, prober=prober({2: 2.0, 3: 2.0}, onset))
+    det.job_checks = True
+    named = [(obs.step, v) for obs in stream(40, seed=4, slow={2: 2.0, 3: 2.0}, onset=onset)
+             if (v := det.observe(obs)) is not None]
+    assert named and named[0][1].devices == (2, 3)
+    assert onset <= named[0][0] <= onset + JOB_CHECK_PERIOD + (CHECK_RUNS - 1) * CHECK_EVERY
+    assert JOB_CHECK_PERIOD + (CHECK_RUNS - 1) * CHECK_EVERY <= 10
+    healthy = make_detector("resihp", model=CFG, prober=prober({}, 0))
+    healthy.job_checks = True
+    assert [healthy.observe(obs) for obs in stream(40, seed=4)] == [None] * 40
+    assert healthy.checks == (40 - 1) // JOB_CHECK_PERIOD and healthy.alarms == 0
 
 
 def test_a_device_slow_in_one_run_of_the_check_only_is_not_named() -> None:

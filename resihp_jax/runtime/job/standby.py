@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from resihp_jax.runtime.job import priority
+
 ENV_VAR = "RESIHP_STANDBY"  # the go file this standby process waits for
 GO_FILE = "go.json"
 POLL_S = 0.02  # the go's latency; idle standby processes wake this often
@@ -123,7 +125,13 @@ class Standby:
         return total / 1024
 
     def promote(self, hosts: list[str]) -> dict[str, subprocess.Popen]:
-        """Give the word: the standby becomes the job's processes on `hosts`, in order."""
+        """Give the word: the standby becomes the job's processes on `hosts`, in order, at
+        normal priority again (it waited on idle cores: priority.py)."""
+        for proc in self.procs:
+            why = priority.foreground(proc.pid)
+            if why is not None:
+                print(f"launch: a promoted standby process stays at idle priority ({why})",
+                      file=sys.stderr)
         for index, host in enumerate(hosts):
             target = self.logs[index].with_name(f"incarnation{self.incarnation}-{host}.log")
             try:

@@ -46,6 +46,7 @@ from resihp_jax.errors import ConfigError, HostsLeftOut
 from resihp_jax.runtime.job import accelerators, distributed, heartbeat, standby
 from resihp_jax.runtime.recovery import health_record
 from resihp_jax.faults.throttle import Throttle
+from resihp_jax.runtime.job import priority
 from resihp_jax.runtime.job.exits import EXIT_CODES, USER_ERROR
 from resihp_jax.runtime.job.watchdog import HUNG_EXIT
 
@@ -229,10 +230,14 @@ class Supervisor:
         for index, (host, path) in enumerate(zip(hosts, logs)):
             log = open(path, "w")  # noqa: SIM115
             cmd, own_env = self._command(f"127.0.0.1:{port}", len(hosts), index, host)
+            # a process group of its own (signals reach all it starts), in the launcher's
+            # session: Linux shares a host's cores out per session first (autogroups), so a
+            # session each made every thread a process ran beside its devices (a background
+            # compile) take their share, and its probes read it as a slow device
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL,
                                           env={**env, **cfg.process_env(host), **own_env},
-                                          start_new_session=True))
+                                          process_group=0))
             log.close()
         return procs, service
 
@@ -250,6 +255,11 @@ class Supervisor:
         logs = [self._log(f"incarnation{nxt}-{name}") for name in names]
         beat_dir = cfg.checkpoint_dir / "heartbeat" / f"incarnation{nxt}"
         procs, service = self._start(names, beat_dir, logs, {standby.ENV_VAR: str(go)})
+        for proc in procs:  # it must not take the job's cores (priority.py)
+            why = priority.background(proc.pid)
+            if why is not None:
+                print(f"launch: the standby runs at normal priority ({why})", file=self.out)
+                break
         self._standby = standby.Standby(procs, service, go, nxt, logs)
 
     def _check_standby(self) -> None:

@@ -225,6 +225,7 @@ class ResilientTrainer:
         self.detector = (Unwatched() if self.config.detector == DETECTOR_OFF else
                          make_detector(self.config.detector, prober=self._probe,
                                        model=self.model, clock=self.clock))
+        self.detector.job_checks = multi_process()  # its devices checked from the start
         # asynchronous: orbax copies the state to host before `save` returns, so the
         # donation of the next step cannot touch what is being written
         self.checkpointer = (Checkpointer(

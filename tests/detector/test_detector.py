@@ -488,7 +488,7 @@ def test_in_a_job_the_checks_start_with_its_first_steps_and_name_a_slow_host_wit
     healthy = make_detector("resihp", model=CFG, prober=prober({}, 0))
     healthy.job_checks = True
     assert [healthy.observe(obs) for obs in stream(40, seed=4)] == [None] * 40
-    assert healthy.checks == (40 - 1) // JOB_CHECK_PERIOD and healthy.alarms == 0
+    assert healthy.checks == 40 // JOB_CHECK_PERIOD and healthy.alarms == 0
 
 
 def test_a_device_slow_in_one_run_of_the_check_only_is_not_named() -> None:

@@ -27,7 +27,11 @@ from tests.runtime.job.test_launch_script import SCRIPT, reference_losses
 WITHIN = 10  # steps from the onset to the verdict (issue 46's target)
 
 
-ONSET = WARMUP_STEPS + 3  # after the warm-up (inside it, see docs/MEASURED.md)
+# inside the detector's warm-up (as the issue's report had it: nothing judged the steps yet),
+# and not at a multiple of the job's check period (the checks' worst case is an onset just
+# after one)
+ONSET = 13
+assert ONSET < WARMUP_STEPS
 
 
 @pytest.mark.slow

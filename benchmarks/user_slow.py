@@ -12,8 +12,8 @@ do not. The table shows what it did: p2's CPU seconds per step (the same work be
 during: the slowdown stretches time, not work), the job's step time and tokens/s before,
 during and after, and under it p2's busy and stopped seconds as the throttle counted them.
 What the detector sees is the job's step only (a user's step has no stage timing): a
-suspicion from the step times, or the check of every device when the warm-up ends, and
-probes that time each device.
+suspicion from the step times, or the checks of every device a job runs from its fourth
+step on, every 5 steps, warm-up or not, and probes that time each device.
 
 Per factor: steps from onset to the verdict, the host the verdict named (by its devices),
 false alarms (probes before the onset that were suspicions, and any verdict before it), what
@@ -23,7 +23,7 @@ tokens/s of wall time before the onset, from the onset to the verdict and after 
 the uninterrupted run. One JSON line ends it. The machine's load average is printed with it:
 on 2 shared cores every figure moves with it.
 
-Usage: python benchmarks/user_slow.py [--quick] [--factors 3,1.5] [--onset 28]
+Usage: python benchmarks/user_slow.py [--quick] [--factors 3,1.5] [--onset 13]
 """
 
 from __future__ import annotations
@@ -222,9 +222,11 @@ def _fmt(x: object, spec: str = ".2f") -> str:
 def main() -> None:
     cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_argument("--quick", action="store_true", help="12 steps after the onset")
-    cli.add_argument("--factors", default="3,1.5")
-    cli.add_argument("--onset", type=int, default=28,
-                     help="step of the slowdown (after the detector's 24-step warm-up)")
+    cli.add_argument("--factors", default="3,1.5",
+                     help="comma-separated slowdown factors of process p2, one run each")
+    cli.add_argument("--onset", type=int, default=13,
+                     help="step of the slowdown (default inside the detector's 24-step "
+                          "warm-up; a job's checks run from its fourth step)")
     args = cli.parse_args()
     factors = [float(f) for f in args.factors.split(",")]
     steps = args.onset + (12 if args.quick else 24)

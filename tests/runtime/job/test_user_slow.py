@@ -1,14 +1,14 @@
 """A slow process under a user's own script (its own NNX model, `rh.fit`, plan dp=2,pp=2,
 tp=2 over 4 processes x 2 fake devices), `resihp launch --slow 2=3.0@ONSET`: the launcher
-stretches p2's own busy time 3x from the onset (faults/throttle.py); the detector, which
-sees only the job's step times (a user's step has no stage timing), suspects it, the probes
+stretches p2's own busy time 3x from the onset, inside the detector's warm-up
+(faults/throttle.py); the detector, which sees only the job's step times (a user's step has
+no stage timing), checks every device every 5 steps from the job's fourth step, the probes
 name p2's devices, and the job re-plans around them (a new split, or a relaunch without p2,
 whichever the scheduler finds faster). Every step is trained once, with the losses of the
 uninterrupted run.
 
-One run, and slow (~2-4 minutes on 2 idle cores): whether 3x on one of 4 processes stands
-out of the step times depends on what else the host runs, so it is not in the default run;
-`benchmarks/user_slow.py` measures it at 3x and 1.5x with the load stated."""
+One run, and slow (~2 minutes on 2 idle cores), so not in the default run:
+`benchmarks/user_slow.py` measures the same at 3x and 1.5x with the load stated."""
 
 from __future__ import annotations
 

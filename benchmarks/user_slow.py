@@ -45,7 +45,7 @@ from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor  #
 SLOW_PROCESS = 2
 DEVICES_PER_PROC = 2
 # the user's script: python script.py LOG --steps N. Every process appends one JSON line per
-# step to LOG.<host>; process 0 also each probe the detector ran (benchmark instrumentation:
+# step to LOG.p<process index>; process 0 also each probe the detector ran (benchmark instrumentation:
 # the library does not report its cleared suspicions to a script)
 SCRIPT = textwrap.dedent('''
     import argparse, json, os
@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent('''
     cli.add_argument("--steps", type=int, default=40)
     args = cli.parse_args()
     P, INIT = nnx.with_partitioning, nnx.initializers.normal(0.02)
-    HOST = os.environ.get("RESIHP_HOST_ID", "single")
+    HOST = os.environ.get("RESIHP_HOST_ID", "single")  # a standby's: a placeholder
 
     class Block(nnx.Module):
         def __init__(self, d, heads, rngs):
@@ -123,7 +123,9 @@ SCRIPT = textwrap.dedent('''
                "end": record.end_unix_s, "tokens": record.tokens, "cpu": now - last[0],
                "plan": record.plan, "host": HOST}
         last[0] = now
-        with open(f"{args.log}.{HOST}", "a") as f:
+        # by process index, not host id: a promoted standby keeps the placeholder host id
+        # of its environment, while process 0 of every incarnation is p0
+        with open(f"{args.log}.p{jax.process_index()}", "a") as f:
             f.write(json.dumps(row) + "\\n")
 
     rh.fit(model, rh.data.from_documents(docs), optimizer=optax.adam(3e-3), plan=plan,
@@ -186,7 +188,9 @@ def one_factor(root: Path, script: Path, factor: float, onset: int, steps: int,
     want = [ref[s] for s in sorted(first)]
     slow_rows = {r["step"]: r for r in by_host.get(f"p{SLOW_PROCESS}", [])}
     verdict_step = found["step"] if found else steps
-    after_from = min(verdict_step + 3, steps - 2)
+    # "after": from 3 steps past the verdict (the re-plan, a relaunch included, behind it);
+    # none where the run ends sooner (--quick)
+    after_from = verdict_step + 3 if verdict_step + 3 <= steps - 2 else None
     return {
         "factor": factor, "onset": injected,
         "verdict_step": found and found["step"],
@@ -200,7 +204,7 @@ def one_factor(root: Path, script: Path, factor: float, onset: int, steps: int,
         "max_loss_rel_err": float(max(abs(a - b) / abs(b) for a, b in zip(losses, want))),
         "tok_s_before": rate(list(first.values()), 4, injected),
         "tok_s_during": rate(list(first.values()), injected, verdict_step),
-        "tok_s_after": rate(list(first.values()), after_from, steps),
+        "tok_s_after": after_from and rate(list(first.values()), after_from, steps),
         "step_s_before": _span_mean(first, "t", 5, injected + 1),
         "step_s_during": _span_mean(first, "t", injected + 1, verdict_step + 1),
         "p2_cpu_s_before": _span_mean(slow_rows, "cpu", 5, injected + 1),

@@ -13,6 +13,7 @@ slows the probe exactly as it slows training.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -39,6 +40,7 @@ LOCAL_TARGET_S, LOCAL_TARGET_DEFAULT_S = {"cpu": 0.05}, 0.01
 # each other at every one, and on oversubscribed shared cores one descheduled thread held a
 # healthy device's whole run up (0.5x-3.7x of the median with nothing else running)
 LOCAL_SIZE = {"cpu": 64}
+GIL_SWITCH_S = 0.0005  # the interpreter's switch interval while it runs (`_LocalProbe.times`)
 LOCAL_PASSES, LOCAL_TRIAL = 2, 4
 _SPEC = P(*AXES)
 
@@ -331,11 +333,20 @@ class _LocalProbe:
         """Device id -> seconds one kernel iteration takes (fastest of LOCAL_PASSES passes)."""
         self.prepare()
         fastest = {dev: math.inf for dev, _, _ in self.mine}
-        for _ in range(LOCAL_PASSES):
-            synced()
-            for dev, device, coords in self.mine:
-                fastest[dev] = min(fastest[dev],
-                                   self._window(dev, device, float(knobs_DxPxT[coords])))
+        # the interpreter hands its lock over every GIL_SWITCH_S while the probe runs: each
+        # run's dispatch and return wait for it, and a thread of this process tracing a
+        # background compile holds it for up to the default 5 ms each time, which made a
+        # healthy process's devices read slow in every run of a check
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, GIL_SWITCH_S))
+        try:
+            for _ in range(LOCAL_PASSES):
+                synced()
+                for dev, device, coords in self.mine:
+                    fastest[dev] = min(fastest[dev],
+                                       self._window(dev, device, float(knobs_DxPxT[coords])))
+        finally:
+            sys.setswitchinterval(switch)
         return fastest
 
 

@@ -1,6 +1,7 @@
 """`resihp train`: flags -> typed configs -> the library's TrainingRun (runtime/run/).
 
-`--checkpoint-dir DIR` saves every `--checkpoint-every` steps and after the last step
+`--checkpoint-dir DIR` saves at the `--checkpoint-every` cadence (default 'auto': seconds
+from a save's measured cost, see runtime/recovery/cadence.py) and after the last step
 (asynchronously, with orbax); `--resume` continues from the newest good checkpoint in DIR
 with the same data position, onto any plan. `--steps` counts from the start of the run, so
 `--steps 6 --resume` after a run of 3 trains steps 4 to 6. `--resume` on a directory with no
@@ -26,7 +27,8 @@ from typing import Any, Mapping, TextIO
 
 from resihp_jax.cli.args import (add_compile_cache_arguments, compile_cache_dir,
                                  parse_int_list, parse_mesh)
-from resihp_jax.cli.train_checks import DEFAULT_CHECKPOINT_EVERY, check_train_args
+from resihp_jax.cli.train_checks import (DEFAULT_CHECKPOINT_EVERY, check_train_args,
+                                         interval_arg)
 from resihp_jax.errors import CheckpointFallbackWarning, ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import PRESETS, get_model_config
@@ -64,9 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-dir", default=None,
                         help="save checkpoints here (orbax, asynchronous); it must hold no "
                              "checkpoints unless --resume is given")
-    parser.add_argument("--checkpoint-every", type=int, default=None,
-                        help=f"save every N steps (default {DEFAULT_CHECKPOINT_EVERY}); the "
-                             "last step is always saved")
+    parser.add_argument("--checkpoint-every", type=interval_arg, default=None,
+                        help="save every N steps, or 'auto' (the default): an interval in "
+                             "seconds from a save's measured blocking cost and the job's "
+                             "expected time between failures (Young's sqrt(2 C M), at most "
+                             "30 min). A save due while the previous write goes on is put off "
+                             "to the next step; the last step is always saved")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest good checkpoint in --checkpoint-dir "
                              "(any plan; model, optimizer, data and batch shape must match); "

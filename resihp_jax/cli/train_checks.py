@@ -12,9 +12,10 @@ import math
 
 from resihp_jax.cli.args import check_output_dir, check_output_file
 from resihp_jax.errors import ConfigError
+from resihp_jax.runtime.recovery.cadence import AUTO
 from resihp_jax.runtime.recovery.checkpoint_dir import steps_on_disk
 
-DEFAULT_CHECKPOINT_EVERY = 10
+DEFAULT_CHECKPOINT_EVERY = AUTO
 
 
 def check_train_args(args: argparse.Namespace) -> None:
@@ -52,8 +53,6 @@ def _check_checkpoint_flags(args: argparse.Namespace) -> None:
             if value is not None:
                 raise ConfigError(f"{flag} needs --checkpoint-dir DIR")
         return
-    if args.checkpoint_every is not None and args.checkpoint_every < 1:
-        raise ConfigError(f"--checkpoint-every={args.checkpoint_every}: must be >= 1")
     if args.local_copy_dir is not None:
         if args.survivor_copies == "off":
             raise ConfigError(f"--local-copy-dir={args.local_copy_dir!r} with "
@@ -61,5 +60,14 @@ def _check_checkpoint_flags(args: argparse.Namespace) -> None:
         check_output_dir(args.local_copy_dir, "--local-copy-dir")
 
 
-def checkpoint_interval(args: argparse.Namespace) -> int:
-    return args.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
+def interval_arg(text: str) -> int | str:
+    """--checkpoint-every's value: 'auto' or an integer >= 1 (argparse reports the error)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 'auto' or a number of steps >= 1")
+    return value

@@ -22,9 +22,12 @@ from typing import Any, Callable, Mapping
 import jax
 import orbax.checkpoint as ocp
 
-from resihp_jax.errors import CheckpointError, CheckpointFallbackWarning
+from resihp_jax.errors import CheckpointError, CheckpointFallbackWarning, ConfigError
+from resihp_jax.meshes.agree import from_primary
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.recovery import local_copies
+from resihp_jax.runtime.recovery.cadence import (FIRST_SAVE_S, MAX_INTERVAL_S, Cadence,
+                                                 job_mtbf_s)
 from resihp_jax.runtime.recovery.checksum import leaf_shapes, state_checksums
 from resihp_jax.runtime.recovery.run_identity import check_identity
 from resihp_jax.train.reshard import from_canonical, to_canonical
@@ -53,23 +56,52 @@ def deadline_beside_write(ckpt: Checkpointer | None, deadline_s: float,
     return deadline_s if ckpt is None else ckpt.deadline_beside_write(deadline_s, limit_s)
 
 
+@dataclass
+class SaveStats:
+    """What this checkpointer's saves cost and did (counted by the library, not timed)."""
+    saves: int = 0
+    blocking_s: float = 0.0  # the step loop waited this long in `save` calls that saved
+    write_s: float = 0.0  # background writes' seconds (each seen to end at a step's start)
+    put_off: int = 0  # due saves put off while the previous write was under way
+    waits_on_previous_save: int = 0  # cadence saves that waited for the previous write
+    urgent_waits: int = 0  # forced or preemption saves that waited for it (as they must)
+    announced: bool = False  # the auto cadence was told
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        del out["announced"]
+        return out
+
+
 class _Damaged(Exception):
     """A step that cannot be read back as written (the caller falls back)."""
 
 
 class Checkpointer:
-    """Saves every `interval` steps under `directory`, keeping the newest `keep`.
+    """Saves under `directory` at the cadence `interval` (steps, or 'auto': see cadence.py),
+    keeping the newest `keep`.
 
     With `identity` (see run_identity.run_identity) every save records it and every restore
-    refuses a checkpoint whose identity differs.
+    refuses a checkpoint whose identity differs. `mtbf_s` (the job's expected seconds
+    between failures; default: cadence.GPU_MTBF_S over the job's devices), `max_interval_s`
+    and `budget` shape the 'auto' interval. `say` is told once which cadence 'auto' chose.
     """
 
-    def __init__(self, directory: str | Path, *, interval: int = 10, keep: int = 2,
+    def __init__(self, directory: str | Path, *, interval: int | str = 10, keep: int = 2,
                  asynchronous: bool = False, identity: Mapping[str, Any] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 local_copy_dir: str | Path | None = None, put_off_while_writing: bool = False):
-        if interval < 1 or keep < 1:
-            raise CheckpointError(f"checkpoint interval={interval} and keep={keep} must be >= 1")
+                 local_copy_dir: str | Path | None = None, put_off_while_writing: bool = True,
+                 mtbf_s: float | None = None, max_interval_s: float = MAX_INTERVAL_S,
+                 budget: float | None = None, first_save_s: float = FIRST_SAVE_S,
+                 say: Callable[[str], None] | None = None):
+        if keep < 1:
+            raise CheckpointError(f"checkpoint keep={keep} must be >= 1")
+        try:
+            self.cadence = Cadence(interval, mtbf_s=mtbf_s or job_mtbf_s(jax.device_count()),
+                                   max_interval_s=max_interval_s, budget=budget,
+                                   first_save_s=first_save_s, clock=clock)
+        except ConfigError as err:
+            raise CheckpointError(str(err)) from err
         self.directory = Path(directory).absolute()
         self.identity = identity
         # where the survivors' copies of this run go on each node (local_copies.py; None:
@@ -77,20 +109,18 @@ class Checkpointer:
         self.local_copies = (None if local_copy_dir is None
                              else local_copies.local_root(local_copy_dir, self.directory))
         self._clock = clock
+        self.say = say
         self._write_started: float | None = None  # when the asynchronous write under way began
         self._longest_write_s: float | None = None  # of the asynchronous writes seen to end
         self._longest_call_s: float | None = None  # of the `save` calls that saved
-        # put a due save off while the previous write is under way (one process only)
+        # a due save that finds the previous write under way is put off (never a stall)
         self._put_off = put_off_while_writing
         self._owed = False  # a due save put off while the previous write was under way
-        policies = ocp.checkpoint_managers
-        # every `interval` steps (and at a preemption), without orbax's default extra save
-        # of the first step: `--checkpoint-every 3` writes steps 3, 6, ...
-        saving = policies.AnySavePolicy([policies.FixedIntervalPolicy(interval),
-                                         policies.PreemptionCheckpointingPolicy()])
+        self.stats = SaveStats()
+        # orbax decides only preemption saves; the cadence decides the rest (`force`)
         options = ocp.CheckpointManagerOptions(
-            save_decision_policy=saving, max_to_keep=keep, create=True,
-            enable_async_checkpointing=asynchronous)
+            save_decision_policy=ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
+            max_to_keep=keep, create=True, enable_async_checkpointing=asynchronous)
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": state_handler(), "meta": ocp.JsonCheckpointHandler()})
@@ -98,45 +128,76 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def due(self, step: int) -> bool:
+        """Whether a save may fall due after `step` (its cadence's, or one put off)."""
+        return self._owed or self.cadence.due(step)
+
     def save(self, step: int, state: TrainState, program: StepProgram,
              data_state: dict[str, Any], force: bool = False) -> bool:
-        """Save if `step` is due (or `force`) and not saved yet; returns whether it saved.
+        """Save if `step` is due (or `force`, or a preemption was signalled) and not saved
+        yet; returns whether it saved. Call it after every step: the cadence counts them.
 
         Asynchronous saves copy the state to host memory before returning (orbax does so
-        before it starts writing), so the caller may donate `state` to the next step. With
-        `put_off_while_writing`, in a one-process run, a due save that finds the previous
-        write still under way is put off to the first later step that finds it done (never a
-        stall of the step).
+        before it starts writing), so the caller may donate `state` to the next step. A due
+        save that finds the previous write still under way is put off to the first later
+        step that finds it done (never a stall of the step); in a job of several processes
+        process 0's view decides for all. `force` and a preemption save and wait.
         """
-        if step == self.latest_step() or not (force or self._owed
-                                              or self._manager.should_save(step)):
+        self.cadence.step_ended(step)
+        if self.cadence.needs_plan():
+            self._plan_next(step)
+        if step == self.latest_step():
             return False
-        if self._put_off and not force and jax.process_count() == 1 and self.saving():
+        urgent = force or bool(self._manager.should_save(step))  # (a preemption)
+        if not (urgent or self.due(step)):
+            return False
+        if self._put_off and not urgent and bool(from_primary(self.saving())):
             # The previous write is still under way (saves due faster than the disk takes
             # them: a 3.7 GB state every 10 steps of 43 ms on an H200). Orbax would stall
             # this step until it ends (2.5 s there); save after the first step that finds it
-            # done instead. One process only: in a job every process must save alike.
+            # done instead.
             self._owed = True
+            self.stats.put_off += 1
             return False
+        if self._manager.is_saving_in_progress():  # orbax waits for it before this save
+            if urgent:
+                self.stats.urgent_waits += 1
+            else:
+                self.stats.waits_on_previous_save += 1
+        started = self._clock()
         canonical = to_canonical(state, program)
         meta = {"step": step, "data_state": data_state, "plan": program.plan.to_dict(),
                 "model": program.model.name, "identity": self.identity,
                 "leaves": leaf_shapes(canonical), "checksums": state_checksums(canonical)}
-        started = self._clock()
         try:
             saved = self._manager.save(step, args=ocp.args.Composite(
-                state=save_args(canonical), meta=ocp.args.JsonSave(meta)),
-                force=force or self._owed)
+                state=save_args(canonical), meta=ocp.args.JsonSave(meta)), force=True)
         except Exception as err:  # orbax raises plain Exceptions; an earlier async write too
             raise CheckpointError(f"saving checkpoint step {step} to {self.directory} "
                                   f"failed: {_first_line(err)}") from err
         if saved:
+            took = self._clock() - started
             self._owed = False
-            self._longest_call_s = max(self._longest_call_s or 0.0, self._clock() - started)
+            self._longest_call_s = max(self._longest_call_s or 0.0, took)
+            self.stats.saves += 1
+            self.stats.blocking_s += took
+            self.cadence.saved(took)
             self._written()  # orbax ended any earlier write before it began this one
             if self.saving():
                 self._write_started = self._clock()
         return saved
+
+    def _plan_next(self, step: int) -> None:
+        """Agree on the step of the next 'auto' save (process 0's proposal); say once which
+        interval the measured cost gave."""
+        self.cadence.set_next(from_primary(self.cadence.plan_next(step)))
+        choice = self.cadence.choice
+        if choice is not None and not self.stats.announced:
+            self.stats.announced = True
+            if self.say is not None:
+                steps = self.cadence.next_due - step
+                self.say(f"checkpoints: auto cadence {choice.describe()} (about {steps} "
+                         "steps at the current step time)")
 
     def saving(self) -> bool:
         """Whether an asynchronous save is still being written."""
@@ -160,6 +221,8 @@ class Checkpointer:
         if self._write_started is not None:
             took = self._clock() - self._write_started
             self._longest_write_s = max(self._longest_write_s or 0.0, took)
+            self.stats.write_s += took
+            self.cadence.wrote(took)
             self._write_started = None
 
     def save_deadline_s(self, floor_s: float, factor: float, limit_s: float) -> float:

@@ -20,6 +20,7 @@ from resihp_jax.runtime.job.heartbeat import Heartbeat
 from resihp_jax.runtime.recovery.checkpoint import deadline_beside_write
 from resihp_jax.runtime.trainer.deferred import compile_layouts
 from resihp_jax.runtime.trainer.loop import StepRecord
+from resihp_jax.runtime.trainer.overhead import Overhead
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.run.config import RunConfig
@@ -55,6 +56,7 @@ class AdaptRun:
         self.config, self.job, self.data, self.out, self.phases = config, job, data, out, phases
         self.ladder, self.on_step, self.copies = ladder, on_step, copies
         self.compiles_from = compiles_from
+        self.overhead: Overhead | None = None  # what resilience cost, once trained
         self.heartbeat = Heartbeat.from_env(job.spec.host_id)
         config = dataclasses.replace(
             resilience or ResilienceConfig(),
@@ -68,6 +70,8 @@ class AdaptRun:
         self.trainer = ResilientTrainer(model, train_cfg, plan, jax.devices(), data, config,
                                         on_long_work=self._long_work, programs=programs)
         self.trainer.warm_up()
+        if self.trainer.checkpointer is not None and job.primary:  # the cadence it chose
+            self.trainer.checkpointer.say = lambda line: print(line, file=out, flush=True)
         phases["compile_s"] = time.perf_counter() - t0
         self.snapshots = host_copies(copies, job, self.trainer.checkpointer)
 
@@ -133,7 +137,7 @@ class AdaptRun:
             return float(self.ladder.init_timeout_s)
         deadline = self.ladder.deadline_s(self.trainer.detector.last_prediction_s)
         ckpt = self.trainer.checkpointer
-        if ckpt is not None and (self.data_step + 1) % self.config.checkpoint_every == 0:
+        if ckpt is not None and ckpt.due(self.data_step + 1):
             # the trainer saves that step before it reports it: the save's own deadline on
             # top (a slowed or loaded peer holds every process in orbax's barriers; two runs
             # of a throttled 4-process job were called hung at a save step without it)
@@ -163,6 +167,7 @@ class AdaptRun:
                 self._beat(event.step, self._next_deadline())
         finally:
             sink.close()
+            self.overhead = self.trainer.overhead(sink.records)
         return sink.records
 
     def _keep_completed(self) -> None:

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.runtime.job.deadline import Ladder
+from resihp_jax.runtime.recovery.cadence import AUTO, check_interval
 
 SURVIVOR_COPY_MODES = ("auto", "keep", "host", "off")
-DEFAULT_CHECKPOINT_EVERY = 10
+DEFAULT_CHECKPOINT_EVERY = AUTO
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,9 @@ class RunConfig:
     seed: int = 0  # seed of the weights and the data
     data: str = "synthetic:lognormal"  # synthetic:uniform|lognormal|bimodal, corpus[:PATH]
     checkpoint_dir: str | None = None  # orbax checkpoints, health record, survivors' copies
-    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY  # the last step is always saved too
+    # steps between saves, or 'auto' (seconds from a save's measured cost, Young's rule:
+    # recovery/cadence.py); the last step is always saved too
+    checkpoint_every: int | str = DEFAULT_CHECKPOINT_EVERY
     # node-local directory (e.g. /dev/shm) for the survivors' copies: written at memory
     # speed, restored in place by a relaunch onto the same plan (recovery/local_copies.py)
     local_copy_dir: str | None = None
@@ -42,9 +45,9 @@ class RunConfig:
     devices: int | None = None  # one process: devices to use (default: the plan's count)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"RunConfig.{name}={getattr(self, name)!r}: must be >= 1")
+        if self.steps < 1:
+            raise ConfigError(f"RunConfig.steps={self.steps!r}: must be >= 1")
+        check_interval(self.checkpoint_every, "RunConfig.checkpoint_every")
         if self.survivor_copies not in SURVIVOR_COPY_MODES:
             raise ConfigError(f"RunConfig.survivor_copies={self.survivor_copies!r}: valid are "
                               f"{', '.join(SURVIVOR_COPY_MODES)}")

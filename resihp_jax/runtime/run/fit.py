@@ -31,6 +31,7 @@ from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.run.user_programs import user_facts, user_programs
 from resihp_jax.runtime.trainer.compiles import install
 from resihp_jax.runtime.trainer.loop import StepRecord
+from resihp_jax.runtime.trainer.overhead import Overhead
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.user_facts import UserModelFacts
@@ -47,6 +48,9 @@ class FitResult:
     facts: UserModelFacts | None = None  # what the planner knew of the model
     plan: Plan | None = None  # the plan the last step ran
     first_plan: Plan | None = None  # the plan training started on
+    # what resilience cost this call (checkpoints, probes, timing, copies against wall time;
+    # `.describe()` is the end-of-run line)
+    overhead: Overhead | None = None
 
 
 def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan: Plan | str,
@@ -108,6 +112,7 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         step_timeout_s=max(resilience.step_timeout_s, resilience.hang_floor_s),
         compile_cache_dir=resilience.compile_cache_dir,
         survivor_copies="auto" if checkpoint_dir is not None else "off",
+        checkpoint_every=resilience.checkpoint_interval,
         local_copy_dir=local_copy_dir)
     training = TrainingRun(facts, TrainConfig(remat=remat), plan, config, spec,
                            data=_batches(data, plan, seed), programs=programs, on_step=on_step,
@@ -121,7 +126,7 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     canonical = jax.device_get(trainer.program.canonical_params(trainer.state))
     return FitResult(parts.assemble(canonical["shell"], canonical["blocks"]),
                      {r.step: r.loss for r in records}, list(trainer.replans), records, facts,
-                     trainer.plan, plan)
+                     trainer.plan, plan, getattr(training.active, "overhead", None))
 
 
 def _show_progress(progress: bool | None) -> bool:

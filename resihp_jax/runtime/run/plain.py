@@ -139,7 +139,7 @@ class TrainRun:
         if self.ckpt is None:
             return
         self._background.start(lambda: compile_layouts(self.program, ("to_canonical_fn",)))
-        if step % self.config.checkpoint_every == 0 or step >= self.config.steps:
+        if self.ckpt.due(step) or step >= self.config.steps:
             self._background.wait()
 
     def _save_deadline_s(self, step: int) -> float:

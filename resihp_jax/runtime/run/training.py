@@ -119,6 +119,9 @@ class TrainingRun:
             run.close()  # waits for the final checkpoint
         if records:
             print(report(records), file=self.out)
+            overhead = getattr(run, "overhead", None)
+            if overhead is not None and job.primary:
+                print(overhead.describe(), file=self.out)
             if job.primary and self.config.checkpoint_dir is not None:
                 from resihp_jax.runtime.recovery.host_snapshot import remove_copies  # noqa: PLC0415
 
@@ -157,8 +160,8 @@ class TrainingRun:
         if config.checkpoint_dir is not None:  # (the adapting trainer keeps its own)
             ckpt = Checkpointer(config.checkpoint_dir, interval=config.checkpoint_every,
                                 asynchronous=True, local_copy_dir=config.local_copy_dir,
-                                put_off_while_writing=True,
-                                identity=run_identity(self.model, train_cfg, data.state()))
+                                identity=run_identity(self.model, train_cfg, data.state()),
+                                say=self._say if job.primary else None)
         return TrainRun(config, copies, job, self.model, train_cfg, plan, data, ckpt,
                         self.ladder, self.phases, self.out, self._compiles_from)
 
@@ -200,6 +203,9 @@ class TrainingRun:
         run.close()
         return self._build(job, new_plan)
 
+    def _say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
     def _describe(self, job: Any, plan: Plan, copies: str | None) -> None:
         model, out = self.model, self.out
         print(f"model {model.name} ({model.param_count() / 1e6:.2f}M params, {model.dtype}), "
@@ -210,6 +216,9 @@ class TrainingRun:
         if copies is not None:
             auto = " (auto)" if self.config.survivor_copies == "auto" else ""
             print(f"survivor copies: {copies}{auto}", file=out)
+        elif self.config.checkpoint_dir is not None and self.config.survivor_copies == "auto":
+            print("survivor copies: none (auto: one process has no survivor to serve; the "
+                  "checkpoints cover it)", file=out)
 
     def _job_plan(self, job: Any) -> Plan:
         """The requested plan on this job's usable devices, or the scheduler's plan for them."""
@@ -262,6 +271,9 @@ def copies_mode(config: RunConfig, plan: Plan, model: ModelFacts) -> str | None:
     if config.survivor_copies != "auto":
         return config.survivor_copies
     import jax  # noqa: PLC0415
+
+    if jax.process_count() == 1 and config.local_copy_dir is None:
+        return None  # no survivor to serve: the checkpoints (and a preemption's save) do
 
     from resihp_jax.perfmodel import memory_bytes_per_device  # noqa: PLC0415
     from resihp_jax.perfmodel.costs import MASTER_BYTES  # noqa: PLC0415

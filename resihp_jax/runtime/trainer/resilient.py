@@ -43,6 +43,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.meshes.agree import from_primary, multi_process
+from resihp_jax.runtime.recovery.cadence import MAX_INTERVAL_S, check_interval
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, deadline_beside_write
 from resihp_jax.runtime.trainer.compile_cache import default_cache_dir, enable_compilation_cache
 from resihp_jax.runtime.trainer.compiles import counting
@@ -55,6 +56,7 @@ from resihp_jax.train.staging import HostStaging
 from resihp_jax.train.warmup import warm_up
 from resihp_jax.runtime.recovery.run_identity import run_identity
 from resihp_jax.runtime.trainer.host_cpu import CpuMeter
+from resihp_jax.runtime.trainer.overhead import Overhead, run_overhead
 from resihp_jax.runtime.trainer.timing import StageTimer, StepTiming, timed_step
 from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
 from resihp_jax.train.aot import compile_program
@@ -83,7 +85,16 @@ class ResilienceConfig:
     recompile_s: float = 10.0  # charged for a new mesh until a compile has been measured
     horizon_s: float = 3600.0  # expected seconds to the next failure
     checkpoint_dir: str | None = None
-    checkpoint_interval: int = 10
+    # 'auto': an interval in seconds from a save's measured blocking cost and the job's
+    # expected time between failures (Young, see recovery/cadence.py); an integer: every N
+    # steps. A save due while the previous write is still going is put off, never waited for
+    checkpoint_interval: int | str = "auto"
+    # the job's expected seconds between failures (None: 50,000 GPU-hours over its devices)
+    mtbf_s: float | None = None
+    max_checkpoint_interval_s: float = MAX_INTERVAL_S  # the most training a failure may lose
+    # the share of wall time checkpoints' blocking, probes and stage timing may take
+    # together; the run reports what they took (FitResult.overhead)
+    overhead_budget: float = 0.02
     local_copy_dir: str | None = None  # node-local survivors' copies (recovery/local_copies.py)
     precompile: int = 4  # programs of likely next plans compiled in the background (0: off)
     # after a fail-slow verdict, train an interim split while a new mesh compiles in the
@@ -129,10 +140,19 @@ class ResilienceConfig:
         if self.untimed_start not in (None, True, False):
             raise ConfigError(f"ResilienceConfig.untimed_start={self.untimed_start!r}: must be "
                               "True, False or None (in a job of several processes only)")
-        if not self.recompile_s >= 0 or self.checkpoint_interval < 1 or self.precompile < 0:
-            raise ConfigError(f"ResilienceConfig: recompile_s={self.recompile_s!r} must be >= 0, "
-                              f"checkpoint_interval={self.checkpoint_interval!r} >= 1 and "
-                              f"precompile={self.precompile!r} >= 0")
+        if not self.recompile_s >= 0 or self.precompile < 0:
+            raise ConfigError(f"ResilienceConfig: recompile_s={self.recompile_s!r} must be >= 0 "
+                              f"and precompile={self.precompile!r} >= 0")
+        check_interval(self.checkpoint_interval, "ResilienceConfig.checkpoint_interval")
+        if self.mtbf_s is not None and not self.mtbf_s > 0:
+            raise ConfigError(f"ResilienceConfig.mtbf_s={self.mtbf_s!r}: must be > 0 seconds "
+                              "or None (50,000 GPU-hours over the job's devices)")
+        if not self.max_checkpoint_interval_s > 0:
+            raise ConfigError(f"ResilienceConfig.max_checkpoint_interval_s="
+                              f"{self.max_checkpoint_interval_s!r}: must be > 0")
+        if not 0 < self.overhead_budget < 1:
+            raise ConfigError(f"ResilienceConfig.overhead_budget={self.overhead_budget!r}: "
+                              "must be a share of wall time between 0 and 1 (e.g. 0.02)")
 
 
 @dataclass(frozen=True)
@@ -232,7 +252,9 @@ class ResilientTrainer:
             self.config.checkpoint_dir, interval=self.config.checkpoint_interval,
             asynchronous=True, identity=run_identity(self.model, self.train_cfg,
                                                      self.data.state()),
-            local_copy_dir=self.config.local_copy_dir, put_off_while_writing=True)
+            local_copy_dir=self.config.local_copy_dir, mtbf_s=self.config.mtbf_s,
+            max_interval_s=self.config.max_checkpoint_interval_s,
+            budget=self.config.overhead_budget)
             if self.config.checkpoint_dir else None)
         # host memory for a move onto a prepared mesh, touched while it is prepared (one
         # process only: a job of several moves through orbax)
@@ -250,6 +272,10 @@ class ResilientTrainer:
         # verdict and reason that chose it
         self._pending: tuple[Plan, Verdict, str] | None = None
         self._costs_fitted = False
+        # what resilience spent on the step loop's path (see overhead.py): saves (every
+        # call, put-off checks included), probe runs, stage timing (the timers' own time)
+        self.spent_s = {"checkpoints": 0.0, "probes": 0.0, "timing": 0.0}
+        self.probe_runs = 0
 
     # ---- programs ------------------------------------------------------------------------
     def _compiled(self, plan: Plan, timed: bool | None = None,
@@ -401,9 +427,11 @@ class ResilientTrainer:
                 self._costs_fitted = True
                 self._prepare_next()
             if self.checkpointer:
-                if done % self.config.checkpoint_interval == 0:  # a save moves the layout
+                saving_from = self.clock()
+                if self.checkpointer.due(done):  # a save moves the layout
                     await_started(self._layouts)
                 self.checkpointer.save(done, self.state, self.program, self.data.state())
+                self.spent_s["checkpoints"] += self.clock() - saving_from
             # judged before it is yielded, so the caller sees this step's prediction
             verdict = _agreed(self.detector.observe(self._observation(record, batch)))
             yield record
@@ -422,6 +450,18 @@ class ResilientTrainer:
     def close(self) -> None:
         self.precompiler.close()
 
+    def overhead(self, records: Sequence[StepRecord]) -> Overhead:
+        """What resilience cost the steps of `records` (this trainer's), see overhead.py."""
+        counts = {"probe_runs": self.probe_runs}
+        if self.checkpointer is not None:
+            stats = self.checkpointer.stats
+            counts.update(saves=stats.saves, saves_put_off=stats.put_off,
+                          waits_on_previous_save=stats.waits_on_previous_save)
+        return run_overhead(records, budget=self.config.overhead_budget,
+                            checkpoints_s=self.spent_s["checkpoints"],
+                            probes_s=self.spent_s["probes"], timing_s=self.spent_s["timing"],
+                            counts=counts)
+
     def warm_up(self) -> None:
         """Build now the small programs every step of a job of several processes runs
         besides the step (gathering its timings, process 0's broadcast of the verdict), so
@@ -437,10 +477,15 @@ class ResilientTrainer:
     def _probe(self, step: int):  # noqa: ANN202 - a ProbeResult
         if self.on_long_work is not None:
             self.on_long_work("probe")
-        if self._prober is None:
+        started = self.clock()
+        if self._prober is None:  # (its compile is a one-off, not a run's cost)
             self._prober = Prober(self.plan, self.devices, host=self._host.hook)
+            started = self.clock()
         result = self._prober.run(self._knobs(step))
-        return gathered_probe(result, self.plan.device_ids) if multi_process() else result
+        result = gathered_probe(result, self.plan.device_ids) if multi_process() else result
+        self.spent_s["probes"] += self.clock() - started
+        self.probe_runs += 1
+        return result
 
     def _step(self, step: int, batch: GlobalBatch) -> StepRecord:
         program, timer = self.program, self._host.timer
@@ -449,8 +494,10 @@ class ResilientTrainer:
         def run_once() -> tuple[TrainState, dict[str, Any], Any]:
             return timed_step(program, self.state, arrays, self._knobs(step), timer)
 
+        spent_before = timer.spent_s
         self.state, metrics, timing = run_guarded(run_once, step, self.deadline_s(batch),
                                                   in_flight=self._in_flight)
+        self.spent_s["timing"] += timer.spent_s - spent_before
         # done on the devices: should a later collective of this step fail (a peer died
         # meanwhile), this process can still keep it, as peers that got further did
         self.completed = step

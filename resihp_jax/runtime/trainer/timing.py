@@ -66,11 +66,16 @@ class StageTimer:
         self._regions = RegionTimer(clock)
         self._fwd = np.zeros(self.shape)
         self._t0 = 0.0
+        # host seconds spent timing (the callbacks' own work, the CPU counters' reads): the
+        # "timing" part of a run's resilience overhead. Callbacks of several devices add to
+        # it from their own threads; a lost update under-counts by one callback at most
+        self.spent_s = 0.0
 
     def __call__(self, event: int, dp: int, pp: int, tp: int, knob: float, busy: bool,
                  tick: int) -> None:
         if not busy or tick - pp != TIMED_SLOT:
             return
+        entered = time.perf_counter()
         key = (dp, pp, tp)
         if event == FWD_START:
             self._regions.start(key)
@@ -78,17 +83,24 @@ class StageTimer:
             elapsed = self._regions.stop(key)
             if elapsed is not None:
                 self._fwd[key] = elapsed
+        self.spent_s += time.perf_counter() - entered
 
     def begin(self) -> None:
         self._fwd[:] = 0.0
         self._regions.clear()
         if self.cpu is not None:
+            entered = time.perf_counter()
             self.cpu.begin()
+            self.spent_s += time.perf_counter() - entered
         self._t0 = self._regions.clock()
 
     def end(self) -> StepTiming:
         elapsed = self._regions.clock() - self._t0
-        cpu = self.cpu.end() if self.cpu is not None else None
+        cpu = None
+        if self.cpu is not None:
+            entered = time.perf_counter()
+            cpu = self.cpu.end()
+            self.spent_s += time.perf_counter() - entered
         return StepTiming(elapsed, self._fwd.copy(), cpu)
 
     def in_flight(self) -> list[tuple[int, int, int]]:
@@ -104,7 +116,8 @@ def timed_step(program: Any, state: Any, batch: Any, knobs_DxPxT: np.ndarray | N
         timer = StageTimer((program.plan.dp, program.plan.pp, program.plan.tp))
     timer.begin()
     state, metrics = program.step(state, batch, knobs_DxPxT)
-    # the state too: its last buffers (the optimizer's update after the gradients'
-    # all-reduce) can be ready after the loss, and a step is done when all of it is
-    jax.block_until_ready((state, metrics))
+    # the step's time is read when its loss is ready, which the loop fetches anyway: no
+    # sync on the state's hundreds of buffers (its last ones, the optimizer's update, may
+    # end a little later: the next step's time then includes it; a kept copy checks them)
+    jax.block_until_ready(metrics)
     return state, metrics, timer.end()

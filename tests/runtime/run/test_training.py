@@ -43,7 +43,8 @@ def test_a_script_runs_what_the_command_runs(tmp_path: Path, adapt: bool) -> Non
     assert [r.loss for r in records] == _losses(cli_metrics)  # bit for bit
     assert _losses(tmp_path / "script.jsonl") == _losses(cli_metrics)
     assert "plan dp=2,pp=2,tp=2 layers=1,3 microbatches=3,1" in out
-    assert "survivor copies: keep (auto)" in out and "final loss" in out
+    assert "survivor copies: none (auto: one process" in out and "final loss" in out
+    assert "resilience took" in out and "% of the wall time" in out
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -144,6 +144,8 @@ class Checkpointer:
         process 0's view decides for all. `force` and a preemption save and wait.
         """
         self.cadence.step_ended(step)
+        if self._write_started is not None:
+            self.saving()  # (a local look) times the write to the step that sees it end
         if self.cadence.needs_plan():
             self._plan_next(step)
         if step == self.latest_step():

@@ -45,8 +45,8 @@ from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor  #
 SLOW_PROCESS = 2
 DEVICES_PER_PROC = 2
 # the user's script: python script.py LOG --steps N. Every process appends one JSON line per
-# step to LOG.p<process index>; process 0 also each probe the detector ran (benchmark instrumentation:
-# the library does not report its cleared suspicions to a script)
+# step to LOG.p<process index>; process 0 also each probe the detector ran (benchmark
+# instrumentation: the library does not report its cleared suspicions to a script)
 SCRIPT = textwrap.dedent('''
     import argparse, json, os
     import jax, jax.numpy as jnp, numpy as np, optax

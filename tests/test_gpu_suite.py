@@ -75,8 +75,15 @@ def test_timing_sections_give_real_ratios(quick: dict) -> None:
                                                                rel=1e-4)
     assert any("long docs" in name and row["documents"] <= 8
                for name, row in s["speed"].items())
-    assert all(_real(r) and r > 0 for r in s["resilience_price"]["ratios"].values())
-    assert len(s["resilience_price"]["ratios"]) == 2
+    price = s["resilience_price"]
+    head = price["headline"]
+    for key in ("on_off_ratio", "worst_case_on_off", "blocking_s_per_save"):
+        assert _real(head[key]) and head[key] > 0, key
+    assert _real(price["train_on_off"]) and price["train_on_off"] > 0
+    assert set(head["interval_s"]) == {"1", "1024"}
+    assert head["interval_s"]["1024"] < head["interval_s"]["1"]  # more devices, more failures
+    # the injected slow writer: no step waited for a previous write, every step trained once
+    assert head["waits_on_previous_save"] == 0 and head["steps_once"] and head["losses_equal"]
     programs = s["startup"]["programs"]
     assert set(programs) == {"rh.fit", "build_step", "peer jit"}
     assert all(p["seconds"] > 0 and p["compiles"] >= 1 for p in programs.values())

@@ -65,6 +65,10 @@ class SaveStats:
     put_off: int = 0  # due saves put off while the previous write was under way
     waits_on_previous_save: int = 0  # cadence saves that waited for the previous write
     urgent_waits: int = 0  # forced or preemption saves that waited for it (as they must)
+    saved: list[tuple[int, float, bool]] = dataclasses.field(default_factory=list)
+    # ^ each save: (its step, the seconds the loop was blocked, whether forced or preempted)
+    # each background write seen to end: (the step saved, the step that saw it end, seconds)
+    writes: list[tuple[int, int, float]] = dataclasses.field(default_factory=list)
     announced: bool = False  # the auto cadence was told
 
     def as_dict(self) -> dict[str, Any]:
@@ -111,6 +115,7 @@ class Checkpointer:
         self._clock = clock
         self.say = say
         self._write_started: float | None = None  # when the asynchronous write under way began
+        self._write_step = self._step_now = 0  # the step it saves; the newest step seen
         self._longest_write_s: float | None = None  # of the asynchronous writes seen to end
         self._longest_call_s: float | None = None  # of the `save` calls that saved
         # a due save that finds the previous write under way is put off (never a stall)
@@ -144,6 +149,7 @@ class Checkpointer:
         process 0's view decides for all. `force` and a preemption save and wait.
         """
         self.cadence.step_ended(step)
+        self._step_now = step
         if self._write_started is not None:
             self.saving()  # (a local look) times the write to the step that sees it end
         if self.cadence.needs_plan():
@@ -183,10 +189,11 @@ class Checkpointer:
             self._longest_call_s = max(self._longest_call_s or 0.0, took)
             self.stats.saves += 1
             self.stats.blocking_s += took
+            self.stats.saved.append((step, took, urgent))
             self.cadence.saved(took)
             self._written()  # orbax ended any earlier write before it began this one
             if self.saving():
-                self._write_started = self._clock()
+                self._write_started, self._write_step = self._clock(), step
         return saved
 
     def _plan_next(self, step: int) -> None:
@@ -224,6 +231,7 @@ class Checkpointer:
             took = self._clock() - self._write_started
             self._longest_write_s = max(self._longest_write_s or 0.0, took)
             self.stats.write_s += took
+            self.stats.writes.append((self._write_step, self._step_now, took))
             self.cadence.wrote(took)
             self._write_started = None
 

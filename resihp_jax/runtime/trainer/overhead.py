@@ -24,6 +24,9 @@ class Overhead:
     wall_s: float
     budget: float
     counts: Mapping[str, int] = field(default_factory=dict)  # e.g. saves, probe runs
+    # the checkpointer's own account (recovery/checkpoint.py SaveStats.as_dict): blocking
+    # and write seconds, saves put off, waits on a previous write, each write's steps
+    checkpoint: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def total_s(self) -> float:
@@ -50,7 +53,7 @@ class Overhead:
         return {"seconds": {p: round(s, 6) for p, s in self.seconds.items()},
                 "total_s": round(self.total_s, 6), "wall_s": round(self.wall_s, 6),
                 "share": round(self.share(), 6), "budget": self.budget,
-                "counts": dict(self.counts)}
+                "counts": dict(self.counts), "checkpoint": dict(self.checkpoint)}
 
 
 def wall_s(records: Sequence[Any]) -> float:
@@ -63,10 +66,12 @@ def wall_s(records: Sequence[Any]) -> float:
 
 def run_overhead(records: Sequence[Any], *, budget: float, checkpoints_s: float = 0.0,
                  probes_s: float = 0.0, timing_s: float = 0.0,
-                 counts: Mapping[str, int] | None = None) -> Overhead:
+                 counts: Mapping[str, int] | None = None,
+                 checkpoint: Mapping[str, Any] | None = None) -> Overhead:
     """The run's Overhead from its records (their per-step host copies, after the first
     step) and the seconds the checkpointer, the probes and the stage timer measured."""
     copies = float(sum(r.host_copy_s for r in records[1:]))
     seconds = {"checkpoints": checkpoints_s, "probes": probes_s, "timing": timing_s,
                "copies": copies}
-    return Overhead(seconds, wall_s(records), budget, dict(counts or {}))
+    return Overhead(seconds, wall_s(records), budget, dict(counts or {}),
+                    dict(checkpoint or {}))

@@ -452,15 +452,12 @@ class ResilientTrainer:
 
     def overhead(self, records: Sequence[StepRecord]) -> Overhead:
         """What resilience cost the steps of `records` (this trainer's), see overhead.py."""
-        counts = {"probe_runs": self.probe_runs}
-        if self.checkpointer is not None:
-            stats = self.checkpointer.stats
-            counts.update(saves=stats.saves, saves_put_off=stats.put_off,
-                          waits_on_previous_save=stats.waits_on_previous_save)
+        ckpt = self.checkpointer
         return run_overhead(records, budget=self.config.overhead_budget,
                             checkpoints_s=self.spent_s["checkpoints"],
                             probes_s=self.spent_s["probes"], timing_s=self.spent_s["timing"],
-                            counts=counts)
+                            counts={"probe_runs": self.probe_runs},
+                            checkpoint=ckpt.stats.as_dict() if ckpt is not None else None)
 
     def warm_up(self) -> None:
         """Build now the small programs every step of a job of several processes runs

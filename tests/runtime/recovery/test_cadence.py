@@ -102,25 +102,31 @@ def _run(ckpt: Checkpointer, program, steps: int, now: list[float], step_s: floa
     return saved
 
 
+def _slow_run(directory: Path, program, put_off: bool) -> tuple:  # noqa: ANN001
+    """30 steps, a save due after each, writes of 10 s (fake clock): (saved steps, the
+    checkpointer's stats, seconds slept waiting for a write)."""
+    now, slept = [0.0], []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    ckpt = Checkpointer(directory, interval=1, asynchronous=True, clock=lambda: now[0],
+                        put_off_while_writing=put_off)
+    slow_writes(ckpt, 10.0, clock=lambda: now[0], sleep=sleep)
+    saved = _run(ckpt, program, 30, now, 1.0)
+    stats, waited = dataclasses.replace(ckpt.stats), sum(slept)
+    ckpt.wait()
+    assert ckpt.restore(program).data_state == {"position": saved[-1]}
+    ckpt.close()
+    return saved, stats, waited
+
+
 def test_a_slow_writer_never_makes_a_step_wait(tmp_path: Path, program) -> None:  # noqa: ANN001
     """Every step is due (interval 1) and each write lasts 10 steps: the saves are put off
     until the write under way ends, and none waits for it; without the put-off each would."""
-    results = {}
-    for put_off in (True, False):
-        now, slept = [0.0], []
-
-        def sleep(seconds: float) -> None:
-            slept.append(seconds)
-            now[0] += seconds
-
-        ckpt = Checkpointer(tmp_path / str(put_off), interval=1, asynchronous=True,
-                            clock=lambda: now[0], put_off_while_writing=put_off)
-        slow_writes(ckpt, 10.0, clock=lambda: now[0], sleep=sleep)
-        saved = _run(ckpt, program, 30, now, 1.0)
-        results[put_off] = (saved, dataclasses.replace(ckpt.stats), sum(slept))
-        ckpt.wait()
-        assert ckpt.restore(program).data_state == {"position": saved[-1]}
-        ckpt.close()
+    results = {put_off: _slow_run(tmp_path / str(put_off), program, put_off)
+               for put_off in (True, False)}
     saved, stats, waited = results[True]
     assert stats.waits_on_previous_save == 0 and waited == 0.0
     assert saved == [1, 11, 21] and stats.put_off == 27

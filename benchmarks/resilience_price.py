@@ -1,0 +1,305 @@
+"""What resilience costs a healthy run, split into what it is made of, each part against
+`rh.fit` with everything off in the same process (rates over wall time from the end of
+step 2, so everything between steps counts):
+
+- between saves: `rh.fit` with its defaults (detector, probes, timing, the 'auto' checkpoint
+  cadence, survivors' copies as the defaults make them) against all off, over a window in
+  which no save falls due (the first 'auto' save comes after a minute of training);
+  alternated on/off over rounds, medians;
+- per save: a run saving every N steps gives C (the seconds the step loop is blocked per
+  save), the background write's time and how much the steps run during a write slow down;
+- at the default cadence: the interval the library picks for a job of 1 device and of 1,024
+  (Young's sqrt(2 C M) from the C and write time just measured) and the overhead that follows:
+  (C + slowdown during a write) / interval + the between-saves share;
+- worst case: a save due after every step (the writer's fastest cadence: each save is put
+  off until the previous write ends), on/off (reported, not a target);
+- a slow writer (the fault): every background write made to last 10x the step time
+  (`resihp_jax.faults.slow_writer.slow_writes`, installed on the run's checkpointer), a save
+  due after every step: the library counts the saves that waited for a previous write (0 is
+  the claim), and every step must train once, on the same batches and to the same losses as
+  the all-off run. A process killed mid-write is tests/runtime/recovery/test_save_crash.py.
+
+Usage: python benchmarks/resilience_price.py [--quick] [--model tiny|small] [--rows R]
+       [--seq-len S] [--steps N] [--rounds K] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import statistics
+import tempfile
+import threading
+from typing import Any, Iterator
+
+import jax
+
+import resihp_jax as rh
+from resihp_jax.data import BatchIterator
+from resihp_jax.faults.slow_writer import slow_writes
+from resihp_jax.meshes.plan import Plan
+from resihp_jax.model.config import ModelConfig, get_model_config
+from resihp_jax.runtime.recovery.cadence import choose_interval, job_mtbf_s
+from resihp_jax.runtime.trainer import resilient
+from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
+from resihp_jax.runtime.trainer.resilient import DETECTOR_OFF
+from resihp_jax.train.config import TrainConfig
+
+SKIP_STEPS = 2  # the compiling step and the first warm one
+JOBS = (1, 1024)  # devices in the jobs whose default cadence is reported
+SLOW_WRITE_FACTOR = 10.0  # the slow writer's writes last this many step times
+
+
+def all_off() -> rh.ResilienceConfig:
+    """Everything `ResilienceConfig` can turn off (the per-step host CPU counters stay)."""
+    return rh.ResilienceConfig(detector=DETECTOR_OFF, stage_timing=False, checkpoint_dir=None,
+                               precompile=0, background_compile=False, untimed_start=False,
+                               compile_cache_dir=None, warm_prepared=False)
+
+
+def wall_rate(records: list[Any]) -> float:
+    """Tokens per second over the wall time from the end of step SKIP_STEPS to the last."""
+    ends = [r.end_unix_s for r in records]
+    tokens = sum(r.tokens for r in records[SKIP_STEPS:])
+    return tokens / (ends[-1] - ends[SKIP_STEPS - 1])
+
+
+def batches(model: ModelConfig, rows: int, seq: int, steps: int, seed: int) -> list[Any]:
+    it = BatchIterator("synthetic:lognormal", n_microbatches=1, microbatch_size=rows,
+                       seq_len=seq, seed=seed)
+    out = []
+    for _ in range(steps):
+        batch = it.next_batch()
+        out.append(rh.PackedBatch(*(a.reshape(-1, seq) for a in (
+            batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS))))
+    return out
+
+
+class Bench:
+    """One model, its batches and one device: runs `rh.fit` under a ResilienceConfig."""
+
+    def __init__(self, model: ModelConfig, rows: int, seq: int, steps: int, seed: int,
+                 device: Any, cache_dir: str | None = None) -> None:
+        """`cache_dir`: JAX's persistent compile cache for every run, on and off alike (on
+        a GPU, each llama-1b run would otherwise compile its step anew)."""
+        self.model, self.steps, self.seed, self.device = model, steps, seed, device
+        self.cache_dir = cache_dir
+        self.data = batches(model, rows, seq, steps, seed)
+        self.plan = Plan.uniform(1, 1, 1, n_layers=model.n_layers, n_microbatches=1,
+                                 microbatch_size=rows, seq_len=seq,
+                                 device_ids=(int(device.id),))
+
+    def fit(self, config: rh.ResilienceConfig) -> Any:
+        config = dataclasses.replace(config, compile_cache_dir=self.cache_dir)
+        result = rh.fit(lambda rngs: rh.models.Llama(self.model, rngs=rngs), self.data,
+                        optimizer=TrainConfig().optimizer(), plan=self.plan, steps=self.steps,
+                        seed=self.seed, devices=[self.device], progress=False,
+                        resilience=config)
+        drain_background()
+        return result
+
+    def fit_saving(self, interval: int | str, **changes: Any) -> Any:
+        with tempfile.TemporaryDirectory() as folder:
+            return self.fit(rh.ResilienceConfig(checkpoint_dir=folder,
+                                                checkpoint_interval=interval,
+                                                compile_cache_dir=None, **changes))
+
+
+def drain_background() -> None:
+    """Wait for the background compiles a finished run left in flight (its pool is shut down
+    without waiting): otherwise they run on into the next run's timed steps."""
+    for thread in threading.enumerate():
+        if thread.name.startswith(BACKGROUND_PREFIX):
+            thread.join()
+
+
+@contextlib.contextmanager
+def slow_checkpointers(seconds: float) -> Iterator[None]:
+    """Every Checkpointer the trainer builds meanwhile writes for at least `seconds` (the
+    fault is installed on the trainer's own class name, so rh.fit runs unchanged)."""
+    real = resilient.Checkpointer
+
+    class Slow(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            slow_writes(self, seconds)
+
+    resilient.Checkpointer = Slow
+    try:
+        yield
+    finally:
+        resilient.Checkpointer = real
+
+
+def between_saves(bench: Bench, rounds: int) -> dict[str, Any]:
+    """Defaults against all off, alternated; no save falls due inside the run."""
+    on, off, saves = [], [], []
+    for _ in range(rounds):
+        result = bench.fit_saving("auto")
+        on.append(wall_rate(result.records))
+        saves.append(result.overhead.checkpoint["saves"] - 1)  # (the final save is after)
+        off.append(wall_rate(bench.fit(all_off()).records))
+    return {"on_tok_s": statistics.median(on), "off_tok_s": statistics.median(off),
+            "on_off_ratio": statistics.median(on) / statistics.median(off),
+            "ratios": [a / b for a, b in zip(on, off)], "saves_in_window": max(saves),
+            "overhead": result.overhead.as_dict()}
+
+
+def per_save(bench: Bench, every: int) -> dict[str, Any]:
+    """C, the write's time and the steps' slowdown during writes, from a run saving every
+    `every` steps (the final forced save excluded)."""
+    result = bench.fit_saving(every)
+    ckpt = result.overhead.checkpoint
+    blocking = [s for _, s, urgent in ckpt["saved"] if not urgent]
+    writes = [w for w in ckpt["writes"] if w[0] < bench.steps]
+    times = {r.step: r.step_time_s for r in result.records}
+    saved_steps = {step for step, _, _ in ckpt["saved"]}
+    during = {s for start, end, _ in writes for s in range(start + 1, end + 1)}
+    quiet = [t for s, t in times.items() if s > SKIP_STEPS and s not in during | saved_steps]
+    base = statistics.median(quiet)
+    slowdown = sum(max(0.0, times[s] - base) for s in during if s in times)
+    return {"every_steps": every, "saves": len(blocking),
+            "blocking_s_per_save": statistics.median(blocking),
+            "write_s": statistics.median([w[2] for w in writes]) if writes else 0.0,
+            "slowdown_s_per_save": slowdown / max(1, len(writes)),
+            "step_s": base, "waits_on_previous_save": ckpt["waits_on_previous_save"]}
+
+
+def default_cadence(save: dict[str, Any], between_ratio: float,
+                    budget: float) -> dict[str, Any]:
+    """The interval 'auto' picks for jobs of JOBS devices from the measured costs, and the
+    overhead that follows from the parts measured."""
+    out = {}
+    for devices in JOBS:
+        choice = choose_interval(save["blocking_s_per_save"], save["write_s"],
+                                 job_mtbf_s(devices), budget=budget)
+        per_save_s = save["blocking_s_per_save"] + save["slowdown_s_per_save"]
+        overhead = per_save_s / choice.interval_s + max(0.0, 1.0 - between_ratio)
+        out[str(devices)] = {"interval_s": choice.interval_s, "bound": choice.bound,
+                             "overhead": overhead, "on_off": 1.0 - overhead}
+    return out
+
+
+def worst_case(bench: Bench, off_tok_s: float) -> dict[str, Any]:
+    result = bench.fit_saving(1)
+    ckpt = result.overhead.checkpoint
+    return {"on_tok_s": wall_rate(result.records), "on_off_ratio":
+            wall_rate(result.records) / off_tok_s, "saves": ckpt["saves"],
+            "put_off": ckpt["put_off"], "waits_on_previous_save": ckpt["waits_on_previous_save"]}
+
+
+def slow_writer(bench: Bench, step_s: float, off: Any) -> dict[str, Any]:
+    seconds = SLOW_WRITE_FACTOR * step_s
+    with slow_checkpointers(seconds):
+        result = bench.fit_saving(1)
+    ckpt = result.overhead.checkpoint
+    steps = [r.step for r in result.records]
+    once = steps == list(range(1, bench.steps + 1)) and \
+        [r.batch_crc for r in result.records] == [r.batch_crc for r in off.records]
+    return {"write_s": seconds, "saves": ckpt["saves"], "put_off": ckpt["put_off"],
+            "waits_on_previous_save": ckpt["waits_on_previous_save"], "steps_once": once,
+            "losses_equal": [r.loss for r in result.records] == [r.loss for r in off.records],
+            "on_off_ratio": wall_rate(result.records) / wall_rate(off.records)}
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    cols = list(rows[0])
+    cells = [[f"{r[c]:,.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+             for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def measure(bench: Bench, rounds: int, every: int) -> dict[str, Any]:
+    budget = rh.ResilienceConfig().overhead_budget
+    between = between_saves(bench, rounds)
+    save = per_save(bench, every)
+    cadence = default_cadence(save, between["on_off_ratio"], budget)
+    worst = worst_case(bench, between["off_tok_s"])
+    off = bench.fit(all_off())
+    slow = slow_writer(bench, save["step_s"], off)
+    return {"between_saves": between, "per_save": save, "default_cadence": cadence,
+            "worst_case": worst, "slow_writer": slow}
+
+
+def report(out: dict[str, Any], label: str) -> None:
+    between, save, worst, slow = (out[k] for k in ("between_saves", "per_save", "worst_case",
+                                                   "slow_writer"))
+    print(f"\nresilience_price: {label}; no fault but the slow writer, which is injected "
+          "(every background write held for 10x the step time)")
+    rows = [{"part": "between saves (defaults / all off)", "on tok/s": between["on_tok_s"],
+             "off tok/s": between["off_tok_s"], "on/off": between["on_off_ratio"]},
+            {"part": "worst case: a save due every step", "on tok/s": worst["on_tok_s"],
+             "off tok/s": between["off_tok_s"], "on/off": worst["on_off_ratio"]}]
+    rows += [{"part": f"default cadence, {n} device(s): every {c['interval_s']:,.0f} s "
+              f"({c['bound']})", "on tok/s": "", "off tok/s": "", "on/off": c["on_off"]}
+             for n, c in out["default_cadence"].items()]
+    print_table(rows)
+    print(f"per save (every {save['every_steps']} steps, {save['saves']} saves): blocking "
+          f"{save['blocking_s_per_save']:.4f} s, write {save['write_s']:.3f} s, steps during "
+          f"a write slowed by {save['slowdown_s_per_save']:.4f} s in all; step "
+          f"{save['step_s'] * 1e3:.2f} ms")
+    print(f"slow writer ({slow['write_s']:.3f} s a write, a save due every step): "
+          f"{slow['saves']} saves, {slow['put_off']} put off, "
+          f"{slow['waits_on_previous_save']} waited for a previous write; every step once: "
+          f"{slow['steps_once']}; losses equal to all off: {slow['losses_equal']}")
+    print(f"between saves, the run's own account: "
+          f"{100 * between['overhead']['share']:.2f}% of wall time "
+          f"({', '.join(f'{k} {v:.4f} s' for k, v in between['overhead']['seconds'].items())})")
+
+
+def headline(out: dict[str, Any]) -> dict[str, Any]:
+    between, save, slow = out["between_saves"], out["per_save"], out["slow_writer"]
+    return {"benchmark": "resilience_price",
+            "waits_on_previous_save": slow["waits_on_previous_save"],
+            "blocking_s_per_save": round(save["blocking_s_per_save"], 6),
+            "write_s_per_save": round(save["write_s"], 6),
+            "interval_s": {n: round(c["interval_s"], 3)
+                           for n, c in out["default_cadence"].items()},
+            "on_off_ratio": round(between["on_off_ratio"], 4),
+            "default_cadence_on_off": {n: round(c["on_off"], 4)
+                                       for n, c in out["default_cadence"].items()},
+            "worst_case_on_off": round(out["worst_case"]["on_off_ratio"], 4),
+            "steps_once": slow["steps_once"], "losses_equal": slow["losses_equal"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer steps and one round (within 2 minutes on 2 cores)")
+    parser.add_argument("--model", choices=("tiny", "small"), default="tiny",
+                        help="the Llama preset trained (default tiny)")
+    parser.add_argument("--rows", type=int, default=4, help="rows per step (default 4)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per row (default 128)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per run (default 200, --quick 120)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="on/off rounds between saves (default 3, --quick 1)")
+    parser.add_argument("--every", type=int, default=20,
+                        help="the per-save run saves every N steps (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="weights and data seed")
+    args = parser.parse_args(argv)
+    steps = args.steps or (120 if args.quick else 200)
+    rounds = args.rounds or (1 if args.quick else 3)
+    for name, value, least in (("--steps", steps, 3 * args.every), ("--rounds", rounds, 1),
+                               ("--rows", args.rows, 1), ("--seq-len", args.seq_len, 16),
+                               ("--every", args.every, 2)):
+        if value < least:
+            parser.error(f"{name}={value}: must be >= {least}")
+    model = get_model_config(args.model)
+    device = jax.devices()[0]
+    bench = Bench(model, args.rows, args.seq_len, steps, args.seed, device)
+    out = measure(bench, rounds, args.every)
+    report(out, f"{model.name} on one {device.platform} device, {args.rows} x {args.seq_len} "
+                f"rows, {steps} steps per run, {rounds} round(s)")
+    print(json.dumps(headline(out)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -26,6 +26,19 @@ class JobStepFailed(RuntimeError):
     gone or frozen, so no process can go on in place)."""
 
 
+class Preempted(RuntimeError):
+    """SIGTERM reached a one-process run: the step under way finished, its state was saved
+    (and written) to the checkpoint directory, and the process exits with EXIT, the code a
+    cluster script requeues without counting a failure (job/exits.py PREEMPTED_EXIT)."""
+
+    EXIT = 74
+
+    def __init__(self, step: int, directory: str) -> None:
+        self.step, self.directory = step, directory
+        super().__init__(f"SIGTERM (preempted): step {step} saved to {directory}; resume with "
+                         f"the same checkpoint directory (exit {self.EXIT})")
+
+
 class HostsLeftOut(RuntimeError):
     """A job of several processes re-planned onto a mesh that holds no device of the slow
     host(s) `processes` (a slow host excluded whole). A process without devices could take

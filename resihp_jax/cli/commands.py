@@ -7,7 +7,7 @@ import importlib
 import sys
 from typing import Sequence
 
-from resihp_jax.errors import ResihpError
+from resihp_jax.errors import Preempted, ResihpError
 
 # subcommand -> module defining `add_arguments(parser)` and `run(args) -> int`.
 # Modules are imported lazily so `resihp plan` never pays for importing JAX.
@@ -45,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ResihpError as err:
         print(f"resihp {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Preempted as err:  # a one-process run saved its step on SIGTERM
+        print(f"resihp {args.command}: {err}", file=sys.stderr)
+        return err.EXIT
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import sys
 import traceback
 from typing import Any, Callable
 
-from resihp_jax.errors import HostsLeftOut, JobStepFailed, ResihpError
+from resihp_jax.errors import HostsLeftOut, JobStepFailed, Preempted, ResihpError
 from resihp_jax.runtime.job.watchdog import HUNG_EXIT
 
 USER_ERROR = 2
@@ -54,6 +54,9 @@ def run_as_job_process(body: Callable[[], Any], prog: str) -> int:
     except ResihpError as err:
         print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
         code = USER_ERROR
+    except Preempted as err:
+        print(f"{prog}: {err}", file=sys.stderr, flush=True)
+        code = PREEMPTED_EXIT
     except JobStepFailed as err:
         print(f"{prog}: {err}; exiting so the job restarts", file=sys.stderr, flush=True)
         code = HUNG_EXIT

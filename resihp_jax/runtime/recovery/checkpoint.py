@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping
 import jax
 import orbax.checkpoint as ocp
 
-from resihp_jax.errors import CheckpointError, CheckpointFallbackWarning, ConfigError
+from resihp_jax.errors import (CheckpointError, CheckpointFallbackWarning, ConfigError,
+                               Preempted)
 from resihp_jax.meshes.agree import from_primary
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.recovery import local_copies
@@ -121,6 +122,8 @@ class Checkpointer:
         # a due save that finds the previous write under way is put off (never a stall)
         self._put_off = put_off_while_writing
         self._owed = False  # a due save put off while the previous write was under way
+        self._preempted = False  # SIGTERM in a one-process run (see preemption.py)
+        self._stopping: Preempted | None = None  # its save is written: the run stops
         self.stats = SaveStats()
         # orbax decides only preemption saves; the cadence decides the rest (`force`)
         options = ocp.CheckpointManagerOptions(
@@ -150,13 +153,16 @@ class Checkpointer:
         """
         self.cadence.step_ended(step)
         self._step_now = step
+        if self._preempted and step == self.latest_step():
+            self._stop_preempted(step)
+            return False
         if self._write_started is not None:
             self.saving()  # (a local look) times the write to the step that sees it end
         if self.cadence.needs_plan():
             self._plan_next(step)
         if step == self.latest_step():
             return False
-        urgent = force or bool(self._manager.should_save(step))  # (a preemption)
+        urgent = force or self._preempted or bool(self._manager.should_save(step))
         if not (urgent or self.due(step)):
             return False
         if self._put_off and not urgent and bool(from_primary(self.saving())):
@@ -194,7 +200,24 @@ class Checkpointer:
             self._written()  # orbax ended any earlier write before it began this one
             if self.saving():
                 self._write_started, self._write_step = self._clock(), step
+        if self._preempted:
+            self._stop_preempted(step)
         return saved
+
+    def preempt(self) -> None:
+        """A preemption was signalled (preemption.py): the next `save` is forced and written
+        to the end; the loop then stops (`stop_if_preempted`). Safe in a signal handler."""
+        self._preempted = True
+
+    def _stop_preempted(self, step: int) -> None:
+        self.wait()
+        self._stopping = Preempted(step, str(self.directory))
+
+    def stop_if_preempted(self) -> None:
+        """Raise Preempted once a preemption's save is written (the loop calls it after it
+        reported the step that save holds)."""
+        if self._stopping is not None:
+            raise self._stopping
 
     def _plan_next(self, step: int) -> None:
         """Agree on the step of the next 'auto' save (process 0's proposal); say once which

@@ -25,7 +25,7 @@ from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, Resil
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.run.plain import (RecordSink, attach_job, close_host_copies,
-                                           host_copies)
+                                           host_copies, save_on_sigterm)
 
 
 def _excluding_left_out(events: Iterator[Any], job: Any,
@@ -74,6 +74,7 @@ class AdaptRun:
             self.trainer.checkpointer.say = lambda line: print(line, file=out, flush=True)
         phases["compile_s"] = time.perf_counter() - t0
         self.snapshots = host_copies(copies, job, self.trainer.checkpointer)
+        self.sigterm = save_on_sigterm(self.trainer.checkpointer, self.snapshots)
 
     def prepare_all(self) -> None:
         """Compile now what the trainer would compile after its first step (a warm standby,
@@ -97,6 +98,8 @@ class AdaptRun:
 
     def close(self) -> None:
         close_host_copies(self.snapshots)
+        if self.sigterm is not None:
+            self.sigterm.close()
         try:
             self.trainer.close()
             if self.trainer.checkpointer is not None:

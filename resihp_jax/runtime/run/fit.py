@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from resihp_jax.data import BatchIterator, packed_batches
-from resihp_jax.errors import ConfigError
+from resihp_jax.errors import ConfigError, Preempted
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.job.distributed import job_spec
 from resihp_jax.runtime.job.exits import run_as_job_process
@@ -119,7 +119,11 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
                            resilience=resilience, devices=devices, compiles_from=started)
     records: list[StepRecord] = []
     if spec.single:
-        records = training.run()
+        try:
+            records = training.run()
+        except Preempted as err:  # SIGTERM: the step under way was saved; leave as asked
+            print(f"rh.fit: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(err.EXIT) from None
     else:  # a failure must end the process at once, with the code the job restarts on
         run_as_job_process(lambda: records.extend(training.run()), "rh.fit")
     trainer = training.active.trainer

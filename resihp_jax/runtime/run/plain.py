@@ -22,6 +22,7 @@ from resihp_jax.runtime.job.deadline import Ladder, StepDeadline
 from resihp_jax.runtime.job.heartbeat import Heartbeat
 from resihp_jax.runtime.recovery.copy_writers import node_of_host
 from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots, activate, deactivate
+from resihp_jax.runtime.recovery.preemption import SaveOnSigterm
 from resihp_jax.runtime.trainer.compiles import foreground_hits_since, foreground_since
 from resihp_jax.runtime.trainer.deferred import BackgroundCompiles, compile_layouts, compile_step
 from resihp_jax.runtime.trainer.loop import StepRecord, train
@@ -55,6 +56,7 @@ class TrainRun:
         self.program = compile_step(build_step(model, train_cfg, plan, jax.devices()))
         phases["compile_s"] = time.perf_counter() - t0
         self.snapshots = host_copies(copies, job, ckpt)
+        self.sigterm = save_on_sigterm(ckpt, self.snapshots)
         self._background = BackgroundCompiles()
 
     def prepare_all(self) -> None:
@@ -83,6 +85,8 @@ class TrainRun:
         self.watchdog.close()
         self._background.close()
         close_host_copies(self.snapshots)
+        if self.sigterm is not None:
+            self.sigterm.close()
         try:
             if self.ckpt is not None:
                 self.ckpt.wait()  # a pending save completes (or reports its failure) first
@@ -179,6 +183,16 @@ def host_copies(mode: str | None, job: Any, ckpt: Any) -> HostSnapshots | None:
     activate(snapshots)
     snapshots.exit_on_sigterm()
     return snapshots
+
+
+def save_on_sigterm(ckpt: Any, snapshots: HostSnapshots | None) -> SaveOnSigterm | None:
+    """A one-process run without survivors' copies: SIGTERM saves the step under way and
+    ends the run (preemption.py). Where copies are kept, they answer SIGTERM instead."""
+    import jax  # noqa: PLC0415
+
+    if ckpt is None or snapshots is not None or jax.process_count() > 1:
+        return None
+    return SaveOnSigterm(ckpt)
 
 
 def close_host_copies(snapshots: HostSnapshots | None) -> None:

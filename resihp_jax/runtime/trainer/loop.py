@@ -117,5 +117,7 @@ def train(program: StepProgram, state: TrainState, data: BatchIterator, steps: i
         if checkpointer is not None:
             checkpointer.save(record.step, state, program, data.state())
         yield state, record
+        if checkpointer is not None:
+            checkpointer.stop_if_preempted()
     if checkpointer is not None and steps > 0:  # a later run resumes where this one ended
         checkpointer.save(record.step, state, program, data.state(), force=True)

@@ -435,6 +435,8 @@ class ResilientTrainer:
             # judged before it is yielded, so the caller sees this step's prediction
             verdict = _agreed(self.detector.observe(self._observation(record, batch)))
             yield record
+            if self.checkpointer:
+                self.checkpointer.stop_if_preempted()
             if verdict is not None:
                 yield self.react(verdict, None)
             elif self._pending_ready():

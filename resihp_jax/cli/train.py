@@ -86,7 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "two more states in device memory); host: a copy to host memory "
                              "after every step (stalls the devices for the copy); off: none. "
                              "auto (default): keep where two more states fit in device "
-                             "memory, else host")
+                             "memory, else host; none in a run of one process (no survivor "
+                             "to serve: SIGTERM then saves a checkpoint of the step under way "
+                             "and exits 74) unless --local-copy-dir is given")
     parser.add_argument("--local-copy-dir", default=None, metavar="DIR",
                         help="with --checkpoint-dir: write the survivors' copies to this "
                              "node-local directory (e.g. /dev/shm, kept across the job steps "

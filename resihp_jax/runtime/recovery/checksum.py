@@ -34,13 +34,14 @@ def _leaf_sum(x: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _tree_sums(tree: Any) -> Any:
+def tree_sums(tree: Any) -> Any:
+    """Each leaf's checksum, on the devices (compiled ahead by the background compiles)."""
     return jax.tree.map(_leaf_sum, tree)
 
 
 def state_checksums(tree: Any) -> dict[str, int]:
     """{leaf path: checksum} of every array in `tree` (JSON-serializable)."""
-    sums = jax.device_get(_tree_sums(tree))
+    sums = jax.device_get(tree_sums(tree))
     flat, _ = jax.tree_util.tree_flatten_with_path(sums)
     return {jax.tree_util.keystr(path): int(np.uint32(value)) for path, value in flat}
 

@@ -26,6 +26,7 @@ from resihp_jax.runtime.recovery.preemption import SaveOnSigterm
 from resihp_jax.runtime.trainer.compiles import foreground_hits_since, foreground_since
 from resihp_jax.runtime.trainer.deferred import BackgroundCompiles, compile_layouts, compile_step
 from resihp_jax.runtime.trainer.loop import StepRecord, train
+from resihp_jax.runtime.trainer.overhead import OVERHEAD_BUDGET, run_overhead
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.job.watchdog import Watchdog
@@ -57,6 +58,7 @@ class TrainRun:
         phases["compile_s"] = time.perf_counter() - t0
         self.snapshots = host_copies(copies, job, ckpt)
         self.sigterm = save_on_sigterm(ckpt, self.snapshots)
+        self.overhead = None  # what resilience cost, once trained (overhead.py)
         self._background = BackgroundCompiles()
 
     def prepare_all(self) -> None:
@@ -168,6 +170,13 @@ class TrainRun:
         finally:
             self.watchdog.disarm()
             self.sink.close()
+            ckpt = self.ckpt
+            # no detector, probes or stage timing here: the saves' blocking and the copies
+            self.overhead = run_overhead(
+                self.sink.records, budget=OVERHEAD_BUDGET,
+                checkpoints_s=sum(s for _, s, urgent in ckpt.stats.saved if not urgent)
+                if ckpt is not None else 0.0,  # (the final save comes after the last step)
+                checkpoint=ckpt.stats.as_dict() if ckpt is not None else None)
         return self.sink.records
 
 

@@ -18,6 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from resihp_jax.runtime.recovery.checksum import tree_sums
 from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
 from resihp_jax.train.aot import abstract_args
 from resihp_jax.train.step import StepProgram, canonical_state_shapes
@@ -51,6 +52,8 @@ def compile_layouts(program: StepProgram, moves: tuple[str, ...] = MOVES) -> Non
         fn = getattr(program, name)
         if hasattr(fn, "lower"):  # a jitted function, not an executable compiled ahead
             fn.lower(*args[name]).compile()
+    if "to_canonical_fn" in moves:  # a save's checksums, off the first save's blocking time
+        tree_sums.lower(canonical).compile()
 
 
 def await_started(future: Future | None) -> None:

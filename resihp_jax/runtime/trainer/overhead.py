@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 PARTS = ("checkpoints", "probes", "timing", "copies")
+OVERHEAD_BUDGET = 0.02  # the share of wall time resilience may take (ResilienceConfig's)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ from resihp_jax.train.staging import HostStaging
 from resihp_jax.train.warmup import warm_up
 from resihp_jax.runtime.recovery.run_identity import run_identity
 from resihp_jax.runtime.trainer.host_cpu import CpuMeter
-from resihp_jax.runtime.trainer.overhead import Overhead, run_overhead
+from resihp_jax.runtime.trainer.overhead import OVERHEAD_BUDGET, Overhead, run_overhead
 from resihp_jax.runtime.trainer.timing import StageTimer, StepTiming, timed_step
 from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
 from resihp_jax.train.aot import compile_program
@@ -94,7 +94,7 @@ class ResilienceConfig:
     max_checkpoint_interval_s: float = MAX_INTERVAL_S  # the most training a failure may lose
     # the share of wall time checkpoints' blocking, probes and stage timing may take
     # together; the run reports what they took (FitResult.overhead)
-    overhead_budget: float = 0.02
+    overhead_budget: float = OVERHEAD_BUDGET
     local_copy_dir: str | None = None  # node-local survivors' copies (recovery/local_copies.py)
     precompile: int = 4  # programs of likely next plans compiled in the background (0: off)
     # after a fail-slow verdict, train an interim split while a new mesh compiles in the

@@ -170,3 +170,21 @@ def test_auto_saves_at_the_measured_cadence_and_says_once_why(tmp_path: Path,
 def test_a_bad_checkpoint_interval_is_a_checkpoint_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="checkpoint interval=0"):
         Checkpointer(tmp_path / "x", interval=0)
+
+
+def test_a_save_after_the_background_compiles_compiles_nothing(tmp_path: Path,
+                                                               program) -> None:  # noqa: ANN001
+    """The layout move and the checksums are compiled ahead (deferred.compile_layouts), so a
+    save's measured blocking cost C, which sets the 'auto' interval, holds no compile."""
+    from resihp_jax.runtime.trainer.compiles import counting, install
+    from resihp_jax.runtime.trainer.deferred import compile_layouts
+
+    install()
+    compile_layouts(program)
+    ckpt = Checkpointer(tmp_path / "c", interval=1, asynchronous=True)
+    state = program.init_state(0)
+    with counting() as count:
+        assert ckpt.save(1, state, program, {"position": 1})
+        ckpt.wait()
+    ckpt.close()
+    assert count.compiles == 0

@@ -27,8 +27,7 @@ from typing import Any, Mapping, TextIO
 
 from resihp_jax.cli.args import (add_compile_cache_arguments, compile_cache_dir,
                                  parse_int_list, parse_mesh)
-from resihp_jax.cli.train_checks import (DEFAULT_CHECKPOINT_EVERY, check_train_args,
-                                         interval_arg)
+from resihp_jax.cli.train_checks import check_train_args, checkpoint_every
 from resihp_jax.errors import CheckpointFallbackWarning, ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import PRESETS, get_model_config
@@ -66,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-dir", default=None,
                         help="save checkpoints here (orbax, asynchronous); it must hold no "
                              "checkpoints unless --resume is given")
-    parser.add_argument("--checkpoint-every", type=interval_arg, default=None,
+    parser.add_argument("--checkpoint-every", default=None, metavar="N",
                         help="save every N steps, or 'auto' (the default): an interval in "
                              "seconds from a save's measured blocking cost and the job's "
                              "expected time between failures (Young's sqrt(2 C M), at most "
@@ -162,7 +161,7 @@ def plan_from_args(args: argparse.Namespace, n_layers: int) -> Plan:
 def run_config_from_args(args: argparse.Namespace, cache: str | None) -> RunConfig:
     return RunConfig(
         steps=args.steps, seed=args.seed, data=args.data, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every or DEFAULT_CHECKPOINT_EVERY,
+        checkpoint_every=checkpoint_every(args.checkpoint_every),
         local_copy_dir=args.local_copy_dir,
         resume=args.resume, survivor_copies=args.survivor_copies, metrics=args.metrics,
         progress=not args.no_progress, adapt=args.adapt, precompile=args.precompile,

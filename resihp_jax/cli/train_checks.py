@@ -15,8 +15,6 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.runtime.recovery.cadence import AUTO
 from resihp_jax.runtime.recovery.checkpoint_dir import steps_on_disk
 
-DEFAULT_CHECKPOINT_EVERY = AUTO
-
 
 def check_train_args(args: argparse.Namespace) -> None:
     """ConfigError for the first invalid flag; creates `--checkpoint-dir` if missing."""
@@ -53,6 +51,7 @@ def _check_checkpoint_flags(args: argparse.Namespace) -> None:
             if value is not None:
                 raise ConfigError(f"{flag} needs --checkpoint-dir DIR")
         return
+    checkpoint_every(args.checkpoint_every)
     if args.local_copy_dir is not None:
         if args.survivor_copies == "off":
             raise ConfigError(f"--local-copy-dir={args.local_copy_dir!r} with "
@@ -60,14 +59,15 @@ def _check_checkpoint_flags(args: argparse.Namespace) -> None:
         check_output_dir(args.local_copy_dir, "--local-copy-dir")
 
 
-def interval_arg(text: str) -> int | str:
-    """--checkpoint-every's value: 'auto' or an integer >= 1 (argparse reports the error)."""
-    if text == "auto":
-        return text
+def checkpoint_every(text: str | None) -> int | str:
+    """--checkpoint-every's value: 'auto' (the default) or a number of steps >= 1."""
+    if text is None or text == AUTO:
+        return AUTO
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give 'auto' or a number of steps >= 1")
+        raise ConfigError(f"--checkpoint-every={text}: give 'auto' (an interval from a save's "
+                          "measured cost) or a number of steps >= 1")
     return value

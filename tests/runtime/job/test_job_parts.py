@@ -406,6 +406,9 @@ def test_a_save_steps_deadline_holds_the_save_too() -> None:
     from resihp_jax.runtime.run.adapt import AdaptRun
 
     class Ckpt:
+        def due(self, step: int) -> bool:  # (its cadence: every 10 steps)
+            return step % 10 == 0
+
         def save_deadline_s(self, floor_s: float, factor: float, limit_s: float) -> float:
             return 7.0
 
@@ -414,7 +417,7 @@ def test_a_save_steps_deadline_holds_the_save_too() -> None:
 
     run = object.__new__(AdaptRun)
     run.ladder = Ladder(floor_s=10.0, factor=3.0, startup_s=120.0)
-    run.config = SimpleNamespace(steps=100, checkpoint_every=10)
+    run.config = SimpleNamespace(steps=100)
     run.trainer = SimpleNamespace(detector=SimpleNamespace(last_prediction_s=2.0),
                                   checkpointer=Ckpt())
     run.data_step = 28  # step 29 next: no save

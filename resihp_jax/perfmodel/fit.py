@@ -30,6 +30,7 @@ MODES = ("auto", "pipeline", "contention")
 N_PATH = len(features.PATH_FEATURES)
 # critical paths are re-derived when the estimate moves predictions by more than this
 PATH_RECHECK = 2e-3
+PREDICTIONS_KEPT = 8  # predictions remembered per fit (see OnlineCostModel.predict)
 
 
 @dataclass
@@ -66,6 +67,9 @@ class OnlineCostModel:
         self._theta: np.ndarray | None = None  # pipeline-only coefficients [6]
         self._fit: RobustFit | None = None  # the model used for predictions
         self._uses_contention = False
+        # the newest predictions of this fit: a step's deadline and its judgement after it
+        # ask for the same batch (one pipeline simulation, not two, on the step loop's path)
+        self._predicted: dict[tuple, float] = {}
 
     # ---- public API ----------------------------------------------------------------------
     @property
@@ -121,6 +125,17 @@ class OnlineCostModel:
                 health: Health | None = None, *, mb_slots: int | None = None) -> float:
         """Predicted step time of this exact batch under this plan (and health)."""
         self._require_fit()
+        if health is not None:
+            return self._predict(plan, mb_tokens, mb_sum_l2, health, mb_slots)
+        key = (plan, _key(mb_tokens), _key(mb_sum_l2), mb_slots)
+        if key not in self._predicted:
+            if len(self._predicted) >= PREDICTIONS_KEPT:
+                self._predicted.pop(next(iter(self._predicted)))
+            self._predicted[key] = self._predict(plan, mb_tokens, mb_sum_l2, None, mb_slots)
+        return self._predicted[key]
+
+    def _predict(self, plan: Plan, mb_tokens: np.ndarray | None, mb_sum_l2: np.ndarray | None,
+                 health: Health | None, mb_slots: int | None) -> float:
         coef = self._fit.coef  # type: ignore[union-attr]
         costs = self._costs(coef[:N_PATH])
         step_s = self._simulate(plan, costs, mb_tokens, mb_sum_l2, mb_slots, health).step_time_s
@@ -151,6 +166,7 @@ class OnlineCostModel:
     def refit(self) -> None:
         """Re-estimate from the window: alternate critical paths and robust least squares."""
         self._since_fit = 0
+        self._predicted.clear()
         if not self._obs:
             return
         if self._theta is None:
@@ -165,6 +181,7 @@ class OnlineCostModel:
                 break
             self._version += 1
         self._choose_model(pipe)
+        self._predicted.clear()  # (a prediction made meanwhile used the old fit)
 
     # ---- internals -----------------------------------------------------------------------
     def _choose_model(self, pipe: RobustFit) -> None:
@@ -239,6 +256,14 @@ class OnlineCostModel:
             raise ConfigError(f"stage_times_s={times.tolist()}: must be finite and > 0")
         x = features.stage_units(plan, data)
         return x, times.reshape(-1)
+
+
+def _key(values: np.ndarray | None) -> tuple | None:
+    """A hashable form of a per-micro-batch array (None stays None)."""
+    if values is None:
+        return None
+    array = np.asarray(values)
+    return (array.shape, array.dtype.str, array.tobytes())
 
 
 def _global(values_GxM: np.ndarray, data: GroupData) -> np.ndarray:

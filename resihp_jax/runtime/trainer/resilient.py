@@ -274,7 +274,7 @@ class ResilientTrainer:
         self._costs_fitted = False
         # what resilience spent on the step loop's path (see overhead.py): saves (every
         # call, put-off checks included), probe runs, stage timing (the timers' own time)
-        self.spent_s = {"checkpoints": 0.0, "probes": 0.0, "timing": 0.0}
+        self.spent_s = {"checkpoints": 0.0, "detector": 0.0, "probes": 0.0, "timing": 0.0}
         self.probe_runs = 0
 
     # ---- programs ------------------------------------------------------------------------
@@ -433,7 +433,10 @@ class ResilientTrainer:
                 self.checkpointer.save(done, self.state, self.program, self.data.state())
                 self.spent_s["checkpoints"] += self.clock() - saving_from
             # judged before it is yielded, so the caller sees this step's prediction
+            judging_from, probes_before = self.clock(), self.spent_s["probes"]
             verdict = _agreed(self.detector.observe(self._observation(record, batch)))
+            self.spent_s["detector"] += (self.clock() - judging_from
+                                         - (self.spent_s["probes"] - probes_before))
             yield record
             if self.checkpointer:
                 self.checkpointer.stop_if_preempted()
@@ -457,6 +460,7 @@ class ResilientTrainer:
         ckpt = self.checkpointer
         return run_overhead(records, budget=self.config.overhead_budget,
                             checkpoints_s=self.spent_s["checkpoints"],
+                            detector_s=self.spent_s["detector"],
                             probes_s=self.spent_s["probes"], timing_s=self.spent_s["timing"],
                             counts={"probe_runs": self.probe_runs},
                             checkpoint=ckpt.stats.as_dict() if ckpt is not None else None)
@@ -508,8 +512,10 @@ class ResilientTrainer:
 
     def deadline_s(self, batch: GlobalBatch) -> float:
         """How long this batch's step may take before it counts as hung."""
+        started = self.clock()
         predicted = self.detector.healthy_time_s(self.plan, self._mb_tokens(),
                                                  mb_attention_l2(self.model, batch))
+        self.spent_s["detector"] += self.clock() - started
         if predicted is None:
             return self.config.step_timeout_s
         deadline = max(self.config.hang_floor_s, self.config.hang_factor * predicted)

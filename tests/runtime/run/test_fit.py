@@ -190,8 +190,15 @@ def test_fit_resumes_from_its_checkpoint_loss_for_loss(tmp_path, capsys) -> None
                    checkpoint_dir=str(tmp_path / "ckpt"))
     again = rh.fit(make_gpt2(), data, optimizer=opt, plan=_plan("1/1/1"), steps=4,
                    progress=False, checkpoint_dir=str(tmp_path / "ckpt"))
-    assert "resumed from checkpoint step 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resumed from checkpoint step 2" in out
     assert list(first.losses) == [1, 2] and list(again.losses) == [3, 4]
+    # each run says what resilience took, and its account holds the final save
+    assert out.count("resilience took") == 3
+    cost = first.overhead
+    assert cost.checkpoint["saves"] == 1 and cost.checkpoint["saved"][0][2]  # forced, last
+    assert cost.total_s == pytest.approx(sum(cost.seconds.values()))
+    assert cost.seconds["detector"] > 0 and whole.overhead.checkpoint == {}
     np.testing.assert_allclose([*first.losses.values(), *again.losses.values()],
                                list(whole.losses.values()), rtol=1e-5)
 

@@ -66,6 +66,13 @@ def wall_rate(records: list[Any]) -> float:
     return tokens / (ends[-1] - ends[SKIP_STEPS - 1])
 
 
+def median_gap_s(records: list[Any]) -> float:
+    """The median wall time between step ends after SKIP_STEPS: what a steady step costs,
+    everything between steps included, without the spikes a shared host adds."""
+    ends = [r.end_unix_s for r in records[SKIP_STEPS - 1:]]
+    return statistics.median(b - a for a, b in zip(ends, ends[1:]))
+
+
 def batches(model: ModelConfig, rows: int, seq: int, steps: int, seed: int) -> list[Any]:
     it = BatchIterator("synthetic:lognormal", n_microbatches=1, microbatch_size=rows,
                        seq_len=seq, seed=seed)
@@ -135,15 +142,18 @@ def slow_checkpointers(seconds: float) -> Iterator[None]:
 
 def between_saves(bench: Bench, rounds: int) -> dict[str, Any]:
     """Defaults against all off, alternated; no save falls due inside the run."""
-    on, off, saves = [], [], []
+    on, off, saves, gaps = [], [], [], []
     for _ in range(rounds):
         result = bench.fit_saving("auto")
         on.append(wall_rate(result.records))
         saves.append(result.overhead.checkpoint["saves"] - 1)  # (the final save is after)
-        off.append(wall_rate(bench.fit(all_off()).records))
+        plain = bench.fit(all_off()).records
+        off.append(wall_rate(plain))
+        gaps.append(median_gap_s(plain) / median_gap_s(result.records))
     return {"on_tok_s": statistics.median(on), "off_tok_s": statistics.median(off),
             "on_off_ratio": statistics.median(on) / statistics.median(off),
-            "ratios": [a / b for a, b in zip(on, off)], "saves_in_window": max(saves),
+            "ratios": [a / b for a, b in zip(on, off)], "median_gap_ratio":
+            statistics.median(gaps), "saves_in_window": max(saves),
             "overhead": result.overhead.as_dict()}
 
 
@@ -233,6 +243,8 @@ def report(out: dict[str, Any], label: str) -> None:
           "(every background write held for 10x the step time)")
     rows = [{"part": "between saves (defaults / all off)", "on tok/s": between["on_tok_s"],
              "off tok/s": between["off_tok_s"], "on/off": between["on_off_ratio"]},
+            {"part": "between saves, median step gap off / on", "on tok/s": "",
+             "off tok/s": "", "on/off": between["median_gap_ratio"]},
             {"part": "worst case: a save due every step", "on tok/s": worst["on_tok_s"],
              "off tok/s": between["off_tok_s"], "on/off": worst["on_off_ratio"]}]
     rows += [{"part": f"default cadence, {n} device(s): every {c['interval_s']:,.0f} s "
@@ -261,6 +273,8 @@ def headline(out: dict[str, Any]) -> dict[str, Any]:
             "interval_s": {n: round(c["interval_s"], 3)
                            for n, c in out["default_cadence"].items()},
             "on_off_ratio": round(between["on_off_ratio"], 4),
+            "median_gap_ratio": round(between["median_gap_ratio"], 4),
+            "resilience_share_between_saves": round(between["overhead"]["share"], 4),
             "default_cadence_on_off": {n: round(c["on_off"], 4)
                                        for n, c in out["default_cadence"].items()},
             "worst_case_on_off": round(out["worst_case"]["on_off_ratio"], 4),

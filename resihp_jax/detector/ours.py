@@ -156,7 +156,7 @@ class ResiHPDetector(Detector):
         # own choice they came in only after ~90 steps of 8 fake devices on 2 cores, and the
         # pipeline-only fit before that erred 1.4x the machine's noise floor (0.95x with them).
         self.cost = cost_model if cost_model is not None else OnlineCostModel(
-            model, window=128, refit_every=16, mode="contention")
+            model, window=128, refit_every=16, mode="contention", max_refit_every=64)
         self.warmup, self.slack, self.decision = warmup, slack, decision
         self.drift, self.min_noise, self.k = drift, min_noise, k
         self.level_min_excess, self.use_stage_times = level_min_excess, use_stage_times

@@ -30,6 +30,9 @@ MODES = ("auto", "pipeline", "contention")
 N_PATH = len(features.PATH_FEATURES)
 # critical paths are re-derived when the estimate moves predictions by more than this
 PATH_RECHECK = 2e-3
+# a refit that moves the predictions less than this (median relative change) finds the model
+# settled: the next one may wait longer (`max_refit_every`)
+STABLE_MOVE = 0.01
 PREDICTIONS_KEPT = 8  # predictions remembered per fit (see OnlineCostModel.predict)
 
 
@@ -50,7 +53,13 @@ class _Obs:
 class OnlineCostModel:
     def __init__(self, model: ModelFacts | None = None, *, schedule: str = "gpipe",
                  remat: bool = False, bwd_ratio: float = 2.0, window: int = 256,
-                 min_steps: int = 8, refit_every: int = 4, mode: str = "auto") -> None:
+                 min_steps: int = 8, refit_every: int = 4, mode: str = "auto",
+                 max_refit_every: int | None = None) -> None:
+        """`max_refit_every`: a refit that leaves the predictions where they were (within
+        STABLE_MOVE) doubles the steps to the next one, up to this many; one that moves them
+        starts again at `refit_every` (None: always `refit_every`). A refit re-simulates every
+        step of the window: where the model has settled it is most of the detector's host
+        time on the step loop's path. Deterministic, so every process of a job refits alike."""
         check_schedule(schedule)
         if mode not in MODES:
             raise ConfigError(f"OnlineCostModel mode={mode!r}: valid are {', '.join(MODES)}")
@@ -61,6 +70,8 @@ class OnlineCostModel:
             raise ConfigError(f"OnlineCostModel bwd_ratio={bwd_ratio!r}: must be > 0")
         self.model, self.schedule, self.remat, self.bwd_ratio = model, schedule, remat, bwd_ratio
         self.mode, self.min_steps, self.refit_every = mode, min_steps, refit_every
+        self.max_refit_every = max(refit_every, max_refit_every or refit_every)
+        self._refit_gap = refit_every  # steps between refits now
         self._obs: deque[_Obs] = deque(maxlen=window)
         self._since_fit = 0
         self._version = 0
@@ -118,7 +129,7 @@ class OnlineCostModel:
                               features.total_units(plan, tok_N, l2_N)))
         self._since_fit += 1
         if len(self._obs) >= self.min_steps and (self._fit is None
-                                                 or self._since_fit >= self.refit_every):
+                                                 or self._since_fit >= self._refit_gap):
             self.refit()
 
     def predict(self, plan: Plan, mb_tokens: np.ndarray | None, mb_sum_l2: np.ndarray | None,
@@ -169,13 +180,18 @@ class OnlineCostModel:
         self._predicted.clear()
         if not self._obs:
             return
-        if self._theta is None:
+        first = self._theta is None
+        if first:
             self._theta = self._initial_theta()
-        for _ in range(6):
+        for attempt in range(6):
             self._update_paths()
             x_path, y = self._design(with_total=False)
             pipe = robust_relative_fit(x_path, y)
             moved = _relative_move(x_path, y, self._theta, pipe.coef)
+            if attempt == 0:  # how far this refit moved the predictions
+                settled = not first and moved < STABLE_MOVE
+                self._refit_gap = (min(2 * self._refit_gap, self.max_refit_every) if settled
+                                   else self.refit_every)
             self._theta = pipe.coef if pipe.coef.any() else self._theta
             if moved < PATH_RECHECK:
                 break

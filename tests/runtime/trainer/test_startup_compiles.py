@@ -17,6 +17,7 @@ import pytest
 
 import resihp_jax as rh
 from resihp_jax.cli import main
+from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
 from tests.helpers import make_batches
 from tests.train.user_models import make_gpt2
 
@@ -31,7 +32,12 @@ class TooManyCompiles(AssertionError):
 
 
 def _listen() -> None:
-    """Record JAX's own compile events (JAX cannot remove a listener: installed once)."""
+    """Record JAX's own compile events (JAX cannot remove a listener: installed once), once
+    the background compiles an earlier test's run left in flight have ended (a finished
+    run's pool is shut down without waiting: they would count in this run's window)."""
+    for thread in threading.enumerate():
+        if thread.name.startswith(BACKGROUND_PREFIX):
+            thread.join()
     if _listening:
         return
     _listening.append(True)

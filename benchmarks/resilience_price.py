@@ -30,22 +30,26 @@ import contextlib
 import dataclasses
 import json
 import statistics
+import sys
 import tempfile
 import threading
+from pathlib import Path
 from typing import Any, Iterator
 
-import jax
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` as a package
 
-import resihp_jax as rh
-from resihp_jax.data import BatchIterator
-from resihp_jax.faults.slow_writer import slow_writes
-from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig, get_model_config
-from resihp_jax.runtime.recovery.cadence import choose_interval, job_mtbf_s
-from resihp_jax.runtime.trainer import resilient
-from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
-from resihp_jax.runtime.trainer.resilient import DETECTOR_OFF
-from resihp_jax.train.config import TrainConfig
+import jax  # noqa: E402
+
+import resihp_jax as rh  # noqa: E402
+from benchmarks.gpu_sections.user_path import batches  # noqa: E402
+from resihp_jax.faults.slow_writer import slow_writes  # noqa: E402
+from resihp_jax.meshes.plan import Plan  # noqa: E402
+from resihp_jax.model.config import ModelConfig, get_model_config  # noqa: E402
+from resihp_jax.runtime.recovery.cadence import choose_interval, job_mtbf_s  # noqa: E402
+from resihp_jax.runtime.trainer import resilient  # noqa: E402
+from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX  # noqa: E402
+from resihp_jax.runtime.trainer.resilient import DETECTOR_OFF  # noqa: E402
+from resihp_jax.train.config import TrainConfig  # noqa: E402
 
 SKIP_STEPS = 2  # the compiling step and the first warm one
 JOBS = (1, 1024)  # devices in the jobs whose default cadence is reported
@@ -73,17 +77,6 @@ def median_gap_s(records: list[Any]) -> float:
     return statistics.median(b - a for a, b in zip(ends, ends[1:]))
 
 
-def batches(model: ModelConfig, rows: int, seq: int, steps: int, seed: int) -> list[Any]:
-    it = BatchIterator("synthetic:lognormal", n_microbatches=1, microbatch_size=rows,
-                       seq_len=seq, seed=seed)
-    out = []
-    for _ in range(steps):
-        batch = it.next_batch()
-        out.append(rh.PackedBatch(*(a.reshape(-1, seq) for a in (
-            batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS))))
-    return out
-
-
 class Bench:
     """One model, its batches and one device: runs `rh.fit` under a ResilienceConfig."""
 
@@ -93,7 +86,7 @@ class Bench:
         a GPU, each llama-1b run would otherwise compile its step anew)."""
         self.model, self.steps, self.seed, self.device = model, steps, seed, device
         self.cache_dir = cache_dir
-        self.data = batches(model, rows, seq, steps, seed)
+        self.data = batches(rows, seq, steps, seed)
         self.plan = Plan.uniform(1, 1, 1, n_layers=model.n_layers, n_microbatches=1,
                                  microbatch_size=rows, seq_len=seq,
                                  device_ids=(int(device.id),))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -102,6 +102,10 @@ class StepProgram:
     to_canonical_fn: Callable[..., Any]  # (state, positions_L) -> canonical state
     to_stage_fn: Callable[..., Any]  # (canonical state, index_PxL) -> state
     restage_fn: Callable[..., Any]  # (state, old positions_L, new index_PxL) -> state
+    # the splits placed on the devices, by split and knobs: a step reuses them rather than
+    # copying three small arrays to the devices each time (shared by `with_plan` copies:
+    # the key holds the split)
+    _placed: dict = field(default_factory=dict, compare=False, repr=False)
 
     def accepts(self, plan: Plan) -> bool:
         """Can this program run `plan` as it is (same mesh, splits within its slots)?"""
@@ -126,9 +130,19 @@ class StepProgram:
         return put_global(self.stage_index(), self.replicated)
 
     def splits(self, knobs_DxPxT: np.ndarray | None = None) -> Splits:
-        put = functools.partial(put_global, sharding=self.replicated)
         if knobs_DxPxT is None:
             knobs_DxPxT = np.ones((self.plan.dp, self.plan.pp, self.plan.tp), np.float32)
+        knobs_DxPxT = np.asarray(knobs_DxPxT, np.float32)
+        key = (self.plan.layers_per_stage, self.plan.microbatches_per_group,
+               knobs_DxPxT.tobytes())
+        if key not in self._placed:
+            if len(self._placed) >= 16:  # (injected faults vary the knobs step by step)
+                self._placed.clear()
+            self._placed[key] = self._place_splits(knobs_DxPxT)
+        return self._placed[key]
+
+    def _place_splits(self, knobs_DxPxT: np.ndarray) -> Splits:
+        put = functools.partial(put_global, sharding=self.replicated)
         return Splits(put(np.asarray(self.plan.layers_per_stage, np.int32)),
                       put(np.asarray(self.plan.microbatches_per_group, np.int32)),
                       put_global(np.asarray(knobs_DxPxT, np.float32),

@@ -65,14 +65,15 @@ def device_batch(program: StepProgram, batch: GlobalBatch) -> Batch:
 def run_step(program: StepProgram, state: TrainState, batch: GlobalBatch,
              knobs_DxPxT: np.ndarray | None = None,
              clock: Callable[[], float] = time.perf_counter) -> tuple[TrainState, StepRecord]:
-    """One step, timed from dispatch until its loss is on the host: the loop fetches it
-    anyway, so no other sync (the state's last buffers, the optimizer's update, may end a
-    little later: the next step's time includes that; a copy of the state waits for them)."""
+    """One step, timed from dispatch until its loss is on the host (which the loop fetches
+    anyway); it is done once its whole state is (the optimizer's update can end after the
+    loss, and a state kept for the survivors' copies must be whole)."""
     arrays = device_batch(program, batch)
     start = clock()
     state, metrics = program.step(state, arrays, knobs_DxPxT)
     metrics = jax.device_get(metrics)
     elapsed = clock() - start
+    state = jax.block_until_ready(state)
     return state, StepRecord.of(int(state.step), program.plan, metrics, elapsed, batch)
 
 

@@ -116,8 +116,10 @@ def timed_step(program: Any, state: Any, batch: Any, knobs_DxPxT: np.ndarray | N
         timer = StageTimer((program.plan.dp, program.plan.pp, program.plan.tp))
     timer.begin()
     state, metrics = program.step(state, batch, knobs_DxPxT)
-    # the step's time is read when its loss is ready, which the loop fetches anyway: no
-    # sync on the state's hundreds of buffers (its last ones, the optimizer's update, may
-    # end a little later: the next step's time then includes it; a kept copy checks them)
+    # the step's time is read when its loss is ready, which the loop fetches anyway
     jax.block_until_ready(metrics)
-    return state, metrics, timer.end()
+    timing = timer.end()
+    # and the step counts as done once all of its state is (its last buffers, the
+    # optimizer's update, can end after the loss): the survivors' copy of a step must be
+    # whole, and a hang there is still this step's, under its deadline
+    return jax.block_until_ready(state), metrics, timing

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` as 
 import jax  # noqa: E402
 
 import resihp_jax as rh  # noqa: E402
-from benchmarks.gpu_sections.user_path import batches  # noqa: E402
+from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.faults.slow_writer import slow_writes  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.model.config import ModelConfig, get_model_config  # noqa: E402
@@ -75,6 +75,19 @@ def median_gap_s(records: list[Any]) -> float:
     everything between steps included, without the spikes a shared host adds."""
     ends = [r.end_unix_s for r in records[SKIP_STEPS - 1:]]
     return statistics.median(b - a for a, b in zip(ends, ends[1:]))
+
+
+def batches(rows: int, seq: int, steps: int, seed: int) -> list[Any]:
+    """`steps` packed batches of `rows` x `seq` (not the GPU suite's helper: importing it
+    asks for 8 fake CPU devices, and more devices give the defaults more to precompile)."""
+    it = BatchIterator("synthetic:lognormal", n_microbatches=1, microbatch_size=rows,
+                       seq_len=seq, seed=seed)
+    out = []
+    for _ in range(steps):
+        batch = it.next_batch()
+        out.append(rh.PackedBatch(*(a.reshape(-1, seq) for a in (
+            batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS))))
+    return out
 
 
 class Bench:

@@ -47,10 +47,12 @@ class AdaptRun:
                  phases: dict[str, float], out: TextIO, *, programs: Any = None,
                  on_step: Callable[[StepRecord], None] | None = None,
                  resilience: ResilienceConfig | None = None,
-                 compiles_from: float | None = None) -> None:
+                 compiles_from: float | None = None, devices: Any = None) -> None:
         """`programs`, `on_step`, `resilience`: a user's model's step builder, a callback
         after every step, and the detector/scheduler settings (see ResilientTrainer).
-        `compiles_from`: see RecordSink."""
+        `compiles_from`: see RecordSink. `devices`: the devices a one-process run may use
+        and re-plan onto (default: every device; rh.fit's `devices`, where given: its
+        background compiles then prepare plans on those alone)."""
         import jax  # noqa: PLC0415
 
         self.config, self.job, self.data, self.out, self.phases = config, job, data, out, phases
@@ -67,7 +69,8 @@ class AdaptRun:
             compile_cache_dir=config.compile_cache_dir,
             background_compile=config.background_compile)
         t0 = time.perf_counter()
-        self.trainer = ResilientTrainer(model, train_cfg, plan, jax.devices(), data, config,
+        devices = list(devices) if devices is not None else jax.devices()
+        self.trainer = ResilientTrainer(model, train_cfg, plan, devices, data, config,
                                         on_long_work=self._long_work, programs=programs)
         self.trainer.warm_up()
         if self.trainer.checkpointer is not None and job.primary:  # the cadence it chose

@@ -151,7 +151,8 @@ class TrainingRun:
             return AdaptRun(config, copies, job, self.model, train_cfg, plan, data,
                             self.ladder, self.phases, self.out, programs=self.programs,
                             on_step=self.on_step, resilience=self.resilience,
-                            compiles_from=self._compiles_from)
+                            compiles_from=self._compiles_from,
+                            devices=self.devices if job.spec.single else None)
         from resihp_jax.runtime.recovery.checkpoint import Checkpointer  # noqa: PLC0415
         from resihp_jax.runtime.recovery.run_identity import run_identity  # noqa: PLC0415
         from resihp_jax.runtime.run.plain import TrainRun  # noqa: PLC0415

@@ -78,8 +78,9 @@ def median_gap_s(records: list[Any]) -> float:
 
 
 def batches(rows: int, seq: int, steps: int, seed: int) -> list[Any]:
-    """`steps` packed batches of `rows` x `seq` (not the GPU suite's helper: importing it
-    asks for 8 fake CPU devices, and more devices give the defaults more to precompile)."""
+    """`steps` packed batches of `rows` x `seq` (the GPU suite's too: this module asks for
+    no fake devices, where the suite's modules ask for 8, which would give the defaults
+    more to precompile here)."""
     it = BatchIterator("synthetic:lognormal", n_microbatches=1, microbatch_size=rows,
                        seq_len=seq, seed=seed)
     out = []

@@ -15,8 +15,8 @@ from flax import nnx
 
 import resihp_jax as rh
 from benchmarks.gpu_sections.common import Suite, print_table
+from benchmarks.resilience_price import batches
 from examples.user_model.train_gpt2 import GPT2
-from resihp_jax.data import BatchIterator
 from resihp_jax.model.config import get_model_config
 from resihp_jax.model.layers import next_token_targets
 from resihp_jax.train.user_pipeline import token_nll_sum
@@ -29,17 +29,6 @@ def sizes(quick: bool) -> dict[str, int]:
     if quick:
         return {"rows": 2, "seq": 64, "d": 32, "layers": 2, "steps": 3, "llama_steps": 6}
     return {"rows": 8, "seq": 256, "d": 128, "layers": 4, "steps": 10, "llama_steps": 30}
-
-
-def batches(rows: int, seq: int, n: int, seed: int) -> list[rh.PackedBatch]:
-    it = BatchIterator("synthetic:lognormal", n_microbatches=1, microbatch_size=rows,
-                       seq_len=seq, seed=seed)
-    out = []
-    for _ in range(n):
-        b = it.next_batch()
-        out.append(rh.PackedBatch(*(a.reshape(-1, seq) for a in (
-            b.tokens_MxBxS, b.segment_ids_MxBxS, b.positions_MxBxS))))
-    return out
 
 
 def gpt2(size: dict[str, int], seed: int) -> GPT2:

@@ -141,6 +141,12 @@ class Detector:
         runtime derives its hang deadline from it); None: no prediction yet."""
         return None
 
+    def wants_stage_times(self) -> bool:
+        """Should the next step carry per-stage times whatever the sampling (the trainer
+        times stages on 1 step in K otherwise, runtime/trainer/sampling.py)? A detector
+        without a stage signal never needs them."""
+        return False
+
     def cost_params(self) -> CostParams | None:
         """The healthy cost model this detector has fitted, if any (the scheduler plans with
         it); None: the caller falls back to the model's analytic costs."""

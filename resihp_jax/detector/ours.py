@@ -238,6 +238,16 @@ class ResiHPDetector(Detector):
             return None
         return self.scale * self.cost.predict(plan, mb_tokens, mb_sum_l2)
 
+    def wants_stage_times(self) -> bool:
+        """Every step while the evidence is in doubt: the warm-up (the stage baselines are
+        learned there), the steps after a re-plan, and while a step over the slack, a
+        stage in excess or a suspicion is unresolved. A slow device is then localized from
+        consecutive stage times (STAGE_PERSIST of them in a row), and a load on the host
+        is told by the stages' common level, as when every step was timed."""
+        return (self._warming() or self._rebase_left > 0 or self.cusum > 0
+                or bool(self._held) or self._stage_streak > 0
+                or self._stage_seen < self.warmup // 2)
+
     def cost_params(self) -> CostParams | None:
         # only a fit over the whole warm-up, and one that prices tokens: an early fit can
         # put every term at zero, and the scheduler cannot split work priced at nothing

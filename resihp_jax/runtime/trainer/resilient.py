@@ -57,11 +57,12 @@ from resihp_jax.train.warmup import warm_up
 from resihp_jax.runtime.recovery.run_identity import run_identity
 from resihp_jax.runtime.trainer.host_cpu import CpuMeter
 from resihp_jax.runtime.trainer.overhead import OVERHEAD_BUDGET, Overhead, run_overhead
+from resihp_jax.runtime.trainer.sampling import TimingSampler, check_every
 from resihp_jax.runtime.trainer.timing import StageTimer, StepTiming, timed_step
 from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
 from resihp_jax.train.aot import compile_program
 from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.instrument import Instrument
+from resihp_jax.train.instrument import OFF, Instrument
 from resihp_jax.train.reshard import move_state, move_via_orbax, same_devices
 from resihp_jax.train.step import StepProgram, TrainState, build_step
 
@@ -105,6 +106,11 @@ class ResilienceConfig:
     # them, a hung step names its device, injected faults act through them). False: never
     # (step times only; no fault_hook)
     stage_timing: bool = True
+    # which steps carry those callbacks: 'auto' 1 in K, K keeping their measured cost within
+    # a quarter of `overhead_budget`, and every step while the detector is in doubt (its
+    # warm-up, a step over its slack); an integer: every K-th step (1: every step, which
+    # also names a device that hangs in any step, see runtime/trainer/sampling.py)
+    stage_timing_every: int | str = "auto"
     # JAX's persistent compilation cache (None: off). It holds every program without host
     # callbacks (state moves, the step when no instrument is attached): JAX never persists
     # an executable that calls back into Python.
@@ -144,6 +150,7 @@ class ResilienceConfig:
             raise ConfigError(f"ResilienceConfig: recompile_s={self.recompile_s!r} must be >= 0 "
                               f"and precompile={self.precompile!r} >= 0")
         check_interval(self.checkpoint_interval, "ResilienceConfig.checkpoint_interval")
+        check_every(self.stage_timing_every, "ResilienceConfig.stage_timing_every")
         if self.mtbf_s is not None and not self.mtbf_s > 0:
             raise ConfigError(f"ResilienceConfig.mtbf_s={self.mtbf_s!r}: must be > 0 seconds "
                               "or None (50,000 GPU-hours over the job's devices)")
@@ -276,6 +283,9 @@ class ResilientTrainer:
         # call, put-off checks included), probe runs, stage timing (the timers' own time)
         self.spent_s = {"checkpoints": 0.0, "detector": 0.0, "probes": 0.0, "timing": 0.0}
         self.probe_runs = 0
+        self.sampler = TimingSampler(self.config.stage_timing_every,
+                                     self.config.overhead_budget)
+        self._step_timed = True  # whether the last step ran its stage-timing callbacks
 
     # ---- programs ------------------------------------------------------------------------
     def _compiled(self, plan: Plan, timed: bool | None = None,
@@ -462,7 +472,8 @@ class ResilientTrainer:
                             checkpoints_s=self.spent_s["checkpoints"],
                             detector_s=self.spent_s["detector"],
                             probes_s=self.spent_s["probes"], timing_s=self.spent_s["timing"],
-                            counts={"probe_runs": self.probe_runs},
+                            counts={"probe_runs": self.probe_runs,
+                                    "stage_timed_steps": self.sampler.timed_steps},
                             checkpoint=ckpt.stats.as_dict() if ckpt is not None else None)
 
     def warm_up(self) -> None:
@@ -473,9 +484,25 @@ class ResilientTrainer:
             StepTiming(0.0, np.zeros((self.plan.dp, self.plan.pp, self.plan.tp))).gathered()
             from_primary(None)
 
-    def _knobs(self, step: int) -> np.ndarray | None:
-        """The hook's per-device knobs for this step (None: healthy); it may raise a stop."""
-        return self._host.hook.knobs(step) if self._host.hook is not None else None
+    def _knobs(self, step: int, timed: bool = True) -> np.ndarray | None:
+        """The hook's per-device knobs for this step (None: healthy); it may raise a stop.
+        Not `timed`: every device the hook does not slow is `OFF` (no callbacks)."""
+        knobs = self._host.hook.knobs(step) if self._host.hook is not None else None
+        if timed:
+            return knobs
+        grid = np.ones((self.plan.dp, self.plan.pp, self.plan.tp), np.float32) \
+            if knobs is None else np.asarray(knobs, np.float32)
+        return np.where(grid > 1.0, grid, np.float32(OFF))
+
+    @property
+    def last_timing(self) -> StepTiming:
+        """The last step's timing (its stage times None when it ran without the callbacks)."""
+        return self._last_timing
+
+    def _instrumented(self) -> bool:
+        """Does the current program carry the stage-timing callbacks (see `_compiled`)?"""
+        return (self._timed and self.config.stage_timing
+                and (self.plan.n_devices > 1 or self.fault_hook is not None))
 
     def _probe(self, step: int):  # noqa: ANN202 - a ProbeResult
         if self.on_long_work is not None:
@@ -493,9 +520,13 @@ class ResilientTrainer:
     def _step(self, step: int, batch: GlobalBatch) -> StepRecord:
         program, timer = self.program, self._host.timer
         arrays = device_batch(program, batch)
+        instrumented = self._instrumented()
+        in_doubt = self.detector.wants_stage_times()
+        timed = instrumented and self.sampler.wants(in_doubt)
+        self._step_timed = timed
 
         def run_once() -> tuple[TrainState, dict[str, Any], Any]:
-            return timed_step(program, self.state, arrays, self._knobs(step), timer)
+            return timed_step(program, self.state, arrays, self._knobs(step, timed), timer)
 
         spent_before = timer.spent_s
         self.state, metrics, timing = run_guarded(run_once, step, self.deadline_s(batch),
@@ -506,6 +537,9 @@ class ResilientTrainer:
         self.completed = step
         if multi_process():  # every process feeds its detector the same observation
             timing = timing.gathered()
+        if instrumented:
+            self.sampler.observe(timed, timing.step_time_s, timer.spent_s - spent_before,
+                                 in_doubt=in_doubt)
         self._last_timing = timing
         return StepRecord.of(int(self.state.step), self.plan, jax.device_get(metrics),
                              timing.step_time_s, batch)
@@ -544,8 +578,11 @@ class ResilientTrainer:
         PlanError when a step failed and no plan avoids the cause (re-running it would
         fail the same way forever)."""
         if verdict.kind == "stopped" and not verdict.devices:
+            untimed = ("; it ran without stage timing, which names a device that hangs "
+                       "(ResilienceConfig(stage_timing_every=1) times every step)"
+                       if not self._step_timed and self._instrumented() else "")
             raise PlanError(f"step {verdict.step} failed without naming a device, so no plan "
-                            f"can avoid it: {cause or 'no cause given'}")
+                            f"can avoid it: {cause or 'no cause given'}{untimed}")
         start = self.clock()
         self._pending = None  # this verdict's plan supersedes one still compiling
         self.health = _updated_health(self.health, verdict)

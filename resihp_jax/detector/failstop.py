@@ -37,14 +37,16 @@ def devices_in_error(error: BaseException) -> tuple[int, ...]:
     return tuple(sorted({int(x) for x in re.findall(r"\d+", match.group(1))}))
 
 
-def run_guarded(step_fn: Callable[[], Any], step: int, timeout_s: float, *,
+def run_guarded(step_fn: Callable[[], Any], step: int, timeout_s: float | Callable[[], float], *,
                 in_flight: Callable[[], list[int]] | None = None,
                 wait: Callable[[threading.Thread, float], None] = threading.Thread.join) -> Any:
     """step_fn() or StepFailed (with a 'stopped' verdict) if it raises or times out.
 
+    `timeout_s` may be a function, called once the step has started: its work (predicting
+    the batch's healthy time) then runs while the devices do the step's.
     `wait(worker, timeout_s)` waits for the step's thread (injected so tests need not wait)."""
-    if not timeout_s > 0:
-        raise ConfigError(f"timeout_s={timeout_s!r}: must be > 0")
+    if not callable(timeout_s):
+        _check_timeout(timeout_s)
     box: dict[str, Any] = {}
 
     def work() -> None:
@@ -55,6 +57,9 @@ def run_guarded(step_fn: Callable[[], Any], step: int, timeout_s: float, *,
 
     worker = threading.Thread(target=work, daemon=True)
     worker.start()
+    if callable(timeout_s):
+        timeout_s = timeout_s()
+        _check_timeout(timeout_s)
     wait(worker, timeout_s)
     if worker.is_alive():
         devices = tuple(sorted(in_flight())) if in_flight is not None else ()
@@ -66,6 +71,11 @@ def run_guarded(step_fn: Callable[[], Any], step: int, timeout_s: float, *,
         raise StepFailed(Verdict(step, devices, "stopped", math_inf(), 1.0 if devices else 0.5,
                                  "failstop"), f"{type(err).__name__}: {err}") from err
     return box["out"]
+
+
+def _check_timeout(timeout_s: float) -> None:
+    if not timeout_s > 0:
+        raise ConfigError(f"timeout_s={timeout_s!r}: must be > 0")
 
 
 def math_inf() -> float:

@@ -133,6 +133,10 @@ CHECK_PERIOD, CHECK_BUDGET = 12, 0.05
 # probe run costs at most JOB_CHECK_BUDGET x JOB_CHECK_PERIOD steps (a GPU's: milliseconds;
 # 4 processes x 2 fake devices on 2 cores: 0.5 s against steps of 0.3-2 s)
 JOB_CHECK_START, JOB_CHECK_PERIOD, JOB_CHECK_BUDGET = 4, 5, 0.25
+# a refit of the cost model after its first runs beside the steps and takes effect this many
+# steps after it began (perfmodel/fit.py): a window's refit took 44 ms on 2 CPU cores, a
+# whole step of a GPU's, every 16-64 steps
+REFIT_LAG = 2
 
 
 
@@ -156,7 +160,8 @@ class ResiHPDetector(Detector):
         # own choice they came in only after ~90 steps of 8 fake devices on 2 cores, and the
         # pipeline-only fit before that erred 1.4x the machine's noise floor (0.95x with them).
         self.cost = cost_model if cost_model is not None else OnlineCostModel(
-            model, window=128, refit_every=16, mode="contention", max_refit_every=64)
+            model, window=128, refit_every=16, mode="contention", max_refit_every=64,
+            refit_lag=REFIT_LAG)
         self.warmup, self.slack, self.decision = warmup, slack, decision
         self.drift, self.min_noise, self.k = drift, min_noise, k
         self.level_min_excess, self.use_stage_times = level_min_excess, use_stage_times
@@ -384,10 +389,12 @@ class ResiHPDetector(Detector):
         window = self._resid.setdefault(plan, deque(maxlen=128))
         window.append(resid)
         if len(window) >= MIN_RESIDUALS:
+            # (sorted once: np.median and np.quantile each sort again, 0.4 ms a step)
             r = np.asarray(window)
-            med = float(np.median(r))
-            mad_sigma = 1.4826 * float(np.median(np.abs(r - med)))
-            tail_sigma = (float(np.quantile(r, 0.9)) - med) / 1.2816
+            sorted_r = np.sort(r)
+            med = _sorted_quantile(sorted_r, 0.5)
+            mad_sigma = 1.4826 * _sorted_quantile(np.sort(np.abs(r - med)), 0.5)
+            tail_sigma = (_sorted_quantile(sorted_r, 0.9) - med) / 1.2816
             robust = max(self.min_noise, mad_sigma, tail_sigma)
             clipped = np.clip(r - med, -RMS_CLIP * robust, RMS_CLIP * robust)
             self._sigma[plan] = max(robust, float(np.sqrt(np.mean(clipped ** 2))))
@@ -534,3 +541,11 @@ class ResiHPDetector(Detector):
         self.cost.observe(obs.plan, obs.mb_tokens, obs.mb_sum_l2, obs.step_time_s / self.scale,
                           stages)
         self._learned += 1
+
+
+def _sorted_quantile(sorted_N: np.ndarray, q: float) -> float:
+    """np.quantile's (linear) `q` quantile of an already sorted array."""
+    at = q * (len(sorted_N) - 1)
+    lo = int(math.floor(at))
+    hi = min(lo + 1, len(sorted_N) - 1)
+    return float(sorted_N[lo] + (sorted_N[hi] - sorted_N[lo]) * (at - lo))

@@ -10,8 +10,10 @@ host running many fake devices on few cores pays); it is used only when it fits 
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +38,16 @@ STABLE_MOVE = 0.01
 PREDICTIONS_KEPT = 8  # predictions remembered per fit (see OnlineCostModel.predict)
 
 
+@dataclass(frozen=True)
+class _Refit:
+    """What one refit found: applied at once, or `refit_lag` steps after it started."""
+    theta: np.ndarray
+    version: int
+    fit: RobustFit
+    uses_contention: bool
+    refit_gap: int
+
+
 @dataclass
 class _Obs:
     plan: Plan
@@ -54,18 +66,25 @@ class OnlineCostModel:
     def __init__(self, model: ModelFacts | None = None, *, schedule: str = "gpipe",
                  remat: bool = False, bwd_ratio: float = 2.0, window: int = 256,
                  min_steps: int = 8, refit_every: int = 4, mode: str = "auto",
-                 max_refit_every: int | None = None) -> None:
+                 max_refit_every: int | None = None, refit_lag: int = 0) -> None:
         """`max_refit_every`: a refit that leaves the predictions where they were (within
         STABLE_MOVE) doubles the steps to the next one, up to this many; one that moves them
         starts again at `refit_every` (None: always `refit_every`). A refit re-simulates every
         step of the window: where the model has settled it is most of the detector's host
-        time on the step loop's path. Deterministic, so every process of a job refits alike."""
+        time on the step loop's path. Deterministic, so every process of a job refits alike.
+        `refit_lag` > 0: after the first fit, a refit runs in a background thread on the
+        window as it was, and takes effect `refit_lag` observations later (waiting for it
+        then if it is not done): off the step loop's path (a 40 ms refit on a step of 46 ms),
+        and still deterministic."""
         check_schedule(schedule)
         if mode not in MODES:
             raise ConfigError(f"OnlineCostModel mode={mode!r}: valid are {', '.join(MODES)}")
         if not (window >= min_steps >= 2 and refit_every >= 1):
             raise ConfigError(f"OnlineCostModel: need window={window} >= min_steps={min_steps} "
                               f">= 2 and refit_every={refit_every} >= 1")
+        if isinstance(refit_lag, bool) or not isinstance(refit_lag, int) or refit_lag < 0:
+            raise ConfigError(f"OnlineCostModel refit_lag={refit_lag!r}: must be an integer "
+                              ">= 0 (0: refit on the spot)")
         if not (math.isfinite(bwd_ratio) and bwd_ratio > 0):
             raise ConfigError(f"OnlineCostModel bwd_ratio={bwd_ratio!r}: must be > 0")
         self.model, self.schedule, self.remat, self.bwd_ratio = model, schedule, remat, bwd_ratio
@@ -81,6 +100,11 @@ class OnlineCostModel:
         # the newest predictions of this fit: a step's deadline and its judgement after it
         # ask for the same batch (one pipeline simulation, not two, on the step loop's path)
         self._predicted: dict[tuple, float] = {}
+        self.refit_lag = refit_lag
+        self._seen = 0  # observations so far (when a background refit takes effect)
+        # a refit under way: (its thread, where it puts its result, the observation at which
+        # it takes effect)
+        self._pending: tuple[threading.Thread, dict[str, Any], int] | None = None
 
     # ---- public API ----------------------------------------------------------------------
     @property
@@ -128,9 +152,15 @@ class OnlineCostModel:
         self._obs.append(_Obs(plan, tok_N, l2_N, mb_slots, step_s, stage_x, stage_y,
                               features.total_units(plan, tok_N, l2_N)))
         self._since_fit += 1
-        if len(self._obs) >= self.min_steps and (self._fit is None
-                                                 or self._since_fit >= self._refit_gap):
-            self.refit()
+        self._seen += 1
+        if self._pending is not None and self._seen >= self._pending[2]:
+            self._take_pending()
+        if self._pending is None and len(self._obs) >= self.min_steps and (
+                self._fit is None or self._since_fit >= self._refit_gap):
+            if self._fit is None or not self.refit_lag:
+                self.refit()
+            else:
+                self._refit_later()
 
     def predict(self, plan: Plan, mb_tokens: np.ndarray | None, mb_sum_l2: np.ndarray | None,
                 health: Health | None = None, *, mb_slots: int | None = None) -> float:
@@ -175,43 +205,76 @@ class OnlineCostModel:
                              trace=trace)
 
     def refit(self) -> None:
-        """Re-estimate from the window: alternate critical paths and robust least squares."""
+        """Re-estimate from the window now (a background refit under way ends first)."""
+        if self._pending is not None:
+            self._take_pending()
         self._since_fit = 0
         self._predicted.clear()
-        if not self._obs:
-            return
-        first = self._theta is None
-        if first:
-            self._theta = self._initial_theta()
-        for attempt in range(6):
-            self._update_paths()
-            x_path, y = self._design(with_total=False)
-            pipe = robust_relative_fit(x_path, y)
-            moved = _relative_move(x_path, y, self._theta, pipe.coef)
-            if attempt == 0:  # how far this refit moved the predictions
-                settled = not first and moved < STABLE_MOVE
-                self._refit_gap = (min(2 * self._refit_gap, self.max_refit_every) if settled
-                                   else self.refit_every)
-            self._theta = pipe.coef if pipe.coef.any() else self._theta
-            if moved < PATH_RECHECK:
-                break
-            self._version += 1
-        self._choose_model(pipe)
+        if self._obs:
+            self._apply(self._computed_refit(list(self._obs)))
+
+    def _refit_later(self) -> None:
+        """Start a refit of the window as it is now, taking effect `refit_lag` steps on."""
+        self._since_fit = 0
+        window, box = list(self._obs), {}
+
+        def work() -> None:
+            try:
+                box["refit"] = self._computed_refit(window)
+            except BaseException as err:  # noqa: BLE001 - raised where it takes effect
+                box["error"] = err
+
+        thread = threading.Thread(target=work, name="cost-model-refit", daemon=True)
+        self._pending = (thread, box, self._seen + self.refit_lag)
+        thread.start()
+
+    def _take_pending(self) -> None:
+        thread, box, _ = self._pending  # type: ignore[misc]
+        thread.join()
+        self._pending = None
+        if "error" in box:
+            raise box["error"]
+        self._apply(box["refit"])
+
+    def _apply(self, refit: _Refit) -> None:
+        self._theta, self._version, self._fit = refit.theta, refit.version, refit.fit
+        self._uses_contention, self._refit_gap = refit.uses_contention, refit.refit_gap
         self._predicted.clear()  # (a prediction made meanwhile used the old fit)
 
+    def _computed_refit(self, window: list[_Obs]) -> _Refit:
+        """Re-estimate from `window`: alternate critical paths and robust least squares.
+        Reads the model's fit, writes only the window's cached paths (any thread; one at a
+        time)."""
+        theta, version, gap = self._theta, self._version, self._refit_gap
+        first = theta is None
+        if first:
+            theta = self._initial_theta(window)
+        for attempt in range(6):
+            self._update_paths(window, theta, version)
+            x_path, y = _design(window, with_total=False)
+            pipe = robust_relative_fit(x_path, y)
+            moved = _relative_move(x_path, y, theta, pipe.coef)
+            if attempt == 0:  # how far this refit moved the predictions
+                settled = not first and moved < STABLE_MOVE
+                gap = min(2 * gap, self.max_refit_every) if settled else self.refit_every
+            theta = pipe.coef if pipe.coef.any() else theta
+            if moved < PATH_RECHECK:
+                break
+            version += 1
+        fit, uses_contention = self._chosen_model(pipe, window)
+        return _Refit(theta, version, fit, uses_contention, gap)
+
     # ---- internals -----------------------------------------------------------------------
-    def _choose_model(self, pipe: RobustFit) -> None:
-        self._fit, self._uses_contention = pipe, self.mode == "contention"
+    def _chosen_model(self, pipe: RobustFit, window: list[_Obs]) -> tuple[RobustFit, bool]:
         if self.mode == "pipeline":
-            return
-        x_all, y = self._design(with_total=True)
+            return pipe, False
+        x_all, y = _design(window, with_total=True)
         both = robust_relative_fit(x_all, y)
         if self.mode == "contention" or both.scale < 0.7 * pipe.scale:
-            self._fit, self._uses_contention = both, True
-        else:
-            self._fit = RobustFit(np.concatenate([pipe.coef, np.zeros(3)]),
-                                  np.concatenate([pipe.active, np.zeros(3, dtype=bool)]),
-                                  pipe.scale, pipe.weights)
+            return both, True
+        return RobustFit(np.concatenate([pipe.coef, np.zeros(3)]),
+                         np.concatenate([pipe.active, np.zeros(3, dtype=bool)]),
+                         pipe.scale, pipe.weights), False
 
     def _require_fit(self) -> None:
         if self._fit is None or self._theta is None:
@@ -228,35 +291,23 @@ class OnlineCostModel:
             return self.model
         return ModelConfig(n_layers=plan.n_layers)  # communication is folded: sizes unused
 
-    def _initial_theta(self) -> np.ndarray:
+    @staticmethod
+    def _initial_theta(window: list[_Obs]) -> np.ndarray:
         """Equal share for the fixed, per-token and attention terms: just to pick paths."""
-        tok = np.mean([o.tokens_N.mean() for o in self._obs])
-        l2 = np.mean([o.sum_l2_N.mean() for o in self._obs])
+        tok = np.mean([o.tokens_N.mean() for o in window])
+        l2 = np.mean([o.sum_l2_N.mean() for o in window])
         return np.array([1.0, 1.0 / max(tok, 1.0), 1.0 / max(l2, 1.0), 0.0, 0.0, 0.0])
 
-    def _update_paths(self) -> None:
-        costs = self._costs(self._theta)  # type: ignore[arg-type]
-        for obs in self._obs:
-            if obs.path_version == self._version:
+    def _update_paths(self, window: list[_Obs], theta: np.ndarray, version: int) -> None:
+        costs = self._costs(theta)
+        for obs in window:
+            if obs.path_version == version:
                 continue
             sim = self._simulate(obs.plan, costs, obs.tokens_N, obs.sum_l2_N, obs.mb_slots,
                                  trace=True)
             obs.path_x = features.path_units(sim, obs.plan, obs.tokens_N, obs.sum_l2_N,
                                              self.bwd_ratio, self.remat, self.schedule)
-            obs.path_version = self._version
-
-    def _design(self, with_total: bool) -> tuple[np.ndarray, np.ndarray]:
-        n_total = len(features.TOTAL_FEATURES) if with_total else 0
-        rows, ys = [], []
-        for obs in self._obs:
-            extra = obs.total_x if with_total else np.zeros(0)
-            rows.append(np.concatenate([obs.path_x, extra]))
-            ys.append(obs.step_time_s)
-            if obs.stage_x is not None:
-                rows.extend(np.concatenate([obs.stage_x, np.zeros((len(obs.stage_x), n_total))],
-                                           axis=1))
-                ys.extend(obs.stage_y)  # type: ignore[arg-type]
-        return np.asarray(rows), np.asarray(ys)
+            obs.path_version = version
 
     def _stage_rows(self, plan: Plan, data: GroupData, stage_times_s: object
                     ) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -290,3 +341,18 @@ def _global(values_GxM: np.ndarray, data: GroupData) -> np.ndarray:
 def _relative_move(x_NxF: np.ndarray, y_N: np.ndarray, old: np.ndarray, new: np.ndarray
                    ) -> float:
     return float(np.median(np.abs(x_NxF @ (new - old)) / y_N))
+
+
+def _design(window: list[_Obs], with_total: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The fit's rows (each step's path features, and its stage rows if any) and times."""
+    n_total = len(features.TOTAL_FEATURES) if with_total else 0
+    rows, ys = [], []
+    for obs in window:
+        extra = obs.total_x if with_total else np.zeros(0)
+        rows.append(np.concatenate([obs.path_x, extra]))
+        ys.append(obs.step_time_s)
+        if obs.stage_x is not None:
+            rows.extend(np.concatenate([obs.stage_x, np.zeros((len(obs.stage_x), n_total))],
+                                       axis=1))
+            ys.extend(obs.stage_y)  # type: ignore[arg-type]
+    return np.asarray(rows), np.asarray(ys)

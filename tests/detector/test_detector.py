@@ -376,12 +376,13 @@ def test_a_slow_device_that_lifts_every_stage_is_not_taken_for_a_load() -> None:
     det, verdicts = run("resihp", steps, fake_prober({5: 1.5}, 60))
     assert len(verdicts) == 1 and verdicts[0].devices == (5,)
     assert 60 <= verdicts[0].step < 60 + REACH_STEPS
-    # without the counters the common level is all there is, and it reads as a load: no
-    # step raises a suspicion (a periodic check of the probes may still find it later)
+    # without the counters the common level is all there is and may read as a load (with
+    # the cost model refitted on the spot it did here, and only a periodic check found the
+    # device; refitted beside the steps, the fit at the onset differs and the steps catch
+    # it): either way nothing but the slow device is ever named
     det, verdicts = run("resihp", lifted_stream(80, 60, 1.5, with_cpu=False),
                         fake_prober({5: 1.5}, 60))
-    assert det.alarms == 0 and all(v.devices == (5,) for v in verdicts)
-    assert all(v.step >= 60 + REACH_STEPS for v in verdicts)
+    assert verdicts and all(v.devices == (5,) and v.step >= 60 for v in verdicts)
 
 
 def swing_stream(swing: range, factor: float, cores_follow: bool, own: float = 1.8,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import itertools
 import math
@@ -351,6 +353,31 @@ def test_fit_recovers_coefficients_despite_noise_and_outliers() -> None:
         assert getattr(got, name) == pytest.approx(getattr(TRUE, name), rel=0.1), name
     assert np.mean(errors[-60:]) < 0.02
     assert fit.noise < 0.02
+
+
+def test_a_refit_beside_the_steps_is_the_same_refit_taken_later() -> None:
+    """refit_lag=2: each refit after the first is exactly the one made on the spot, taking
+    effect 2 observations later (deterministic: every process of a job takes it alike)."""
+    def params_after_each(lag: int) -> list[tuple]:
+        fit = OnlineCostModel(MODEL8, refit_every=4, max_refit_every=16, refit_lag=lag)
+        rng, seen = np.random.default_rng(5), []
+        for i in range(60):
+            plan = FIT_PLANS[i % len(FIT_PLANS)]
+            tok, l2 = random_batch(plan, rng)
+            y = simulate_step(plan, MODEL8, TRUE, mb_tokens=tok, mb_sum_l2=l2).step_time_s
+            fit.observe(plan, tok, l2, y * (1 + rng.normal(0, 0.01)))
+            seen.append(dataclasses.astuple(fit.params) if fit.ready else None)
+        return seen
+
+    now, later = params_after_each(0), params_after_each(2)
+    changes = [i for i in range(1, 60) if now[i] != now[i - 1]]
+    assert len(changes) >= 3  # the first fit and at least two refits
+    first = changes[0]
+    assert later[first] == now[first]  # the first fit is made on the spot: nothing to predict
+    for i in changes[1:]:  # every later one takes effect 2 observations on, the same numbers
+        assert later[i + 1] == now[i - 1] and later[i + 2] == now[i]
+    with pytest.raises(ConfigError, match="refit_lag=-1"):
+        OnlineCostModel(MODEL8, refit_lag=-1)
 
 
 def test_fit_single_plan_predicts_length_swings() -> None:

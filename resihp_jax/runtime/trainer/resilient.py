@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -525,11 +526,24 @@ class ResilientTrainer:
         timed = instrumented and self.sampler.wants(in_doubt)
         self._step_timed = timed
 
+        dispatched = threading.Event()
+
         def run_once() -> tuple[TrainState, dict[str, Any], Any]:
-            return timed_step(program, self.state, arrays, self._knobs(step, timed), timer)
+            try:
+                return timed_step(program, self.state, arrays, self._knobs(step, timed),
+                                  timer, dispatched)
+            finally:
+                dispatched.set()  # (also when it failed before dispatching)
+
+        def deadline() -> float:
+            # predicted while the devices run the step, once it is dispatched (before, this
+            # thread's Python would hold up the step's own)
+            dispatched.wait(self.config.hang_floor_s)
+            return self.deadline_s(batch)
 
         spent_before = timer.spent_s
-        self.state, metrics, timing = run_guarded(run_once, step, self.deadline_s(batch),
+        # the deadline's prediction runs while the devices run the step
+        self.state, metrics, timing = run_guarded(run_once, step, deadline,
                                                   in_flight=self._in_flight)
         self.spent_s["timing"] += timer.spent_s - spent_before
         # done on the devices: should a later collective of this step fail (a peer died
@@ -545,11 +559,10 @@ class ResilientTrainer:
                              timing.step_time_s, batch)
 
     def deadline_s(self, batch: GlobalBatch) -> float:
-        """How long this batch's step may take before it counts as hung."""
-        started = self.clock()
+        """How long this batch's step may take before it counts as hung (worked out while
+        the devices run the step: not on the step loop's path, nor in its account)."""
         predicted = self.detector.healthy_time_s(self.plan, self._mb_tokens(),
                                                  mb_attention_l2(self.model, batch))
-        self.spent_s["detector"] += self.clock() - started
         if predicted is None:
             return self.config.step_timeout_s
         deadline = max(self.config.hang_floor_s, self.config.hang_factor * predicted)

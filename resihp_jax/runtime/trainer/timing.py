@@ -12,6 +12,7 @@ over the step (two reads of /proc/stat per step).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -109,13 +110,19 @@ class StageTimer:
 
 
 def timed_step(program: Any, state: Any, batch: Any, knobs_DxPxT: np.ndarray | None,
-               timer: StageTimer | None = None) -> tuple[Any, dict[str, Any], StepTiming]:
+               timer: StageTimer | None = None,
+               dispatched: threading.Event | None = None
+               ) -> tuple[Any, dict[str, Any], StepTiming]:
     """Run one step to completion and time it with `timer` (per-stage times too when it is
-    the program's Instrument host, or part of it; a fresh one times the step alone)."""
+    the program's Instrument host, or part of it; a fresh one times the step alone).
+    `dispatched` is set once the step is on its way to the devices (the caller's host work
+    may then run beside it)."""
     if timer is None:
         timer = StageTimer((program.plan.dp, program.plan.pp, program.plan.tp))
     timer.begin()
     state, metrics = program.step(state, batch, knobs_DxPxT)
+    if dispatched is not None:
+        dispatched.set()
     # the step's time is read when its loss is ready, which the loop fetches anyway
     jax.block_until_ready(metrics)
     timing = timer.end()

@@ -225,6 +225,28 @@ def test_failstop_names_the_device_on_error_and_timeout() -> None:
     assert waited == [7.0] and info.value.verdict.devices == (3,)
 
 
+def test_a_deadline_worked_out_while_the_step_runs() -> None:
+    """A callable deadline is asked for once the step's thread has started (its prediction
+    then runs beside the step), and a bad one is named."""
+    started, order = threading.Event(), []
+
+    def step() -> int:
+        started.set()
+        return 1
+
+    def deadline() -> float:
+        started.wait(5.0)
+        order.append(started.is_set())
+        return 6.0
+
+    waited: list[float] = []
+    assert run_guarded(step, 3, deadline,
+                       wait=lambda worker, timeout: (waited.append(timeout), worker.join())) == 1
+    assert order == [True] and waited == [6.0]
+    with pytest.raises(ConfigError, match="timeout_s=0"):
+        run_guarded(lambda: 1, 4, lambda: 0)
+
+
 def test_block_pair_feature_counts_what_the_kernel_computes() -> None:
     from resihp_jax.detector.attention_work import mb_block_pair_l2
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resihp_jax.model.attention import computed_block_pairs, dense_attention, segment_attention
+from resihp_jax.attention.kernels import computed_block_pairs, dense_attention, segment_attention
 
 EQUAL_DOC_COUNTS = (1, 2, 4, 8, 16, 32)
 

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from resihp_jax.data import BatchIterator, GlobalBatch  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.model import decoder, layers  # noqa: E402
-from resihp_jax.model.attention_check import step_attention  # noqa: E402
+from resihp_jax.attention.check import step_attention  # noqa: E402
 from resihp_jax.model.config import ModelConfig, get_model_config  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
 from resihp_jax.train.step import build_step  # noqa: E402

@@ -9,6 +9,6 @@ masked O(S^2) reference with the same semantics, whose cost grows per row).
 Shapes: q [B, S, H, K], k and v [B, S, G, K] with G dividing H (grouped KV heads).
 """
 
-from resihp_jax.model.attention import IMPLEMENTATIONS, dense_attention, segment_attention
+from resihp_jax.attention.kernels import IMPLEMENTATIONS, dense_attention, segment_attention
 
 __all__ = ["IMPLEMENTATIONS", "dense_attention", "segment_attention"]

@@ -22,6 +22,7 @@ MAX_MODULES_PER_FOLDER = 15
 # import anything, lazily; no module of the library imports them.
 LAYERS: list[set[str]] = [
     {"errors", "vma"},
+    {"attention"},
     {"model", "data"},
     {"meshes", "nn"},
     {"train", "perfmodel", "models"},

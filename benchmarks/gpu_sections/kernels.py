@@ -20,8 +20,8 @@ import numpy as np
 from benchmarks import mfu
 from benchmarks.attention_cost import lognormal_docs
 from benchmarks.gpu_sections.common import Suite, first_line, interleaved, median_ms, print_table
-from resihp_jax.model.attention import dense_attention, segment_attention
-from resihp_jax.model.attention_check import select_kernel
+from resihp_jax.attention.kernels import dense_attention, segment_attention
+from resihp_jax.attention.check import select_kernel
 
 # the llama presets' attn_block (128) and the smaller tiles a fitted block may come down to
 GPU_BLOCKS = (32, 64, 128)

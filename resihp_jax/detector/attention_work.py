@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.model.attention import computed_block_pairs
+from resihp_jax.attention.kernels import computed_block_pairs
 from resihp_jax.perfmodel.facts import ModelFacts
 
 ATTENTION_COSTS = ("document", "row")

@@ -13,7 +13,7 @@ from typing import Any, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from resihp_jax.model.attention import segment_attention
+from resihp_jax.attention.kernels import segment_attention
 from resihp_jax.model.config import ModelConfig
 
 Params = Mapping[str, jax.Array]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import optax
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.model.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from resihp_jax.attention.kernels import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class TrainConfig:
     # consumes stays intact, e.g. for the survivors' copies; one more state in memory)
     donate_state: bool = True
     # attention kernel: "auto" (fused Pallas kernel on GPUs, block-sparse scan elsewhere),
-    # "blocksparse", "pallas" or "dense" (model/attention.py)
+    # "blocksparse", "pallas" or "dense" (attention/kernels.py)
     attention: str = "auto"
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ from resihp_jax.meshes.mesh import make_mesh, put_global
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.meshes.rules import spread_shardings, state_shardings, state_specs
 from resihp_jax.model import decoder, layers
-from resihp_jax.model.attention_check import step_attention
+from resihp_jax.attention.check import step_attention
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.instrument import Instrument

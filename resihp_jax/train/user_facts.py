@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.model.attention import TRACED_CALLS
+from resihp_jax.attention.kernels import TRACED_CALLS
 from resihp_jax.train.user_model import ModelParts, mesh_specs
 
 ATTENTION_COSTS = ("document", "row")

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resihp_jax.model import flash
+from resihp_jax.attention import flash
 
 # Opt-in shared memory per thread block (cudaDevAttrMaxSharedMemoryPerBlockOptin) by compute
 # capability, for devices whose runtime does not report it.

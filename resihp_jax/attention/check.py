@@ -13,16 +13,27 @@ configuration. `select_kernel` says which kernel and blocks a configuration runs
 from __future__ import annotations
 
 import functools
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.model.attention import dense_attention, resolve_implementation, segment_attention
-from resihp_jax.model.config import ModelConfig
-from resihp_jax.model.flash import GPU_PLATFORMS
-from resihp_jax.model.flash_fit import KernelChoice, choose, config_for
+from resihp_jax.attention.kernels import (dense_attention, resolve_implementation,
+                                          segment_attention)
+from resihp_jax.attention.flash import GPU_PLATFORMS
+from resihp_jax.attention.fit import KernelChoice, choose, config_for
+
+
+class AttentionShape(Protocol):
+    """What the check needs of a model (a ModelConfig has it): its attention's shape."""
+    attn_block: int
+    head_dim: int
+    n_heads: int
+    n_kv_heads: int
+    dtype: Any
+
 
 # Implementations that need no start-up check: the reference itself, and the block-sparse
 # kernel that the test suite holds to it.
@@ -141,7 +152,7 @@ def check_attention(implementation: str, *, block_size: int, head_dim: int, n_he
     _passed.add(config)
 
 
-def step_attention(implementation: str, model: ModelConfig, seq_len: int,
+def step_attention(implementation: str, model: AttentionShape, seq_len: int,
                    device: jax.Device) -> str:
     """The kernel a train step of `model` on `device`'s platform runs (`implementation` as
     TrainConfig.attention names it), checked once per process before the first step."""

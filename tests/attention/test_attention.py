@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from resihp_jax.model.attention import (
+from resihp_jax.attention.kernels import (
     computed_block_pairs,
     dense_attention,
     segment_attention,

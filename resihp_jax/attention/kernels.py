@@ -21,7 +21,7 @@ from jax import lax
 
 from resihp_jax import vma
 from resihp_jax.errors import ConfigError
-from resihp_jax.model import flash, flash_fit
+from resihp_jax.attention import fit as flash_fit, flash
 
 _F32 = jnp.float32
 # Finite stand-in for -inf: exp(_MASKED - _MASKED) stays finite, so rows with no key yet
@@ -337,7 +337,7 @@ def segment_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
     TRACED_CALLS[0] += 1
     if kind == "pallas":
         # Blocks that fit the GPU's shared memory (<= block_size), or the block-sparse scan
-        # where the fused kernel does not compile: probed once per configuration (flash_fit).
+        # where the fused kernel does not compile: probed once per configuration (attention/fit.py).
         h, d, g = q_BxSxHxK.shape[2], q_BxSxHxK.shape[3], k_BxSxGxK.shape[2]
         choice = flash_fit.choose(flash_fit.config_for(jax.default_backend(), q_BxSxHxK.dtype,
                                                        d, h, g, block_size))

@@ -9,7 +9,8 @@ import pytest
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model import attention, decoder
+from resihp_jax.attention import kernels as attention
+from resihp_jax.model import decoder
 from resihp_jax.model.config import get_model_config
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.step import build_step

@@ -1,0 +1,86 @@
+"""`rh.models.Llama` on the user's path computes its own single-device loss and gradients
+under every plan the built-in decoder's equivalence test holds it to (tests/train/
+test_train_equivalence.py): the same 9 plans, the same tolerances. Tensor parallelism here
+comes from the logical axis names (XLA inserts the collectives). Plans that differ only in
+their splits share one compiled program, as a re-plan does."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import resihp_jax as rh
+from resihp_jax.meshes import layout
+from resihp_jax.model.layers import next_token_targets
+from resihp_jax.train.config import TrainConfig
+from resihp_jax.train.user_model import split_model
+from resihp_jax.train.user_pipeline import token_nll_sum
+from resihp_jax.train.user_step import build_user_step
+from tests.helpers import make_batches, max_relative_error
+from tests.train.test_train_equivalence import PLANS
+
+M, B, S = 8, 2, 64
+
+
+def _reference(model: rh.models.Llama, batch) -> tuple[float, dict]:
+    """The model's own loss and gradients on one device (every micro-batch at once)."""
+    flat = [jnp.asarray(a.reshape(-1, S)) for a in
+            (batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS)]
+
+    def mean_loss(m: rh.models.Llama) -> jax.Array:
+        targets, weights = next_token_targets(flat[0], flat[1])
+        return token_nll_sum(m(*flat), targets, weights) / jnp.maximum(weights.sum(), 1)
+
+    loss, grads = nnx.jit(nnx.value_and_grad(mean_loss))(model)
+    return float(loss), nnx.to_pure_dict(grads)
+
+
+@pytest.fixture(scope="module")
+def case():
+    model = rh.models.Llama(rh.engine.get_model_config("tiny"), rngs=nnx.Rngs(0))
+    batch = make_batches(M, B, S)[0]
+    loss, grads = _reference(model, batch)
+    return model, batch, loss, grads
+
+
+def _same_mesh_groups() -> list[tuple[str, ...]]:
+    groups: list[list[str]] = []
+    for name, plan in PLANS.items():
+        group = next((g for g in groups if PLANS[g[0]].same_mesh(plan)), None)
+        if group is None:
+            groups.append([name])
+        else:
+            group.append(name)
+    return [tuple(g) for g in groups]
+
+
+@pytest.mark.parametrize("names", _same_mesh_groups(), ids=" + ".join)
+def test_every_plan_computes_the_models_own_loss_and_gradients(names, case) -> None:
+    model, batch, want_loss, want = case
+    plans = [PLANS[n] for n in names]
+    parts, shell, blocks = split_model(model)
+    params = {"shell": shell, "blocks": blocks}
+    train = TrainConfig(layer_slots=max(max(p.layers_per_stage) for p in plans),
+                        microbatch_slots=max(max(p.microbatches_per_group) for p in plans))
+    program = build_user_step(parts, optax.sgd(0.1), plans[0], jax.devices(), params,
+                              train=train)
+    want_blocks = want["blocks"]
+    stacked = [np.stack(x) for x in zip(*(jax.tree.leaves(want_blocks[i])
+                                          for i in range(len(want_blocks))))]
+    want_shell = {k: v for k, v in want.items() if k != "blocks"}
+    for name, plan in zip(names, plans):
+        replanned = program.with_plan(plan)  # same compiled program, new splits
+        state = replanned.init_state(params)
+        loss, grads = replanned.loss_and_grads(state.params, replanned.shard_batch(
+            batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS))
+        grads = jax.device_get(layout.to_canonical_layout(grads,
+                                                          replanned.canonical_positions()))
+        np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5, err_msg=name)
+        got_blocks = jax.tree.leaves(grads["blocks"])
+        assert max_relative_error(got_blocks, stacked) < 1e-4, name
+        assert max_relative_error(jax.tree.leaves(grads["shell"]),
+                                  jax.tree.leaves(want_shell)) < 1e-4, name

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.attention.kernels import (dense_attention, resolve_implementation,
-                                          segment_attention)
+from resihp_jax.attention.kernels import (TRACED_KERNELS, dense_attention,
+                                          resolve_implementation, segment_attention)
 from resihp_jax.attention.flash import GPU_PLATFORMS
 from resihp_jax.attention.fit import KernelChoice, choose, config_for
 
@@ -172,3 +172,14 @@ def step_attention(implementation: str, model: AttentionShape, seq_len: int,
                     n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, dtype=model.dtype,
                     device=device)
     return kind
+
+
+def check_traced(device: jax.Device) -> None:
+    """Check every per-document kernel configuration `segment_attention` has been traced
+    with in this process (`TRACED_KERNELS`) on `device`'s platform, each once. A user's
+    model calls it from its own blocks, so its configurations are known only once its step
+    is traced: its program runs this after compiling (the built-in step checks before it
+    builds, `step_attention`). Raises AttentionMismatch before the first step."""
+    for kind, block, head_dim, n_heads, n_kv_heads, dtype in sorted(TRACED_KERNELS):
+        check_attention(kind, block_size=block, head_dim=head_dim, n_heads=n_heads,
+                        n_kv_heads=n_kv_heads, dtype=dtype, device=device)

@@ -289,6 +289,11 @@ _sparse.defvjp(_sparse_fwd, _sparse_bwd)
 # a model's facts read it around tracing one block to learn how its attention cost grows
 # (train/user_facts.py).
 TRACED_CALLS = [0]
+# Every configuration of a per-document kernel traced in this process: (kernel, block size,
+# head dim, heads, kv heads, dtype). A user's model calls `segment_attention` from its own
+# blocks, so its shapes are known only once its step is traced; the start-up check then runs
+# on each (attention/check.py `check_traced`).
+TRACED_KERNELS: set[tuple[str, int, int, int, int, str]] = set()
 
 IMPLEMENTATIONS = ("auto", "blocksparse", "pallas", "dense")
 
@@ -335,6 +340,8 @@ def segment_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
         return dense_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS)
     _check_block_size(s, block_size)
     TRACED_CALLS[0] += 1
+    TRACED_KERNELS.add((kind, block_size, q_BxSxHxK.shape[3], q_BxSxHxK.shape[2],
+                        k_BxSxGxK.shape[2], np.dtype(q_BxSxHxK.dtype).name))
     if kind == "pallas":
         # Blocks that fit the GPU's shared memory (<= block_size), or the block-sparse scan
         # where the fused kernel does not compile: probed once per configuration (attention/fit.py).

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from resihp_jax.attention.check import check_traced
 from resihp_jax.errors import PlanError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.mesh import make_mesh
@@ -64,8 +65,13 @@ class UserStepProgram(StepProgram):
             params, self.stage_index())
 
     def check_compiled(self, compiled_step: Any) -> None:
-        """Warn (ParameterGatherWarning) naming each tp-sharded parameter the compiled step
-        gathers whole: sharding propagation's fallback for code it cannot split."""
+        """Check the attention kernels the model's blocks traced against the dense
+        reference (once per configuration and process: a fused kernel that leaks across
+        documents is refused before the first step, as the built-in step's is); and warn
+        (ParameterGatherWarning) naming each tp-sharded parameter the compiled step gathers
+        whole: sharding propagation's fallback for code it cannot split."""
+        check_traced(next(d for d in self.mesh.devices.flat  # (one of this process's)
+                          if d.process_index == jax.process_index()))
         if self.plan.tp == 1:
             return
         canonical = canonical_state_shapes(self.state_shapes, self.plan.n_layers).params

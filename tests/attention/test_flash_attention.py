@@ -225,3 +225,41 @@ def test_step_attention_per_platform():
     assert attention_check.step_attention("dense", tiny, 64, cpu) == "dense"
     with pytest.raises(ConfigError, match="'pallas' needs GPUs"):
         attention_check.step_attention("pallas", tiny, 64, cpu)
+
+
+def test_a_users_model_has_its_traced_kernels_checked_before_its_first_step(monkeypatch):
+    """A user's model calls segment_attention from its own blocks: the configurations its
+    step traced are checked once compiled, and a leaky kernel is refused there."""
+    import optax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    import resihp_jax as rh  # noqa: PLC0415
+    from resihp_jax.attention import kernels  # noqa: PLC0415
+    from resihp_jax.train.aot import compile_program  # noqa: PLC0415
+    from resihp_jax.train.user_model import split_model  # noqa: PLC0415
+    from resihp_jax.train.user_step import build_user_step  # noqa: PLC0415
+
+    cfg = get_model_config("tiny-gqa")
+    parts, shell, blocks = split_model(rh.models.Llama(cfg, rngs=nnx.Rngs(0)))
+    plan = rh.Plan.uniform(1, 1, 1, n_layers=cfg.n_layers, n_microbatches=1,
+                           microbatch_size=2, seq_len=64)
+
+    def program():
+        return build_user_step(parts, optax.sgd(0.1), plan, jax.devices()[:1],
+                               {"shell": shell, "blocks": blocks})
+
+    monkeypatch.setattr(kernels, "TRACED_KERNELS", set())
+    monkeypatch.setattr(attention_check, "TRACED_KERNELS", kernels.TRACED_KERNELS)
+    compile_program(program())
+    assert ("blocksparse", cfg.attn_block, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads,
+            "float32") in kernels.TRACED_KERNELS
+
+    def row0_ids_everywhere(q, k, v, seg, **_):  # a batch-indexing bug of a packed kernel
+        return dense_attention(q, k, v, jnp.broadcast_to(seg[:1], seg.shape))
+
+    # as on a GPU, where the model's "auto" traced the fused kernel
+    kernels.TRACED_KERNELS.add(("pallas", 16, 16, 4, 2, "float32"))
+    attention_check._passed.clear()
+    monkeypatch.setattr(attention_check, "segment_attention", row0_ids_everywhere)
+    with pytest.raises(attention_check.AttentionMismatch, match="'pallas' on cpu.*leak"):
+        compile_program(program())

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import sys
 import tempfile
 import time
@@ -96,6 +97,9 @@ def fail_stop(root: Path, kind: str, train: list[str], at: int, standby: bool) -
     steps = [r["step"] for r in records]
     fault_step = summary.restored[1] if len(summary.restored) > 1 else at
     return {"kind": kind, "standby": standby,
+            # the fault waits for a standby to be ready: one still preparing when the job
+            # ends leaves the job unfaulted, and the row without figures
+            "fault_fired": bool(summary.failures),
             "detect_s": summary.detect_s[0] if summary.detect_s else None,
             "stalled_s": summary.failures[0].stalled_s if summary.failures else None,
             "end_s": end, "relaunch_s": max(0.0, recovery - end - inside), **phases,
@@ -110,6 +114,13 @@ def fail_stop(root: Path, kind: str, train: list[str], at: int, standby: bool) -
             "step_s_before_fault": _mean_step_s(records, 1, fault_step),
             "losses": [r["loss"] for r in records], "plans": summary.plans,
             "healthy_records": [r for r in records if r["step"] <= at]}
+
+
+def _seconds(row: dict, key: str) -> float:
+    """A phase's seconds in a row, NaN where the run did not measure it (a standby that
+    took over before it was ready has no time it waited, say): shown as nan, never a crash."""
+    value = row.get(key)
+    return float("nan") if value is None else float(value)
 
 
 def _end_of(records: list[dict], step: int) -> float:
@@ -180,16 +191,21 @@ def _print_fail_stop(stops: list[dict]) -> None:
     on = {r["kind"]: r for r in stops if r["standby"]}
     off = {r["kind"]: r for r in stops if not r["standby"]}
     for kind, r in on.items():
-        line = (f"{kind}: the standby prepared in {r.get('standby_init_s', 0):.2f} s join + "
-                f"{r.get('standby_compile_s', 0):.1f} s compile while the job ran, and was "
-                f"ready {r.get('standby_wait_s', 0):.1f} s before the fault's go")
+        if not r["fault_fired"]:
+            print(f"{kind}: the fault never fired: the standby was not ready before the job's "
+                  "last step (it prepares on the cores the job leaves idle), so this row "
+                  "measured nothing")
+            continue
+        line = (f"{kind}: the standby prepared in {_seconds(r, 'standby_init_s'):.2f} s join + "
+                f"{_seconds(r, 'standby_compile_s'):.1f} s compile while the job ran, and was "
+                f"ready {_seconds(r, 'standby_wait_s'):.1f} s before the fault's go")
         o = off.get(kind, off.get("kill"))  # --quick: the fresh relaunch of the kill row
         if o is not None:
             line += (f"; recovery {o['recovery_s']:.2f} s (without a standby"
                      f"{'' if o['kind'] == kind else ', the kill row'}) -> "
                      f"{r['recovery_s']:.2f} s ({o['recovery_s'] / r['recovery_s']:.1f}x "
                      f"faster), compile "
-                     f"{o.get('compile_s', 0):.2f} s -> {r.get('compile_s', 0):.2f} s "
+                     f"{_seconds(o, 'compile_s'):.2f} s -> {_seconds(r, 'compile_s'):.2f} s "
                      f"(target <= {TARGETS['standby_compile_s']} s, total <= "
                      f"{TARGETS['standby_recovery_s']} s)")
             line += (f"; cost to the running job: first step at {o['first_step_at_s']:.1f} s "
@@ -236,8 +252,9 @@ def main() -> int:
     _print_fail_stop(stops)
     kill, hang = (next(r for r in stops if r["kind"] == k and r["standby"])
                   for k in ("kill", "hang"))
-    print(f"\ndetection: kill {kill['detect_s']:.2f} s (target <= {TARGETS['kill_detect_s']}"
-          f" s); hang {hang['detect_s']:.2f} s (target: 3x the predicted step, floor "
+    print(f"\ndetection: kill {_seconds(kill, 'detect_s'):.2f} s (target <= "
+          f"{TARGETS['kill_detect_s']} s); hang {_seconds(hang, 'detect_s'):.2f} s (target: 3x "
+          f"the predicted step, floor "
           f"{TARGETS['hang_floor_s']:.0f} s)")
     print(f"losses against the uninterrupted run (1x8, {steps} steps): largest relative "
           f"difference {max(r['losses_rel_diff'] for r in stops):.1e}")
@@ -254,7 +271,8 @@ def main() -> int:
           f"{healthy['procs_1x8']:,.0f} tokens/s: {healthy['ratio']:.2f}x")
     print(json.dumps({
         "fail_stop": {(r["kind"] if r["standby"] else f"{r['kind']}_no_standby"):
-                      {k: (float(f"{v:.3g}") if k == "losses_rel_diff" else
+                      {k: (None if isinstance(v, float) and math.isnan(v) else
+                           float(f"{v:.3g}") if k == "losses_rel_diff" else
                            round(v, 3) if isinstance(v, float) else v)
                        for k, v in r.items() if k not in ("kind", "plans", "source")}
                       for r in stops},
@@ -262,6 +280,7 @@ def main() -> int:
                                                 for k, v in slow.items()},
         "healthy": {k: round(v, 3) for k, v in healthy.items()},
         "steps_lost": sum(r["steps_lost"] for r in stops),
+        "faults_fired": all(r["fault_fired"] for r in stops),
         "every_step_once": all(r["every_step_once"] for r in stops),
         "losses_equal": all(r["losses_rel_diff"] <= 2e-5 for r in stops)}))
     return 0

@@ -118,16 +118,25 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
                            data=_batches(data, plan, seed), programs=programs, on_step=on_step,
                            resilience=resilience, devices=devices, compiles_from=started)
     records: list[StepRecord] = []
+    fetched: dict[str, Any] = {}
+
+    def train_and_fetch() -> None:
+        records.extend(training.run())
+        trainer = training.active.trainer
+        # the parameters in canonical order, fetched to host: in a job a collective, so a
+        # peer lost here ends the process like one lost in a step (run_as_job_process)
+        fetched["params"] = jax.device_get(trainer.program.canonical_params(trainer.state))
+
     if spec.single:
         try:
-            records = training.run()
+            train_and_fetch()
         except Preempted as err:  # SIGTERM: the step under way was saved; leave as asked
             print(f"rh.fit: {err}", file=sys.stderr, flush=True)
             raise SystemExit(err.EXIT) from None
     else:  # a failure must end the process at once, with the code the job restarts on
-        run_as_job_process(lambda: records.extend(training.run()), "rh.fit")
+        run_as_job_process(train_and_fetch, "rh.fit")
     trainer = training.active.trainer
-    canonical = jax.device_get(trainer.program.canonical_params(trainer.state))
+    canonical = fetched["params"]
     return FitResult(parts.assemble(canonical["shell"], canonical["blocks"]),
                      {r.step: r.loss for r in records}, list(trainer.replans), records, facts,
                      trainer.plan, plan, getattr(training.active, "overhead", None))

@@ -1,6 +1,8 @@
 """A process killed while orbax is writing a checkpoint leaves the directory restorable: the
 half-written step is never listed, the previous good step restores, and training saves
-again in the same directory. The kill is real (SIGKILL, mid-write of a 160 MB state)."""
+again in the same directory. The kill is real (SIGKILL, mid-write of a 160 MB state), and
+lands inside the write every time: the writing process holds step 2's commit back until it
+is killed."""
 
 from __future__ import annotations
 
@@ -20,7 +22,21 @@ from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.step import build_step
 
 SCRIPT = textwrap.dedent("""
-    import os, signal, sys
+    import asyncio, os, signal, sys, time
+    from pathlib import Path
+    from orbax.checkpoint._src.path import async_path
+    real_rename = async_path.rename
+    marker = Path(sys.argv[1] + ".committing")
+
+    async def rename(src, dst):
+        # step 2's write is done up to its commit (the rename of its temporary directory):
+        # say so and never commit, so the kill below lands inside the write every time
+        if Path(str(dst)).name == "2":
+            marker.touch()
+            await asyncio.sleep(3600)
+        return await real_rename(src, dst)
+
+    async_path.rename = rename
     from resihp_jax.meshes.plan import Plan
     from resihp_jax.model.config import get_model_config
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
@@ -34,6 +50,8 @@ SCRIPT = textwrap.dedent("""
     ckpt.save(1, state, program, {"position": 1})
     ckpt.wait()
     ckpt.save(2, state, program, {"position": 2})  # returns once the copy to host is done
+    while not marker.exists():  # the background write reached its commit
+        time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGKILL)  # while step 2 is being written
 """)
 
@@ -49,15 +67,13 @@ def test_kill_during_a_save_leaves_a_restorable_checkpoint(tmp_path: Path) -> No
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(directory)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == -9, proc.stderr
-    half_written = any("tmp" in p.name for p in directory.iterdir())
+    # step 2 was written in full but never committed: its temporary directory is there
+    assert any("tmp" in p.name for p in directory.iterdir()), list(directory.iterdir())
     program = _program()
     ckpt = Checkpointer(directory, interval=1)
     restored = ckpt.restore(program)
-    # step 2 either committed before the kill or is invisible; never half of it
-    assert restored.step in (1, 2)
-    if half_written:  # the usual case: the kill landed while step 2 was being written
-        assert restored.step == 1
-    assert restored.data_state == {"position": restored.step}
+    assert restored.step == 1  # the half-written step is invisible: the previous one restores
+    assert restored.data_state == {"position": 1}
     fresh = program.init_state(0)
     for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(fresh)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

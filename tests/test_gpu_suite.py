@@ -50,6 +50,7 @@ def test_quick_runs_every_section_without_errors(quick: dict) -> None:
 def test_kernels_match_the_float32_reference_and_never_leak(quick: dict) -> None:
     kernels = quick["sections"]["kernels"]
     assert kernels["interpreted"] and kernels["failed_to_run"] == []
+    assert kernels["rows"]  # (an empty table would pass the loop below)
     for row in kernels["rows"]:
         assert row["ok"], row
         assert row["pad_max"] == 0 and row["leak_max"] == 0
@@ -60,6 +61,7 @@ def test_kernels_match_the_float32_reference_and_never_leak(quick: dict) -> None
 
 def test_user_path_equals_the_plain_loop_and_bf16_learns(quick: dict) -> None:
     user = quick["sections"]["user_path"]
+    assert user["equivalence"]  # (an empty table would pass the loop below)
     for row in user["equivalence"]:
         assert row["loss_max_abs_diff"] < 1e-4 and row["param_max_abs_diff"] < 1e-4, row
     llama = user["llama_bf16"]

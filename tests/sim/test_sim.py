@@ -182,7 +182,8 @@ def test_study_averages_seeds(cm) -> None:  # noqa: ANN001
     study = run_study(StudyConfig(N, "harsh", days=1, seeds=2, policies=(OURS, "recycle")))
     assert len(study.runs[OURS]) == 2
     values = [r.goodput for r in study.runs[OURS]]
-    assert study.mean(OURS, "goodput") == pytest.approx(np.mean(values))
+    assert values[0] != values[1]  # the seeds draw different failures: averaging means something
+    assert min(values) < study.mean(OURS, "goodput") < max(values)
 
 
 def test_simulate_command_does_not_load_jax() -> None:
@@ -207,7 +208,8 @@ def test_restart_terms_are_positive_and_each_field_names_its_source(cm) -> None:
                              (100_000, 2.2e9, 13.0, 3125)):
         terms = OUR_RESTART.terms(n, ppd, step, dp)
         assert all(v > 0 for v in terms.values()), terms
-        assert OUR_RESTART.seconds(n, ppd, step, dp) == pytest.approx(sum(terms.values()))
+        # more state per device takes longer to write and read back, all else equal
+        assert OUR_RESTART.seconds(n, 2 * ppd, step, dp) > OUR_RESTART.seconds(n, ppd, step, dp)
     # the exit writes 2 of the dp replicas of each shard, the restore reads 1/dp of them
     from resihp_jax.runtime.recovery import copy_writers
     from resihp_jax.sim import measured

@@ -206,7 +206,12 @@ def test_fit_resumes_from_its_checkpoint_loss_for_loss(tmp_path, capsys) -> None
 def test_bf16_compute_from_float32_masters_stays_close(plain_sgd) -> None:
     result = rh.fit(make_gpt2(), _packed(), optimizer=optax.sgd(0.1), plan=_plan("2/2/2 uneven"),
                     steps=STEPS, progress=False, compute_dtype="bfloat16")
-    np.testing.assert_allclose(list(result.losses.values()), plain_sgd[0], rtol=2e-2)
+    losses = list(result.losses.values())
+    # tests/train/test_bf16.py's bar for one step's loss (one bf16 rounding, 2e-3), here over
+    # every step of the run (seen: 3e-7, 7e-6, 4e-5: near-uniform logits at the start barely
+    # move the loss), and really computed in bf16: not the float32 losses themselves
+    np.testing.assert_allclose(losses, plain_sgd[0], rtol=2e-3)
+    assert losses != list(plain_sgd[0])
     assert result.facts.dtype == "bfloat16"
     leaf = result.model.blocks[0].up.kernel[...]
     assert leaf.dtype == jnp.float32  # the masters stay float32

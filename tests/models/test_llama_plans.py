@@ -21,7 +21,7 @@ from resihp_jax.train.user_model import split_model
 from resihp_jax.train.user_pipeline import token_nll_sum
 from resihp_jax.train.user_step import build_user_step
 from tests.helpers import make_batches, max_relative_error
-from tests.train.test_train_equivalence import PLANS
+from tests.train.test_train_equivalence import PLANS, _same_mesh_groups
 
 M, B, S = 8, 2, 64
 
@@ -45,17 +45,6 @@ def case():
     batch = make_batches(M, B, S)[0]
     loss, grads = _reference(model, batch)
     return model, batch, loss, grads
-
-
-def _same_mesh_groups() -> list[tuple[str, ...]]:
-    groups: list[list[str]] = []
-    for name, plan in PLANS.items():
-        group = next((g for g in groups if PLANS[g[0]].same_mesh(plan)), None)
-        if group is None:
-            groups.append([name])
-        else:
-            group.append(name)
-    return [tuple(g) for g in groups]
 
 
 @pytest.mark.parametrize("names", _same_mesh_groups(), ids=" + ".join)

@@ -37,8 +37,7 @@ def compile_program(program: StepProgram) -> StepProgram:
     """The same program with its step and layout moves compiled now (not at first call)."""
     state, batch, splits = abstract_args(program)
     rep, plan = program.replicated, program.plan
-    step = program.step_fn.lower(state, batch, splits).compile()
-    program.check_compiled(step)
+    program = program.adopt_compiled(program.step_fn.lower(state, batch, splits).compile())
     positions = jax.ShapeDtypeStruct((plan.n_layers,), jnp.int32, sharding=rep)
     to_canonical = program.to_canonical_fn.lower(state, positions).compile()
     canonical = _placed(canonical_state_shapes(state, plan.n_layers),
@@ -46,5 +45,5 @@ def compile_program(program: StepProgram) -> StepProgram:
     index = jax.ShapeDtypeStruct((plan.pp, program.layer_slots), jnp.int32, sharding=rep)
     to_stage = program.to_stage_fn.lower(canonical, index).compile()
     restage = program.restage_fn.lower(state, positions, index).compile()
-    return dataclasses.replace(program, step_fn=step, to_canonical_fn=to_canonical,
+    return dataclasses.replace(program, to_canonical_fn=to_canonical,
                                to_stage_fn=to_stage, restage_fn=restage)

@@ -37,15 +37,23 @@ ALL_AXES = ("dp", "pp", "tp")
 
 
 def _when(active: jax.Array, compute: Callable[[], Any], like: Any,
-          axes: tuple[str, ...] = ALL_AXES) -> Any:
-    """compute() if active, else zeros shaped like `like`; collective-free on both sides."""
+          axes: tuple[str, ...] = ALL_AXES, select: bool = False) -> Any:
+    """compute() if active, else zeros shaped like `like`; collective-free on both sides.
+    `select`: compute on every device and keep the result where active (no branch: for
+    programs with collectives that a branch would leave some devices out of,
+    meshes/branch_collectives.py)."""
     zeros = lambda: vma.vary(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), like), axes)  # noqa: E731,E501
+    if select:
+        return jax.tree.map(lambda out, zero: jnp.where(active, out, zero),
+                            vma.vary(compute(), axes), zeros())
     return jax.lax.cond(active, lambda: vma.vary(compute(), axes), zeros)
 
 
 def gated(fn: Callable[..., Any], on: jax.Array, masters: Any, compute: Any,
-          acts: tuple[Any, ...], aux: tuple[Any, ...], axes: tuple[str, ...] = ALL_AXES) -> Any:
-    """fn(compute, *acts, *aux) if `on`, else zeros; reverse mode is gated the same way.
+          acts: tuple[Any, ...], aux: tuple[Any, ...], axes: tuple[str, ...] = ALL_AXES,
+          select: bool = False) -> Any:
+    """fn(compute, *acts, *aux) if `on`, else zeros; reverse mode is gated the same way
+    (`select`: by selection, see `_when`).
 
     `compute` is `masters` cast to the compute dtype once per step, outside the tick scan.
     The gradient of `compute` is returned as the cotangent of `masters`, cast to their dtype
@@ -65,7 +73,7 @@ def gated(fn: Callable[..., Any], on: jax.Array, masters: Any, compute: Any,
     @jax.custom_vjp
     def run(masters: Any, acts: tuple[Any, ...], fixed: tuple[Any, ...]) -> Any:
         on_, compute_, aux_ = fixed
-        return _when(on_, lambda: fn(compute_, *acts, *aux_), like, axes)
+        return _when(on_, lambda: fn(compute_, *acts, *aux_), like, axes, select)
 
     def run_fwd(masters: Any, acts: tuple[Any, ...], fixed: tuple[Any, ...]):
         return run(masters, acts, fixed), (masters, acts, fixed)
@@ -79,7 +87,7 @@ def gated(fn: Callable[..., Any], on: jax.Array, masters: Any, compute: Any,
             d_masters = jax.tree.map(lambda d, m: d.astype(m.dtype), d_compute, masters)
             return d_masters, tuple(d_acts)
 
-        d_masters, d_acts = _when(on_, grads, (masters, acts), axes)
+        d_masters, d_acts = _when(on_, grads, (masters, acts), axes, select)
         return d_masters, d_acts, jax.tree.map(lambda _: None, (on_, compute_, aux_))
 
     run.defvjp(run_fwd, run_bwd)
@@ -210,7 +218,7 @@ def run_ticks(work: Callable[..., tuple[jax.Array, jax.Array]], stage: jax.Array
 def accumulated_loss_sum(slot_loss: Callable[[Any, Any, jax.Array], jax.Array],
                          prepare: Callable[[Any], Any], masters: Any, data: Any,
                          n_busy: jax.Array, n_slots: int, loss_axes: tuple[str, ...],
-                         grad_axes: tuple[str, ...]) -> jax.Array:
+                         grad_axes: tuple[str, ...], select: bool = False) -> jax.Array:
     """Sum over micro-batch slots m < n_busy of `slot_loss(prepare(masters), data, m)`, with
     gradient accumulation instead of a differentiated schedule.
 
@@ -223,8 +231,9 @@ def accumulated_loss_sum(slot_loss: Callable[[Any, Any, jax.Array], jax.Array],
     differentiate this like any loss. `prepare` makes what the slots compute with (the
     compute-dtype copy), once per step; the gradient with respect to it is cast to each
     master's dtype before accumulating, which is what autodiff through the cast would give.
-    A slot the group has no micro-batch for costs nothing (`cond`). `masters` must already
-    vary over `grad_axes`; the loss comes out varying over `loss_axes`.
+    A slot the group has no micro-batch for costs nothing (`cond`; with `select`, it is
+    computed and dropped, see `_when`). `masters` must already vary over `grad_axes`; the
+    loss comes out varying over `loss_axes`.
     """
     def sum_slots(one_slot: Callable[[jax.Array], Any], like: Any, n_busy: jax.Array) -> Any:
         def typed(out: tuple[Any, Any]) -> tuple[Any, Any]:
@@ -233,7 +242,11 @@ def accumulated_loss_sum(slot_loss: Callable[[Any, Any, jax.Array], jax.Array],
         zeros = typed(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), like))
 
         def add(acc: tuple[Any, Any], m: jax.Array) -> tuple[tuple[Any, Any], None]:
-            out = jax.lax.cond(m < n_busy, lambda: typed(one_slot(m)), lambda: zeros)
+            if select:
+                out = jax.tree.map(lambda o, z: jnp.where(m < n_busy, o, z),
+                                   typed(one_slot(m)), zeros)
+            else:
+                out = jax.lax.cond(m < n_busy, lambda: typed(one_slot(m)), lambda: zeros)
             return jax.tree.map(jnp.add, acc, out), None
 
         return jax.lax.scan(add, zeros, jnp.arange(n_slots))[0]

@@ -121,10 +121,11 @@ class StepProgram:
         layout.microbatch_slots_for(plan, self.mb_slots)
         return dataclasses.replace(self, plan=plan)
 
-    def check_compiled(self, compiled_step: Any) -> None:
-        """Called with the compiled step (train/aot.py); a user's model checks it for whole
-        parameters gathered over 'tp'. The built-in model's collectives are its own."""
-        del compiled_step
+    def adopt_compiled(self, compiled_step: Any) -> StepProgram:
+        """The program to run with `compiled_step` (this one's step compiled ahead,
+        train/aot.py). A user's model's program checks it first and may answer with another
+        program (user_step.py); the built-in model's collectives are its own."""
+        return dataclasses.replace(self, step_fn=compiled_step)
 
     def stage_index_array(self) -> jax.Array:
         return put_global(self.stage_index(), self.replicated)

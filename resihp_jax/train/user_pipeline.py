@@ -29,6 +29,8 @@ from resihp_jax.train.pipeline import (ALL_AXES, STEP_AXES, accumulated_loss_sum
                                        run_ticks)
 from resihp_jax.train.user_model import ModelParts
 
+GATES = ("cond", "select")
+
 
 def token_nll_sum(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
                   weights_BxS: jax.Array) -> jax.Array:
@@ -41,7 +43,7 @@ def token_nll_sum(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
 
 def _run_stage(parts: ModelParts, layers: Any, compute: Any, active: jax.Array,
                n_layers: jax.Array, x_BxSxD: jax.Array, seg_BxS: jax.Array,
-               pos_BxS: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+               pos_BxS: jax.Array, axes: tuple[str, ...], select: bool) -> jax.Array:
     """This stage's first `n_layers` slots when `active`; the others are skipped. `layers`
     are the float32 masters [slots, ...], `compute` the same in the compute dtype."""
     slot_ids = jnp.arange(jax.tree.leaves(layers)[0].shape[0])
@@ -49,20 +51,35 @@ def _run_stage(parts: ModelParts, layers: Any, compute: Any, active: jax.Array,
     def one_slot(x: jax.Array, slot: tuple[jax.Array, Any, Any]) -> tuple[jax.Array, None]:
         i, p, c = slot
         on = active & (i < n_layers)
-        out = gated(parts.block, on, p, c, (x,), (seg_BxS, pos_BxS), axes)
+        out = gated(parts.block, on, p, c, (x,), (seg_BxS, pos_BxS), axes, select)
         return jnp.where(on, out, x), None  # an idle slot passes x through
 
     return jax.lax.scan(one_slot, x_BxSxD, (slot_ids, layers, compute))[0]
 
 
-def compute_copy(params: Any, dtype: str | None) -> Any:
-    """The float32 masters cast to the compute dtype (None: computed in their own dtype).
-    Taken once per step, outside the tick scan; gradients reach the masters through the
-    gates, never through this cast."""
-    if dtype is None:
+def _narrow(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4
+
+
+def widened(params: Any) -> Any:
+    """Parameters kept in a narrow float (bfloat16) as float32 masters for the step: their
+    gradients are summed over micro-batches, stages and data-parallel groups in float32 and
+    rounded to the parameter's dtype once, where the step's differentiation leaves this cast
+    (a plain loop rounds once too). XLA:CPU cannot promote some bf16 reductions of the
+    pipeline's gradient sums either (a compile abort)."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if _narrow(x) else x, params)
+
+
+def compute_copy(params: Any, dtype: str | None, own: Any = None) -> Any:
+    """The float32 masters cast to the compute dtype (None: each in its own dtype, `own`'s
+    leaves: the parameters as the model keeps them, before `widened`). Taken once per step,
+    outside the tick scan; gradients reach the masters through the gates, never through
+    this cast."""
+    if dtype is None and (own is None or not any(map(_narrow, jax.tree.leaves(own)))):
         return params
     return jax.lax.stop_gradient(jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params))
+        lambda x, o: x.astype(dtype or o.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+        else x, params, params if own is None else own))
 
 
 def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
@@ -70,7 +87,8 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
                            knob: jax.Array | None = None, *, parts: ModelParts, pp: int,
                            remat: bool, compute_dtype: str | None = None,
                            axes: tuple[str, ...] = STEP_AXES,
-                           instrument: Instrument | None = None) -> jax.Array:
+                           instrument: Instrument | None = None,
+                           gates: str = "cond") -> jax.Array:
     """Sum of token losses over all DP groups' micro-batches (same value on every device).
 
     Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...]; knob
@@ -78,20 +96,28 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
     `axes`: the shard_map's manual axes: ALL_AXES (tp == 1: fully manual, the only case that
     takes an `instrument`), STEP_AXES ('tp' automatic), or () outside any shard_map (dp = pp
     = 1 with tp > 1: XLA:SPMD refuses a partially manual program whose manual axes all have
-    one device, as its reductions over them become cross-partition all-reduces)."""
+    one device, as its reductions over them become cross-partition all-reduces).
+    `gates`: how idle work is skipped: "cond" (branches: idle work costs nothing) or
+    "select" (computed everywhere and dropped: for a model whose blocks hold collectives
+    that a branch would leave some devices out of, meshes/branch_collectives.py)."""
     _check_axes(axes, instrument, knob)
+    if gates not in GATES:
+        raise ValueError(f"gates={gates!r}: expected one of {GATES}")
+    select = gates == "select"
     manual = bool(axes)
+    own = jax.eval_shape(lambda p: p, params)  # the dtypes the model keeps its parameters in
     # one reduction of the shell's and the layers' gradients per step, not one per tick
-    params = vma.vary(params, axes)
+    params = vma.vary(widened(params), axes)
     if pp == 1:
         my_microbatches = n_mb_D[jax.lax.axis_index("dp") if manual else 0]
         return _single_stage_loss_sum(params, (tokens[0], seg[0], pos[0]), my_microbatches,
                                       knob, parts=parts, remat=remat,
                                       compute_dtype=compute_dtype, axes=axes,
-                                      instrument=instrument)
+                                      instrument=instrument, select=select, own=own)
     shell = params["shell"]
     layers = jax.tree.map(lambda a: a[0], params["blocks"])
-    shell_c, layers_c = compute_copy((shell, layers), compute_dtype)
+    shell_c, layers_c = compute_copy((shell, layers), compute_dtype,
+                                     (own["shell"], own["blocks"]))
     stage = jax.lax.axis_index("pp") if manual else 0
     my_layers = n_layers_P[stage]
     my_microbatches = n_mb_D[jax.lax.axis_index("dp") if manual else 0]
@@ -103,19 +129,19 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
     def work(x_recv: jax.Array, m: jax.Array, busy: jax.Array, t: jax.Array):
         tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
         emb = gated(parts.embed, busy & (stage == 0), shell, shell_c, (), (tok_BxS, pos_BxS),
-                    axes)
+                    axes, select)
         x_BxSxD = jnp.where(stage == 0, emb, x_recv)
         if instrument is not None:  # the stage's blocks, as the built-in model brackets them
             coords = instrument.coords(knob.reshape(()), busy, t, timed=m == TIMED_SLOT)
             x_BxSxD = instrument.enter(x_BxSxD, coords)
         x_BxSxD = _run_stage(parts, layers, layers_c, busy, my_layers, x_BxSxD, seg_BxS,
-                             pos_BxS, axes)
+                             pos_BxS, axes, select)
         if instrument is not None:
             x_BxSxD = instrument.exit(x_BxSxD, coords)
         targets_BxS, weights_BxS = next_token_targets(tok_BxS, seg_BxS)
         loss = gated(lambda c, x_, t, w: token_nll_sum(parts.head(c, x_), t, w),
                      busy & (stage == pp - 1), shell, shell_c, (x_BxSxD,),
-                     (targets_BxS, weights_BxS), axes)
+                     (targets_BxS, weights_BxS), axes, select)
         return x_BxSxD, loss
 
     return run_ticks(jax.checkpoint(work) if remat else work, stage, pp, mb_slots,
@@ -137,7 +163,8 @@ def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
                            n_microbatches: jax.Array, knob: jax.Array | None, *,
                            parts: ModelParts, remat: bool, compute_dtype: str | None,
                            axes: tuple[str, ...],
-                           instrument: Instrument | None = None) -> jax.Array:
+                           instrument: Instrument | None = None,
+                           select: bool = False, own: Any = None) -> jax.Array:
     """A one-stage plan: gradient accumulation over micro-batches, with no tick schedule
     and no layer gates (pipeline.py: `accumulated_loss_sum`). `remat` recomputes each
     block in its backward. The `instrument`'s markers bracket each micro-batch's blocks,
@@ -169,7 +196,9 @@ def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
 
     # the knob rides with the data: an input the accumulation takes no gradient for
     knob_ = jnp.ones((), jnp.float32) if knob is None else knob.reshape(())
-    loss = accumulated_loss_sum(slot_loss, lambda ms: compute_copy(ms, compute_dtype),
+    own_masters = None if own is None else (own["shell"], own["blocks"])
+    loss = accumulated_loss_sum(slot_loss,
+                                lambda ms: compute_copy(ms, compute_dtype, own_masters),
                                 masters, (*data, knob_), n_microbatches, data[0].shape[0],
-                                axes, axes)
+                                axes, axes, select)
     return jax.lax.psum(loss, axes) if axes else loss

@@ -12,7 +12,9 @@ XLA and no Instrument can reach the stage work (train/user_pipeline.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -24,8 +26,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from resihp_jax.attention.check import check_traced
 from resihp_jax.errors import PlanError
 from resihp_jax.meshes import layout
+from resihp_jax.meshes.branch_collectives import BranchCollective, branch_collectives
 from resihp_jax.meshes.mesh import make_mesh
 from resihp_jax.meshes.plan import Plan
+from resihp_jax.train.aot import abstract_args
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.instrument import Instrument
 from resihp_jax.train.param_gathers import parameter_gathers, warn_parameter_gathers
@@ -37,6 +41,10 @@ from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, check_d
 from resihp_jax.train.user_pipeline import user_pipeline_loss_sum
 
 
+class SelectedGatesWarning(UserWarning):
+    """A user's model's step runs its pipeline gates by selection (see `adopt_compiled`)."""
+
+
 @dataclass(frozen=True)
 class UserStepProgram(StepProgram):
     """A StepProgram for a user's model; its state starts from the model's own parameters."""
@@ -44,6 +52,10 @@ class UserStepProgram(StepProgram):
     state_shapes: Any = None  # the state's shapes in the stage layout
     # seed -> canonical parameters: what `init_state(seed)` starts from (the user's model)
     initial_params: Callable[[int], Any] | None = None
+    gates: str = "cond"  # how the pipeline skips idle work (user_pipeline.py: GATES)
+    # the same program with gates by selection: what a compiled step whose branches hold a
+    # collective some devices never reach is replaced by (`adopt_compiled`)
+    selecting: Callable[[], UserStepProgram] | None = None
 
     def abstract_state(self) -> TrainState:
         return self.state_shapes
@@ -64,20 +76,54 @@ class UserStepProgram(StepProgram):
         return jax.jit(init, out_shardings=self.state_shardings)(
             params, self.stage_index())
 
-    def check_compiled(self, compiled_step: Any) -> None:
-        """Check the attention kernels the model's blocks traced against the dense
-        reference (once per configuration and process: a fused kernel that leaks across
-        documents is refused before the first step, as the built-in step's is); and warn
-        (ParameterGatherWarning) naming each tp-sharded parameter the compiled step gathers
-        whole: sharding propagation's fallback for code it cannot split."""
+    def adopt_compiled(self, compiled_step: Any) -> StepProgram:
+        """Check the compiled step before it ever runs, and return the program to run:
+        - a step whose pipeline branches hold a collective that some devices never reach
+          (it would hang: meshes/branch_collectives.py) is replaced by the same program
+          with gates by selection, said once (SelectedGatesWarning), or refused
+          (PlanError naming the construct and the plan) when it has none left;
+        - the attention kernels the model's blocks traced are checked against the dense
+          reference (once per configuration and process: a fused kernel that leaks across
+          documents is refused before the first step, as the built-in step's is);
+        - each tp-sharded parameter the compiled step gathers whole is named
+          (ParameterGatherWarning): sharding propagation's fallback for code it cannot
+          split."""
+        if self.plan.tp > 1:
+            hanging = branch_collectives(compiled_step.as_text(), self.plan.tp)
+            if hanging:
+                return self._without_branches(hanging)
         check_traced(next(d for d in self.mesh.devices.flat  # (one of this process's)
                           if d.process_index == jax.process_index()))
-        if self.plan.tp == 1:
-            return
-        canonical = canonical_state_shapes(self.state_shapes, self.plan.n_layers).params
-        warn_parameter_gathers(
-            parameter_gathers(compiled_step.as_text(), canonical, self.param_specs),
-            self.plan.tp)
+        if self.plan.tp > 1:
+            canonical = canonical_state_shapes(self.state_shapes, self.plan.n_layers).params
+            warn_parameter_gathers(
+                parameter_gathers(compiled_step.as_text(), canonical, self.param_specs),
+                self.plan.tp)
+        return dataclasses.replace(self, step_fn=compiled_step)
+
+    def _without_branches(self, hanging: list[BranchCollective]) -> StepProgram:
+        what = "; ".join(sorted({"a " + c.describe() for c in hanging}))
+        if self.selecting is None:
+            raise PlanError(
+                f"plan {self.plan.describe()}: the model's blocks hold {what} inside a "
+                "pipeline branch that some devices never reach (the step would hang), and "
+                "this program has no other gates. Move data across a tp-sharded axis "
+                "outside the block, or train with tp=1")
+        warnings.warn(SelectedGatesWarning(
+            f"plan {self.plan.describe()}: the model's blocks hold {what} (data moved "
+            "across a tp-sharded axis, e.g. jnp.split of a fused projection whose parts "
+            "do not line up with the tp shards) which a pipeline branch would leave some "
+            "devices out of: the step would hang. It runs its gates by selection instead "
+            "(idle stages and micro-batches compute and drop their work: slower, same "
+            "math). To keep the branches, cut the projection per head (reshape to "
+            "[..., heads, 3 * head_dim] and split the last axis), or train with tp=1"),
+            stacklevel=2)
+        # what the builder's caller set on this program (its plan's current splits, its
+        # initial parameters) carries over
+        selected = dataclasses.replace(self.selecting(), plan=self.plan,
+                                       initial_params=self.initial_params)
+        state, batch, splits = abstract_args(selected)
+        return selected.adopt_compiled(selected.step_fn.lower(state, batch, splits).compile())
 
     def canonical_params(self, state: TrainState) -> Any:
         """The state's parameters with the blocks in canonical order `[n_layers, ...]`."""
@@ -112,7 +158,8 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
                     train: TrainConfig | None = None,
                     initial_params: Callable[[int], Any] | None = None,
                     compute_dtype: str | None = None,
-                    instrument: Instrument | None = None) -> UserStepProgram:
+                    instrument: Instrument | None = None,
+                    gates: str = "cond") -> UserStepProgram:
     """Compile-ready program of a user's model for `plan` on `devices`.
 
     `example_params`: canonical parameters (arrays or shapes) fixing every leaf's shape;
@@ -120,7 +167,9 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
     ignored: `optimizer` is applied as given). `compute_dtype` ('bfloat16'): the blocks,
     embedding and head compute in it from float32 master weights; the loss stays float32.
     `instrument` (plans with tp == 1 only) brackets each device's stage work with host
-    callbacks that get the step's per-device knob, as `build_step`'s does."""
+    callbacks that get the step's per-device knob, as `build_step`'s does. `gates`: how the
+    pipeline skips idle work (user_pipeline.py); a "cond" program whose compiled step would
+    hang becomes a "select" one when compiled (`UserStepProgram.adopt_compiled`)."""
     train = train or TrainConfig()
     if plan.n_layers != parts.n_layers:
         raise PlanError(f"Plan.layers_per_stage={plan.layers_per_stage} sums to "
@@ -143,7 +192,7 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P("dp"))
     loss_sum = _sharded_loss_sum(parts, plan, mesh, specs.params, train, compute_dtype,
-                                 instrument)
+                                 instrument, gates)
     step_fn, grads_fn = step_functions(loss_sum, optimizer, shardings, mesh, train.donate_state)
     canonical = jax.eval_shape(layout.to_canonical_layout, shapes,
                                jax.ShapeDtypeStruct((parts.n_layers,), jnp.int32))
@@ -163,12 +212,18 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
                            shardings, batch_sharding, replicated, step_fn, grads_fn,
                            canonical_sh, to_canonical_fn, to_stage_fn, restage_fn,
                            param_specs=canonical_specs, state_shapes=shapes,
-                           initial_params=initial_params)
+                           initial_params=initial_params, gates=gates,
+                           selecting=None if gates == "select" else functools.partial(
+                               build_user_step, parts, optimizer, plan, devices,
+                               example_params, axis_rules=axis_rules, train=train,
+                               initial_params=initial_params, compute_dtype=compute_dtype,
+                               instrument=instrument, gates="select"))
 
 
 def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, specs: Any,
                       train: TrainConfig, compute_dtype: str | None,
-                      instrument: Instrument | None) -> Callable[[Any, Batch, Splits], jax.Array]:
+                      instrument: Instrument | None,
+                      gates: str) -> Callable[[Any, Batch, Splits], jax.Array]:
     """(params, batch, splits) -> the batch's summed token losses, per-device body inside a
     shard_map: manual over every axis when tp == 1 (the knob array goes in, and so may an
     Instrument); else manual over 'dp' and 'pp' with 'tp' automatic; with dp = pp = 1 and
@@ -176,7 +231,7 @@ def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, sp
     axes = ALL_AXES if plan.tp == 1 else STEP_AXES if plan.dp * plan.pp > 1 else ()
     body = functools.partial(user_pipeline_loss_sum, parts=parts, pp=plan.pp,
                              remat=train.remat, compute_dtype=compute_dtype, axes=axes,
-                             instrument=instrument)
+                             instrument=instrument, gates=gates)
     batch_specs = (P("dp"),) * 3
     if axes == ALL_AXES:  # every axis manual: the parameters' whole specs, tp included
         sharded = jax.shard_map(body, mesh=mesh,

@@ -10,7 +10,6 @@ Until then a move compiles on first use, in whatever thread calls it, and is cou
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -28,9 +27,7 @@ def compile_step(program: StepProgram) -> StepProgram:
     """`program` with its step compiled now; its layout moves compile when first used (or in
     the background, `compile_layouts`)."""
     state, batch, splits = abstract_args(program)
-    step = program.step_fn.lower(state, batch, splits).compile()
-    program.check_compiled(step)
-    return dataclasses.replace(program, step_fn=step)
+    return program.adopt_compiled(program.step_fn.lower(state, batch, splits).compile())
 
 
 MOVES = ("to_canonical_fn", "to_stage_fn", "restage_fn")

@@ -265,3 +265,19 @@ def test_resihp_train_writes_tensorboard_beside_its_json_lines(tmp_path: Path) -
     # the built-in optimizer's warm-up (10 steps from lr/10)
     assert [e.value for e in acc.Scalars("train/learning_rate")] == \
         pytest.approx([0.001, 0.0019, 0.0028], rel=1e-5)
+
+
+def test_resihp_train_takes_the_launchers_destinations(tmp_path: Path, monkeypatch) -> None:
+    import argparse
+
+    from resihp_jax.cli.train_checks import read_metrics_args
+
+    monkeypatch.setenv("RESIHP_METRICS", f"tensorboard:{tmp_path / 'tb'}\n{tmp_path / 'm.jsonl'}")
+    args = argparse.Namespace(metrics=None, profile="2:4")
+    read_metrics_args(args)
+    assert args.metrics_destinations == (f"tensorboard:{tmp_path / 'tb'}",
+                                         str(tmp_path / "m.jsonl"))
+    assert args.profile_steps == (2, 4)
+    args = argparse.Namespace(metrics=[str(tmp_path / "own.jsonl")], profile=None)
+    read_metrics_args(args)  # its own --metrics wins
+    assert args.metrics_destinations == (str(tmp_path / "own.jsonl"),)

@@ -15,6 +15,11 @@ the parameters' shardings, collectives inserted by XLA. It is timed beside the b
 (hand-written Megatron collectives) on the same plans, weights and batches, and each compiled
 step's per-device memory (XLA's memory analysis: arguments + outputs - donated aliases +
 temporaries) is compared.
+
+The metrics' cost: our dp=8 step as the training loop takes it (its loss fetched, its
+StepRecord built) with and without process 0's metrics written to TensorBoard and a JSON
+lines file (`rh.fit(metrics=...)`: each step's entry built and handed to the metrics thread),
+timed side by side in every round: the ratio of the two is the writer's cost.
 Usage: python benchmarks/healthy_throughput.py [--quick] [--model small|tiny] [--seed S]
        [--with-gspmd]
 """
@@ -27,6 +32,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable, NamedTuple  # noqa: E402
 
@@ -39,11 +46,14 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # no
 from resihp_jax import vma  # noqa: E402
 from resihp_jax.data import BatchIterator, GlobalBatch  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
+from resihp_jax.metrics import Metrics  # noqa: E402
 from resihp_jax.model import decoder  # noqa: E402
 from resihp_jax.model.config import ModelConfig, get_model_config  # noqa: E402
 from resihp_jax.models.llama import from_builtin  # noqa: E402
 from resihp_jax.perfmodel.costs import CostParams  # noqa: E402
 from resihp_jax.perfmodel.simulator import simulate_step  # noqa: E402
+from resihp_jax.runtime.run.run_metrics import RunMetrics  # noqa: E402
+from resihp_jax.runtime.trainer.loop import StepRecord  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
 from resihp_jax.train.step import StepProgram, build_step  # noqa: E402
 from resihp_jax.train.user_model import split_model  # noqa: E402
@@ -55,6 +65,8 @@ TICKS = "8/1/1 x2"  # the global micro-batch split: two ticks per group (micro-b
 PLAIN = "plain_jit"
 GSPMD = "plain_gspmd"
 GENERIC = ((2, 2, 2), (1, 4, 2))  # plans also run through the generic path
+LOOP = "8/1/1 loop"  # the step as the loop takes it: loss fetched, record built
+WATCHED = "8/1/1 +metrics"  # the same, its metrics written to TensorBoard and JSON lines
 
 
 class PlainState(NamedTuple):
@@ -152,6 +164,26 @@ def plan_runner(plan: Plan, model: ModelConfig, train: TrainConfig,
     return Runner(lambda s, i: program.step(s, sharded[i]), state), program, memory
 
 
+def loop_runner(step: Callable[[Any, int], Any], state: Any, plan: Plan,
+                batches: list[GlobalBatch], watch: Any = None) -> Runner:
+    """`step` as the training loop runs it: the loss fetched and the StepRecord built after
+    it, and with `watch` (a RunMetrics) the record's metrics handed to its writer."""
+    done = [0]
+
+    def run(state: Any, index: int) -> tuple[Any, dict]:
+        start = time.perf_counter()
+        state, metrics = step(state, index)
+        host = jax.device_get(metrics)  # the loop fetches the loss anyway
+        done[0] += 1
+        record = StepRecord.of(done[0], plan, host, time.perf_counter() - start,
+                               batches[index])
+        if watch is not None:
+            watch.step(record)
+        return state, metrics
+
+    return Runner(run, state)
+
+
 def step_memory(program: StepProgram, state: Any, batch: Any) -> int:
     """Per-device bytes of the compiled step: its arguments, its outputs less those that
     reuse donated arguments, and its temporaries (XLA's memory analysis)."""
@@ -226,12 +258,12 @@ def report(samples: dict, first: dict, plans: dict[str, Plan], model: ModelConfi
     median = {name: float(np.median(s)) for name, s in samples.items()}
     tok_s = {name: tokens / t for name, t in median.items()}
     bubbles = {name: expected_bubble(plan, model) for name, plan in plans.items()}
-    print(f"\n{'program':<10} {'step s':>8} {'IQR/med':>8} {'tokens/s':>10} {'vs 8/1/1':>9} "
+    print(f"\n{'program':<14} {'step s':>8} {'IQR/med':>8} {'tokens/s':>10} {'vs 8/1/1':>9} "
           f"{'bubble':>7} {'perfmod':>7} {'1/(1-b)':>7} {'MB/dev':>7}")
     for name in samples:
         closed, sim = bubbles.get(name, (0.0, 0.0))
         mb = f"{memory[name] / 2**20:7.2f}" if name in memory else f"{'-':>7}"
-        print(f"{name:<10} {median[name]:8.4f} {spread(samples[name]):8.3f} {tok_s[name]:10.0f} "
+        print(f"{name:<14} {median[name]:8.4f} {spread(samples[name]):8.3f} {tok_s[name]:10.0f} "
               f"{median[name] / median[BASE]:9.3f} {closed:7.3f} {sim:7.3f} "
               f"{1 / (1 - closed):7.3f} {mb}")
     rows = generic_rows(samples, memory)
@@ -239,7 +271,11 @@ def report(samples: dict, first: dict, plans: dict[str, Plan], model: ModelConfi
     loss_gap = max(abs(float(first[n]["loss"]) - float(first[PLAIN]["loss"])) for n in first)
     ratio = tok_s[BASE] / tok_s[PLAIN]
     paired = float(np.median(np.asarray(samples[PLAIN]) / np.asarray(samples[BASE])))
+    with_metrics = tok_s[WATCHED] / tok_s[LOOP]
+    metrics_paired = float(np.median(np.asarray(samples[LOOP]) / np.asarray(samples[WATCHED])))
     extra = {"ratio_vs_plain_jit_paired_rounds": round(paired, 4),
+             "ratio_with_metrics": round(with_metrics, 4),
+             "ratio_with_metrics_paired": round(metrics_paired, 4),
              "ratio_two_ticks_vs_plain_jit": round(tok_s[TICKS] / tok_s[PLAIN], 4)}
     if GSPMD in samples:
         extra["ratio_vs_plain_gspmd"] = round(tok_s[BASE] / tok_s[GSPMD], 4)
@@ -251,6 +287,10 @@ def report(samples: dict, first: dict, plans: dict[str, Plan], model: ModelConfi
     print("generic / built-in: step time " + ", ".join(
         f"{n} {r['time']:.3f}" for n, r in rows.items()) + "; memory " + ", ".join(
         f"{n} {r['memory']:.3f}" for n, r in rows.items()) + " (target <= 1.10)")
+    print(f"with / without metrics (TensorBoard + JSON lines, 8/1/1 as the loop runs it), "
+          f"tokens/s: {with_metrics:.3f} of medians, {metrics_paired:.3f} median of per-round "
+          f"ratios (IQR/med {spread(samples[LOOP]):.3f} without, {spread(samples[WATCHED]):.3f} "
+          "with: the noise)")
     print("faults: none (all 8 devices healthy, no slowdown injected)")
     return {"ratio_vs_plain_jit": round(ratio, 4),
             "tokens_per_s": {n: round(v, 1) for n, v in tok_s.items()},
@@ -297,6 +337,7 @@ def main() -> None:
     plans = {name: plans[name] for name in (BASE, TICKS, *list(plans)[1:len(SHAPES)])}
     runners: dict[str, Runner] = {}
     memory: dict[str, int] = {}
+    scratch = tempfile.mkdtemp(prefix="healthy-throughput-metrics-")
     generic = {name_of(*s) for s in GENERIC}
     for name, plan in plans.items():
         # No empty headroom ticks: the plan is fixed here, as `resihp train` does it.
@@ -307,6 +348,12 @@ def main() -> None:
               f"ticks={program.mb_slots + plan.pp - 1} layer_slots={program.layer_slots}")
         if name == BASE:  # plain right after ours: the A, B pair leads every round
             runners[PLAIN] = plain_runner(model, train, devices, batches, args.seed, False)
+            step = runners[BASE].step  # the same program, a state of each loop's own
+            runners[LOOP] = loop_runner(step, program.init_state(args.seed), plan, batches)
+            watch = RunMetrics(Metrics([f"tensorboard:{scratch}/tb", f"{scratch}/m.jsonl"]),
+                               model, lambda step, _: train.learning_rate_at(step))
+            runners[WATCHED] = loop_runner(step, program.init_state(args.seed), plan, batches,
+                                           watch)
             if args.with_gspmd:
                 runners[GSPMD] = plain_runner(model, train, devices, batches, args.seed, True)
         if name in generic:  # the generic twin right after its built-in: a pair per round
@@ -316,6 +363,8 @@ def main() -> None:
     plans.update({generic_name(n): plans[n] for n in generic})  # same plans, same bubbles
     load_before = os.getloadavg()[0]
     samples, first = measure(runners, len(batches), warmup, rounds)
+    watch.close()
+    shutil.rmtree(scratch, ignore_errors=True)
     result = report(samples, first, plans, model, n_mb * mb_size * seq_len,
                     (load_before, os.getloadavg()[0]), memory)
     print(json.dumps(result))

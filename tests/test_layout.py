@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"meshes", "nn"},
     {"train", "perfmodel", "models"},
     {"detector", "scheduler", "faults"},
-    {"sim", "runtime.recovery"},
+    {"sim", "runtime.recovery", "metrics"},
     {"runtime.job", "runtime.trainer"},
     {"runtime.run", "runtime"},  # "runtime": the package's own __init__ (its map)
     {"demo"},

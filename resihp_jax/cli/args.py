@@ -102,3 +102,39 @@ def compile_cache_dir(args: argparse.Namespace) -> str | None:
     directory = args.compile_cache or default_cache_dir()
     check_output_dir(directory, "--compile-cache")
     return directory
+
+
+METRICS_HELP = ("where to write metrics: tensorboard:DIR (TensorBoard event files; pip install "
+                "'resihp_jax[tensorboard]'), wandb:PROJECT (a Weights & Biases run, offline "
+                "without an API key; pip install 'resihp_jax[wandb]'), jsonl:PATH or a plain "
+                "path (one JSON object per step); repeatable")
+
+
+def add_metrics_argument(parser: argparse.ArgumentParser, help: str = METRICS_HELP) -> None:
+    parser.add_argument("--metrics", action="append", default=None, metavar="DEST", help=help)
+
+
+def metrics_destinations(values: list[str] | None) -> tuple[str, ...] | None:
+    """--metrics as given (None: none), each checked before any work: its form, its
+    library, and that its file or directory can be written."""
+    from resihp_jax.metrics.destinations import parse_destinations  # noqa: PLC0415
+
+    if not values:
+        return None
+    for destination in parse_destinations(values, "--metrics"):
+        if destination.kind == "jsonl":
+            check_output_file(destination.target, "--metrics")
+        elif destination.kind == "tensorboard":
+            check_output_dir(destination.target, "--metrics")
+    return tuple(values)
+
+
+def parse_profile(text: str | None) -> tuple[int, int] | None:
+    """--profile FIRST:END -> (FIRST, END): the steps FIRST..END-1 are traced."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
+    if not match or not 1 <= int(match.group(1)) < int(match.group(2)):
+        raise ConfigError(f"--profile={text!r}: expected FIRST:END with 1 <= FIRST < END, e.g. "
+                          "10:13 traces steps 10, 11 and 12")
+    return int(match.group(1)), int(match.group(2))

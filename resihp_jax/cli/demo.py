@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from resihp_jax.cli.args import (add_compile_cache_arguments, check_output_dir, check_output_file,
+from resihp_jax.cli.args import (add_compile_cache_arguments, add_metrics_argument,
+                                 check_output_dir, check_output_file,
                                  compile_cache_dir, parse_int_list, parse_mesh)
 from resihp_jax.demo import app
 from resihp_jax.demo.config import DemoConfig, check_at_least, check_plot_name, check_two_files
@@ -67,7 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--checkpoint-dir", default=None,
         help="save orbax checkpoints here every 8 steps; a stopped device is then recovered "
              "from the latest one (default: the state moves in memory)")
-    add("--metrics", default=None, help="write one JSON object per step and per event here")
+    add_metrics_argument(parser, "where to write metrics: jsonl:PATH or a plain path (one "
+                         "JSON object per step and per event), tensorboard:DIR (pip install "
+                         "'resihp_jax[tensorboard]'), wandb:PROJECT (offline without an API "
+                         "key; pip install 'resihp_jax[wandb]'); repeatable, one JSON lines "
+                         "file at most")
     add("--plot", default="resihp-demo.png",
         help=f"save the timeline figure here ({', '.join(PLOT_SUFFIXES)}; default "
              "resihp-demo.png; 'none': no figure)")
@@ -95,7 +100,8 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
     keep the order users have seen (numbers, output files, model and plan, faults)."""
     _check_numbers(args)
     plot = None if args.plot.strip().lower() == "none" else args.plot
-    _check_outputs(args, plot)
+    jsonl, dashboards = _metrics(args.metrics)
+    _check_outputs(args, plot, jsonl)
     model = demo_model(args.model, args.dtype)
     plan = demo_plan(args, model)
     n_devices = plan.n_devices if args.devices is None else args.devices
@@ -108,7 +114,7 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
     check_at_least(args.precompile, 0, "--precompile")
     slow, kill = parse_slow(args.slow), parse_kill(args.kill)
     return DemoConfig(model, plan, n_devices, args.steps, slow=slow, kill=kill, seed=args.seed,
-                      data=args.data, plot=plot, metrics=args.metrics,
+                      data=args.data, plot=plot, metrics=jsonl, dashboards=dashboards,
                       checkpoint_dir=args.checkpoint_dir, precompile=args.precompile,
                       background_compile=not args.no_background_compile,
                       progress=not args.no_progress, compile_cache=compile_cache_dir(args))
@@ -120,11 +126,27 @@ def _check_numbers(args: argparse.Namespace) -> None:
     check_at_least(args.seed, 0, "--seed")
 
 
-def _check_outputs(args: argparse.Namespace, plot: str | None) -> None:
+def _metrics(values: list[str] | None) -> tuple[str | None, tuple[str, ...]]:
+    """--metrics as the demo's JSON lines file (one at most) and the other destinations."""
+    from resihp_jax.metrics.destinations import parse_destinations  # noqa: PLC0415
+
+    given = values or []
+    kinds = [d.kind for d in parse_destinations(given, "--metrics")]
+    files = [d.target for d in parse_destinations(given) if d.kind == "jsonl"]
+    for d in parse_destinations(given):
+        if d.kind == "tensorboard":
+            check_output_dir(d.target, "--metrics")
+    if len(files) > 1:
+        raise ConfigError(f"--metrics: {len(files)} JSON lines files given; the demo writes one")
+    return (files[0] if files else None,
+            tuple(v for v, kind in zip(given, kinds) if kind != "jsonl"))
+
+
+def _check_outputs(args: argparse.Namespace, plot: str | None, metrics: str | None) -> None:
     check_plot_name(plot, "--plot", off="'none'")
-    for flag, path in (("--plot", plot), ("--metrics", args.metrics)):
+    for flag, path in (("--plot", plot), ("--metrics", metrics)):
         check_output_file(path, flag)
-    check_two_files(plot, args.metrics, ("--plot", "--metrics"))
+    check_two_files(plot, metrics, ("--plot", "--metrics"))
     check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
     if args.checkpoint_dir is not None and any(Path(args.checkpoint_dir).iterdir()):
         # the trainer would restore a stop from whatever newest step it finds there

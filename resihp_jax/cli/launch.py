@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, TextIO
 
-from resihp_jax.cli.args import check_output_dir
+from resihp_jax.cli.args import (METRICS_HELP, add_metrics_argument, check_output_dir,
+                                 metrics_destinations)
 from resihp_jax.errors import ConfigError
 from resihp_jax.runtime.job import accelerators
 from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor
@@ -53,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "they take over (no process start, no compile). It costs the "
                              "memory of N-1 idle processes and, while they compile, CPU the "
                              "job would otherwise use")
+    add_metrics_argument(parser, METRICS_HELP + ". Every process's run writes there (the "
+                         "RESIHP_METRICS variable: resihp train and rh.fit take it unless given "
+                         "their own), and the launcher each relaunch (cause, seconds to "
+                         "recover, steps lost): in DIR/launch for TensorBoard, a run named "
+                         "launch for W&B")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="-- then either your own command for every process (e.g. -- "
                              "python my_train.py ARGS, a script that calls rh.fit: it joins "
@@ -129,13 +135,14 @@ def run(args: argparse.Namespace, out: TextIO | None = None,
     directory = Path(args.checkpoint_dir or tempfile.mkdtemp(prefix="resihp-launch-"))
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts={args.max_restarts}: must be >= 0")
+    metrics = metrics_destinations(args.metrics) or ()
     command = _user_command(args.train_args)
     platform, per_proc, found = devices(args, gpus)
     config = LaunchConfig(args.procs, per_proc, directory.absolute(),
                           () if command else _train_args(args.train_args), faults,
                           args.max_restarts, readmit_after_steps=args.readmit_after,
                           command=command, standby=not args.no_standby, platform=platform,
-                          gpus=found)
+                          gpus=found, metrics=metrics)
     what = (f"GPU(s) each, of the node's {len(found)}" if platform == "gpu"
             else "fake CPU devices")
     print(f"resihp launch: {config.procs} processes x {per_proc} {what}, job directory "

@@ -25,9 +25,10 @@ import sys
 import warnings
 from typing import Any, Mapping, TextIO
 
-from resihp_jax.cli.args import (add_compile_cache_arguments, compile_cache_dir,
-                                 parse_int_list, parse_mesh)
-from resihp_jax.cli.train_checks import check_train_args, checkpoint_every
+from resihp_jax.cli.args import (METRICS_HELP, add_compile_cache_arguments,
+                                 add_metrics_argument, compile_cache_dir, parse_int_list,
+                                 parse_mesh)
+from resihp_jax.cli.train_checks import check_train_args, checkpoint_every, read_metrics_args
 from resihp_jax.errors import CheckpointFallbackWarning, ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import PRESETS, get_model_config
@@ -60,8 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per row")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--remat", action="store_true", help="recompute activations in backward")
-    parser.add_argument("--metrics", help="write one JSON object per step to this file "
-                                          "(appended to when resuming from a checkpoint)")
+    add_metrics_argument(parser, METRICS_HELP + " (a JSON lines file is appended to when "
+                         "resuming; default: $RESIHP_METRICS, which resihp launch --metrics sets)")
+    parser.add_argument("--profile", default=None, metavar="FIRST:END",
+                        help="trace steps FIRST..END-1 with jax.profiler into the metrics "
+                             "directory (the tensorboard:DIR of --metrics; TensorBoard's "
+                             "profile tab); kill -USR2 PID traces the next 3 steps anyway")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="save checkpoints here (orbax, asynchronous); it must hold no "
                              "checkpoints unless --resume is given")
@@ -159,11 +164,15 @@ def plan_from_args(args: argparse.Namespace, n_layers: int) -> Plan:
 
 
 def run_config_from_args(args: argparse.Namespace, cache: str | None) -> RunConfig:
+    """The flags as a RunConfig."""
+    if not hasattr(args, "metrics_destinations"):  # (check_train_args reads them)
+        read_metrics_args(args)
     return RunConfig(
         steps=args.steps, seed=args.seed, data=args.data, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=checkpoint_every(args.checkpoint_every),
         local_copy_dir=args.local_copy_dir,
-        resume=args.resume, survivor_copies=args.survivor_copies, metrics=args.metrics,
+        resume=args.resume, survivor_copies=args.survivor_copies,
+        metrics=args.metrics_destinations, profile_steps=args.profile_steps,
         progress=not args.no_progress, adapt=args.adapt, precompile=args.precompile,
         background_compile=not args.no_background_compile, hang_floor_s=args.hang_floor_s,
         step_timeout_s=args.step_timeout_s, compile_cache_dir=cache, devices=args.devices)

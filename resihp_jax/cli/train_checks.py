@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import math
 
-from resihp_jax.cli.args import check_output_dir, check_output_file
+from resihp_jax.cli.args import check_output_dir, metrics_destinations, parse_profile
 from resihp_jax.errors import ConfigError
+from resihp_jax.metrics.destinations import parse_destinations
 from resihp_jax.runtime.recovery.cadence import AUTO
 from resihp_jax.runtime.recovery.checkpoint_dir import steps_on_disk
 
@@ -31,7 +32,7 @@ def check_train_args(args: argparse.Namespace) -> None:
     if args.no_background_compile and not args.adapt:
         raise ConfigError("--no-background-compile needs --adapt (only an adapting run "
                           "switches plans)")
-    check_output_file(args.metrics, "--metrics")
+    read_metrics_args(args)
     if args.checkpoint_dir is None:
         return
     steps = steps_on_disk(args.checkpoint_dir)
@@ -41,6 +42,21 @@ def check_train_args(args: argparse.Namespace) -> None:
             f"{', '.join(map(str, steps))}); pass --resume to continue that run, or choose an "
             "empty directory")
     check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
+
+
+def read_metrics_args(args: argparse.Namespace) -> None:
+    """--metrics (else what `resihp launch --metrics` passed on) and --profile, read into
+    `args.metrics_destinations` and `args.profile_steps`."""
+    from resihp_jax.runtime.job.supervisor import launched_metrics  # noqa: PLC0415
+
+    given = args.metrics or list(launched_metrics() or ())
+    args.metrics_destinations = metrics_destinations(given)
+    args.profile_steps = parse_profile(args.profile)
+    if args.profile_steps is not None and not any(
+            d.kind in ("tensorboard", "jsonl")
+            for d in parse_destinations(args.metrics_destinations, "--metrics")):
+        raise ConfigError(f"--profile={args.profile}: the trace is written into the metrics "
+                          "directory: give --metrics tensorboard:DIR too")
 
 
 def _check_checkpoint_flags(args: argparse.Namespace) -> None:

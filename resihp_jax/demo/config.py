@@ -18,6 +18,7 @@ from resihp_jax.demo.scenario import Fault, KillSpec, SlowSpec, check_fault_rang
 from resihp_jax.demo.user_model import DemoUserModel, check_user_plan
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
+from resihp_jax.metrics.destinations import parse_destinations
 from resihp_jax.model.config import ModelConfig
 
 
@@ -34,6 +35,8 @@ class DemoConfig:
     data: str = "corpus"  # a data source spec, checked when the data iterator is built
     plot: str | None = None  # the timeline figure (.png, .pdf or .svg; None: no figure)
     metrics: str | None = None  # one JSON object per step and per event (None: none)
+    # other metrics destinations (tensorboard:DIR, wandb:PROJECT; resihp_jax/metrics)
+    dashboards: tuple[str, ...] = ()
     checkpoint_dir: str | None = None  # None: a stopped device's state moves in memory
     precompile: int = 4  # programs of likely next plans compiled in the background (0: off)
     background_compile: bool = True  # train an interim split while a new mesh compiles
@@ -46,6 +49,7 @@ class DemoConfig:
         check_at_least(self.precompile, 0, "precompile")
         check_plot_name(self.plot, "plot", off="None")
         check_two_files(self.plot, self.metrics, ("plot", "metrics"))
+        parse_destinations(self.dashboards, "dashboards")
         self._check_pool()
         check_fault_range(self.slow, self.kill, steps=self.steps,
                           plan_devices=self.plan.device_ids)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from resihp_jax.perfmodel.facts import ModelFacts
     from resihp_jax.runtime.run.user_programs import UserPrograms
     from resihp_jax.faults.injector import FaultInjector
+    from resihp_jax.runtime.run.run_metrics import RunMetrics
     from resihp_jax.runtime.trainer.resilient import ResilienceConfig
 
 CHECKPOINT_INTERVAL = 8
@@ -55,8 +56,9 @@ def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO, 
     log = DemoLog(metrics=config.metrics)
     progress = Progress(config.steps, progress_mode(not config.progress, err), out, err)
     metrics = open(config.metrics, "w") if config.metrics else None  # noqa: SIM115
+    watch = _dashboards(config, model or config.model, progress)
     try:
-        _consume(trainer, config, log, progress, metrics)
+        _consume(trainer, config, log, progress, metrics, watch)
     except ResihpError as error:
         log.error = error
     except KeyboardInterrupt:
@@ -66,6 +68,8 @@ def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO, 
         progress.close()
         if metrics:
             metrics.close()
+        if watch is not None:
+            watch.close(trainer.checkpointer, trainer.state)
         log.alarms = trainer.detector.alarms
     return log
 
@@ -97,8 +101,21 @@ def _resilience(config: DemoConfig) -> ResilienceConfig:
                             background_compile=config.background_compile)
 
 
+def _dashboards(config: DemoConfig, model: Any, progress: Progress) -> RunMetrics | None:
+    """The run's metrics for its TensorBoard and W&B destinations (None: none given)."""
+    if not config.dashboards:
+        return None
+    from resihp_jax.metrics import Metrics
+    from resihp_jax.runtime.run.run_metrics import RunMetrics
+    from resihp_jax.train.config import TrainConfig
+
+    train_cfg = TrainConfig()  # the demo's optimizer (its schedule)
+    return RunMetrics(Metrics(config.dashboards, name="demo", say=progress.event), model,
+                      lambda step, _: train_cfg.learning_rate_at(step))
+
+
 def _consume(trainer: Any, config: DemoConfig, log: DemoLog, progress: Progress,
-             metrics: TextIO | None) -> None:
+             metrics: TextIO | None, watch: RunMetrics | None = None) -> None:
     from resihp_jax.runtime.trainer.resilient import Replan
 
     for item in trainer.run(config.steps, seed=config.seed):
@@ -107,12 +124,17 @@ def _consume(trainer: Any, config: DemoConfig, log: DemoLog, progress: Progress,
             log.replans.append(point)
             progress.event(replan_text(point, item.reason))
             row = {"event": "replan", **point.__dict__, "reason": item.reason}
+            if watch is not None:
+                watch.replan(item)
             _refuse_stuck(log.replans)
         else:
             point = step_point(item, trainer)
             log.points.append(point)
             progress.step(point.step, point.plan, point.tokens_per_s, point.loss)
             row = {**item.to_json(), "predicted_s": point.predicted_s}
+            if watch is not None:
+                watch.step(item, predicted_s=point.predicted_s, state=trainer.state,
+                           checkpointer=trainer.checkpointer)
         if metrics:
             metrics.write(json.dumps(row, default=float) + "\n")
             metrics.flush()

@@ -54,6 +54,13 @@ class TrainConfig:
     def replace(self, **changes: object) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
+    def learning_rate_at(self, step: int) -> float:
+        """The learning rate `optimizer()` applies in step `step` (from 1): the warm-up's
+        linear ramp, then constant (computed on the host, as the schedule does)."""
+        warmup = max(1, self.warmup_steps)
+        start = self.learning_rate / warmup
+        return start + (self.learning_rate - start) * min(max(step - 1, 0), warmup) / warmup
+
     def optimizer(self) -> optax.GradientTransformation:
         """AdamW after global-norm clipping; elementwise, so identical for every plan."""
         schedule = optax.linear_schedule(self.learning_rate / max(1, self.warmup_steps),

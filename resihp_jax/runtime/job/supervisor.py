@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from resihp_jax.errors import ConfigError, HostsLeftOut
+from resihp_jax.metrics import Destination, Metrics, parse_destinations
+from resihp_jax.metrics.entry import relaunch_entry
 from resihp_jax.runtime.job import accelerators, distributed, heartbeat, standby
 from resihp_jax.runtime.recovery import health_record
 from resihp_jax.faults.throttle import Throttle
@@ -56,6 +58,29 @@ CHECKPOINT_DIR_ENV = "RESIHP_CHECKPOINT_DIR"
 # recovery/local_copies.py); `resihp train` takes --local-copy-dir
 LOCAL_COPY_DIR_ENV = "RESIHP_LOCAL_COPY_DIR"
 PLANNED_EXITS = frozenset({HostsLeftOut.LEFT_OUT_EXIT, HostsLeftOut.REPLAN_EXIT})
+# the metrics destinations of `resihp launch --metrics`, one a line, for every process's run
+# (`resihp train` and rh.fit write there unless given their own)
+METRICS_ENV = "RESIHP_METRICS"
+
+
+def launched_metrics(environ: Any = None) -> tuple[str, ...] | None:
+    """The metrics destinations `resihp launch --metrics` gave this process, if any."""
+    text = (os.environ if environ is None else environ).get(METRICS_ENV, "")
+    found = tuple(line for line in text.splitlines() if line.strip())
+    return found or None
+
+
+def _launch_destinations(metrics: tuple[str, ...]) -> tuple[Destination, ...]:
+    """Where the supervisor writes its relaunches: a TensorBoard directory's `launch` run
+    (beside the job's, never in the same files), W&B runs named `launch`; JSON lines files
+    hold steps only."""
+    out = []
+    for d in parse_destinations(metrics, "--metrics"):
+        if d.kind == "tensorboard":
+            out.append(Destination("tensorboard", str(Path(d.target) / "launch")))
+        elif d.kind == "wandb":
+            out.append(d)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -107,6 +132,9 @@ class LaunchConfig:
     # node's `gpus` per process (CUDA_VISIBLE_DEVICES), process p{i} always on the i-th share
     platform: str = "cpu"
     gpus: tuple[str, ...] = ()
+    # metrics destinations (`--metrics`): every process's run writes there (METRICS_ENV), and
+    # the supervisor each relaunch: its cause, seconds to recover, steps lost
+    metrics: tuple[str, ...] = ()
 
     @property
     def keeps_standby(self) -> bool:
@@ -205,6 +233,8 @@ class Supervisor:
         self._service = None  # the running incarnation's coordination service
         self._incarnation = 0
         self._standby: standby.Standby | None = None
+        self._steps_lost = 0  # by the last relaunch
+        self.metrics: Metrics | None = None  # where relaunches go (LaunchConfig.metrics)
 
     # ---- one incarnation -----------------------------------------------------------------
     def _spawn(self, hosts: list[str], beat_dir: Path) -> dict[str, subprocess.Popen]:
@@ -226,6 +256,8 @@ class Supervisor:
         service = distributed.start_service(f"127.0.0.1:{port}", len(hosts))
         env = dict(os.environ, **{heartbeat.ENV_VAR: str(beat_dir),
                                   distributed.EXTERNAL_SERVICE_ENV: "1"}, **(extra_env or {}))
+        if cfg.metrics:
+            env[METRICS_ENV] = "\n".join(cfg.metrics)
         procs = []
         for index, (host, path) in enumerate(zip(hosts, logs)):
             log = open(path, "w")  # noqa: SIM115
@@ -365,6 +397,7 @@ class Supervisor:
             if now_step > step:
                 if not started:
                     self._first_progress_at = self.clock()
+                    self._relaunched(now_step)
                     self._start_standby(len(procs))
                 step, advanced_at, started = now_step, self._advanced_at(beats, now_step), True
             self._check_standby()
@@ -393,6 +426,17 @@ class Supervisor:
                 hung = self._hung(beats, step, limit)
                 hung.stalled_s = self.clock() - advanced_at
                 return hung, step, beats
+
+    def _relaunched(self, step: int) -> None:
+        """The relaunched incarnation trained its first step: write the relaunch."""
+        if self.metrics is None or not self.summary.restarts or \
+                self._first_progress_at is None:
+            return
+        failure = self.summary.failures[-1]
+        cause = f"{failure.kind} {failure.host}" if failure.host else failure.kind
+        self.metrics.put(relaunch_entry(step, f"{cause}: {failure.detail}",
+                                        self._first_progress_at - self._last_detected,
+                                        self._steps_lost, self._incarnation))
 
     def _advanced_at(self, beats: dict[str, heartbeat.Beat], step: int) -> float:
         """When the job reached `step`: when the first process said so, not when this poll
@@ -437,9 +481,15 @@ class Supervisor:
 
     # ---- the job -------------------------------------------------------------------------
     def run(self) -> Summary:
+        destinations = _launch_destinations(self.config.metrics)
+        if destinations:
+            self.metrics = Metrics(destinations, name="launch", signal_profile=False,
+                                   say=lambda line: print(line, file=self.out, flush=True))
         try:
             return self._run()
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
             self._drop_standby()
             shutil.rmtree(self.config.checkpoint_dir / "standby", ignore_errors=True)
 
@@ -461,7 +511,8 @@ class Supervisor:
             first = self._first_beat(procs, beat_dir)
             self.summary.restored.append(first)
             if lost_from is not None:
-                self.summary.steps_lost += max(0, lost_from - first)
+                self._steps_lost = max(0, lost_from - first)
+                self.summary.steps_lost += self._steps_lost
             self._first_progress_at: float | None = None
             failure, step, beats = self._watch(procs, beat_dir, first)
             if failure is not None:

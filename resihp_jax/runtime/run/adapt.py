@@ -26,6 +26,7 @@ from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.run.plain import (RecordSink, attach_job, close_host_copies,
                                            host_copies, save_on_sigterm)
+from resihp_jax.runtime.run.run_metrics import optimizer_learning_rate
 
 
 def _excluding_left_out(events: Iterator[Any], job: Any,
@@ -57,6 +58,7 @@ class AdaptRun:
 
         self.config, self.job, self.data, self.out, self.phases = config, job, data, out, phases
         self.ladder, self.on_step, self.copies = ladder, on_step, copies
+        self.model, self.train_cfg, self.programs = model, train_cfg, programs
         self.compiles_from = compiles_from
         self.overhead: Overhead | None = None  # what resilience cost, once trained
         self.heartbeat = Heartbeat.from_env(job.spec.host_id)
@@ -154,27 +156,40 @@ class AdaptRun:
 
     def _steps(self, start: int) -> list[StepRecord]:
         sink = RecordSink(self.config, start, self.job.primary, self.phases, self.start_record,
-                          self.compiles_from, self.out)
+                          self.compiles_from, self.out, model=self.model,
+                          learning_rate=self._learning_rate())
+        trainer = self.trainer
         try:
             events = self.trainer.run(self.config.steps, seed=self.config.seed)
             events = _excluding_left_out(events, self.job, self.config.checkpoint_dir)
             for event in _keeping_completed(events, self._keep_completed):
                 if isinstance(event, Replan):
                     self._replanned(event)
+                    if sink.metrics is not None:
+                        sink.metrics.replan(event)
                     continue
                 if self.snapshots is not None:  # before the next step donates the state
                     event = dataclasses.replace(event, host_copy_s=self.snapshots.capture(
                         event.step, self.trainer.state, self.trainer.program,
                         self.data.state(), event.to_json()))
-                sink.add(event)
+                sink.add(event, predicted_s=trainer.detector.last_prediction_s,
+                         state=trainer.state, checkpointer=trainer.checkpointer)
                 if self.on_step is not None:
                     self.on_step(event)
                 self.data_step = event.step
                 self._beat(event.step, self._next_deadline())
         finally:
-            sink.close()
-            self.overhead = self.trainer.overhead(sink.records)
+            sink.close(trainer.checkpointer, trainer.state)
+            self.overhead = trainer.overhead(sink.records, metrics_s=sink.metrics_s)
         return sink.records
+
+    def _learning_rate(self) -> Any:
+        """(step, state) -> the step's learning rate: the built-in optimizer's schedule, or
+        what a user's optax optimizer exposes (inject_hyperparams)."""
+        if self.programs is None:
+            train_cfg = self.train_cfg
+            return lambda step, _: train_cfg.learning_rate_at(step)
+        return optimizer_learning_rate
 
     def _keep_completed(self) -> None:
         """The step finished on the devices but never yielded (a peer died during the

@@ -8,8 +8,11 @@ command runs (`TrainingRun`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from resihp_jax.errors import ConfigError
+from resihp_jax.metrics.destinations import metrics_directory, parse_destinations
+from resihp_jax.metrics.profile import check_steps
 from resihp_jax.runtime.job.deadline import Ladder
 from resihp_jax.runtime.recovery.cadence import AUTO, check_interval
 
@@ -34,7 +37,11 @@ class RunConfig:
     # how each process keeps the last completed step for a relaunch: auto picks keep where
     # two more states fit in device memory, else host (see recovery/host_snapshot.py)
     survivor_copies: str = "auto"
-    metrics: str | None = None  # one JSON line per step, written by process 0
+    # where process 0 writes the metrics: tensorboard:DIR, wandb:PROJECT, jsonl:PATH or a
+    # path (one JSON line per step), an object with write(entry), or a sequence of them
+    metrics: Any = None
+    # a jax.profiler trace of steps (first, end) (end excluded) into the metrics directory
+    profile_steps: tuple[int, int] | None = None
     progress: bool = True  # a progress bar on process 0
     adapt: bool = False  # detector + scheduler: re-plan around slow devices in place
     precompile: int = 0  # with adapt: likely next plans compiled in the background
@@ -63,9 +70,20 @@ class RunConfig:
             raise ConfigError("RunConfig.precompile and background_compile=False need adapt=True "
                               "(only an adapting run switches plans)")
         self.ladder()  # checks the two times
+        check_metrics(self.metrics, self.profile_steps, "RunConfig.")
         if self.devices is not None and self.devices < 1:
             raise ConfigError(f"RunConfig.devices={self.devices}: must be >= 1 or None")
 
     def ladder(self) -> Ladder:
         """The run's time limits: step deadline < heartbeat < initialization."""
         return Ladder(floor_s=self.hang_floor_s, startup_s=self.step_timeout_s)
+
+
+def check_metrics(metrics: Any, profile_steps: Any, prefix: str = "") -> None:
+    """ConfigError, naming `prefix`metrics or `prefix`profile_steps, for a destination that
+    is not one (or whose library is missing) or steps to profile with nowhere to write."""
+    destinations = parse_destinations(metrics, f"{prefix}metrics")
+    if check_steps(profile_steps, f"{prefix}profile_steps") is not None and \
+            metrics_directory(destinations) is None:
+        raise ConfigError(f"{prefix}profile_steps={profile_steps!r}: the trace is written into "
+                          "the metrics directory: give metrics='tensorboard:DIR' too")

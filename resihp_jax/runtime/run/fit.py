@@ -24,9 +24,10 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.job.distributed import job_spec
 from resihp_jax.runtime.job.exits import run_as_job_process
 from resihp_jax.runtime.job.join import join_job
-from resihp_jax.runtime.job.supervisor import CHECKPOINT_DIR_ENV, LOCAL_COPY_DIR_ENV
+from resihp_jax.runtime.job.supervisor import (CHECKPOINT_DIR_ENV, LOCAL_COPY_DIR_ENV,
+                                              launched_metrics)
 from resihp_jax.runtime.run.auto_plan import auto_plan
-from resihp_jax.runtime.run.config import RunConfig
+from resihp_jax.runtime.run.config import RunConfig, check_metrics
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.run.user_programs import user_facts, user_programs
 from resihp_jax.runtime.trainer.compiles import install
@@ -59,7 +60,8 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES,
         on_step: Callable[[StepRecord], None] | None = None, progress: bool | None = None,
         attention_cost: str | None = None, remat: bool = False,
-        compute_dtype: str | None = None) -> FitResult:
+        compute_dtype: str | None = None, metrics: Any = None,
+        profile_steps: tuple[int, int] | None = None) -> FitResult:
     """Train `model` for `steps` steps under `plan` and return the trained model.
 
     model: an `nnx.Module` with `embed(tokens, positions)`, `blocks` (identical blocks,
@@ -76,10 +78,18 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     on_step: called after every step with its StepRecord (`.step`, `.loss`, ...).
     compute_dtype: None (the parameters' own dtype, float32) or 'bfloat16' (bf16 compute from
         float32 master weights; loss, softmax statistics and gradients in float32).
+    metrics: where process 0 writes each step's scalars and each event, off the loop's path:
+        'tensorboard:DIR', 'wandb:PROJECT', 'jsonl:PATH' (or a path), an object with
+        `write(entry)`, or a list of them (default: $RESIHP_METRICS, set by `resihp launch
+        --metrics`, else none).
+    profile_steps: (first, end): a jax.profiler trace of steps first..end-1 into the metrics
+        directory (TensorBoard's profile tab); `kill -USR2` traces the next 3 steps anyway.
     """
     install()  # the start-up count includes the model's split and facts below
     started = time.time()
     _check_args(steps, plan, optimizer)
+    metrics = metrics if metrics is not None else launched_metrics()
+    check_metrics(metrics, profile_steps)
     if compute_dtype not in (None, "float32", "bfloat16"):
         raise ConfigError(f"compute_dtype={compute_dtype!r}: valid are None, 'float32', "
                           "'bfloat16'")
@@ -105,6 +115,7 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
                             device_memory_gb=resilience.device_memory_gb, remat=remat)
 
     config = RunConfig(
+        metrics=metrics, profile_steps=profile_steps,
         steps=steps, seed=seed, data=type(data).__name__, checkpoint_dir=checkpoint_dir,
         resume=checkpoint_dir is not None, progress=_show_progress(progress), adapt=True,
         precompile=resilience.precompile, background_compile=resilience.background_compile,

@@ -2,22 +2,21 @@
 train, and while doing so keep the job's supervisor informed (heartbeat) and never hang
 (watchdog).
 
-Every process of a job runs this same loop; only process 0 writes the metrics file and
-draws the progress bar. The phases of start-up (join, plan, restore, compile, first step)
-are measured and published with the heartbeat, so a supervisor can split a recovery into
-its parts.
+Every process of a job runs this same loop; only process 0 writes the metrics
+(run_metrics.py) and draws the progress bar. The phases of start-up (join, plan, restore,
+compile, first step) are measured and published with the heartbeat, so a supervisor can
+split a recovery into its parts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from typing import Any, TextIO
 
-from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
+from resihp_jax.metrics.writers import metrics_file  # noqa: F401 - the JSON lines file's home
 from resihp_jax.runtime.job.deadline import Ladder, StepDeadline
 from resihp_jax.runtime.job.heartbeat import Heartbeat
 from resihp_jax.runtime.recovery.copy_writers import node_of_host
@@ -29,6 +28,7 @@ from resihp_jax.runtime.trainer.loop import StepRecord, train
 from resihp_jax.runtime.trainer.overhead import OVERHEAD_BUDGET, run_overhead
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.run.config import RunConfig
+from resihp_jax.runtime.run.run_metrics import RunMetrics
 from resihp_jax.runtime.job.watchdog import Watchdog
 from resihp_jax.runtime.recovery.checkpoint import deadline_beside_write
 from resihp_jax.train.step import build_step
@@ -44,6 +44,7 @@ class TrainRun:
         self.config, self.job, self.plan, self.data, self.ckpt = config, job, plan, data, ckpt
         self.out, self.phases, self.copies = out, phases, copies
         self.compiles_from = compiles_from
+        self.model, self.train_cfg = model, train_cfg
         # compiled before the first step, so that step times the step alone and gives the
         # next one a deadline (a hang just after a relaunch is caught as fast as any)
         self.deadline = StepDeadline(model, ladder, remat=train_cfg.remat,
@@ -131,7 +132,7 @@ class TrainRun:
         if self.snapshots is not None:
             record = dataclasses.replace(record, host_copy_s=self.snapshots.capture(
                 record.step, state, self.program, self.data.state(), record.to_json()))
-        self.sink.add(record)
+        self.sink.add(record, state=state, checkpointer=self.ckpt)
         self._layouts_for_saves(record.step)
         self.deadline.observe(self.plan, record.sum_sq_lengths, record.step_time_s)
         save_s = self._save_deadline_s(record.step)
@@ -158,8 +159,11 @@ class TrainRun:
         return self.ckpt.save_deadline_s(ladder.floor_s, ladder.factor, ladder.startup_s)
 
     def _steps(self, state: Any, start: int) -> list[StepRecord]:
+        train_cfg = self.train_cfg
         self.sink = RecordSink(self.config, start, self.job.primary, self.phases,
-                               self.start_record, self.compiles_from, self.out)
+                               self.start_record, self.compiles_from, self.out,
+                               model=self.model,
+                               learning_rate=lambda step, _: train_cfg.learning_rate_at(step))
         self.data_step = start
         try:
             for _, record in train(self.program, state, self.data, self.config.steps - start,
@@ -169,14 +173,15 @@ class TrainRun:
                 self.data_step = record.step
         finally:
             self.watchdog.disarm()
-            self.sink.close()
             ckpt = self.ckpt
+            self.sink.close(ckpt)
             # no detector, probes or stage timing here: the saves' blocking and the copies
             self.overhead = run_overhead(
                 self.sink.records, budget=OVERHEAD_BUDGET,
                 checkpoints_s=sum(s for _, s, urgent in ckpt.stats.saved if not urgent)
                 if ckpt is not None else 0.0,  # (the final save comes after the last step)
-                checkpoint=ckpt.stats.as_dict() if ckpt is not None else None)
+                checkpoint=ckpt.stats.as_dict() if ckpt is not None else None,
+                metrics_s=self.sink.metrics_s)
         return self.sink.records
 
 
@@ -224,17 +229,19 @@ def attach_job(run: Any, job: Any, ckpt: Any) -> tuple[Heartbeat | None, HostSna
 
 
 class RecordSink:
-    """Where finished steps go: the records, process 0's metrics file and progress bar, and
-    the first step's time among the start-up phases."""
+    """Where finished steps go: the records, process 0's metrics (run_metrics.py) and progress
+    bar, and the first step's time among the start-up phases."""
 
     def __init__(self, config: RunConfig, start: int, primary: bool,
                  phases: dict[str, float], start_record: dict | None = None,
                  compiles_from: float | None = None,
-                 out: TextIO | None = None) -> None:
+                 out: TextIO | None = None, *, model: Any = None,
+                 learning_rate: Any = None) -> None:
         """`start_record`: the record of step `start` if known (the survivors' copies carry
-        it), written when the metrics file lacks it. `compiles_from`: when the start-up's
+        it), written when a JSON lines file lacks it. `compiles_from`: when the start-up's
         critical path began (time.time()): the first step then says how many executables
-        were built on it (compiles.foreground_since)."""
+        were built on it (compiles.foreground_since). `model`, `learning_rate`: the model's
+        facts (for MFU) and the learning rate of a step (run_metrics.py)."""
         from tqdm import tqdm  # noqa: PLC0415
 
         self.phases, self.compiles_from, self.out = phases, compiles_from, out
@@ -243,19 +250,28 @@ class RecordSink:
                         disable=not config.progress or not primary)
         # a resumed run continues the metrics of the run it resumes, from its checkpoint:
         # records of steps after it (lost with the failed incarnation) are dropped
-        self.metrics = (metrics_file(config.metrics, start, start_record)
+        self.metrics = (RunMetrics.open(config, start, start_record, model=model,
+                                        learning_rate=learning_rate, say=self._say)
                         if config.metrics and primary else None)
 
-    def add(self, record: StepRecord) -> None:
+    def _say(self, line: str) -> None:
+        print(line, file=self.out or sys.stdout, flush=True)
+
+    def add(self, record: StepRecord, **observed: Any) -> None:
+        """`observed`: what the metrics add to the record (RunMetrics.step's keywords)."""
         if not self.records:
             self.phases["first_step_s"] = record.step_time_s
             self._count_compiles()
         self.records.append(record)
-        if self.metrics:
-            self.metrics.write(json.dumps(record.to_json()) + "\n")
-            self.metrics.flush()
+        if self.metrics is not None:
+            self.metrics.step(record, **observed)
         self.bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}")
         self.bar.update()
+
+    @property
+    def metrics_s(self) -> float | None:
+        """What writing the metrics cost (None: none are written)."""
+        return self.metrics.seconds if self.metrics is not None else None
 
     def _count_compiles(self) -> None:
         if self.compiles_from is None:
@@ -274,27 +290,8 @@ class RecordSink:
                   "the first step" + (": every program was ready" if built == 0 else ""),
                   file=self.out, flush=True)
 
-    def close(self) -> None:
+    def close(self, checkpointer: Any = None, state: Any = None) -> None:
+        """`checkpointer`, `state`: for the metrics' events of the saves after the last step."""
         self.bar.close()
-        if self.metrics:
-            self.metrics.close()
-
-
-def metrics_file(path: str, start: int, start_record: dict | None = None) -> TextIO:
-    """`path` opened for appending after keeping only the records of steps <= `start`
-    (with `start_record` added if the record of step `start` is not among them)."""
-    if start == 0:
-        return open(path, "w")  # noqa: SIM115
-    try:
-        with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start]
-    except FileNotFoundError:
-        kept = []
-    except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"--metrics={path!r}: not a metrics file of this run (a line is not "
-                          "a step record); choose another path") from None
-    if start_record is not None and not any(json.loads(x)["step"] == start for x in kept):
-        kept.append(json.dumps(start_record) + "\n")  # its writer died before writing it
-    with open(path, "w") as f:
-        f.writelines(kept)
-    return open(path, "a")  # noqa: SIM115
+        if self.metrics is not None:
+            self.metrics.close(checkpointer, state)

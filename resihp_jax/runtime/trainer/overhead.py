@@ -3,9 +3,11 @@
 Resilience is paid for while nothing fails, so a run accounts for it: the seconds the step
 loop was blocked in checkpoint saves, in the detector's judgement of each step (its cost
 model's predictions and fits), in its probes, in the stage-timing callbacks and the host CPU
-counters, and in the survivors' per-step host copies. Each part is measured where it is
-spent (the checkpointer's save calls, the trainer's calls into the detector and its probe
-runs, the stage timer's own callbacks, each step's copy), and the total is their sum, shown
+counters, in the survivors' per-step host copies, and where metrics are written in handing
+them over and writing them (a thread of their own, sharing the interpreter). Each part is
+measured where it is spent (the checkpointer's save calls, the trainer's calls into the
+detector and its probe runs, the stage timer's own callbacks, each step's copy, the metrics'
+hand-over and writes), and the total is their sum, shown
 against the training's wall time (from the end of the first, compiling step to the end of
 the last).
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-PARTS = ("checkpoints", "detector", "probes", "timing", "copies")
+PARTS = ("checkpoints", "detector", "probes", "timing", "copies", "metrics")
 OVERHEAD_BUDGET = 0.02  # the share of wall time resilience may take (ResilienceConfig's)
 
 
@@ -70,11 +72,14 @@ def wall_s(records: Sequence[Any]) -> float:
 def run_overhead(records: Sequence[Any], *, budget: float, checkpoints_s: float = 0.0,
                  detector_s: float = 0.0, probes_s: float = 0.0, timing_s: float = 0.0,
                  counts: Mapping[str, int] | None = None,
-                 checkpoint: Mapping[str, Any] | None = None) -> Overhead:
+                 checkpoint: Mapping[str, Any] | None = None,
+                 metrics_s: float | None = None) -> Overhead:
     """The run's Overhead from its records (their per-step host copies, after the first
     step) and the seconds the checkpointer, the probes and the stage timer measured."""
     copies = float(sum(r.host_copy_s for r in records[1:]))
     seconds = {"checkpoints": checkpoints_s, "detector": detector_s, "probes": probes_s,
                "timing": timing_s, "copies": copies}
+    if metrics_s is not None:  # (a part only where metrics are written)
+        seconds["metrics"] = metrics_s
     return Overhead(seconds, wall_s(records), budget, dict(counts or {}),
                     dict(checkpoint or {}))

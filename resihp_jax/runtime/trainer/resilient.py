@@ -38,7 +38,7 @@ from resihp_jax.detector import (Prober, StepFailed, StepObservation, Verdict, m
 from resihp_jax.detector.attention_work import mb_attention_l2
 from resihp_jax.detector.base import DETECTORS
 from resihp_jax.detector.probes import gathered_probe
-from resihp_jax.errors import ConfigError, HostsLeftOut, JobStepFailed, PlanError
+from resihp_jax.errors import ConfigError, HostsLeftOut, JobStepFailed, PlanError, ResihpError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel import CostParams, Health
@@ -61,6 +61,7 @@ from resihp_jax.runtime.trainer.overhead import OVERHEAD_BUDGET, Overhead, run_o
 from resihp_jax.runtime.trainer.sampling import TimingSampler, check_every
 from resihp_jax.runtime.trainer.timing import StageTimer, StepTiming, timed_step
 from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
+from resihp_jax.scheduler.scoring import step_time_s
 from resihp_jax.train.aot import compile_program
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.instrument import OFF, Instrument
@@ -189,6 +190,10 @@ class Replan:
     move_s: float = 0.0  # moving (or restoring) the state onto it
     compiles: int = 0  # executables built on the training thread during the switch
     cause: str = ""  # why the step failed, when a failed step raised the verdict
+    # the scheduler's predicted tokens/s of the new plan over the old one's, both under the
+    # health the verdict gave (1.35: 35% more; None when the plan is kept or the old one
+    # cannot run, a device of it stopped)
+    predicted_gain: float | None = None
 
 
 class _Host:
@@ -466,10 +471,12 @@ class ResilientTrainer:
     def close(self) -> None:
         self.precompiler.close()
 
-    def overhead(self, records: Sequence[StepRecord]) -> Overhead:
-        """What resilience cost the steps of `records` (this trainer's), see overhead.py."""
+    def overhead(self, records: Sequence[StepRecord], metrics_s: float | None = None
+                 ) -> Overhead:
+        """What resilience cost the steps of `records` (this trainer's), see overhead.py;
+        `metrics_s`: what writing the run's metrics cost, where they are written."""
         ckpt = self.checkpointer
-        return run_overhead(records, budget=self.config.overhead_budget,
+        return run_overhead(records, budget=self.config.overhead_budget, metrics_s=metrics_s,
                             checkpoints_s=self.spent_s["checkpoints"],
                             detector_s=self.spent_s["detector"],
                             probes_s=self.spent_s["probes"], timing_s=self.spent_s["timing"],
@@ -634,7 +641,7 @@ class ResilientTrainer:
             self.data.restore(data_before)
         return self._replanned(Replan(verdict.step, verdict, old, new, reason,
                                       self.clock() - start, plan_s=plan_s, cause=cause,
-                                      **fields))
+                                      predicted_gain=self._predicted_gain(old, new), **fields))
 
     def _replanned(self, replan: Replan) -> Replan:
         """Record a re-plan; the detector measures its drift scale afresh on the new plan."""
@@ -667,7 +674,21 @@ class ResilientTrainer:
         fields = dataclasses.asdict(self.switch_to(new))
         return self._replanned(Replan(int(self.state.step), verdict, old, new,
                                       f"{reason}; its program compiled in the background",
-                                      self.clock() - start, **fields))
+                                      self.clock() - start,
+                                      predicted_gain=self._predicted_gain(old, new), **fields))
+
+    def _predicted_gain(self, old: Plan, new: Plan) -> float | None:
+        """The simulated step time of `old` over `new`'s under the current health map (what
+        the re-plan is expected to win; a report, decided on nothing)."""
+        if new == old:
+            return None
+        try:
+            context = self._context()
+            before, after = step_time_s(old, self.health, context), \
+                step_time_s(new, self.health, context)
+        except (ResihpError, ValueError):
+            return None
+        return before / after if 0 < after and math.isfinite(before) else None
 
     def switch_to(self, new: Plan, *, from_checkpoint: bool = False,
                   data_before: dict[str, Any] | None = None) -> Switch:

@@ -92,6 +92,9 @@ pick_nodes() {  # every good node keeps its place, a spare takes a bad one's, or
         for (( i = 0; i < TASKS_PER_NODE; i++ )); do echo "$node"; done
     done > "$SLURM_HOSTFILE"
 }
+# 75 is a task that lost a peer (its step failed or passed its deadline), also when the peer
+# was process 0 and took the job's coordination service with it: the task says so in one
+# line and is not the one to blame (before, JAX aborted it: 134, and every node was blamed)
 blamed_nodes() {  # the nodes of the last run's tasks that failed on their own, or none
     local task node blamed=()
     for (( task = 0; task < NTASKS; task++ )); do

@@ -36,7 +36,7 @@ from resihp_jax.runtime.job import distributed
 from resihp_jax.runtime.job.devices import devices_to_request, request_host_devices
 from resihp_jax.runtime.job.exits import run_as_job_process
 from resihp_jax.runtime.recovery.quiet import orbax_read_noise_silenced
-from resihp_jax.runtime.run.config import RunConfig
+from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,10 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "expected time between failures (Young's sqrt(2 C M), at most "
                              "30 min). A save due while the previous write goes on is put off "
                              "to the next step; the last step is always saved")
-    parser.add_argument("--resume", action="store_true",
+    parser.add_argument("--resume", nargs="?", const=True, default=False, type=resume_mode,
+                        metavar="force",
                         help="continue from the newest good checkpoint in --checkpoint-dir "
-                             "(any plan; model, optimizer, data and batch shape must match); "
-                             "with none there yet, start from step 0")
+                             "(any plan; model, optimizer, data and batch shape must match, "
+                             "else the run is refused naming what changed); with none there "
+                             "yet, start from step 0. '--resume force': continue even from "
+                             "another run's checkpoint, printing what differed")
     parser.add_argument("--survivor-copies", choices=("auto", "keep", "host", "off"),
                         default="auto",
                         help="with --checkpoint-dir, every process keeps the state of the last "
@@ -123,6 +126,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "an asynchronous checkpoint write (default 120)")
     add_compile_cache_arguments(parser)
     add_job_arguments(parser)
+
+
+def resume_mode(text: str) -> str:
+    """--resume's optional value: only 'force' (a plain --resume is True)."""
+    if text != RESUME_FORCE:
+        raise argparse.ArgumentTypeError(f"{text!r}: give --resume alone, or '--resume "
+                                         f"{RESUME_FORCE}' to continue from another run's "
+                                         "checkpoint")
+    return text
 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:

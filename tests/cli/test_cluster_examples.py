@@ -309,6 +309,9 @@ def test_sbatch_relaunches_inside_the_allocation_before_requeueing(
     ("137 0", "74 137|0 0", ["node01,node02", "node01,node03"], False, 1),
     # node01 lost: the spare takes its place (its ranks), node02 keeps its own
     ("1 0", "lost 75|0 0", ["node01,node02", "node03,node02"], False, 1),
+    # process 0 killed on node01: the others lost its coordination service and said so
+    # (75, not JAX's abort): node01 alone is blamed, the spare takes its place
+    ("137 0", "137 75|0 0", ["node01,node02", "node03,node02"], False, 1),
     # node01 left out as slow (76, the others 77): the spare takes its place, no requeue
     ("76 0", "76 77|0 0", ["node01,node02", "node03,node02"], False, 1),
     # every task failed alike: no node to blame, the same nodes again

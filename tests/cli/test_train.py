@@ -137,6 +137,18 @@ def test_resuming_another_runs_checkpoint_is_refused(
     assert steps_on_disk(ckpt) == [3]
 
 
+def test_resume_force_continues_another_runs_checkpoint_and_says_what_differed(
+        tmp_path: Path, three_steps: Path, capsys) -> None:
+    ckpt, _ = _copy(three_steps, tmp_path)
+    capsys.readouterr()
+    assert _train(*PLAN_A, "--lr", "0.001", "--checkpoint-dir", ckpt, "--resume", "force",
+                  steps=4) == 0
+    forced = [line for line in capsys.readouterr().out.splitlines() if "resume forced" in line]
+    assert len(forced) == 1 and "checkpoint step 3" in forced[0] and \
+        "optimizer.learning_rate=0.003 in the checkpoint, 0.001 in this run" in forced[0], forced
+    assert steps_on_disk(ckpt)[-1] == 4
+
+
 def test_a_non_finite_loss_stops_naming_the_step_and_the_last_checkpoint(
         tmp_path: Path, capsys) -> None:
     ckpt = tmp_path / "ckpt"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from resihp_jax.errors import ConfigError
+from resihp_jax.runtime.job.coordinator import guard_coordinator_loss
 
 EXTERNAL_SERVICE_ENV = "RESIHP_EXTERNAL_COORDINATION_SERVICE"  # "1": process 0 starts none
 ENV = {"coordinator": "RESIHP_COORDINATOR", "num_processes": "RESIHP_NUM_PROCESSES",
@@ -148,6 +149,9 @@ def initialize(spec: JobSpec, init_timeout_s: int, heartbeat_timeout_s: int) -> 
         else:
             jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id,
                                        **kwargs)
+    # JAX aborts every process whose coordination service goes away: a lost process 0
+    # becomes a step failure with one line instead (coordinator.py)
+    guard_coordinator_loss(hosted_by_process_0=not external)
 
 
 @contextlib.contextmanager

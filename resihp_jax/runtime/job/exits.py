@@ -13,7 +13,9 @@ the job (`resihp launch`, examples/slurm/*.sbatch, a Kubernetes policy):
   the job is ending after another process failed); the newest survivors' copy is written
   first. A preemption is not the job's fault: requeue it without counting it.
 - 75 (HUNG_EXIT, EX_TEMPFAIL): a step failed (a peer died) or passed its deadline (a peer or
-  a device hangs): restart, counted.
+  a device hangs), or process 0 died and took the job's coordination service with it (one
+  line names it, coordinator.py): restart, counted; the process that exits 75 is not the
+  one to blame.
 - 76/77 (HostsLeftOut): a re-plan leaves a slow host out (76 on that host, 77 on the
   others); the health record excludes it: restart without it.
 A process killed by a signal shows as 128+N in a shell or srun (137: SIGKILL).
@@ -27,6 +29,7 @@ import traceback
 from typing import Any, Callable
 
 from resihp_jax.errors import HostsLeftOut, JobStepFailed, Preempted, ResihpError
+from resihp_jax.runtime.job.coordinator import leaving, lost_line
 from resihp_jax.runtime.job.watchdog import HUNG_EXIT
 
 USER_ERROR = 2
@@ -58,7 +61,10 @@ def run_as_job_process(body: Callable[[], Any], prog: str) -> int:
         print(f"{prog}: {err}", file=sys.stderr, flush=True)
         code = PREEMPTED_EXIT
     except JobStepFailed as err:
-        print(f"{prog}: {err}; exiting so the job restarts", file=sys.stderr, flush=True)
+        leaving()  # the coordinator guard may be saying it already: then it alone speaks
+        # a step that broke because process 0 died is named by what happened to it
+        print(f"{prog}: {lost_line() or err}; exiting so the job restarts", file=sys.stderr,
+              flush=True)
         code = HUNG_EXIT
     except HostsLeftOut as err:
         import jax  # noqa: PLC0415

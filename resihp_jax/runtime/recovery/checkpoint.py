@@ -87,9 +87,11 @@ class Checkpointer:
     keeping the newest `keep`.
 
     With `identity` (see run_identity.run_identity) every save records it and every restore
-    refuses a checkpoint whose identity differs. `mtbf_s` (the job's expected seconds
-    between failures; default: cadence.GPU_MTBF_S over the job's devices), `max_interval_s`
-    and `budget` shape the 'auto' interval. `say` is told once which cadence 'auto' chose.
+    refuses a checkpoint whose identity differs; with `force_identity` too, it continues and
+    tells `say` once what differed (a resume forced on purpose). `mtbf_s` (the job's expected
+    seconds between failures; default: cadence.GPU_MTBF_S over the job's devices),
+    `max_interval_s` and `budget` shape the 'auto' interval. `say` is told once which
+    cadence 'auto' chose.
     """
 
     def __init__(self, directory: str | Path, *, interval: int | str = 10, keep: int = 2,
@@ -98,7 +100,7 @@ class Checkpointer:
                  local_copy_dir: str | Path | None = None, put_off_while_writing: bool = True,
                  mtbf_s: float | None = None, max_interval_s: float = MAX_INTERVAL_S,
                  budget: float | None = None, first_save_s: float = FIRST_SAVE_S,
-                 say: Callable[[str], None] | None = None):
+                 say: Callable[[str], None] | None = None, force_identity: bool = False):
         if keep < 1:
             raise CheckpointError(f"checkpoint keep={keep} must be >= 1")
         try:
@@ -109,6 +111,9 @@ class Checkpointer:
             raise CheckpointError(str(err)) from err
         self.directory = Path(directory).absolute()
         self.identity = identity
+        self.force_identity = force_identity
+        # what a forced resume found different (said once, not per source); None: nothing
+        self.forced: str | None = None
         # where the survivors' copies of this run go on each node (local_copies.py; None:
         # under `directory`, on shared storage)
         self.local_copies = (None if local_copy_dir is None
@@ -323,8 +328,7 @@ class Checkpointer:
     def _restore_step(self, program: StepProgram, step: int) -> Restored:
         where = f"checkpoint step {step} in {self.directory}"
         meta = self._read_meta(step, where)
-        if self.identity is not None:
-            check_identity(meta.get("identity"), self.identity, where)
+        self.check_identity(meta.get("identity"), where)
         target = canonical_target(program)
         _check_shapes(meta.get("leaves"), leaf_shapes(target), where, program)
         try:
@@ -337,6 +341,17 @@ class Checkpointer:
                            "recorded when it was written")
         return Restored(from_canonical(loaded, program), int(meta["step"]), meta["data_state"],
                         Plan.from_dict(meta["plan"]))
+
+    def check_identity(self, saved: Mapping[str, Any] | None, where: str) -> None:
+        """Refuse state `saved` by another run (see run_identity.py); a forced resume
+        continues and says so once."""
+        if self.identity is None:
+            return
+        forced = check_identity(saved, self.identity, where, force=self.force_identity)
+        if forced is not None and self.forced is None:
+            self.forced = forced
+            if self.say is not None:
+                self.say(forced)
 
     def _read_meta(self, step: int, where: str) -> dict[str, Any]:
         try:

@@ -34,7 +34,7 @@ def start_state(program: Any, ckpt: Checkpointer | None, data: Any, *, resume: b
     if not resume or ckpt is None:
         return Start(program.init_state(seed), 0, "init")
     latest = ckpt.latest_step()
-    for copies in survivor_copies.find(ckpt.directory, ckpt.identity):
+    for copies in survivor_copies.find(ckpt.directory, ckpt.check_identity):
         if latest is not None and copies.step <= latest:
             break  # a checkpoint at least as new is there
         fallback = "step 0" if latest is None else f"checkpoint step {latest}"
@@ -79,7 +79,7 @@ def _from_copies(copies: survivor_copies.SurvivorCopies, program: Any,
                              "device shard(s) filled from data-parallel replicas")
     published = local_copies.publish(copies.directory, list(copies.local_manifests))
     _barrier(f"resihp-publish-step{copies.step}")  # every node's files are there now
-    shared = next(survivor_copies.find(ckpt.directory, ckpt.identity, published_only=True,
+    shared = next(survivor_copies.find(ckpt.directory, ckpt.check_identity, published_only=True,
                                        step=copies.step), None)
     if shared is None or not shared.complete:
         raise CheckpointError("the copies the nodes published do not cover the state ("

@@ -1,10 +1,14 @@
 """A run's identity: what must match for a checkpoint to be resumed by this run.
 
-The model, the optimizer's hyper-parameters, the data source and seed, and the global batch
-shape decide the training math; a checkpoint written under other values would continue a
-different run, so it is refused. The Plan (mesh, splits, placement) and compile settings
+The model, the optimizer, the data source and seed, and the global batch shape decide the
+training math; a checkpoint written under other values would continue a different run, so it
+is refused, naming what changed. The Plan (mesh, splits, placement) and compile settings
 (remat, slot counts) are deliberately left out: every plan computes the same steps, and
-restoring into another plan is what the checkpoints are for.
+restoring into another plan is what the checkpoints are for. A resume forced on purpose
+(`resume="force"`, `--resume force`) continues anyway and says what differed.
+
+The built-in decoder's identity is its ModelConfig and TrainConfig's optimizer fields; a
+user's model and optax optimizer describe themselves (runtime/run/user_identity.py).
 """
 
 from __future__ import annotations
@@ -19,17 +23,26 @@ from resihp_jax.model.config import ModelConfig
 _OPTIMIZER_FIELDS = ("learning_rate", "warmup_steps", "weight_decay", "b1", "b2", "grad_clip")
 _DATA_FIELDS = ("source", "fingerprint", "seed")
 _BATCH_FIELDS = ("n_microbatches", "microbatch_size", "seq_len")
+_MOST_NAMED = 4  # differences spelled out in one line; the rest are counted
 
 
 def run_identity(model: ModelConfig, train_cfg: Any, data_state: Mapping[str, Any],
                  ) -> dict[str, Any]:
-    """JSON-ready identity from the configs and a `BatchIterator.state()`."""
-    identity = {
+    """The built-in decoder's identity from its configs and a `BatchIterator.state()`."""
+    return json_ready({
         "model": dataclasses.asdict(model),
         "optimizer": {name: getattr(train_cfg, name) for name in _OPTIMIZER_FIELDS},
-        "data": {name: data_state[name] for name in _DATA_FIELDS},
-        "batch": {name: data_state[name] for name in _BATCH_FIELDS},
-    }
+        **data_identity(data_state),
+    })
+
+
+def data_identity(data_state: Mapping[str, Any]) -> dict[str, Any]:
+    """The data and batch-shape parts of an identity, from a `BatchIterator.state()`."""
+    return {"data": {name: data_state[name] for name in _DATA_FIELDS},
+            "batch": {name: data_state[name] for name in _BATCH_FIELDS}}
+
+
+def json_ready(identity: Mapping[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(identity))  # the form it has after a save and a load
 
 
@@ -55,12 +68,24 @@ def identity_differences(saved: Mapping[str, Any] | None, current: Mapping[str, 
             for key in keys if old.get(key) != new.get(key)]
 
 
+def _summary(differences: list[str]) -> str:
+    # a wider model changes every parameter's shape: name the first few, count the rest
+    named = "; ".join(differences[:_MOST_NAMED])
+    more = len(differences) - _MOST_NAMED
+    return named + (f"; and {more} more" if more > 0 else "")
+
+
 def check_identity(saved: Mapping[str, Any] | None, current: Mapping[str, Any],
-                   where: str) -> None:
-    """CheckpointError naming both values of every difference between the two runs."""
+                   where: str, force: bool = False) -> str | None:
+    """CheckpointError naming what differs between the two runs; with `force`, the one line
+    to tell the user instead (None: the same run)."""
     differences = identity_differences(saved, current)
-    if differences:
-        raise CheckpointError(
-            f"{where} was written by a different run: {'; '.join(differences)}. Resume with "
-            "the same model, optimizer, data, seed and batch shape, or use another "
-            "checkpoint directory")
+    if not differences:
+        return None
+    if force:
+        return (f"resume forced: continuing from {where} though it was written by a different "
+                f"run: {_summary(differences)}")
+    raise CheckpointError(
+        f"{where} was written by a different run: {_summary(differences)}. Resume with the "
+        "same model, optimizer, data, seed and batch shape, use another checkpoint directory, "
+        "or force the resume (rh.fit(resume='force'), resihp train --resume force)")

@@ -16,7 +16,7 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,6 @@ from resihp_jax.meshes.rules import is_layer_leaf
 from resihp_jax.runtime.recovery.host_snapshot import (MANIFEST, SUBDIR, VERSION, Box, leaf_key,
                                               shard_box)
 from resihp_jax.runtime.recovery.local_copies import PUBLISHED
-from resihp_jax.runtime.recovery.run_identity import check_identity
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,8 @@ class SurvivorCopies:
         return self.missing is None
 
 
-def find(checkpoint_dir: str | Path, identity: Mapping[str, Any] | None = None,
+def find(checkpoint_dir: str | Path,
+         check: Callable[[Mapping[str, Any] | None, str], None] | None = None,
          published_only: bool = False, step: int | None = None) -> Iterator[SurvivorCopies]:
     """Every step with copies under `checkpoint_dir`, newest first (complete or not), read
     lazily: the caller stops at the first it can use, and process 0 may meanwhile remove
@@ -67,7 +67,8 @@ def find(checkpoint_dir: str | Path, identity: Mapping[str, Any] | None = None,
     different plans (a relaunch that failed again before its first step rewrote them) are
     judged apart, a complete plan's first: their shards do not tile each other.
     `published_only`: node-local copies count only once published to the shared directory
-    (local_copies.publish); `step`: that step only."""
+    (local_copies.publish); `step`: that step only. `check` is shown the run identity each
+    copy recorded, and where, and raises to refuse it (Checkpointer.check_identity)."""
     root = Path(checkpoint_dir) / SUBDIR
     for step_dir in sorted(root.glob("step*"), key=_step_of, reverse=True):
         if step is not None and _step_of(step_dir) != step:
@@ -81,9 +82,8 @@ def find(checkpoint_dir: str | Path, identity: Mapping[str, Any] | None = None,
         manifests = [m for m in manifests if m is not None and not (
             published_only and m[0].get("local_dir") and not (m[1] / PUBLISHED).exists())]
         for manifest, _ in manifests:
-            if identity is not None:
-                check_identity(manifest.get("identity"), identity,
-                               f"the survivors' copies in {step_dir}")
+            if check is not None:
+                check(manifest.get("identity"), f"the survivors' copies in {step_dir}")
         by_plan: dict[str, list[tuple[dict[str, Any], Path]]] = {}
         for manifest, directory in manifests:
             key = json.dumps(manifest.get("plan"), sort_keys=True)

@@ -23,7 +23,8 @@ from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.overhead import Overhead
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
 from resihp_jax.runtime.recovery.resume import start_state
-from resihp_jax.runtime.run.config import RunConfig
+from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig
+from resihp_jax.runtime.run.user_identity import with_current_hyperparams
 from resihp_jax.runtime.run.plain import (RecordSink, attach_job, close_host_copies,
                                            host_copies, save_on_sigterm)
 from resihp_jax.runtime.run.run_metrics import optimizer_learning_rate
@@ -75,6 +76,8 @@ class AdaptRun:
         self.trainer = ResilientTrainer(model, train_cfg, plan, devices, data, config,
                                         on_long_work=self._long_work, programs=programs)
         self.trainer.warm_up()
+        if self.trainer.checkpointer is not None:  # a resume forced on purpose
+            self.trainer.checkpointer.force_identity = self.config.resume == RESUME_FORCE
         if self.trainer.checkpointer is not None and job.primary:  # the cadence it chose
             self.trainer.checkpointer.say = lambda line: print(line, file=out, flush=True)
         phases["compile_s"] = time.perf_counter() - t0
@@ -118,8 +121,12 @@ class AdaptRun:
         t0 = time.perf_counter()
         trainer = self.trainer
         start = start_state(trainer.program, trainer.checkpointer, self.data,
-                            resume=self.config.resume, seed=self.config.seed,
+                            resume=bool(self.config.resume), seed=self.config.seed,
                             primary=self.job.primary, out=self.out)
+        if trainer.checkpointer is not None and trainer.checkpointer.forced is not None:
+            # a resume forced past a changed optimizer trains with its hyper-parameters
+            start = dataclasses.replace(start, state=with_current_hyperparams(
+                start.state, trainer.program.optimizer))
         trainer.state = start.state
         self.phases["restore_s"] = time.perf_counter() - t0
         if self.heartbeat is not None:

@@ -18,6 +18,9 @@ from resihp_jax.runtime.recovery.cadence import AUTO, check_interval
 
 SURVIVOR_COPY_MODES = ("auto", "keep", "host", "off")
 DEFAULT_CHECKPOINT_EVERY = AUTO
+# RunConfig.resume: continue even from another run's state (a changed model, optimizer, data
+# or batch shape), saying what differed; on purpose only
+RESUME_FORCE = "force"
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,9 @@ class RunConfig:
     # node-local directory (e.g. /dev/shm) for the survivors' copies: written at memory
     # speed, restored in place by a relaunch onto the same plan (recovery/local_copies.py)
     local_copy_dir: str | None = None
-    resume: bool = False  # continue from the newest good state in checkpoint_dir
+    # continue from the newest good state in checkpoint_dir (refused when another run wrote
+    # it, see recovery/run_identity.py); RESUME_FORCE: continue even then
+    resume: bool | str = False
     # how each process keeps the last completed step for a relaunch: auto picks keep where
     # two more states fit in device memory, else host (see recovery/host_snapshot.py)
     survivor_copies: str = "auto"
@@ -62,6 +67,9 @@ class RunConfig:
                                                 or self.survivor_copies == "off"):
             raise ConfigError(f"RunConfig.local_copy_dir={self.local_copy_dir!r} needs a "
                               "checkpoint_dir and survivor_copies other than 'off'")
+        if self.resume not in (False, True, RESUME_FORCE):
+            raise ConfigError(f"RunConfig.resume={self.resume!r}: valid are False, True and "
+                              f"{RESUME_FORCE!r} (continue even from another run's state)")
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError("RunConfig.resume needs a checkpoint_dir")
         if self.precompile < 0:

@@ -27,7 +27,7 @@ from resihp_jax.runtime.job.join import join_job
 from resihp_jax.runtime.job.supervisor import (CHECKPOINT_DIR_ENV, LOCAL_COPY_DIR_ENV,
                                               launched_metrics)
 from resihp_jax.runtime.run.auto_plan import auto_plan
-from resihp_jax.runtime.run.config import RunConfig, check_metrics
+from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig, check_metrics
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.run.user_programs import user_facts, user_programs
 from resihp_jax.runtime.trainer.compiles import install
@@ -61,7 +61,8 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         on_step: Callable[[StepRecord], None] | None = None, progress: bool | None = None,
         attention_cost: str | None = None, remat: bool = False,
         compute_dtype: str | None = None, metrics: Any = None,
-        profile_steps: tuple[int, int] | None = None) -> FitResult:
+        profile_steps: tuple[int, int] | None = None,
+        resume: bool | str = True) -> FitResult:
     """Train `model` for `steps` steps under `plan` and return the trained model.
 
     model: an `nnx.Module` with `embed(tokens, positions)`, `blocks` (identical blocks,
@@ -84,12 +85,20 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         --metrics`, else none).
     profile_steps: (first, end): a jax.profiler trace of steps first..end-1 into the metrics
         directory (TensorBoard's profile tab); `kill -USR2` traces the next 3 steps anyway.
+    resume: with a checkpoint directory, True continues from its newest state, refusing one
+        another run wrote (a changed model class or parameter shapes, optimizer, data or
+        batch shape: CheckpointError naming what changed); 'force' continues even then, and
+        prints one line naming what differed.
     """
     install()  # the start-up count includes the model's split and facts below
     started = time.time()
     _check_args(steps, plan, optimizer)
     metrics = metrics if metrics is not None else launched_metrics()
     check_metrics(metrics, profile_steps)
+    if resume not in (True, RESUME_FORCE):
+        raise ConfigError(f"resume={resume!r}: valid are True (continue from checkpoint_dir's "
+                          f"newest state of this same run) and {RESUME_FORCE!r} (continue "
+                          "even from another run's)")
     if compute_dtype not in (None, "float32", "bfloat16"):
         raise ConfigError(f"compute_dtype={compute_dtype!r}: valid are None, 'float32', "
                           "'bfloat16'")
@@ -117,7 +126,8 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     config = RunConfig(
         metrics=metrics, profile_steps=profile_steps,
         steps=steps, seed=seed, data=type(data).__name__, checkpoint_dir=checkpoint_dir,
-        resume=checkpoint_dir is not None, progress=_show_progress(progress), adapt=True,
+        resume=resume if checkpoint_dir is not None else False,
+        progress=_show_progress(progress), adapt=True,
         precompile=resilience.precompile, background_compile=resilience.background_compile,
         hang_floor_s=resilience.hang_floor_s,
         step_timeout_s=max(resilience.step_timeout_s, resilience.hang_floor_s),

@@ -102,8 +102,9 @@ class TrainRun:
         """(state, step) to train from: see resume.start_state."""
         t0 = time.perf_counter()
         try:
-            start = start_state(self.program, self.ckpt, self.data, resume=self.config.resume,
-                                seed=self.config.seed, primary=self.job.primary, out=self.out)
+            start = start_state(self.program, self.ckpt, self.data,
+                                resume=bool(self.config.resume), seed=self.config.seed,
+                                primary=self.job.primary, out=self.out)
         finally:
             self.phases["restore_s"] = time.perf_counter() - t0
         if self.heartbeat is not None:

@@ -26,7 +26,7 @@ from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.runtime.job import standby
 from resihp_jax.runtime.job.devices import select_devices
 from resihp_jax.runtime.job.distributed import JobSpec
-from resihp_jax.runtime.run.config import RunConfig
+from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig
 from resihp_jax.train.config import TrainConfig
 
 
@@ -162,7 +162,8 @@ class TrainingRun:
             ckpt = Checkpointer(config.checkpoint_dir, interval=config.checkpoint_every,
                                 asynchronous=True, local_copy_dir=config.local_copy_dir,
                                 identity=run_identity(self.model, train_cfg, data.state()),
-                                say=self._say if job.primary else None)
+                                say=self._say if job.primary else None,
+                                force_identity=config.resume == RESUME_FORCE)
         return TrainRun(config, copies, job, self.model, train_cfg, plan, data, ckpt,
                         self.ladder, self.phases, self.out, self._compiles_from)
 

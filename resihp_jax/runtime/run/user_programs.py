@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 
 from resihp_jax.meshes.plan import Plan
+from resihp_jax.runtime.run.user_identity import user_run_identity
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.instrument import Instrument
 from resihp_jax.train.user_facts import UserModelFacts, model_facts
@@ -48,6 +49,11 @@ class UserPrograms:
                                   instrument=instrument if plan.tp == 1 else None)
         return dataclasses.replace(program, initial_params=initializer(program, self.model,
                                                                        self.params))
+
+    def identity(self, data_state: dict[str, Any]) -> dict[str, Any]:
+        """The run's identity (recovery/run_identity.py): this model's class and parameter
+        shapes, this optimizer, the data of `data_state` (a `BatchIterator.state()`)."""
+        return user_run_identity(self.parts.name, self.params, self.optimizer, data_state)
 
 
 def user_programs(model: Any, optimizer: optax.GradientTransformation, seed: int, *,

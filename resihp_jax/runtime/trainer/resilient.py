@@ -231,6 +231,8 @@ class ResilientTrainer:
     on_long_work: Callable[[str], None] | None = None
     # (train_cfg, plan, devices, instrument) -> the StepProgram of a user's model; None:
     # the built-in decoder's (`build_step`); a user's program starts from its own parameters.
+    # Its `identity(data_state)`, where it has one, is the run's identity its checkpoints
+    # record (rh.fit's: the user's model and optimizer, runtime/run/user_identity.py).
     programs: Callable[..., StepProgram] | None = None
 
     def __post_init__(self) -> None:
@@ -263,8 +265,7 @@ class ResilientTrainer:
         # donation of the next step cannot touch what is being written
         self.checkpointer = (Checkpointer(
             self.config.checkpoint_dir, interval=self.config.checkpoint_interval,
-            asynchronous=True, identity=run_identity(self.model, self.train_cfg,
-                                                     self.data.state()),
+            asynchronous=True, identity=self._identity(),
             local_copy_dir=self.config.local_copy_dir, mtbf_s=self.config.mtbf_s,
             max_interval_s=self.config.max_checkpoint_interval_s,
             budget=self.config.overhead_budget)
@@ -292,6 +293,14 @@ class ResilientTrainer:
         self.sampler = TimingSampler(self.config.stage_timing_every,
                                      self.config.overhead_budget)
         self._step_timed = True  # whether the last step ran its stage-timing callbacks
+
+    def _identity(self) -> dict[str, Any]:
+        """The run's identity: a user's programs describe their model and optimizer; the
+        built-in decoder's comes from its configs."""
+        identity = getattr(self.programs, "identity", None)
+        if identity is not None:
+            return identity(self.data.state())
+        return run_identity(self.model, self.train_cfg, self.data.state())
 
     # ---- programs ------------------------------------------------------------------------
     def _compiled(self, plan: Plan, timed: bool | None = None,

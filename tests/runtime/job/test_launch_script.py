@@ -133,6 +133,11 @@ def test_a_users_script_survives_a_killed_process_0_and_a_hang(script, tmp_path:
     logs = "".join(p.read_text() for p in (tmp_path / "job" / "logs").glob("*.log"))
     assert "rh.fit: terminated (SIGTERM)" in logs and "resihp train" not in logs
     assert "dead" not in logs  # the missing devices of a relaunch are not called dead
+    # process 0's peers ended in one line each, none aborted by JAX (the launcher hosts the
+    # job's coordination service, so it outlives process 0) and none with a traceback
+    for p in (1, 2, 3):
+        log = (tmp_path / "job" / "logs" / f"incarnation0-p{p}.log").read_text()
+        assert "Traceback" not in log and "Terminating process" not in log, log[-3000:]
     # dp=2 over 4 processes: each process reads only its own group's half of every batch
     for p in range(4):
         log = (tmp_path / "job" / "logs" / f"incarnation0-p{p}.log").read_text()

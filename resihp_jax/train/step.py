@@ -287,20 +287,23 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
 
 def step_functions(loss_sum: Callable[[Any, Batch, Splits], jax.Array],
                    optimizer: optax.GradientTransformation, shardings: TrainState,
-                   mesh: jax.sharding.Mesh, donate: bool) -> tuple[Callable, Callable]:
+                   mesh: jax.sharding.Mesh, donate: bool, takes_step: bool = False,
+                   ) -> tuple[Callable, Callable]:
     """(train step, loss-and-gradients) jitted around `loss_sum` (the batch's summed token
     losses): the loss is its token-weighted mean over the global batch, the update the
-    optimizer's, the same for every plan and every model."""
+    optimizer's, the same for every plan and every model. `takes_step`: `loss_sum` takes
+    the state's step too, `(params, batch, splits, step)` (loss-and-gradients passes 0)."""
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P("dp"))
 
-    def loss_and_grads(params: Any, batch: Batch, splits: Splits):
+    def loss_and_grads(params: Any, batch: Batch, splits: Splits, step: Any = 0):
         count = jnp.maximum(token_count(batch.segment_ids), 1.0)
-        loss, grads = jax.value_and_grad(lambda p: loss_sum(p, batch, splits) / count)(params)
+        args = (batch, splits, jnp.asarray(step, jnp.int32)) if takes_step else (batch, splits)
+        loss, grads = jax.value_and_grad(lambda p: loss_sum(p, *args) / count)(params)
         return loss, grads, count
 
     def train_step(state: TrainState, batch: Batch, splits: Splits):
-        loss, grads, count = loss_and_grads(state.params, batch, splits)
+        loss, grads, count = loss_and_grads(state.params, batch, splits, state.step)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads)}

@@ -42,20 +42,26 @@ class ModelParts:
     shell_logical: Any  # pure dict of PartitionSpecs with logical names, like the shell
     layer_logical: Any  # the same for one block (without the layer dimension)
     name: str = "model"  # the user's class name (checkpoints record it)
+    # its blocks or shell keep random streams (nnx.Dropout(rngs=...)): each call then draws
+    # from keys the step folds its `noise` into
+    draws: bool = False
 
-    def embed(self, shell: Any, tokens_BxS: jax.Array, positions_BxS: jax.Array) -> jax.Array:
-        return self._shell(shell).embed(tokens_BxS, positions_BxS)
+    def embed(self, shell: Any, tokens_BxS: jax.Array, positions_BxS: jax.Array,
+              noise: Noise | None = None) -> jax.Array:
+        return self._shell(shell, noise).embed(tokens_BxS, positions_BxS)
 
-    def head(self, shell: Any, h_BxSxD: jax.Array) -> jax.Array:
-        return self._shell(shell).head(h_BxSxD)
+    def head(self, shell: Any, h_BxSxD: jax.Array, noise: Noise | None = None) -> jax.Array:
+        return self._shell(shell, noise).head(h_BxSxD)
 
     def block(self, layer: Any, h_BxSxD: jax.Array, seg_BxS: jax.Array,
-              pos_BxS: jax.Array) -> jax.Array:
-        block = nnx.merge(self.block_def, _state(self.block_tree, layer), self.block_rest)
+              pos_BxS: jax.Array, noise: Noise | None = None) -> jax.Array:
+        block = nnx.merge(self.block_def, _state(self.block_tree, layer),
+                          _reseeded(self.block_rest, noise) if self.draws else self.block_rest)
         return block(h_BxSxD, seg_BxS, pos_BxS)
 
-    def _shell(self, shell: Any) -> Any:
-        return nnx.merge(self.shell_def, _state(self.shell_tree, shell), self.shell_rest)
+    def _shell(self, shell: Any, noise: Noise | None = None) -> Any:
+        return nnx.merge(self.shell_def, _state(self.shell_tree, shell),
+                         _reseeded(self.shell_rest, noise) if self.draws else self.shell_rest)
 
     def assemble(self, shell: Any, layers: Any) -> Any:
         """A model of the user's class from a shell and canonical layers `[n_layers, ...]`."""
@@ -66,6 +72,34 @@ class ModelParts:
                   for i in range(self.n_layers)]
         model.blocks = self.blocks_type(blocks)
         return model
+
+
+# (step, site, global micro-batch): what a call's random keys are folded with. The site is
+# the layer's canonical index (the embedding n_layers, the head n_layers + 1), the micro-batch
+# its index in the global batch: the same draws under every plan, and a fresh one each step.
+Noise = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _reseeded(rest: Any, noise: Noise | None) -> Any:
+    """Fresh copies of the non-parameter state (a stream's count can only be advanced by a
+    variable of the trace that uses it), every random stream's key folded with `noise`."""
+    def fresh(v: nnx.Variable) -> nnx.Variable:
+        value = v.get_value()
+        if isinstance(v, nnx.RngKey) and noise is not None:
+            for part in noise:
+                value = jax.random.fold_in(value, part)
+        return v.replace(value=value)
+
+    return jax.tree.map(fresh, rest, is_leaf=_is_variable)
+
+
+def _draws(*rests: Any) -> bool:
+    return any(isinstance(v, nnx.RngKey) for rest in rests
+               for v in jax.tree.leaves(rest, is_leaf=_is_variable))
 
 
 def _state(treedef: Any, pure: Any) -> nnx.State:
@@ -104,7 +138,7 @@ def split_model(model: Any) -> tuple[ModelParts, Any, Any]:
     parts = ModelParts(shell_def, _treedef(shell_params), shell_rest, block_def,
                        _treedef(layer_splits[0][1]), block_rest, blocks_type, len(blocks),
                        _logical(shell_params), _logical(layer_splits[0][1]),
-                       type(model).__name__)
+                       type(model).__name__, _draws(shell_rest, block_rest))
     layers = _stack_layers([nnx.to_pure_dict(p) for _, p, _ in layer_splits])
     return parts, nnx.to_pure_dict(shell_params), layers
 
@@ -145,14 +179,16 @@ def check_contract(model: Any) -> None:
 def check_state(model: Any) -> None:
     """ConfigError for state that training would have to update besides the parameters:
     the step carries the parameters and the optimizer's state only, so a running statistic
-    (BatchNorm) would stay frozen and a dropout would draw the same mask at every step."""
+    (BatchNorm) would stay frozen. A dropout draws from its own stream's key, folded by the
+    step with the step, the layer and the micro-batch (`Noise`): it needs a stream."""
     name = type(model).__name__
     for path, node in nnx.iter_graph(model):
         where = f"model {name}." + ".".join(str(p) for p in path)
-        if isinstance(node, nnx.Dropout) and node.rate > 0 and not node.deterministic:
-            raise ConfigError(f"{where} is a Dropout with rate {node.rate}: rh.fit draws no "
-                              "fresh random numbers inside the step; set rate=0 (or "
-                              "deterministic=True) for training with rh.fit")
+        if (isinstance(node, nnx.Dropout) and node.rate > 0 and not node.deterministic
+                and node.rngs is None):
+            raise ConfigError(f"{where} is a Dropout with rate {node.rate} and no rngs: give "
+                              "it a stream (nnx.Dropout(rate, rngs=rngs)), from which the "
+                              "step draws fresh keys, or set deterministic=True")
         if isinstance(node, nnx.BatchStat):
             raise ConfigError(f"{where} is a BatchStat (running statistics, e.g. BatchNorm): "
                               "rh.fit trains nnx.Param only and would leave it frozen; use "

@@ -16,7 +16,7 @@ per-device slowdowns reach the user's model exactly as they reach the built-in o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ from resihp_jax.model.layers import next_token_targets
 from resihp_jax.train.instrument import Instrument
 from resihp_jax.train.pipeline import (ALL_AXES, STEP_AXES, accumulated_loss_sum, gated,
                                        run_ticks)
-from resihp_jax.train.user_model import ModelParts
+from resihp_jax.train.user_model import ModelParts, Noise
 
 GATES = ("cond", "select")
 
@@ -43,18 +43,35 @@ def token_nll_sum(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
 
 def _run_stage(parts: ModelParts, layers: Any, compute: Any, active: jax.Array,
                n_layers: jax.Array, x_BxSxD: jax.Array, seg_BxS: jax.Array,
-               pos_BxS: jax.Array, axes: tuple[str, ...], select: bool) -> jax.Array:
+               pos_BxS: jax.Array, axes: tuple[str, ...], select: bool,
+               noise: Callable[[jax.Array], Noise | None]) -> jax.Array:
     """This stage's first `n_layers` slots when `active`; the others are skipped. `layers`
-    are the float32 masters [slots, ...], `compute` the same in the compute dtype."""
+    are the float32 masters [slots, ...], `compute` the same in the compute dtype;
+    `noise(slot)`: what slot's random draws are folded with."""
     slot_ids = jnp.arange(jax.tree.leaves(layers)[0].shape[0])
 
     def one_slot(x: jax.Array, slot: tuple[jax.Array, Any, Any]) -> tuple[jax.Array, None]:
         i, p, c = slot
         on = active & (i < n_layers)
-        out = gated(parts.block, on, p, c, (x,), (seg_BxS, pos_BxS), axes, select)
+        out = gated(parts.block, on, p, c, (x,), (seg_BxS, pos_BxS, noise(i)), axes, select)
         return jnp.where(on, out, x), None  # an idle slot passes x through
 
     return jax.lax.scan(one_slot, x_BxSxD, (slot_ids, layers, compute))[0]
+
+
+def _before(counts: jax.Array, index: jax.Array | int) -> jax.Array:
+    """How many items come before the `index`-th group's (`counts`: items per group)."""
+    return jnp.sum(jnp.where(jnp.arange(counts.shape[0]) < index, counts, 0))
+
+
+def _noise(parts: ModelParts, step: jax.Array | None, first_microbatch: jax.Array,
+           ) -> Callable[[jax.Array, jax.Array], Noise | None]:
+    """(site, local micro-batch) -> the Noise a call there folds its random keys with; None
+    for a model without random streams (its program stays as it was)."""
+    if not parts.draws:
+        return lambda site, m: None
+    step_ = jnp.zeros((), jnp.int32) if step is None else jnp.asarray(step, jnp.int32).reshape(())
+    return lambda site, m: (step_, jnp.asarray(site, jnp.int32), first_microbatch + m)
 
 
 def _narrow(x: Any) -> bool:
@@ -88,7 +105,7 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
                            remat: bool, compute_dtype: str | None = None,
                            axes: tuple[str, ...] = STEP_AXES,
                            instrument: Instrument | None = None,
-                           gates: str = "cond") -> jax.Array:
+                           gates: str = "cond", step: jax.Array | None = None) -> jax.Array:
     """Sum of token losses over all DP groups' micro-batches (same value on every device).
 
     Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...]; knob
@@ -99,7 +116,8 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
     one device, as its reductions over them become cross-partition all-reduces).
     `gates`: how idle work is skipped: "cond" (branches: idle work costs nothing) or
     "select" (computed everywhere and dropped: for a model whose blocks hold collectives
-    that a branch would leave some devices out of, meshes/branch_collectives.py)."""
+    that a branch would leave some devices out of, meshes/branch_collectives.py).
+    `step`: the state's step (the random streams of a model that has some draw from it)."""
     _check_axes(axes, instrument, knob)
     if gates not in GATES:
         raise ValueError(f"gates={gates!r}: expected one of {GATES}")
@@ -108,19 +126,22 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
     own = jax.eval_shape(lambda p: p, params)  # the dtypes the model keeps its parameters in
     # one reduction of the shell's and the layers' gradients per step, not one per tick
     params = vma.vary(widened(params), axes)
+    group = jax.lax.axis_index("dp") if manual else 0
+    noise = _noise(parts, step, _before(n_mb_D, group))
     if pp == 1:
-        my_microbatches = n_mb_D[jax.lax.axis_index("dp") if manual else 0]
-        return _single_stage_loss_sum(params, (tokens[0], seg[0], pos[0]), my_microbatches,
+        return _single_stage_loss_sum(params, (tokens[0], seg[0], pos[0]), n_mb_D[group],
                                       knob, parts=parts, remat=remat,
                                       compute_dtype=compute_dtype, axes=axes,
-                                      instrument=instrument, select=select, own=own)
+                                      instrument=instrument, select=select, own=own,
+                                      step=step, first_microbatch=_before(n_mb_D, group))
     shell = params["shell"]
     layers = jax.tree.map(lambda a: a[0], params["blocks"])
     shell_c, layers_c = compute_copy((shell, layers), compute_dtype,
                                      (own["shell"], own["blocks"]))
     stage = jax.lax.axis_index("pp") if manual else 0
     my_layers = n_layers_P[stage]
-    my_microbatches = n_mb_D[jax.lax.axis_index("dp") if manual else 0]
+    my_microbatches = n_mb_D[group]
+    first_layer = _before(n_layers_P, stage)
     tokens_MxBxS, seg_MxBxS, pos_MxBxS = tokens[0], seg[0], pos[0]
     mb_slots = tokens_MxBxS.shape[0]
     h_like = jax.eval_shape(parts.embed, shell_c, tokens_MxBxS[0], pos_MxBxS[0])
@@ -128,20 +149,20 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
 
     def work(x_recv: jax.Array, m: jax.Array, busy: jax.Array, t: jax.Array):
         tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
-        emb = gated(parts.embed, busy & (stage == 0), shell, shell_c, (), (tok_BxS, pos_BxS),
-                    axes, select)
+        emb = gated(parts.embed, busy & (stage == 0), shell, shell_c, (),
+                    (tok_BxS, pos_BxS, noise(parts.n_layers, m)), axes, select)
         x_BxSxD = jnp.where(stage == 0, emb, x_recv)
         if instrument is not None:  # the stage's blocks, as the built-in model brackets them
             coords = instrument.coords(knob.reshape(()), busy, t, timed=m == TIMED_SLOT)
             x_BxSxD = instrument.enter(x_BxSxD, coords)
         x_BxSxD = _run_stage(parts, layers, layers_c, busy, my_layers, x_BxSxD, seg_BxS,
-                             pos_BxS, axes, select)
+                             pos_BxS, axes, select, lambda i: noise(first_layer + i, m))
         if instrument is not None:
             x_BxSxD = instrument.exit(x_BxSxD, coords)
         targets_BxS, weights_BxS = next_token_targets(tok_BxS, seg_BxS)
-        loss = gated(lambda c, x_, t, w: token_nll_sum(parts.head(c, x_), t, w),
+        loss = gated(lambda c, x_, t, w, n: token_nll_sum(parts.head(c, x_, n), t, w),
                      busy & (stage == pp - 1), shell, shell_c, (x_BxSxD,),
-                     (targets_BxS, weights_BxS), axes, select)
+                     (targets_BxS, weights_BxS, noise(parts.n_layers + 1, m)), axes, select)
         return x_BxSxD, loss
 
     return run_ticks(jax.checkpoint(work) if remat else work, stage, pp, mb_slots,
@@ -164,7 +185,9 @@ def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
                            parts: ModelParts, remat: bool, compute_dtype: str | None,
                            axes: tuple[str, ...],
                            instrument: Instrument | None = None,
-                           select: bool = False, own: Any = None) -> jax.Array:
+                           select: bool = False, own: Any = None,
+                           step: jax.Array | None = None,
+                           first_microbatch: jax.Array | int = 0) -> jax.Array:
     """A one-stage plan: gradient accumulation over micro-batches, with no tick schedule
     and no layer gates (pipeline.py: `accumulated_loss_sum`). `remat` recomputes each
     block in its backward. The `instrument`'s markers bracket each micro-batch's blocks,
@@ -174,31 +197,38 @@ def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
                # slots past the model's depth (a larger requested slot count) are padding
                jax.tree.map(lambda a: a[0, :parts.n_layers], params["blocks"]))
 
-    def block(x: jax.Array, c: Any, seg_BxS: jax.Array, pos_BxS: jax.Array) -> jax.Array:
-        return parts.block(c, x, seg_BxS, pos_BxS)
+    def block(x: jax.Array, c: Any, seg_BxS: jax.Array, pos_BxS: jax.Array,
+              noise_: Noise | None) -> jax.Array:
+        return parts.block(c, x, seg_BxS, pos_BxS, noise_)
 
     block_fn = jax.checkpoint(block) if remat else block
 
     def slot_loss(compute: tuple[Any, Any], data_: tuple[jax.Array, ...],
                   m: jax.Array) -> jax.Array:
-        (shell_c, layers_c), (tokens_MxBxS, seg_MxBxS, pos_MxBxS, knob_) = compute, data_
+        (shell_c, layers_c), (tokens_MxBxS, seg_MxBxS, pos_MxBxS, knob_, draw) = compute, data_
+        noise = _noise(parts, *draw)
         tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
-        x_BxSxD = parts.embed(shell_c, tok_BxS, pos_BxS)
+        x_BxSxD = parts.embed(shell_c, tok_BxS, pos_BxS, noise(parts.n_layers, m))
         if instrument is not None:
             coords = instrument.coords(knob_, jnp.asarray(True), m, timed=m == TIMED_SLOT)
             x_BxSxD = instrument.enter(x_BxSxD, coords)
-        x_BxSxD = jax.lax.scan(lambda x, c: (block_fn(x, c, seg_BxS, pos_BxS), None),
-                               x_BxSxD, layers_c)[0]
+        x_BxSxD = jax.lax.scan(
+            lambda x, ic: (block_fn(x, ic[1], seg_BxS, pos_BxS, noise(ic[0], m)), None),
+            x_BxSxD, (jnp.arange(parts.n_layers), layers_c))[0]
         if instrument is not None:
             x_BxSxD = instrument.exit(x_BxSxD, coords)
         targets_BxS, weights_BxS = next_token_targets(tok_BxS, seg_BxS)
-        return token_nll_sum(parts.head(shell_c, x_BxSxD), targets_BxS, weights_BxS)
+        return token_nll_sum(parts.head(shell_c, x_BxSxD, noise(parts.n_layers + 1, m)),
+                             targets_BxS, weights_BxS)
 
     # the knob rides with the data: an input the accumulation takes no gradient for
     knob_ = jnp.ones((), jnp.float32) if knob is None else knob.reshape(())
+    # so do the step and the group's first micro-batch (a model's random draws)
+    draw = (jnp.zeros((), jnp.int32) if step is None else jnp.asarray(step, jnp.int32),
+            jnp.asarray(first_microbatch, jnp.int32))
     own_masters = None if own is None else (own["shell"], own["blocks"])
     loss = accumulated_loss_sum(slot_loss,
                                 lambda ms: compute_copy(ms, compute_dtype, own_masters),
-                                masters, (*data, knob_), n_microbatches, data[0].shape[0],
+                                masters, (*data, knob_, draw), n_microbatches, data[0].shape[0],
                                 axes, axes, select)
     return jax.lax.psum(loss, axes) if axes else loss

@@ -193,7 +193,8 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
     batch_sharding = NamedSharding(mesh, P("dp"))
     loss_sum = _sharded_loss_sum(parts, plan, mesh, specs.params, train, compute_dtype,
                                  instrument, gates)
-    step_fn, grads_fn = step_functions(loss_sum, optimizer, shardings, mesh, train.donate_state)
+    step_fn, grads_fn = step_functions(loss_sum, optimizer, shardings, mesh, train.donate_state,
+                                       takes_step=True)
     canonical = jax.eval_shape(layout.to_canonical_layout, shapes,
                                jax.ShapeDtypeStruct((parts.n_layers,), jnp.int32))
     canonical_sh = jax.tree.map(
@@ -223,8 +224,8 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
 def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, specs: Any,
                       train: TrainConfig, compute_dtype: str | None,
                       instrument: Instrument | None,
-                      gates: str) -> Callable[[Any, Batch, Splits], jax.Array]:
-    """(params, batch, splits) -> the batch's summed token losses, per-device body inside a
+                      gates: str) -> Callable[[Any, Batch, Splits, jax.Array], jax.Array]:
+    """(params, batch, splits, step) -> the batch's summed token losses, per-device body in a
     shard_map: manual over every axis when tp == 1 (the knob array goes in, and so may an
     Instrument); else manual over 'dp' and 'pp' with 'tp' automatic; with dp = pp = 1 and
     tp > 1 no shard_map at all (train/user_pipeline.py says why)."""
@@ -233,20 +234,23 @@ def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, sp
                              remat=train.remat, compute_dtype=compute_dtype, axes=axes,
                              instrument=instrument, gates=gates)
     batch_specs = (P("dp"),) * 3
+    # the state's step rides along (replicated): a model's random streams draw from it
     if axes == ALL_AXES:  # every axis manual: the parameters' whole specs, tp included
-        sharded = jax.shard_map(body, mesh=mesh,
-                                in_specs=(specs, *batch_specs, P(), P(), KNOB_SPEC),
-                                out_specs=P())
-        return lambda params, batch, splits: sharded(
+        sharded = jax.shard_map(
+            lambda p, t, s, q, l, m, k, step: body(p, t, s, q, l, m, k, step=step),
+            mesh=mesh, in_specs=(specs, *batch_specs, P(), P(), KNOB_SPEC, P()),
+            out_specs=P())
+        return lambda params, batch, splits, step: sharded(
             params, *batch, splits.layers_per_stage, splits.microbatches_per_group,
-            splits.knobs)
+            splits.knobs, step)
+    run = lambda p, t, s, q, l, m, step: body(p, t, s, q, l, m, step=step)  # noqa: E731
     if axes == STEP_AXES:  # a parameter's 'tp' sharding travels on its NamedSharding
         manual = jax.tree.map(lambda s: P(*s[:1]) if s and s[0] == "pp" else P(), specs,
                               is_leaf=lambda x: isinstance(x, P))
-        body = jax.shard_map(body, mesh=mesh, in_specs=(manual, *batch_specs, P(), P()),
-                             out_specs=P(), axis_names=set(STEP_AXES))
-    return lambda params, batch, splits: body(
-        params, *batch, splits.layers_per_stage, splits.microbatches_per_group)
+        run = jax.shard_map(run, mesh=mesh, in_specs=(manual, *batch_specs, P(), P(), P()),
+                            out_specs=P(), axis_names=set(STEP_AXES))
+    return lambda params, batch, splits, step: run(
+        params, *batch, splits.layers_per_stage, splits.microbatches_per_group, step)
 
 
 def _fresh_state(optimizer: optax.GradientTransformation, params: Any) -> TrainState:

@@ -1,7 +1,8 @@
 """The zoo (tests/models/zoo.py): each user model, written in an idiom of its own, trains
 under `rh.fit` at 1/1/1, at 2/2/2 with uneven layers and micro-batches, and at dp=8 to what a
-plain `jax.jit` loop of the same model and optimizer gives on the same batches, or is refused
-before its first step in one line naming the construct. None hangs."""
+plain `jax.jit` loop of the same model and optimizer gives on the same batches (dropout: the
+same under every plan), or is refused before its first step in one line naming the
+construct. None hangs."""
 
 from __future__ import annotations
 
@@ -91,8 +92,33 @@ def test_each_model_trains_as_its_plain_loop(plan: str, plain) -> None:
     assert bool(selected) == (name == "fused qkv jnp.split" and plan == "2/2/2 uneven")
 
 
-def test_dropout_is_refused_before_its_first_step_in_one_line() -> None:
-    with pytest.raises(ConfigError, match=r"blocks\.0\.drop is a Dropout with rate 0\.1") as err:
-        rh.fit(zoo.make("dropout"), _batches(), optimizer=optax.sgd(LR), plan=_plan("1/1/1"),
-               steps=1, progress=False)
+def test_dropout_draws_fresh_masks_that_every_plan_draws_alike() -> None:
+    """Dropout trains (its masks drawn from the model's own stream, folded with the step, the
+    layer and the micro-batch), reproducibly: 2/2/2 uneven, a re-plan's kind of change,
+    trains to what 1/1/1 does, to the loop's tolerances."""
+    runs = {plan: rh.fit(zoo.make("dropout"), _batches(), optimizer=optax.sgd(LR),
+                         plan=_plan(plan), steps=STEPS, progress=False)
+            for plan in ("1/1/1", "2/2/2 uneven")}
+    (a, b) = runs.values()
+    np.testing.assert_allclose(list(b.losses.values()), list(a.losses.values()), rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(_params(b.model)), jax.tree.leaves(_params(a.model)),
+                    strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+    # the masks are real: the first step's loss is not the model's loss without dropout
+    model = zoo.make("dropout")
+    first = _batches()[0]
+    quiet = float(nnx.jit(_mean_loss)(nnx.view(model, deterministic=True),
+                                      *map(jnp.asarray, first)))
+    assert abs(a.losses[1] - quiet) > 1e-3
+    assert a.losses[2] < a.losses[1]
+
+
+def test_a_dropout_without_a_stream_is_refused_in_one_line() -> None:
+    model = zoo.make("dropout")
+    for block in model.blocks:
+        block.drop = nnx.Dropout(0.1)
+    with pytest.raises(ConfigError, match=r"blocks\.0\.drop is a Dropout with rate 0\.1 and no "
+                       r"rngs") as err:
+        rh.fit(model, _batches(), optimizer=optax.sgd(LR), plan=_plan("1/1/1"), steps=1,
+               progress=False)
     assert "\n" not in str(err.value)

@@ -100,6 +100,7 @@ class Standby:
     go: Path
     incarnation: int  # the incarnation it becomes when promoted
     logs: list[Path]  # its processes' logs, renamed after their hosts when promoted
+    idle: bool = False  # moved to idle priority (once ready: the supervisor's check)
 
     @property
     def size(self) -> int:
@@ -126,8 +127,8 @@ class Standby:
 
     def promote(self, hosts: list[str]) -> dict[str, subprocess.Popen]:
         """Give the word: the standby becomes the job's processes on `hosts`, in order, at
-        normal priority again (it waited on idle cores: priority.py)."""
-        for proc in self.procs:
+        normal priority again (a ready one waited on idle cores: priority.py)."""
+        for proc in self.procs if self.idle else ():
             why = priority.foreground(proc.pid)
             if why is not None:
                 print(f"launch: a promoted standby process stays at idle priority ({why})",

@@ -199,6 +199,8 @@ class Summary:
     injected: list[str] = field(default_factory=list)  # each fault as it was injected
     relaunched_by: list[str] = field(default_factory=list)  # each relaunch: standby | fresh
     standby_rss_mb: list[float] = field(default_factory=list)  # each promoted standby's memory
+    # seconds a relaunch waited for a standby that took over before it was ready
+    standby_waits_s: list[float] = field(default_factory=list)
     # each slowdown once lifted: how it was applied (throttle.py's mode), the slowed
     # process's busy seconds meanwhile and the seconds it was held stopped
     throttled: list[dict] = field(default_factory=list)
@@ -209,6 +211,7 @@ class Summary:
                 "detect_s": [round(x, 3) for x in self.detect_s],
                 "final_step": self.final_step, "plans": self.plans, "sources": self.sources,
                 "relaunched_by": self.relaunched_by,
+                "standby_waits_s": [round(x, 3) for x in self.standby_waits_s],
                 # executables each relaunch built on its way to its first step
                 "relaunch_compiles": [int(p.get("compiles", -1)) for p in self.phases]}
 
@@ -233,6 +236,8 @@ class Supervisor:
         self._service = None  # the running incarnation's coordination service
         self._incarnation = 0
         self._standby: standby.Standby | None = None
+        # a standby promoted before it was ready, and when: reported once it is
+        self._promoted_unready: tuple[standby.Standby, float] | None = None
         self._steps_lost = 0  # by the last relaunch
         self.metrics: Metrics | None = None  # where relaunches go (LaunchConfig.metrics)
 
@@ -287,20 +292,36 @@ class Supervisor:
         logs = [self._log(f"incarnation{nxt}-{name}") for name in names]
         beat_dir = cfg.checkpoint_dir / "heartbeat" / f"incarnation{nxt}"
         procs, service = self._start(names, beat_dir, logs, {standby.ENV_VAR: str(go)})
-        for proc in procs:  # it must not take the job's cores (priority.py)
-            why = priority.background(proc.pid)
-            if why is not None:
-                print(f"launch: the standby runs at normal priority ({why})", file=self.out)
-                break
+        # it prepares (starts, joins, compiles) at normal priority, so that a fault soon
+        # after finds it ready; once ready it waits on idle cores (`_check_standby`)
         self._standby = standby.Standby(procs, service, go, nxt, logs)
 
     def _check_standby(self) -> None:
-        """A standby that ended on its own is dropped (never counted as a failure)."""
-        if self._standby is not None and not self._standby.alive():
-            codes = [p.poll() for p in self._standby.procs]
+        """A standby that ended on its own is dropped (never counted as a failure); one that
+        became ready goes to idle priority: its waiting and its later compiles (the likely
+        re-plans) must not take the job's cores (priority.py). A promoted standby that was
+        not ready is reported once it is: how long the relaunch waited for it."""
+        held = self._standby
+        if held is not None and not held.alive():
+            codes = [p.poll() for p in held.procs]
             print(f"launch: the standby ended by itself (exit codes {codes}); the next "
                   "relaunch starts fresh processes", file=self.out)
             self._drop_standby()
+        elif held is not None and not held.idle and held.ready():
+            held.idle = True
+            for proc in held.procs:
+                why = priority.background(proc.pid)
+                if why is not None:
+                    print(f"launch: the ready standby waits at normal priority ({why})",
+                          file=self.out)
+                    break
+        waited = self._promoted_unready
+        if waited is not None and waited[0].ready():
+            self._promoted_unready = None
+            seconds = self.clock() - waited[1]
+            self.summary.standby_waits_s.append(seconds)
+            print(f"launch: the standby was ready {seconds:.1f} s after it took over",
+                  file=self.out)
 
     def _drop_standby(self) -> None:
         if self._standby is not None:
@@ -313,6 +334,8 @@ class Supervisor:
         relaunch = self._incarnation > 0
         if held is not None and held.size == len(live) and held.alive():
             state = "ready" if held.ready() else "still preparing: it goes on once ready"
+            if not held.ready():
+                self._promoted_unready = (held, self.clock())
             print(f"launch: incarnation {self._incarnation} on {', '.join(live)}: the standby "
                   f"takes over ({state})", file=self.out)
             self._service = held.service

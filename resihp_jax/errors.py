@@ -26,6 +26,13 @@ class JobStepFailed(RuntimeError):
     gone or frozen, so no process can go on in place)."""
 
 
+class StepHung(JobStepFailed):
+    """A step of a one-process run passed its deadline and no device was named: its devices
+    are held by a program that will never return (a collective some devices never reach, or
+    a device that stopped), so nothing can run on them again in this process. The process
+    says so in one line and exits like a job process whose step hung (job/exits.py)."""
+
+
 class Preempted(RuntimeError):
     """SIGTERM reached a one-process run: the step under way finished, its state was saved
     (and written) to the checkpoint directory, and the process exits with EXIT, the code a

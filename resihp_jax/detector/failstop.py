@@ -21,8 +21,10 @@ _DEVICE_RE = re.compile(r"device\(?s?\)?\s*\[?([\d,\s]+)\]?", re.IGNORECASE)
 class StepFailed(RuntimeError):
     """A step failed stop; `verdict` names what is known."""
 
-    def __init__(self, verdict: Verdict, cause: str) -> None:
+    def __init__(self, verdict: Verdict, cause: str, hung: bool = False) -> None:
         self.verdict = verdict
+        self.cause = cause
+        self.hung = hung  # no result by the deadline: the step's program is still running
         super().__init__(f"step {verdict.step} failed ({cause}); stopped device(s): "
                          f"{list(verdict.devices) or 'unknown'}")
 
@@ -64,7 +66,7 @@ def run_guarded(step_fn: Callable[[], Any], step: int, timeout_s: float | Callab
     if worker.is_alive():
         devices = tuple(sorted(in_flight())) if in_flight is not None else ()
         raise StepFailed(Verdict(step, devices, "stopped", math_inf(), 0.9 if devices else 0.5,
-                                 "failstop"), f"no result after {timeout_s:g} s")
+                                 "failstop"), f"no result after {timeout_s:g} s", hung=True)
     if "err" in box:
         err = box["err"]
         devices = devices_in_error(err)

@@ -19,10 +19,10 @@ import numpy as np
 import optax
 
 from resihp_jax.data import BatchIterator, packed_batches
-from resihp_jax.errors import ConfigError, Preempted
+from resihp_jax.errors import ConfigError, Preempted, StepHung
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.job.distributed import job_spec
-from resihp_jax.runtime.job.exits import run_as_job_process
+from resihp_jax.runtime.job.exits import HUNG_EXIT, run_as_job_process
 from resihp_jax.runtime.job.join import join_job
 from resihp_jax.runtime.job.supervisor import (CHECKPOINT_DIR_ENV, LOCAL_COPY_DIR_ENV,
                                               launched_metrics)
@@ -154,6 +154,9 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         except Preempted as err:  # SIGTERM: the step under way was saved; leave as asked
             print(f"rh.fit: {err}", file=sys.stderr, flush=True)
             raise SystemExit(err.EXIT) from None
+        except StepHung as err:  # the devices are held for good: end now, never hang
+            print(f"rh.fit: {err}; exiting", file=sys.stderr, flush=True)
+            os._exit(HUNG_EXIT)
     else:  # a failure must end the process at once, with the code the job restarts on
         run_as_job_process(train_and_fetch, "rh.fit")
     trainer = training.active.trainer

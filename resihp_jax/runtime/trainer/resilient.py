@@ -38,7 +38,8 @@ from resihp_jax.detector import (Prober, StepFailed, StepObservation, Verdict, m
 from resihp_jax.detector.attention_work import mb_attention_l2
 from resihp_jax.detector.base import DETECTORS
 from resihp_jax.detector.probes import gathered_probe
-from resihp_jax.errors import ConfigError, HostsLeftOut, JobStepFailed, PlanError, ResihpError
+from resihp_jax.errors import (ConfigError, HostsLeftOut, JobStepFailed, PlanError,
+                               ResihpError, StepHung)
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel import CostParams, Health
@@ -441,6 +442,8 @@ class ResilientTrainer:
                     # the peers are stuck in this step's collectives: no process can go on
                     # in place, so the job restarts on the survivors (see resihp launch)
                     raise JobStepFailed(str(failed)) from failed
+                if failed.hung and not failed.verdict.devices:
+                    raise StepHung(self._hung_line(failed)) from failed
                 yield self.react(failed.verdict, data_before, cause=str(failed))
                 continue  # the data iterator was rewound: the same batch runs again
             if not (math.isfinite(record.loss) and math.isfinite(record.grad_norm)):
@@ -600,6 +603,16 @@ class ResilientTrainer:
                                self._last_timing.host_cpu)
 
     # ---- reacting to a verdict -------------------------------------------------------------
+    def _hung_line(self, failed: StepFailed) -> str:
+        """What a one-process run says when a step hung without naming a device."""
+        untimed = (" (it ran without stage timing, which names a device that hangs: "
+                   "ResilienceConfig(stage_timing_every=1) times every step)"
+                   if not self._step_timed and self._instrumented() else "")
+        return (f"step {failed.verdict.step} of plan {self.plan.describe()} hung: "
+                f"{failed.cause} and no device named{untimed}. A collective inside the "
+                "model's program that some devices never reach, or a device that stopped, "
+                "holds the step's devices, so this process cannot go on")
+
     def react(self, verdict: Verdict, data_before: dict[str, Any] | None = None,
               cause: str = "") -> Replan:
         """Update the health map from `verdict`, re-plan, and switch if the plan changes.

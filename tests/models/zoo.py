@@ -77,13 +77,26 @@ class Mlp(nnx.Module):
         return self.down(jax.nn.gelu(self.up(x)))
 
 
-# ---- 1. a fused qkv projection cut with jnp.split --------------------------------------------
-class FusedSplitBlock(nnx.Module):
+class FusedHeadsBlock(nnx.Module):
+    """A fused qkv projection cut per head (the layout that lines up with tp shards)."""
+
     def __init__(self, rngs: nnx.Rngs) -> None:
         self.ln1, self.ln2 = nnx.LayerNorm(D, rngs=rngs), nnx.LayerNorm(D, rngs=rngs)
         self.qkv = dense(D, 3 * D, ("embed", "heads"), rngs)
         self.proj = dense(D, D, ("heads", "embed"), rngs)
         self.mlp = Mlp(rngs)
+
+    def __call__(self, h, seg, pos):
+        b, s, _ = h.shape
+        q, k, v = jnp.split(self.qkv(self.ln1(h)).reshape(b, s, HEADS, -1), 3, axis=-1)
+        h = h + self.proj(attention(q, k, v, seg).reshape(b, s, D))
+        return h + self.mlp(self.ln2(h))
+
+
+# ---- 1. a fused qkv projection cut with jnp.split --------------------------------------------
+class FusedSplitBlock(FusedHeadsBlock):
+    """The same projection cut into q, k and v first: `3 * heads` rows whose thirds do not line
+    up with the tp shards of the kernel's output dimension."""
 
     def __call__(self, h, seg, pos):
         b, s, _ = h.shape
@@ -134,22 +147,6 @@ class TiedDecoder(Decoder):
 
     def head(self, h_BxSxD):
         return self.wte.attend(self.ln_f(h_BxSxD))
-
-
-class FusedHeadsBlock(nnx.Module):
-    """A fused qkv projection cut per head (the layout that lines up with tp shards)."""
-
-    def __init__(self, rngs: nnx.Rngs) -> None:
-        self.ln1, self.ln2 = nnx.LayerNorm(D, rngs=rngs), nnx.LayerNorm(D, rngs=rngs)
-        self.qkv = dense(D, 3 * D, ("embed", "heads"), rngs)
-        self.proj = dense(D, D, ("heads", "embed"), rngs)
-        self.mlp = Mlp(rngs)
-
-    def __call__(self, h, seg, pos):
-        b, s, _ = h.shape
-        q, k, v = jnp.split(self.qkv(self.ln1(h)).reshape(b, s, HEADS, -1), 3, axis=-1)
-        h = h + self.proj(attention(q, k, v, seg).reshape(b, s, D))
-        return h + self.mlp(self.ln2(h))
 
 
 # ---- 5. LayerNorm with bias and a parallel residual (GPT-J, NeoX) ------------------------

@@ -66,9 +66,11 @@ class ModelParts:
     def assemble(self, shell: Any, layers: Any) -> Any:
         """A model of the user's class from a shell and canonical layers `[n_layers, ...]`."""
         model = self._shell(shell)
+        # each block its own copy of the non-parameter state (merging one State twice would
+        # share its Variables), a random stream's key folded with the block's index
         blocks = [nnx.merge(self.block_def, _state(self.block_tree,
                                                    jax.tree.map(lambda a, i=i: a[i], layers)),
-                            self.block_rest)
+                            _reseeded(self.block_rest, (i,)) if self.draws else self.block_rest)
                   for i in range(self.n_layers)]
         model.blocks = self.blocks_type(blocks)
         return model
@@ -84,7 +86,7 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _reseeded(rest: Any, noise: Noise | None) -> Any:
+def _reseeded(rest: Any, noise: tuple[Any, ...] | None) -> Any:
     """Fresh copies of the non-parameter state (a stream's count can only be advanced by a
     variable of the trace that uses it), every random stream's key folded with `noise`."""
     def fresh(v: nnx.Variable) -> nnx.Variable:

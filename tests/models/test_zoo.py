@@ -113,6 +113,10 @@ def test_dropout_draws_fresh_masks_that_every_plan_draws_alike() -> None:
                                       *map(jnp.asarray, first)))
     assert abs(a.losses[1] - quiet) > 1e-3
     assert a.losses[2] < a.losses[1]
+    # the trained model's blocks keep streams of their own, as the user's had
+    streams = [block.drop.rngs for block in a.model.blocks]
+    assert len({id(s.count) for s in streams}) == len({str(s.key.get_value()) for s in streams}) \
+        == zoo.LAYERS
 
 
 def test_a_dropout_without_a_stream_is_refused_in_one_line() -> None:

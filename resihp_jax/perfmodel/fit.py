@@ -9,6 +9,7 @@ host running many fake devices on few cores pays); it is used only when it fits 
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 from collections import deque
@@ -104,7 +105,7 @@ class OnlineCostModel:
         self._seen = 0  # observations so far (when a background refit takes effect)
         # a refit under way: (its thread, where it puts its result, the observation at which
         # it takes effect)
-        self._pending: tuple[threading.Thread, dict[str, Any], int] | None = None
+        self._pending: tuple[threading.Thread | None, dict[str, Any], int] | None = None
 
     # ---- public API ----------------------------------------------------------------------
     @property
@@ -228,9 +229,23 @@ class OnlineCostModel:
         self._pending = (thread, box, self._seen + self.refit_lag)
         thread.start()
 
+    def __deepcopy__(self, memo: dict) -> OnlineCostModel:
+        """A copy (a thread cannot be copied): a refit under way is waited for, and the copy
+        takes its result at the same observation as this model does."""
+        if self._pending is not None and self._pending[0] is not None:
+            self._pending[0].join()  # first: the refit reads (and caches in) this model
+        out = type(self).__new__(type(self))
+        memo[id(self)] = out
+        for name, value in self.__dict__.items():
+            if name == "_pending" and value is not None:
+                value = (None, value[1], value[2])
+            setattr(out, name, copy.deepcopy(value, memo))
+        return out
+
     def _take_pending(self) -> None:
         thread, box, _ = self._pending  # type: ignore[misc]
-        thread.join()
+        if thread is not None:  # (a copy's: finished before it was copied)
+            thread.join()
         self._pending = None
         if "error" in box:
             raise box["error"]

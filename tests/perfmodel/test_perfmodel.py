@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import functools
@@ -378,6 +379,29 @@ def test_a_refit_beside_the_steps_is_the_same_refit_taken_later() -> None:
         assert later[i + 1] == now[i - 1] and later[i + 2] == now[i]
     with pytest.raises(ConfigError, match="refit_lag=-1"):
         OnlineCostModel(MODEL8, refit_lag=-1)
+
+
+def test_a_copy_taken_while_a_refit_runs_takes_it_at_the_same_step() -> None:
+    """A model copied (copy.deepcopy: the detection benchmark copies live detectors) while its
+    background refit is under way goes on exactly as the original does."""
+    fit = OnlineCostModel(MODEL8, refit_every=4, max_refit_every=16, refit_lag=2)
+    rng = np.random.default_rng(5)
+
+    def one(model: OnlineCostModel, i: int, rng: np.random.Generator) -> tuple | None:
+        plan = FIT_PLANS[i % len(FIT_PLANS)]
+        tok, l2 = random_batch(plan, rng)
+        y = simulate_step(plan, MODEL8, TRUE, mb_tokens=tok, mb_sum_l2=l2).step_time_s
+        model.observe(plan, tok, l2, y * (1 + rng.normal(0, 0.01)))
+        return dataclasses.astuple(model.params) if model.ready else None
+
+    i = 0
+    while fit._pending is None:  # until a background refit is in flight
+        one(fit, i, rng)
+        i += 1
+    twin, twin_rng = copy.deepcopy(fit), copy.deepcopy(rng)
+    assert twin._pending is not None
+    for j in range(i, i + 12):
+        assert one(twin, j, twin_rng) == one(fit, j, rng)
 
 
 def test_fit_single_plan_predicts_length_swings() -> None:

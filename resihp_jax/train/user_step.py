@@ -88,8 +88,9 @@ class UserStepProgram(StepProgram):
         - each tp-sharded parameter the compiled step gathers whole is named
           (ParameterGatherWarning): sharding propagation's fallback for code it cannot
           split."""
+        hlo = compiled_step.as_text() if self.plan.tp > 1 else ""  # (once: a large text)
         if self.plan.tp > 1:
-            hanging = branch_collectives(compiled_step.as_text(), self.plan.tp)
+            hanging = branch_collectives(hlo, self.plan.tp)
             if hanging:
                 return self._without_branches(hanging)
         check_traced(next(d for d in self.mesh.devices.flat  # (one of this process's)
@@ -97,7 +98,7 @@ class UserStepProgram(StepProgram):
         if self.plan.tp > 1:
             canonical = canonical_state_shapes(self.state_shapes, self.plan.n_layers).params
             warn_parameter_gathers(
-                parameter_gathers(compiled_step.as_text(), canonical, self.param_specs),
+                parameter_gathers(hlo, canonical, self.param_specs),
                 self.plan.tp)
         return dataclasses.replace(self, step_fn=compiled_step)
 

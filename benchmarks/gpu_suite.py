@@ -10,7 +10,7 @@ baseline measured in the same run. --quick runs every section on CPU at tiny siz
 Pallas kernel interpreted (about 3 CPU minutes on 2 cores, nearly all compiling); the full run
 is planned for under 8 minutes on one H100, most of it compiling (gpu_sections/__init__.py).
 Usage: PYTHONPATH=. python benchmarks/gpu_suite.py [--quick] [--sections a,b]
-       [--budget-s 450] [--out gpu_suite.json] [--seed 0]
+       [--budget-s 450] [--out gpu_suite.json] [--seed 0] [--kernel-cases 'c1;c2']
 """
 
 from __future__ import annotations
@@ -71,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="gpu_suite.json",
                         help="write the final JSON here too (default gpu_suite.json)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
+    parser.add_argument("--kernel-cases", default="",
+                        help="the kernels section's cases to run, separated by ';', each "
+                             "named as its table prints it, e.g. 'bf16 d64 32/4 4x2048 b128' "
+                             "(default all)")
     return parser.parse_args(argv)
 
 
@@ -111,13 +115,13 @@ def cache_identical_programs() -> None:
 
 
 def run_sections(names: list[str], quick: bool, budget_s: float, seed: int,
-                 partial: Callable[[dict[str, Any]], None] = lambda _: None
-                 ) -> dict[str, Any]:
+                 partial: Callable[[dict[str, Any]], None] = lambda _: None,
+                 kernel_cases: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run `names` in order; after each, `partial(outcome so far)` (so a run killed at its
     time limit still leaves every finished section's figures on disk)."""
     from benchmarks.gpu_sections.common import Suite, compiles_so_far, first_line  # noqa: PLC0415,E501
 
-    suite = Suite(quick=quick, seed=seed)
+    suite = Suite(quick=quick, seed=seed, kernel_cases=kernel_cases)
     if quick:
         cache_identical_programs()
     results: dict[str, Any] = {}
@@ -164,8 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text(line + "\n")
         return line
 
+    cases = tuple(c.strip() for c in args.kernel_cases.split(";") if c.strip())
     print(write(run_sections(args.sections, args.quick, args.budget_s, args.seed,
-                             partial=write)))
+                             partial=write, kernel_cases=cases)))
 
 
 if __name__ == "__main__":

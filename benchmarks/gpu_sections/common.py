@@ -28,13 +28,34 @@ except ImportError:  # pragma: no cover - a version that moved it
 _lock = threading.Lock()
 _compiles = [0, 0.0]  # executables built in this process (every thread), their seconds
 _installed = [False]
+# The cold start's phases as JAX's own compile logging names them: tracing to a jaxpr,
+# lowering to MLIR, and the backend's compile (XLA, with the Triton kernels inside it).
+PHASE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+                "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+                COMPILE_EVENT: "backend_s"}
+_phases = {name: 0.0 for name in PHASE_EVENTS.values()}
 
 
 def _on_duration(event: str, duration_s: float, **_: object) -> None:
-    if event == COMPILE_EVENT:
-        with _lock:
+    phase = PHASE_EVENTS.get(event)
+    if phase is None:
+        return
+    with _lock:
+        _phases[phase] += duration_s
+        if event == COMPILE_EVENT:
             _compiles[0] += 1
             _compiles[1] += duration_s
+
+
+def phases_so_far() -> dict[str, float]:
+    """Seconds spent so far in each compile phase (PHASE_EVENTS), all threads."""
+    compiles_so_far()  # installs the listener
+    with _lock:
+        return dict(_phases)
+
+
+def phases_since(before: dict[str, float]) -> dict[str, float]:
+    return {name: round(value - before[name], 3) for name, value in phases_so_far().items()}
 
 
 def compiles_so_far() -> tuple[int, float]:
@@ -52,17 +73,19 @@ class Cold:
     seconds: float
     compiles: int
     compile_s: float
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def cold_start(build: Callable[[], Any], first_step: Callable[[Any], Any]) -> tuple[Any, Cold]:
     """build() then first_step(built), timed and counted; returns (built, Cold)."""
     n0, s0 = compiles_so_far()
+    p0 = phases_so_far()
     start = time.perf_counter()
     built = build()
     jax.block_until_ready(first_step(built))
     seconds = time.perf_counter() - start
     n1, s1 = compiles_so_far()
-    return built, Cold(round(seconds, 3), n1 - n0, round(s1 - s0, 3))
+    return built, Cold(round(seconds, 3), n1 - n0, round(s1 - s0, 3), phases_since(p0))
 
 
 def interleaved(calls: dict[str, Callable[[], Any]], warmup: int,
@@ -149,6 +172,7 @@ class Suite:
     quick: bool
     seed: int = 0
     pairs: dict[str, Pair] = field(default_factory=dict)
+    kernel_cases: tuple[str, ...] = ()  # the kernels section's cases to run (default all)
 
     @property
     def device(self) -> jax.Device:

@@ -5,7 +5,9 @@ block size the library may pick, rows of 2,048 and 8,192 tokens. Per row: relati
 the output and of dq, dk, dv; padding outputs (must be exactly 0); the largest change of any
 other document's output when one document's keys and values change (must be exactly 0); and
 forward+backward milliseconds against `jax.nn.dot_product_attention` (cuDNN where it
-compiles, else XLA) on the same rows, with the segment mask and is_causal as mfu.py's peer."""
+compiles, else XLA) on the same rows, with the segment mask and is_causal as mfu.py's peer.
+The candidate `thd` (cuDNN's packed layout, attention/cudnn.py; bf16 only) gets the same
+checks and its own time where it runs; where it does not, the row says why."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import numpy as np
 from benchmarks import mfu
 from benchmarks.attention_cost import lognormal_docs
 from benchmarks.gpu_sections.common import Suite, first_line, interleaved, median_ms, print_table
+from resihp_jax.attention.cudnn import documents_per_row, packed_attention
 from resihp_jax.attention.kernels import dense_attention, segment_attention
 from resihp_jax.attention.check import select_kernel
 
@@ -55,6 +58,18 @@ def cases(quick: bool) -> list[Case]:
     found += [Case("bfloat16", 128, *gqa, 2048, 4, b) for b in GPU_BLOCKS if b != 128]
     found += [Case("bfloat16", 128, *heads, 8192, 1, 128) for heads in (gqa, mha)]
     return found
+
+
+def chosen_cases(suite: Suite) -> list[Case]:
+    """The cases --kernel-cases names (each name as the table prints it), else all."""
+    every = cases(suite.quick)
+    if not suite.kernel_cases:
+        return every
+    known = {case.name: case for case in every}
+    missing = [name for name in suite.kernel_cases if name not in known]
+    if missing:
+        raise ValueError(f"unknown kernel case(s) {missing}; valid: {list(known)}")
+    return [known[name] for name in suite.kernel_cases]
 
 
 def packed_rows(rows: int, seq_len: int, seed: int) -> np.ndarray:
@@ -117,6 +132,35 @@ def peer_fwd_bwd(suite: Suite, args: tuple) -> tuple[str, Callable]:
     raise RuntimeError("no dot_product_attention implementation compiled")
 
 
+def packed_candidate(case: Case, args: tuple, o_ref, grads_ref, doc: np.ndarray, k2, v2
+                     ) -> tuple[dict[str, Any], Callable | None]:
+    """cuDNN's packed (THD) layout, which skips the work between documents: its errors
+    against the same float32 reference, padding and leak, and its compiled fwd+bwd (None
+    where it does not run: a float32 case, no cuDNN, an older JAX)."""
+    if case.dtype == "float32":
+        return {"thd": "not for float32"}, None
+    q, k, v, seg, w = args
+    bound = int(np.max(np.asarray(documents_per_row(seg))))
+    kernel = functools.partial(packed_attention, max_documents=bound)
+    fn = jax.jit(functools.partial(value_and_grads, kernel))
+    try:
+        o, grads = fn(*args)
+    except Exception as error:  # noqa: BLE001 - a candidate that fails is a row's note
+        return {"thd": first_line(error)[:160]}, None
+    seg_np = np.asarray(seg)
+    row: dict[str, Any] = {"thd": f"cudnn packed, {bound} documents a row",
+                           "thd_err_o": relative_error(o, o_ref)}
+    row.update({f"thd_err_d{n}": relative_error(a, b)
+                for n, a, b in zip("qkv", grads, grads_ref)})
+    row["thd_pad_max"] = float(np.max(np.abs(np.asarray(o)[seg_np == 0])))
+    o2, _ = fn(q, k2, v2, seg, w)
+    row["thd_leak_max"] = float(np.max(np.abs(np.asarray(o2) - np.asarray(o))[~doc]))
+    row["thd_ok"] = bool(max(row[f"thd_err_{f}"] for f in ("o", "dq", "dk", "dv"))
+                         <= TOLERANCE[case.dtype] and row["thd_pad_max"] == 0
+                         and row["thd_leak_max"] == 0)
+    return row, fn
+
+
 def inputs(case: Case, seed: int) -> tuple:
     keys = jax.random.split(jax.random.key(seed), 5)
     b, s = case.rows, case.seq_len
@@ -154,11 +198,19 @@ def one_case(suite: Suite, case: Case, rounds: int) -> dict[str, Any]:
                      <= TOLERANCE[case.dtype] and row["pad_max"] == 0 and row["leak_max"] == 0)
     args = (q, k, v, seg, w)
     row["peer"], peer = peer_fwd_bwd(suite, args)
-    samples = interleaved({"ours": lambda: ours(*args), "peer": lambda: peer(*args)},
-                          warmup=1, rounds=rounds)
+    thd, thd_fn = packed_candidate(case, args, o_ref, grads_ref, doc, k2, v2)
+    row.update(thd)
+    timed = {"ours": lambda: ours(*args), "peer": lambda: peer(*args)}
+    if thd_fn is not None:
+        timed["thd"] = lambda: thd_fn(*args)
+    samples = interleaved(timed, warmup=1, rounds=rounds)
     row["ours_ms"], row["peer_ms"] = median_ms(samples["ours"]), median_ms(samples["peer"])
     row["peer_over_ours"] = round(float(np.median(np.asarray(samples["peer"])
                                                   / np.asarray(samples["ours"]))), 4)
+    if thd_fn is not None:
+        row["thd_ms"] = median_ms(samples["thd"])
+        row["thd_over_ours"] = round(float(np.median(np.asarray(samples["thd"])
+                                                     / np.asarray(samples["ours"]))), 4)
     return row
 
 
@@ -167,14 +219,15 @@ def run(suite: Suite) -> dict[str, Any]:
     print(f"kernels: Pallas {'interpreted (no GPU)' if interpreted else 'compiled (Triton)'}; "
           f"reference dense_attention in float32 at full matmul precision")
     rows = []
-    for case in cases(suite.quick):
+    for case in chosen_cases(suite):
         try:
             rows.append(one_case(suite, case, rounds=3 if suite.quick else 10))
         except Exception as error:  # noqa: BLE001 - a configuration that fails is a row
             rows.append({"case": case.name, "error": first_line(error)})
         print(f"  {rows[-1]}")
     columns = ["case", "runs", "err_o", "err_dq", "err_dk", "err_dv", "pad_max", "leak_max",
-               "ok", "ours_ms", "peer", "peer_ms", "peer_over_ours", "error"]
+               "ok", "ours_ms", "peer", "peer_ms", "peer_over_ours", "thd_ok", "thd_ms",
+               "thd_over_ours", "error"]
     print_table("kernels: fused attention vs float32 masked softmax; fwd+bwd ms vs "
                 "jax.nn.dot_product_attention (peer/ours > 1: ours faster)", rows, columns)
     failed = [r["case"] for r in rows if "error" in r]

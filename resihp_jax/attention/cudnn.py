@@ -56,11 +56,15 @@ def packed_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.
     from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415
 
     offsets_BxM1, lengths_BxM = document_spans(segment_ids_BxS, max_documents)
+    real_BxSx1x1 = (segment_ids_BxS > 0)[:, :, None, None]
+    # cuDNN's backward leaves padding positions' gradients undefined: selecting the inputs
+    # there gives those positions a gradient of exactly 0 whatever cuDNN wrote.
+    q_BxSxHxK, k_BxSxGxK, v_BxSxGxK = (jnp.where(real_BxSx1x1, x, jnp.zeros((), x.dtype))
+                                       for x in (q_BxSxHxK, k_BxSxGxK, v_BxSxGxK))
     out_BxSxHxK = cudnn.dot_product_attention(
         q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM,
         q_offsets=offsets_BxM1, kv_offsets=offsets_BxM1,
         scale=1.0 / math.sqrt(q_BxSxHxK.shape[-1]),
         mask_type=cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
     # cuDNN leaves positions outside every document undefined; ours are exactly 0.
-    real_BxSx1x1 = (segment_ids_BxS > 0)[:, :, None, None]
     return jnp.where(real_BxSx1x1, out_BxSxHxK, jnp.zeros((), out_BxSxHxK.dtype))

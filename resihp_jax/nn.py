@@ -3,9 +3,10 @@
 `segment_attention` is our packed causal attention: documents packed in one row never see each
 other (segment ids; 0 is padding), and its work grows with the sum of squared document
 lengths, not the squared row length, so the detector's cost model holds for a model that calls
-it. `implementation=` picks the kernel: "auto" (default: the fused Pallas flash kernel on GPUs,
-the block-sparse scan elsewhere), "pallas", "blocksparse", or "dense" (`dense_attention`, the
-masked O(S^2) reference with the same semantics, whose cost grows per row).
+it. `implementation=` picks the kernel: "auto" (default: cuDNN's packed layout on GPUs, the
+block-sparse scan elsewhere), "cudnn", "pallas" (our fused Triton kernel), "blocksparse", or
+"dense" (`dense_attention`, the masked O(S^2) reference with the same semantics, whose cost
+grows per row).
 Shapes: q [B, S, H, K], k and v [B, S, G, K] with G dividing H (grouped KV heads).
 """
 

@@ -22,6 +22,7 @@ import numpy as np
 from resihp_jax.errors import ConfigError
 from resihp_jax.attention.kernels import (TRACED_KERNELS, dense_attention,
                                           resolve_implementation, segment_attention)
+from resihp_jax.attention.cudnn import MAX_DOCUMENTS
 from resihp_jax.attention.flash import GPU_PLATFORMS
 from resihp_jax.attention.fit import KernelChoice, choose, config_for
 
@@ -54,6 +55,16 @@ def packed_rows(block: int) -> np.ndarray:
     rows[0] = np.repeat(np.arange(1, 6), first)[:s]
     second = [1, 2 * block - 1, block + block // 2]
     rows[1, :sum(second)] = np.repeat([4, 2, 7], second)
+    return rows
+
+
+def crowded_rows(block: int, documents: int) -> np.ndarray:
+    """[2, 4 * block] segment ids with `documents` documents in the first row (more than
+    cuDNN's packed layout takes: its masked kernel runs) and padding in the second."""
+    s = 4 * block
+    rows = np.zeros((2, s), np.int32)
+    rows[0] = np.minimum(np.arange(s) * documents // s + 1, documents)
+    rows[1, : s // 2] = np.repeat([3, 1], [s // 8, s // 2 - s // 8])
     return rows
 
 
@@ -108,14 +119,16 @@ def _errors(kernel, block: int, head_dim: int, heads: tuple[int, int], dtype: st
 def select_kernel(implementation: str, *, platform: str, seq_len: int, block_size: int,
                   head_dim: int, n_heads: int, n_kv_heads: int, dtype: str) -> KernelChoice:
     """The kernel and blocks `segment_attention` runs for this configuration on `platform`
-    (`implementation` as `segment_attention` takes it): the fused kernel at blocks that fit
-    the GPU, or "blocksparse" where it does not compile. On GPUs the first call per
+    (`implementation` as `segment_attention` takes it): cuDNN's packed layout, the fused
+    kernel at blocks that fit the GPU, or "blocksparse", each where the one before does not
+    compile. On GPUs the first call per
     configuration compiles a probe (cached per process)."""
     kind = resolve_implementation(implementation, platform, seq_len=seq_len,
                                   block_size=block_size)
-    if kind != "pallas":
-        return KernelChoice(kind, block_size, block_size, "not the fused kernel")
-    return choose(config_for(platform, dtype, head_dim, n_heads, n_kv_heads, block_size))
+    if kind not in ("pallas", "cudnn"):
+        return KernelChoice(kind, block_size, block_size, "not a probed kernel")
+    return choose(config_for(platform, dtype, head_dim, n_heads, n_kv_heads, block_size,
+                             cudnn_first=kind == "cudnn"))
 
 
 def check_attention(implementation: str, *, block_size: int, head_dim: int, n_heads: int,
@@ -137,8 +150,13 @@ def check_attention(implementation: str, *, block_size: int, head_dim: int, n_he
     kernel = functools.partial(segment_attention, block_size=block_size, implementation=kind)
     run = jax.jit(functools.partial(_errors, kernel, block_size, head_dim, heads, dtype))
     put = functools.partial(jax.device_put, device=device)
-    seg = put(np.asarray(packed_rows(block_size)))
-    errors = {n: float(e) for n, e in jax.device_get(run(seg)).items()}
+    # cuDNN's kernel is two: the packed layout, and the masked one for crowded rows
+    rows = [packed_rows(block_size)] + ([crowded_rows(block_size, MAX_DOCUMENTS + 1)]
+                                        if kind == "cudnn" else [])
+    errors: dict[str, float] = {}
+    for seg in rows:
+        for n, e in jax.device_get(run(put(seg))).items():
+            errors[n] = max(errors.get(n, 0.0), float(e))
     tol = 1e-3 if dtype == "float32" else 3e-2  # TF32 matmuls on GPUs; bf16 rounding
     bad = {n: e for n, e in errors.items() if e > (1e-2 if n == "leak" else tol)}
     if bad:
@@ -158,11 +176,11 @@ def step_attention(implementation: str, model: AttentionShape, seq_len: int,
     TrainConfig.attention names it), checked once per process before the first step."""
     kind = resolve_implementation(implementation, device.platform, seq_len=seq_len,
                                   block_size=model.attn_block)
-    if kind == "pallas" and device.platform not in GPU_PLATFORMS:
-        raise ConfigError(f"TrainConfig.attention='pallas' needs GPUs (devices here: "
-                          f"{device.platform}): elsewhere the kernel only runs interpreted, "
-                          "which JAX cannot do inside the step's shard_map; valid here: auto, "
-                          "blocksparse, dense")
+    if kind in ("pallas", "cudnn") and device.platform not in GPU_PLATFORMS:
+        raise ConfigError(f"TrainConfig.attention={kind!r} needs GPUs (devices here: "
+                          f"{device.platform}): elsewhere the kernel does not compile or only "
+                          "runs interpreted, which JAX cannot do inside the step's shard_map; "
+                          "valid here: auto, blocksparse, dense")
     # A fused kernel that does not compile here runs as "blocksparse": say so to the step.
     kind = select_kernel(kind, platform=device.platform, seq_len=seq_len,
                          block_size=model.attn_block, head_dim=model.head_dim,

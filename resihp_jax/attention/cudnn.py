@@ -7,16 +7,25 @@ JAX exposes this only in a private module (`jax._src.cudnn.fused_attention_stabl
 is imported on use and any failure (an older JAX, no cuDNN, a dtype or head size cuDNN does
 not take) reaches the caller as an exception to fall back on. Documents are contiguous runs of
 one segment id, as the packer lays them out; padding (id 0) outputs exactly 0, as
-`segment_attention`'s do. `max_documents` is static (the kernel's grid): a row with more
-documents than that is not attended correctly, so callers pass a bound they know holds.
+`segment_attention`'s do. `max_documents` is static (the kernel's grid and its softmax
+statistics grow with it): `packed_attention` needs a bound that holds, and
+`document_attention` (what `segment_attention(..., implementation="cudnn")` runs) takes the
+packed layout when every row has at most MAX_DOCUMENTS documents and cuDNN's masked attention
+(O(S^2), as `jax.nn.dot_product_attention` with a segment mask) for a batch that has more.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+
+# Documents a row may hold for the packed layout; a batch with a row holding more runs the
+# masked kernel. Each slot costs cuDNN grid blocks and softmax statistics of a whole row, so
+# the bound is what packed pretraining rows hold (a few long documents), not the worst case.
+MAX_DOCUMENTS = 16
 
 
 def _first_indices(mask_BxS: jax.Array, size: int) -> jax.Array:
@@ -49,6 +58,47 @@ def documents_per_row(segment_ids_BxS: jax.Array) -> jax.Array:
     return jnp.sum((seg_BxS > 0) & (seg_BxS != before_BxS), axis=1)
 
 
+def _padding_zeroed(real_BxSx1x1: jax.Array, *xs: jax.Array) -> tuple[jax.Array, ...]:
+    """The inputs with padding positions selected to 0. cuDNN's backward leaves padding
+    positions' gradients undefined (NaN was seen on an H200): a select there gives them a
+    gradient of exactly 0 whatever cuDNN wrote."""
+    return tuple(jnp.where(real_BxSx1x1, x, jnp.zeros((), x.dtype)) for x in xs)
+
+
+def masked_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
+                     segment_ids_BxS: jax.Array, *, implementation: str | None = "cudnn"
+                     ) -> jax.Array:
+    """The same attention through `jax.nn.dot_product_attention` with a segment mask (O(S^2)
+    work; any number of documents). Padding attends to padding, so no query row is empty
+    (an empty row's NaN would reach the documents' gradients); its outputs are then 0."""
+    seg_BxS = segment_ids_BxS
+    real_BxSx1x1 = (seg_BxS > 0)[:, :, None, None]
+    q_BxSxHxK, k_BxSxGxK, v_BxSxGxK = _padding_zeroed(real_BxSx1x1, q_BxSxHxK, k_BxSxGxK,
+                                                      v_BxSxGxK)
+    mask_Bx1xSxS = (seg_BxS[:, :, None] == seg_BxS[:, None, :])[:, None]
+    out_BxSxHxK = jax.nn.dot_product_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK,
+                                               mask=mask_Bx1xSxS, is_causal=True,
+                                               implementation=implementation)
+    return jnp.where(real_BxSx1x1, out_BxSxHxK, jnp.zeros((), out_BxSxHxK.dtype))
+
+
+Kernel = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def document_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
+                       segment_ids_BxS: jax.Array, *, max_documents: int = MAX_DOCUMENTS,
+                       packed: Kernel | None = None, masked: Kernel | None = None
+                       ) -> jax.Array:
+    """The packed layout when every row holds at most `max_documents` documents, else the
+    masked kernel, chosen on the device per batch (both are compiled; cuDNN calls compile in
+    milliseconds). `packed`/`masked` replace the two kernels (tests)."""
+    packed = packed or (lambda *a: packed_attention(*a, max_documents=max_documents))
+    masked = masked or masked_attention
+    fits = jnp.max(documents_per_row(segment_ids_BxS)) <= max_documents
+    return jax.lax.cond(fits, packed, masked, q_BxSxHxK, k_BxSxGxK, v_BxSxGxK,
+                        segment_ids_BxS)
+
+
 def packed_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
                      segment_ids_BxS: jax.Array, *, max_documents: int) -> jax.Array:
     """Causal attention within each document through cuDNN's packed layout (GPU only; bf16 or
@@ -57,10 +107,8 @@ def packed_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.
 
     offsets_BxM1, lengths_BxM = document_spans(segment_ids_BxS, max_documents)
     real_BxSx1x1 = (segment_ids_BxS > 0)[:, :, None, None]
-    # cuDNN's backward leaves padding positions' gradients undefined: selecting the inputs
-    # there gives those positions a gradient of exactly 0 whatever cuDNN wrote.
-    q_BxSxHxK, k_BxSxGxK, v_BxSxGxK = (jnp.where(real_BxSx1x1, x, jnp.zeros((), x.dtype))
-                                       for x in (q_BxSxHxK, k_BxSxGxK, v_BxSxGxK))
+    q_BxSxHxK, k_BxSxGxK, v_BxSxGxK = _padding_zeroed(real_BxSx1x1, q_BxSxHxK, k_BxSxGxK,
+                                                      v_BxSxGxK)
     out_BxSxHxK = cudnn.dot_product_attention(
         q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM,
         q_offsets=offsets_BxM1, kv_offsets=offsets_BxM1,

@@ -10,6 +10,12 @@ forward and backward are compiled ahead of time on a small input; a failure halv
 and when even the smallest fails the block-sparse scan takes over, with one
 `KernelFallbackWarning`. Choices are cached per process. Compiler, limit and probed platforms
 are injectable (`fitting`), so CPU tests can make compiles fail.
+
+cuDNN's packed layout (attention/cudnn.py, `implementation="cudnn"`, the GPU default for bf16
+and fp16) is probed the same way first: where it does not compile (an older JAX or cuDNN, a
+GPU before Hopper, a head size it refuses) the fused kernel's choice above runs instead, with
+one `KernelFallbackWarning`; float32 goes to the fused kernel without one (cuDNN takes 16-bit
+inputs only).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resihp_jax.attention import flash
+from resihp_jax.attention import cudnn, flash
 
 # Opt-in shared memory per thread block (cudaDevAttrMaxSharedMemoryPerBlockOptin) by compute
 # capability, for devices whose runtime does not report it.
@@ -51,6 +57,7 @@ class KernelConfig:
     head_dim: int  # padded, as the kernels compute
     group: int  # query heads per kv head (the dkv kernel loops over them)
     block: int  # the model's block size: the largest block the kernels may use
+    cudnn_first: bool = False  # try cuDNN's packed layout before the fused kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,19 +144,33 @@ def compile_kernel(config: KernelConfig, block: int, *, interpret: bool = False)
     jax.jit(grads).lower(q, kv, kv, seg).compile()
 
 
+def compile_cudnn(config: KernelConfig, block: int) -> None:
+    """Compile cuDNN's packed attention's forward and backward ahead of time on a small input
+    (rows of PROBE_BLOCKS blocks); raises what JAX or cuDNN raises."""
+    s = PROBE_BLOCKS * block
+    q = jax.ShapeDtypeStruct((1, s, config.group, config.head_dim), config.dtype)
+    kv = jax.ShapeDtypeStruct((1, s, 1, config.head_dim), config.dtype)
+    seg = jax.ShapeDtypeStruct((1, s), jnp.int32)
+    attend = functools.partial(cudnn.packed_attention, max_documents=cudnn.MAX_DOCUMENTS)
+    grads = jax.grad(lambda *a: attend(*a).astype(jnp.float32).sum(), (0, 1, 2))
+    jax.jit(grads).lower(q, kv, kv, seg).compile()
+
+
 @dataclasses.dataclass(frozen=True)
 class FitSettings:
     """compile_fn: compiles a configuration at a block or raises; platforms: where kernels
     are compiled (elsewhere they run interpreted: nothing to fit); limit: shared memory bytes
-    per block (None: read from this process's first device)."""
+    per block (None: read from this process's first device); cudnn_compile_fn: compiles
+    cuDNN's packed attention for a configuration or raises."""
     compile_fn: CompileFn = compile_kernel
     platforms: tuple[str, ...] = flash.GPU_PLATFORMS
     limit: int | None = None
+    cudnn_compile_fn: CompileFn = compile_cudnn
 
 
 _SETTINGS = [FitSettings()]
 _CHOICES: dict[KernelConfig, KernelChoice] = {}
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # a cuDNN probe falls back to the fused choice under it
 
 
 @contextlib.contextmanager
@@ -209,23 +230,51 @@ def _probe(config: KernelConfig, settings: FitSettings) -> KernelChoice:
     return choice
 
 
-def _warn(config: KernelConfig, error: str | None, choice: KernelChoice) -> None:
+CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def _probe_cudnn(config: KernelConfig, settings: FitSettings) -> KernelChoice:
+    """cuDNN's packed layout where it compiles for `config`, else the fused kernel's choice."""
+    fused = dataclasses.replace(config, cudnn_first=False)
+    if config.dtype not in CUDNN_DTYPES:
+        return choose(fused)
+    error = _compile_error(settings.cudnn_compile_fn, config, config.block)
+    if error is None:
+        return KernelChoice("cudnn", config.block, config.block,
+                            f"cuDNN's packed layout, up to {cudnn.MAX_DOCUMENTS} documents a "
+                            "row (more: its masked kernel)")
+    choice = choose(fused)
+    _warn(config, error, choice, kernel="cuDNN packed attention")
+    return choice
+
+
+def _warn(config: KernelConfig, error: str | None, choice: KernelChoice,
+          kernel: str = "fused attention kernel") -> None:
     warnings.warn(
-        f"fused attention kernel for {config} did not compile ({error}); running "
+        f"{kernel} for {config} did not compile ({error}); running "
         f"{choice.implementation} with blocks {choice.block_q}x{choice.block_k} instead",
         KernelFallbackWarning, stacklevel=4)
 
 
 def config_for(platform: str, dtype: Any, head_dim: int, n_heads: int, n_kv_heads: int,
-               block: int) -> KernelConfig:
+               block: int, cudnn_first: bool = False) -> KernelConfig:
     return KernelConfig(platform, jnp.dtype(dtype).name, flash.padded_head_dim(head_dim),
-                        n_heads // n_kv_heads, block)
+                        n_heads // n_kv_heads, block, cudnn_first)
 
 
 def choose(config: KernelConfig) -> KernelChoice:
     """The fused kernel's blocks for `config`, or the block-sparse kernel where it does not
     compile; probed once per configuration and process where kernels are compiled."""
     settings = _SETTINGS[0]
+    if config.cudnn_first and config.platform not in settings.platforms:
+        choice = KernelChoice("blocksparse", config.block, config.block, "cuDNN needs a GPU")
+        _warn(config, f"no GPU here ({config.platform})", choice, kernel="cuDNN packed attention")
+        return choice
+    if config.cudnn_first:
+        with _LOCK:
+            if config not in _CHOICES:
+                _CHOICES[config] = _probe_cudnn(config, settings)
+            return _CHOICES[config]
     if config.platform not in settings.platforms:
         return KernelChoice("pallas", config.block, config.block, "interpreted: no limit")
     if not flash.supports(config.block, config.block):

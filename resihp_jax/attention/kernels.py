@@ -6,7 +6,9 @@ with the sum of squared document lengths instead of the squared row length. A cu
 recomputes probabilities block by block (flash-attention style), so the backward pass skips the
 same blocks and never holds an S x S matrix. `dense_attention` is the masked O(S^2) reference.
 `segment_attention(..., implementation=)` picks the kernel: this one ("blocksparse", the CPU
-default), the fused Pallas kernel of `flash.py` ("pallas", the GPU default) or "dense".
+default), cuDNN's packed layout of `cudnn.py` ("cudnn", the GPU default), the fused Pallas
+kernel of `flash.py` ("pallas", where cuDNN's does not compile or the inputs are float32) or
+"dense".
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from jax import lax
 
 from resihp_jax import vma
 from resihp_jax.errors import ConfigError
-from resihp_jax.attention import fit as flash_fit, flash
+from resihp_jax.attention import cudnn, fit as flash_fit, flash
 
 _F32 = jnp.float32
 # Finite stand-in for -inf: exp(_MASKED - _MASKED) stays finite, so rows with no key yet
@@ -295,7 +297,7 @@ TRACED_CALLS = [0]
 # on each (attention/check.py `check_traced`).
 TRACED_KERNELS: set[tuple[str, int, int, int, int, str]] = set()
 
-IMPLEMENTATIONS = ("auto", "blocksparse", "pallas", "dense")
+IMPLEMENTATIONS = ("auto", "blocksparse", "pallas", "cudnn", "dense")
 
 
 def _auto_mesh_axes() -> tuple[str, ...]:
@@ -309,10 +311,11 @@ def _auto_mesh_axes() -> tuple[str, ...]:
 
 def resolve_implementation(implementation: str, platform: str | None = None, *,
                            seq_len: int | None = None, block_size: int | None = None) -> str:
-    """The kernel `implementation` names; "auto" is the fused Pallas kernel on GPUs (where it
-    compiles for these sizes and no mesh axis is left to the partitioner, which cannot split
-    a Triton call) and the block-sparse scan elsewhere. `platform`: the devices' platform
-    (default: JAX's default backend)."""
+    """The kernel `implementation` names; "auto" is "cudnn" on GPUs (cuDNN's packed layout,
+    which falls back to the fused Pallas kernel where it does not compile or for float32:
+    `flash_fit.choose`) where the rows split into blocks and no mesh axis is left to the
+    partitioner (which cannot split a Triton call), and the block-sparse scan elsewhere.
+    `platform`: the devices' platform (default: JAX's default backend)."""
     if implementation not in IMPLEMENTATIONS:
         raise ConfigError(f"attention implementation {implementation!r}: valid are "
                           f"{', '.join(IMPLEMENTATIONS)}")
@@ -320,7 +323,7 @@ def resolve_implementation(implementation: str, platform: str | None = None, *,
         return implementation
     on_gpu = (platform or jax.default_backend()) in flash.GPU_PLATFORMS
     fits = seq_len is None or block_size is None or flash.supports(seq_len, block_size)
-    return "pallas" if on_gpu and fits and not _auto_mesh_axes() else "blocksparse"
+    return "cudnn" if on_gpu and fits and not _auto_mesh_axes() else "blocksparse"
 
 
 def segment_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
@@ -329,10 +332,12 @@ def segment_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
     """Causal attention within segments; padding (id 0) outputs exactly 0.
 
     `implementation`: "blocksparse" (a scan of conds over block pairs), "pallas" (fused flash
-    kernel; Triton on GPUs, interpreted elsewhere), "dense" (masked O(S^2) reference), or
-    "auto" (see `resolve_implementation`). Both sparse kernels do work growing with the sum of
-    squared document lengths, in blocks of `block_size` tokens; on GPUs the fused kernel may
-    run smaller blocks that fit, or fall back to "blocksparse" (`flash_fit.choose`)."""
+    kernel; Triton on GPUs, interpreted elsewhere), "cudnn" (cuDNN's packed layout, GPUs,
+    bf16/fp16: up to `cudnn.MAX_DOCUMENTS` documents a row, a batch with more runs cuDNN's
+    masked kernel), "dense" (masked O(S^2) reference), or "auto" (see
+    `resolve_implementation`). The sparse kernels do work growing with the sum of squared
+    document lengths; on GPUs the fused kernel may run smaller blocks that fit, and a kernel
+    that does not compile falls back with one warning (`flash_fit.choose`)."""
     _check_inputs(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS)
     s = q_BxSxHxK.shape[1]
     kind = resolve_implementation(implementation, seq_len=s, block_size=block_size)
@@ -342,13 +347,16 @@ def segment_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
     TRACED_CALLS[0] += 1
     TRACED_KERNELS.add((kind, block_size, q_BxSxHxK.shape[3], q_BxSxHxK.shape[2],
                         k_BxSxGxK.shape[2], np.dtype(q_BxSxHxK.dtype).name))
-    if kind == "pallas":
-        # Blocks that fit the GPU's shared memory (<= block_size), or the block-sparse scan
-        # where the fused kernel does not compile: probed once per configuration (attention/fit.py).
+    if kind in ("pallas", "cudnn"):
+        # cuDNN where it compiles, blocks that fit the GPU's shared memory (<= block_size),
+        # or the block-sparse scan: probed once per configuration (attention/fit.py).
         h, d, g = q_BxSxHxK.shape[2], q_BxSxHxK.shape[3], k_BxSxGxK.shape[2]
         choice = flash_fit.choose(flash_fit.config_for(jax.default_backend(), q_BxSxHxK.dtype,
-                                                       d, h, g, block_size))
+                                                       d, h, g, block_size,
+                                                       cudnn_first=kind == "cudnn"))
         kind = choice.implementation
+    if kind == "cudnn":
+        return cudnn.document_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS)
     if kind == "pallas":
         return flash.flash_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS,
                                      block_q=choice.block_q, block_k=choice.block_k)

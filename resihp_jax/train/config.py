@@ -27,8 +27,8 @@ class TrainConfig:
     # let the step reuse the state's buffers for the new state (False: the state a step
     # consumes stays intact, e.g. for the survivors' copies; one more state in memory)
     donate_state: bool = True
-    # attention kernel: "auto" (fused Pallas kernel on GPUs, block-sparse scan elsewhere),
-    # "blocksparse", "pallas" or "dense" (attention/kernels.py)
+    # attention kernel: "auto" (cuDNN's packed layout on GPUs, block-sparse scan elsewhere),
+    # "blocksparse", "pallas", "cudnn" or "dense" (attention/kernels.py)
     attention: str = "auto"
 
     def __post_init__(self) -> None:

@@ -93,7 +93,7 @@ def test_segment_attention_dispatches_every_implementation():
         got = jax.jit(functools.partial(segment_attention, block_size=T,
                                         implementation=name))(q, k, v, seg)
         np.testing.assert_allclose(got, want, atol=2e-6, err_msg=name)
-    with pytest.raises(ConfigError, match="'flash'.*auto, blocksparse, pallas, dense"):
+    with pytest.raises(ConfigError, match="'flash'.*auto, blocksparse, pallas, cudnn, dense"):
         segment_attention(q, k, v, seg, block_size=T, implementation="flash")
 
 
@@ -176,7 +176,7 @@ def test_lowers_to_triton_for_cuda_without_a_gpu(dtype, block):
 
 def test_selection_per_backend_and_sizes():
     assert resolve_implementation("auto", "cpu") == "blocksparse"
-    assert resolve_implementation("auto", "gpu", seq_len=256, block_size=64) == "pallas"
+    assert resolve_implementation("auto", "gpu", seq_len=256, block_size=64) == "cudnn"
     assert resolve_implementation("auto", "gpu", seq_len=96, block_size=24) == "blocksparse"
     assert resolve_implementation("auto", "gpu", seq_len=64, block_size=8) == "blocksparse"
     assert resolve_implementation("dense", "gpu") == "dense"

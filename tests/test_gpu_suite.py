@@ -1,6 +1,12 @@
 """`benchmarks/gpu_suite.py --quick` runs every section on CPU to real numbers (the same code
 a GPU run takes, at tiny sizes, the Pallas kernel interpreted), and refuses a bad flag value
-in one line."""
+in one line.
+
+The quick run takes three CPU minutes, most of the default run's budget: its tests are marked
+slow. The benchmark is what they check (it runs on every GPU and in the slow README-benchmark
+test), and what they assert of its figures has unit tests of its own: the kernels against the
+reference (tests/attention), a user's model against a plain loop (tests/models/test_zoo.py),
+no save waiting on a previous write (tests/runtime/recovery/test_cadence.py)."""
 
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ def quick(tmp_path_factory) -> dict:
     return written
 
 
+@pytest.mark.slow
 def test_quick_runs_every_section_without_errors(quick: dict) -> None:
     assert quick["errors"] == {} and quick["skipped"] == []
     assert set(quick["sections"]) == set(SECTIONS) == set(quick["seconds"])
@@ -47,6 +54,7 @@ def test_quick_runs_every_section_without_errors(quick: dict) -> None:
     assert all(_real(quick["compiles"][s]["executables"]) for s in SECTIONS)
 
 
+@pytest.mark.slow
 def test_kernels_match_the_float32_reference_and_never_leak(quick: dict) -> None:
     kernels = quick["sections"]["kernels"]
     assert kernels["interpreted"] and kernels["failed_to_run"] == []
@@ -59,6 +67,7 @@ def test_kernels_match_the_float32_reference_and_never_leak(quick: dict) -> None
         assert row["runs"].startswith("pallas ")  # interpreted: the blocks asked for
 
 
+@pytest.mark.slow
 def test_user_path_equals_the_plain_loop_and_bf16_learns(quick: dict) -> None:
     user = quick["sections"]["user_path"]
     assert user["equivalence"]  # (an empty table would pass the loop below)
@@ -69,6 +78,7 @@ def test_user_path_equals_the_plain_loop_and_bf16_learns(quick: dict) -> None:
     assert llama["compute_dtype"] == "bfloat16"
 
 
+@pytest.mark.slow
 def test_timing_sections_give_real_ratios(quick: dict) -> None:
     s = quick["sections"]
     for row in s["speed"].values():

@@ -10,12 +10,13 @@ the job (`resihp launch`, examples/slurm/*.sbatch, a Kubernetes policy):
 - 2 (USER_ERROR): refused input (a bad flag, path or plan, another run's checkpoints, a GPU
   job that found only CPU devices, a diverged loss): a restart cannot fix it.
 - 74 (PREEMPTED_EXIT): SIGTERM (the scheduler preempts the job, `scancel --signal=TERM`, or
-  the job is ending after another process failed); the newest survivors' copy is written
+  srun ends the job after another process failed); the newest survivors' copy is written
   first. A preemption is not the job's fault: requeue it without counting it.
 - 75 (HUNG_EXIT, EX_TEMPFAIL): a step failed (a peer died) or passed its deadline (a peer or
   a device hangs), or process 0 died and took the job's coordination service with it (one
-  line names it, coordinator.py): restart, counted; the process that exits 75 is not the
-  one to blame.
+  line names it, coordinator.py), or `resihp launch` ends the job after another process
+  failed (its SIGTERM comes with the failure named: host_snapshot.PEER_LOST_ENV): restart,
+  counted; the process that exits 75 is not the one to blame.
 - 76/77 (HostsLeftOut): a re-plan leaves a slow host out (76 on that host, 77 on the
   others); the health record excludes it: restart without it.
 A process killed by a signal shows as 128+N in a shell or srun (137: SIGKILL).

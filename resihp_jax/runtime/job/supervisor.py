@@ -47,6 +47,7 @@ from resihp_jax.metrics import Destination, Metrics, parse_destinations
 from resihp_jax.metrics.entry import relaunch_entry
 from resihp_jax.runtime.job import accelerators, distributed, heartbeat, standby
 from resihp_jax.runtime.recovery import health_record
+from resihp_jax.runtime.recovery.host_snapshot import PEER_LOST_ENV
 from resihp_jax.faults.throttle import Throttle
 from resihp_jax.runtime.job import priority
 from resihp_jax.runtime.job.exits import EXIT_CODES, USER_ERROR
@@ -260,7 +261,9 @@ class Supervisor:
         # process when the service goes away, which would cost the survivors' copies
         service = distributed.start_service(f"127.0.0.1:{port}", len(hosts))
         env = dict(os.environ, **{heartbeat.ENV_VAR: str(beat_dir),
-                                  distributed.EXTERNAL_SERVICE_ENV: "1"}, **(extra_env or {}))
+                                  distributed.EXTERNAL_SERVICE_ENV: "1",
+                                  PEER_LOST_ENV: str(self._peer_lost_file())},
+                   **(extra_env or {}))
         if cfg.metrics:
             env[METRICS_ENV] = "\n".join(cfg.metrics)
         procs = []
@@ -357,6 +360,10 @@ class Supervisor:
         if not (self.config.faults_wait_for_standby and self.config.keeps_standby):
             return False
         return self._standby is None or not self._standby.ready()
+
+    def _peer_lost_file(self) -> Path:
+        """Where `_end` names a failure for the processes it then ends (PEER_LOST_ENV)."""
+        return self.config.checkpoint_dir / "peer_lost"
 
     def _command(self, coordinator: str, n: int, index: int, host: str
                  ) -> tuple[list[str], dict[str, str]]:
@@ -626,6 +633,8 @@ class Supervisor:
             self._lift(fault)  # lets a throttled process run (and write) again
         running = [(h, p) for h, p in procs.items() if p.poll() is None]
         if failure is not None:
+            # the others exit 75 naming the failure, not 74 as for a preemption (host_snapshot)
+            self._peer_lost_file().write_text(f"{failure.kind}: {failure.detail}\n")
             now = time.time()
             frozen = {h for h, b in beats.items() if now - b.time > self.config.stale_s}
             if failure.kind == "hung" and failure.host is not None:
@@ -640,6 +649,7 @@ class Supervisor:
                 _signal_group(proc.pid, signal.SIGKILL)  # also ends a stopped process
         for proc in procs.values():
             proc.wait()
+        self._peer_lost_file().unlink(missing_ok=True)  # the next incarnation starts clean
         if self._service is not None:
             self._service.shutdown()
             self._service = None

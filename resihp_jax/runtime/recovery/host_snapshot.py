@@ -56,6 +56,12 @@ VERSION = 1
 # own code, so a job script tells a preemption from a failure; job/exits.py lists every
 # code (PREEMPTED_EXIT there is this one)
 PREEMPTED_EXIT = 74
+# A launcher that ends the job after another process failed (resihp launch) names the failure
+# in the file this variable points to before its SIGTERM: the process then exits 75 (a peer
+# was lost: restart, counted, not this process's fault; HUNG_EXIT in job/watchdog.py) with one
+# line naming the lost peer, where a preemption's SIGTERM exits PREEMPTED_EXIT.
+PEER_LOST_ENV = "RESIHP_PEER_LOST_FILE"
+PEER_LOST_EXIT = 75
 _PROG = ["resihp"]  # how this process names itself in its messages (see set_prog)
 
 # `auto` keeps the states on the devices when the step's footprint (the memory model's,
@@ -249,17 +255,32 @@ class HostSnapshots:
             self._terminate = _TermWatcher(lambda: self._on_sigterm(exit_fn))
 
     def _on_sigterm(self, exit_fn: Callable[[int], None]) -> None:
-        print(f"{prog()}: SIGTERM (preempted, or the job is ending after a failure): writing "
-              f"this process's copy of the last step, then exiting with {PREEMPTED_EXIT}",
-              file=sys.stderr, flush=True)
+        lost = peer_lost()
+        code = PREEMPTED_EXIT if lost is None else PEER_LOST_EXIT
+        why = ("preempted, or the job is ending after a failure" if lost is None else
+               f"the job is ending: {lost}")
+        print(f"{prog()}: SIGTERM ({why}): writing this process's copy of the last step, "
+              f"then exiting with {code}", file=sys.stderr, flush=True)
         self.dump("terminated (SIGTERM)")
         sys.stdout.flush()
-        exit_fn(PREEMPTED_EXIT)
+        exit_fn(code)
 
     def close(self) -> None:
         if self._terminate is not None:
             self._terminate.close()
             self._terminate = None
+
+
+def peer_lost(environ: Mapping[str, str] | None = None) -> str | None:
+    """The launcher's line naming the failure that ends the job (PEER_LOST_ENV), if any."""
+    path = (os.environ if environ is None else environ).get(PEER_LOST_ENV)
+    if not path:
+        return None
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:  # no file: no failure named (a preemption, or the launcher's end)
+        return None
+    return text.splitlines()[0] if text else None
 
 
 _ACTIVE: list[HostSnapshots] = []  # the copies the exit paths of this process write out

@@ -257,6 +257,26 @@ def test_sigterm_exits_with_its_own_code_and_names_the_process(tmp_path: Path,
     assert "code 74 (preempted" in _supervisor(tmp_path)._died({"p1": 74}, {}, 3).detail
 
 
+def test_sigterm_after_a_named_failure_exits_75_naming_it(tmp_path: Path, monkeypatch,
+                                                          capsys) -> None:
+    """resihp launch names the failure that ends the job before its SIGTERM: the others exit
+    75 (a peer was lost: not their fault, a restart) with one line naming it, not 74."""
+    from resihp_jax.runtime.recovery import host_snapshot
+
+    assert host_snapshot.PEER_LOST_EXIT == HUNG_EXIT
+    named = tmp_path / "peer_lost"
+    monkeypatch.setenv(host_snapshot.PEER_LOST_ENV, str(named))
+    codes: list[int] = []
+    host_snapshot.HostSnapshots(tmp_path, "p1")._on_sigterm(codes.append)
+    assert codes == [host_snapshot.PREEMPTED_EXIT]  # no file: nothing named, a preemption
+    named.write_text("died: process p0 exited with signal SIGKILL\n")
+    host_snapshot.HostSnapshots(tmp_path, "p1")._on_sigterm(codes.append)
+    assert codes[-1] == HUNG_EXIT
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "the job is ending: died: process p0 exited with signal SIGKILL" in last
+    assert last.endswith("exiting with 75")
+
+
 def test_a_job_that_asked_for_gpus_refuses_cpu_devices() -> None:
     from resihp_jax.runtime.job.join import EXPECT_PLATFORM_ENV, check_platform
 

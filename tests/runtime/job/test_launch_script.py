@@ -138,6 +138,10 @@ def test_a_users_script_survives_a_killed_process_0_and_a_hang(script, tmp_path:
     for p in (1, 2, 3):
         log = (tmp_path / "job" / "logs" / f"incarnation0-p{p}.log").read_text()
         assert "Traceback" not in log and "Terminating process" not in log, log[-3000:]
+        # ... exiting 75 (a peer was lost), the line naming process 0, not a preemption's 74
+        assert "the job is ending: died: process p0 exited with signal SIGKILL" in log, log
+        assert "exiting with 75" in log and "exiting with 74" not in log, log[-3000:]
+    assert not (tmp_path / "job" / "peer_lost").exists()
     # dp=2 over 4 processes: each process reads only its own group's half of every batch
     for p in range(4):
         log = (tmp_path / "job" / "logs" / f"incarnation0-p{p}.log").read_text()

@@ -54,7 +54,7 @@ class KernelConfig:
     """What a kernel choice depends on; one choice per configuration and process."""
     platform: str
     dtype: str
-    head_dim: int  # padded, as the kernels compute
+    head_dim: int  # padded, as the fused kernels compute (cuDNN's: the model's own)
     group: int  # query heads per kv head (the dkv kernel loops over them)
     block: int  # the model's block size: the largest block the kernels may use
     cudnn_first: bool = False  # try cuDNN's packed layout before the fused kernel
@@ -235,7 +235,8 @@ CUDNN_DTYPES = ("bfloat16", "float16")
 
 def _probe_cudnn(config: KernelConfig, settings: FitSettings) -> KernelChoice:
     """cuDNN's packed layout where it compiles for `config`, else the fused kernel's choice."""
-    fused = dataclasses.replace(config, cudnn_first=False)
+    fused = dataclasses.replace(config, cudnn_first=False,
+                                head_dim=flash.padded_head_dim(config.head_dim))
     if config.dtype not in CUDNN_DTYPES:
         return choose(fused)
     error = _compile_error(settings.cudnn_compile_fn, config, config.block)
@@ -258,7 +259,9 @@ def _warn(config: KernelConfig, error: str | None, choice: KernelChoice,
 
 def config_for(platform: str, dtype: Any, head_dim: int, n_heads: int, n_kv_heads: int,
                block: int, cudnn_first: bool = False) -> KernelConfig:
-    return KernelConfig(platform, jnp.dtype(dtype).name, flash.padded_head_dim(head_dim),
+    # the fused kernel computes at a padded head dim; cuDNN's is probed at the model's own
+    return KernelConfig(platform, jnp.dtype(dtype).name,
+                        head_dim if cudnn_first else flash.padded_head_dim(head_dim),
                         n_heads // n_kv_heads, block, cudnn_first)
 
 

@@ -198,3 +198,16 @@ def test_inside_a_shard_map_step_both_kernels_lower_for_cuda(monkeypatch):
     # the packed layout and the masked kernel, each forward and backward
     assert text.count("__cudnn$fmha") >= 4
     assert "Backward" in text
+
+
+def test_cudnn_is_probed_at_the_models_head_dim_and_the_fused_kernel_at_its_padded_one():
+    probed: list[tuple[str, int]] = []
+    settings = flash_fit.FitSettings(
+        compile_fn=lambda config, block: probed.append(("fused", config.head_dim)),
+        platforms=("cpu",), limit=10**9,
+        cudnn_compile_fn=lambda config, block: probed.append(("cudnn", config.head_dim)) or
+        (_ for _ in ()).throw(RuntimeError("head dim refused")))
+    config = flash_fit.config_for("cpu", "bfloat16", 80, 8, 2, 64, cudnn_first=True)
+    with flash_fit.fitting(settings), pytest.warns(flash_fit.KernelFallbackWarning):
+        assert flash_fit.choose(config).implementation == "pallas"
+    assert probed == [("cudnn", 80), ("fused", 128)]

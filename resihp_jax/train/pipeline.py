@@ -232,7 +232,8 @@ def accumulated_loss_sum(slot_loss: Callable[[Any, Any, jax.Array], jax.Array],
     compute-dtype copy), once per step; the gradient with respect to it is cast to each
     master's dtype before accumulating, which is what autodiff through the cast would give.
     A slot the group has no micro-batch for costs nothing (`cond`; with `select`, it is
-    computed and dropped, see `_when`). `masters` must already vary over `grad_axes`; the
+    computed and dropped, see `_when`); a step of one slot, which every group fills, has
+    no loop and no branch. `masters` must already vary over `grad_axes`; the
     loss comes out varying over `loss_axes`.
     """
     def sum_slots(one_slot: Callable[[jax.Array], Any], like: Any, n_busy: jax.Array) -> Any:
@@ -249,6 +250,12 @@ def accumulated_loss_sum(slot_loss: Callable[[Any, Any, jax.Array], jax.Array],
                 out = jax.lax.cond(m < n_busy, lambda: typed(one_slot(m)), lambda: zeros)
             return jax.tree.map(jnp.add, acc, out), None
 
+        if n_slots == 1:
+            # Every group has a micro-batch in slot 0 (Plan: at least one each): a step of
+            # one slot needs no loop and no branch, which cost buffer copies around them.
+            # (More slots keep slot 0 in the loop: peeled, the model's code would be written
+            # out twice, and the step would compile twice as long.)
+            return typed(one_slot(jnp.int32(0)))
         return jax.lax.scan(add, zeros, jnp.arange(n_slots))[0]
 
     loss_like = jax.ShapeDtypeStruct((), jnp.float32)

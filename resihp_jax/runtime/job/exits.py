@@ -37,6 +37,9 @@ USER_ERROR = 2
 # what host_snapshot.py exits with on SIGTERM (it sits below this layer and holds its own
 # copy, JAX-free imports here: a test keeps the two equal)
 PREEMPTED_EXIT = 74
+# where resihp launch names the failure that ends a job before its SIGTERM (host_snapshot.py
+# reads it and holds its own copy of the name, as of PREEMPTED_EXIT: a test keeps them equal)
+PEER_LOST_ENV = "RESIHP_PEER_LOST_FILE"
 EXIT_CODES = {0: "finished", 1: "crashed", USER_ERROR: "refused its input",
               PREEMPTED_EXIT: "preempted (SIGTERM)", HUNG_EXIT: "a step failed or hung",
               HostsLeftOut.LEFT_OUT_EXIT: "left out by a re-plan (slow host)",

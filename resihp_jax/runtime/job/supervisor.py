@@ -47,10 +47,9 @@ from resihp_jax.metrics import Destination, Metrics, parse_destinations
 from resihp_jax.metrics.entry import relaunch_entry
 from resihp_jax.runtime.job import accelerators, distributed, heartbeat, standby
 from resihp_jax.runtime.recovery import health_record
-from resihp_jax.runtime.recovery.host_snapshot import PEER_LOST_ENV
 from resihp_jax.faults.throttle import Throttle
 from resihp_jax.runtime.job import priority
-from resihp_jax.runtime.job.exits import EXIT_CODES, USER_ERROR
+from resihp_jax.runtime.job.exits import EXIT_CODES, PEER_LOST_ENV, USER_ERROR
 from resihp_jax.runtime.job.watchdog import HUNG_EXIT
 
 # the job's directory, for a user's own command (rh.fit checkpoints there by default)

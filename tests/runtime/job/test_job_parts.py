@@ -263,7 +263,10 @@ def test_sigterm_after_a_named_failure_exits_75_naming_it(tmp_path: Path, monkey
     75 (a peer was lost: not their fault, a restart) with one line naming it, not 74."""
     from resihp_jax.runtime.recovery import host_snapshot
 
+    from resihp_jax.runtime.job import exits
+
     assert host_snapshot.PEER_LOST_EXIT == HUNG_EXIT
+    assert host_snapshot.PEER_LOST_ENV == exits.PEER_LOST_ENV
     named = tmp_path / "peer_lost"
     monkeypatch.setenv(host_snapshot.PEER_LOST_ENV, str(named))
     codes: list[int] = []

@@ -51,6 +51,19 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def kernel_cases(text: str) -> tuple[str, ...]:
+    """Names of the kernels section's cases, ';'-separated; any that it has not: refused."""
+    from benchmarks.gpu_sections.kernels import cases  # noqa: PLC0415 - imports JAX
+
+    names = tuple(n.strip() for n in text.split(";") if n.strip())
+    known = [c.name for q in (False, True) for c in cases(q)]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown kernel case(s) {', '.join(map(repr, bad))}; valid: {'; '.join(known)}")
+    return names
+
+
 class OneLineParser(argparse.ArgumentParser):
     """A bad flag value is one line on stderr (no usage block) and exit status 2."""
 
@@ -71,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="gpu_suite.json",
                         help="write the final JSON here too (default gpu_suite.json)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data")
-    parser.add_argument("--kernel-cases", default="",
+    parser.add_argument("--kernel-cases", default=(), type=kernel_cases,
                         help="the kernels section's cases to run, separated by ';', each "
                              "named as its table prints it, e.g. 'bf16 d64 32/4 4x2048 b128' "
                              "(default all)")
@@ -168,9 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text(line + "\n")
         return line
 
-    cases = tuple(c.strip() for c in args.kernel_cases.split(";") if c.strip())
     print(write(run_sections(args.sections, args.quick, args.budget_s, args.seed,
-                             partial=write, kernel_cases=cases)))
+                             partial=write, kernel_cases=args.kernel_cases)))
 
 
 if __name__ == "__main__":

@@ -112,6 +112,8 @@ def test_timing_sections_give_real_ratios(quick: dict) -> None:
     (["--budget-s", "-5"], "'-5': must be a number of seconds > 0"),
     (["--sections", "kernels,nope"], "unknown section(s) nope; valid: kernels"),
     (["--seed", "x"], "invalid int value: 'x'"),
+    (["--kernel-cases", "bf16 d64 32/4 4x2048 b128;nope"],
+     "unknown kernel case(s) 'nope'; valid: f32 d64 32/4 4x2048 b128;"),
 ])
 def test_a_bad_flag_value_is_one_line(args: list[str], named: str) -> None:
     proc = _run(*args, timeout=120)

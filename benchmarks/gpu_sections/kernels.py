@@ -61,15 +61,9 @@ def cases(quick: bool) -> list[Case]:
 
 
 def chosen_cases(suite: Suite) -> list[Case]:
-    """The cases --kernel-cases names (each name as the table prints it), else all."""
+    """The cases --kernel-cases names (checked against `cases` as it is parsed), else all."""
     every = cases(suite.quick)
-    if not suite.kernel_cases:
-        return every
-    known = {case.name: case for case in every}
-    missing = [name for name in suite.kernel_cases if name not in known]
-    if missing:
-        raise ValueError(f"unknown kernel case(s) {missing}; valid: {list(known)}")
-    return [known[name] for name in suite.kernel_cases]
+    return [c for c in every if c.name in suite.kernel_cases] if suite.kernel_cases else every
 
 
 def packed_rows(rows: int, seq_len: int, seed: int) -> np.ndarray:
@@ -132,6 +126,23 @@ def peer_fwd_bwd(suite: Suite, args: tuple) -> tuple[str, Callable]:
     raise RuntimeError("no dot_product_attention implementation compiled")
 
 
+def checks(fn: Callable, got: tuple, o_ref, grads_ref, args: tuple, doc: np.ndarray, k2, v2,
+           dtype: str, prefix: str = "") -> dict[str, Any]:
+    """A kernel's row: output and gradient errors against the float32 reference, the
+    largest padding output, how far outputs outside `doc` moved when its keys and values
+    changed (k2, v2), and `ok` (a NaN anywhere is not ok)."""
+    (o, grads), (q, _, _, seg, w) = got, args
+    row = {"err_o": relative_error(o, o_ref)}
+    row.update({f"err_d{n}": relative_error(a, b) for n, a, b in zip("qkv", grads, grads_ref)})
+    row["pad_max"] = float(np.max(np.abs(np.asarray(o)[np.asarray(seg) == 0])))
+    o2, _ = fn(q, k2, v2, seg, w)
+    row["leak_max"] = float(np.max(np.abs(np.asarray(o2) - np.asarray(o))[~doc]))
+    errors = np.array([row[f"err_{f}"] for f in ("o", "dq", "dk", "dv")])
+    row["ok"] = bool(np.all(np.isfinite(errors)) and np.all(errors <= TOLERANCE[dtype])
+                     and row["pad_max"] == 0 and row["leak_max"] == 0)
+    return {f"{prefix}{name}": value for name, value in row.items()}
+
+
 def packed_candidate(case: Case, args: tuple, o_ref, grads_ref, doc: np.ndarray, k2, v2
                      ) -> tuple[dict[str, Any], Callable | None]:
     """cuDNN's packed (THD) layout, which skips the work between documents: its errors
@@ -139,25 +150,15 @@ def packed_candidate(case: Case, args: tuple, o_ref, grads_ref, doc: np.ndarray,
     where it does not run: a float32 case, no cuDNN, an older JAX)."""
     if case.dtype == "float32":
         return {"thd": "not for float32"}, None
-    q, k, v, seg, w = args
-    bound = int(np.max(np.asarray(documents_per_row(seg))))
+    bound = int(np.max(np.asarray(documents_per_row(args[3]))))
     kernel = functools.partial(packed_attention, max_documents=bound)
     fn = jax.jit(functools.partial(value_and_grads, kernel))
     try:
         o, grads = fn(*args)
     except Exception as error:  # noqa: BLE001 - a candidate that fails is a row's note
         return {"thd": first_line(error)[:160]}, None
-    seg_np = np.asarray(seg)
-    row: dict[str, Any] = {"thd": f"cudnn packed, {bound} documents a row",
-                           "thd_err_o": relative_error(o, o_ref)}
-    row.update({f"thd_err_d{n}": relative_error(a, b)
-                for n, a, b in zip("qkv", grads, grads_ref)})
-    row["thd_pad_max"] = float(np.max(np.abs(np.asarray(o)[seg_np == 0])))
-    o2, _ = fn(q, k2, v2, seg, w)
-    row["thd_leak_max"] = float(np.max(np.abs(np.asarray(o2) - np.asarray(o))[~doc]))
-    row["thd_ok"] = bool(max(row[f"thd_err_{f}"] for f in ("o", "dq", "dk", "dv"))
-                         <= TOLERANCE[case.dtype] and row["thd_pad_max"] == 0
-                         and row["thd_leak_max"] == 0)
+    row = {"thd": f"cudnn packed, {bound} documents a row",
+           **checks(fn, (o, grads), o_ref, grads_ref, args, doc, k2, v2, case.dtype, "thd_")}
     return row, fn
 
 
@@ -181,21 +182,15 @@ def one_case(suite: Suite, case: Case, rounds: int) -> dict[str, Any]:
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
         o_ref, grads_ref = jax.jit(functools.partial(value_and_grads, grouped_dense))(
             *f32, seg, w)
-    row: dict[str, Any] = {"case": case.name, "runs": chosen_blocks(case),
-                           "err_o": relative_error(o, o_ref)}
-    row.update({f"err_d{n}": relative_error(a, b)
-                for n, a, b in zip("qkv", grads, grads_ref)})
-    seg_np = np.asarray(seg)
-    row["pad_max"] = float(np.max(np.abs(np.asarray(o)[seg_np == 0])))
     # one document of row 0 gets new keys and values: nothing outside it may move
+    seg_np = np.asarray(seg)
     doc = (seg_np == 2) & (np.arange(case.rows) == 0)[:, None]
     doc_k = jnp.asarray(doc)[:, :, None, None]
     k2 = jnp.where(doc_k, jax.random.normal(key, k.shape).astype(k.dtype), k)
     v2 = jnp.where(doc_k, (v.astype(jnp.float32) + 100.0).astype(v.dtype), v)
-    o2, _ = ours(q, k2, v2, seg, w)
-    row["leak_max"] = float(np.max(np.abs(np.asarray(o2) - np.asarray(o))[~doc]))
-    row["ok"] = bool(max(row[f] for f in ("err_o", "err_dq", "err_dk", "err_dv"))
-                     <= TOLERANCE[case.dtype] and row["pad_max"] == 0 and row["leak_max"] == 0)
+    row: dict[str, Any] = {"case": case.name, "runs": chosen_blocks(case),
+                           **checks(ours, (o, grads), o_ref, grads_ref, (q, k, v, seg, w),
+                                    doc, k2, v2, case.dtype)}
     args = (q, k, v, seg, w)
     row["peer"], peer = peer_fwd_bwd(suite, args)
     thd, thd_fn = packed_candidate(case, args, o_ref, grads_ref, doc, k2, v2)

@@ -48,7 +48,6 @@ def fit_cold(suite: Suite, batch: Any) -> dict[str, Any]:
 
     def on_step(_: Any) -> None:
         ends.append(time.perf_counter())
-        first.setdefault("end", time.perf_counter())
         first.setdefault("compiles", compiles_so_far()[0])
         phases.setdefault("first", phases_since(p0))
 
@@ -62,7 +61,7 @@ def fit_cold(suite: Suite, batch: Any) -> dict[str, Any]:
            seed=suite.seed,
            devices=[suite.device], progress=False, on_step=on_step)
     n1, s1 = compiles_so_far()
-    return {"seconds": round(first["end"] - start, 3), "compiles": int(first["compiles"] - n0),
+    return {"seconds": round(ends[0] - start, 3), "compiles": int(first["compiles"] - n0),
             "compiles_by_return": n1 - n0, "compile_s_by_return": round(s1 - s0, 3),
             "call_s": round(time.perf_counter() - start, 3), "phases": phases["first"],
             "steady_step_ms": round(1e3 * float(np.median(np.diff(ends[2:]))), 3)}

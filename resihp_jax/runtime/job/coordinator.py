@@ -93,7 +93,8 @@ def _on_abort(signum: int) -> None:
     leaving()
     from resihp_jax.runtime.recovery.host_snapshot import dump_active, prog  # noqa: PLC0415
 
-    print(f"{prog()}: {line}; exiting so the job restarts", file=sys.stderr, flush=True)
+    print(f"{prog()}: {line}; exiting with {HUNG_EXIT} so the job restarts",
+          file=sys.stderr, flush=True)
     dump_active("the job's coordination service is gone")
     os._exit(HUNG_EXIT)
 

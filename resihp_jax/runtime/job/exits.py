@@ -25,8 +25,12 @@ A process killed by a signal shows as 128+N in a shell or srun (137: SIGKILL).
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 from resihp_jax.errors import HostsLeftOut, JobStepFailed, Preempted, ResihpError
@@ -40,10 +44,51 @@ PREEMPTED_EXIT = 74
 # where resihp launch names the failure that ends a job before its SIGTERM (host_snapshot.py
 # reads it and holds its own copy of the name, as of PREEMPTED_EXIT: a test keeps them equal)
 PEER_LOST_ENV = "RESIHP_PEER_LOST_FILE"
+# how long a process whose collective broke waits for the launcher to name the failure: its
+# poll (0.05 s by default) and a busy machine's delay, well inside the grace period it gives
+VERDICT_WAIT_S = 5.0
 EXIT_CODES = {0: "finished", 1: "crashed", USER_ERROR: "refused its input",
               PREEMPTED_EXIT: "preempted (SIGTERM)", HUNG_EXIT: "a step failed or hung",
               HostsLeftOut.LEFT_OUT_EXIT: "left out by a re-plan (slow host)",
               HostsLeftOut.REPLAN_EXIT: "restarting without a slow host"}
+
+
+def launcher_verdict(wait_s: float = VERDICT_WAIT_S, poll_s: float = 0.05,
+                     environ: dict[str, str] | None = None,
+                     clock: Callable[[], float] = time.monotonic) -> str | None:
+    """'the job is ending: <failure>' once `resihp launch` has named the failure that ends the
+    job (PEER_LOST_ENV); None outside a launched job, or if it names none within `wait_s`.
+
+    A peer's death breaks this process's collective at once (its sockets close), a little
+    before the launcher, polling its processes, notices it: without this wait the survivors
+    would each print a collective's error instead of the one cause. The launcher writes the
+    name before its SIGTERM, so the SIGTERM ends the wait too (and must not end the process
+    unheard meanwhile)."""
+    path = (os.environ if environ is None else environ).get(PEER_LOST_ENV)
+    if not path:
+        return None
+    woken = threading.Event()
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGTERM, lambda *_: woken.set())
+    try:
+        deadline = clock() + wait_s
+        while True:
+            text = _read(Path(path))
+            if text or woken.is_set() or clock() >= deadline:
+                return f"the job is ending: {text}" if text else None
+            woken.wait(poll_s)
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _read(path: Path) -> str:
+    try:
+        lines = path.read_text().strip().splitlines()
+    except OSError:
+        return ""
+    return lines[0] if lines else ""
 
 
 def run_as_job_process(body: Callable[[], Any], prog: str) -> int:
@@ -66,9 +111,11 @@ def run_as_job_process(body: Callable[[], Any], prog: str) -> int:
         code = PREEMPTED_EXIT
     except JobStepFailed as err:
         leaving()  # the coordinator guard may be saying it already: then it alone speaks
-        # a step that broke because process 0 died is named by what happened to it
-        print(f"{prog}: {lost_line() or err}; exiting so the job restarts", file=sys.stderr,
-              flush=True)
+        # a step that broke because process 0 died is named by what happened to it; one that
+        # broke because a peer died, by the launcher (which knows who) once it has noticed
+        named = lost_line() or launcher_verdict()
+        print(f"{prog}: {named or err}; exiting with {HUNG_EXIT} so the job restarts",
+              file=sys.stderr, flush=True)
         code = HUNG_EXIT
     except HostsLeftOut as err:
         import jax  # noqa: PLC0415

@@ -22,7 +22,8 @@ def _exit_hung(message: str) -> None:
     # JAX is loaded by now
     from resihp_jax.runtime.recovery.host_snapshot import dump_active, prog  # noqa: PLC0415
 
-    print(f"{prog()}: {message}; exiting so the job restarts", file=sys.stderr, flush=True)
+    print(f"{prog()}: {message}; exiting with {HUNG_EXIT} so the job restarts",
+          file=sys.stderr, flush=True)
     dump_active("step deadline passed")  # the relaunch rebuilds this step from the survivors
     os._exit(HUNG_EXIT)  # other threads may be blocked in a collective: no clean shutdown
 

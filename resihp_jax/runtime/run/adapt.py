@@ -105,9 +105,6 @@ class AdaptRun:
         return self._steps(start)
 
     def close(self) -> None:
-        close_host_copies(self.snapshots)
-        if self.sigterm is not None:
-            self.sigterm.close()
         try:
             self.trainer.close()
             if self.trainer.checkpointer is not None:
@@ -116,6 +113,11 @@ class AdaptRun:
         finally:
             if self.heartbeat is not None:
                 self.heartbeat.close()
+            # last: a save that cannot finish (a peer died mid-write) leaves SIGTERM to the
+            # copies' handler, which names the failure and exits 75, not to a silent death
+            close_host_copies(self.snapshots)
+            if self.sigterm is not None:
+                self.sigterm.close()
 
     def _initial_state(self) -> int:
         t0 = time.perf_counter()

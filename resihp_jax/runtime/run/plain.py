@@ -87,9 +87,6 @@ class TrainRun:
     def close(self) -> None:
         self.watchdog.close()
         self._background.close()
-        close_host_copies(self.snapshots)
-        if self.sigterm is not None:
-            self.sigterm.close()
         try:
             if self.ckpt is not None:
                 self.ckpt.wait()  # a pending save completes (or reports its failure) first
@@ -97,6 +94,9 @@ class TrainRun:
         finally:
             if self.heartbeat is not None:
                 self.heartbeat.close()
+            close_host_copies(self.snapshots)  # last, as AdaptRun.close says why
+            if self.sigterm is not None:
+                self.sigterm.close()
 
     def _initial_state(self) -> tuple[Any, int]:
         """(state, step) to train from: see resume.start_state."""

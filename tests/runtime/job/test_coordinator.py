@@ -82,7 +82,7 @@ def test_the_survivors_of_a_dead_process_0_exit_75_naming_it_and_lose_no_step(
         err = (tmp_path / f"err0-{task}").read_text()
         named = [line for line in err.splitlines() if "process 0 is gone" in line]
         assert len(named) == 1 and named[0].startswith("rh.fit: process 0 is gone: ") \
-            and named[0].endswith("exiting so the job restarts"), err[-3000:]
+            and named[0].endswith("exiting with 75 so the job restarts"), err[-3000:]
         assert "Traceback" not in err and "copy of step 2" in err, err[-3000:]
 
     # the relaunch (srun again, the same command) continues from the survivors' copies

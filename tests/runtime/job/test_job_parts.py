@@ -280,6 +280,40 @@ def test_sigterm_after_a_named_failure_exits_75_naming_it(tmp_path: Path, monkey
     assert last.endswith("exiting with 75")
 
 
+def test_a_broken_collective_waits_for_the_launcher_to_name_the_failure(tmp_path: Path) -> None:
+    """A peer's death breaks the others' collectives before the launcher notices it: a
+    process of a launched job waits for the launcher's name of the failure (its file, or the
+    SIGTERM that follows it) instead of printing a collective's error; elsewhere it does not
+    wait at all."""
+    import os
+    import signal
+
+    from resihp_jax.runtime.job.exits import PEER_LOST_ENV, launcher_verdict
+
+    named = tmp_path / "peer_lost"
+    env = {PEER_LOST_ENV: str(named)}
+    never = iter(range(10**6)).__next__  # a clock that is past any deadline at its 2nd read
+    assert launcher_verdict(environ={}) is None  # not under resihp launch: at once
+    assert launcher_verdict(wait_s=1.0, environ=env, clock=never) is None  # nothing named
+    named.write_text("died: process p0 exited with signal SIGKILL\n")
+    assert launcher_verdict(wait_s=0.0, environ=env) == (
+        "the job is ending: died: process p0 exited with signal SIGKILL")
+    named.unlink()
+    # the launcher's SIGTERM (here sent as the wait starts, with no name yet) ends the wait,
+    # and the process lives on to print its own line; a clock that never moves: no deadline
+    before = signal.getsignal(signal.SIGTERM)
+    sent: list[int] = []
+
+    def clock() -> float:
+        if not sent:
+            sent.append(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return 0.0
+
+    assert launcher_verdict(wait_s=1.0, environ=env, clock=clock) is None and sent
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_a_job_that_asked_for_gpus_refuses_cpu_devices() -> None:
     from resihp_jax.runtime.job.join import EXPECT_PLATFORM_ENV, check_platform
 

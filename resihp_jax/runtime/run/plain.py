@@ -24,6 +24,7 @@ from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots, activate, d
 from resihp_jax.runtime.recovery.preemption import SaveOnSigterm
 from resihp_jax.runtime.trainer.compiles import foreground_hits_since, foreground_since
 from resihp_jax.runtime.trainer.deferred import BackgroundCompiles, compile_layouts, compile_step
+from resihp_jax.runtime.trainer.gil import responsive_loop
 from resihp_jax.runtime.trainer.loop import StepRecord, train
 from resihp_jax.runtime.trainer.overhead import OVERHEAD_BUDGET, run_overhead
 from resihp_jax.runtime.recovery.resume import start_state
@@ -167,11 +168,13 @@ class TrainRun:
                                learning_rate=lambda step, _: train_cfg.learning_rate_at(step))
         self.data_step = start
         try:
-            for _, record in train(self.program, state, self.data, self.config.steps - start,
-                                   self.ckpt, before_step=self._before_step,
-                                   after_step=self._after_step):
-                self.watchdog.disarm()
-                self.data_step = record.step
+            with responsive_loop():  # background threads hold the step loop up briefly
+                for _, record in train(self.program, state, self.data,
+                                       self.config.steps - start, self.ckpt,
+                                       before_step=self._before_step,
+                                       after_step=self._after_step):
+                    self.watchdog.disarm()
+                    self.data_step = record.step
         finally:
             self.watchdog.disarm()
             ckpt = self.ckpt

@@ -50,6 +50,7 @@ from resihp_jax.runtime.recovery.checkpoint import Checkpointer, deadline_beside
 from resihp_jax.runtime.trainer.compile_cache import default_cache_dir, enable_compilation_cache
 from resihp_jax.runtime.trainer.compiles import counting
 from resihp_jax.runtime.trainer.deferred import await_started, compile_layouts, compile_step
+from resihp_jax.runtime.trainer.gil import responsive_loop
 from resihp_jax.runtime.trainer.unwatched import Unwatched
 from resihp_jax.train.instrument import FaultHook
 from resihp_jax.runtime.trainer.loop import StepRecord, device_batch, diverged
@@ -428,7 +429,12 @@ class ResilientTrainer:
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self, steps: int, seed: int = 0) -> Iterator[StepRecord | Replan]:
-        """Train `steps` steps, yielding each step's record and each re-plan."""
+        """Train `steps` steps, yielding each step's record and each re-plan; meanwhile a
+        background thread's Python cannot hold the step loop up for long (gil.py)."""
+        with responsive_loop():
+            yield from self._run(steps, seed)
+
+    def _run(self, steps: int, seed: int) -> Iterator[StepRecord | Replan]:
         if self.state is None:
             self.state = self.program.init_state(seed)
         done = int(self.state.step)

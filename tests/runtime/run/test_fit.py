@@ -3,6 +3,9 @@ exactly what a plain `jax.jit` loop of the same model and optax optimizer gives.
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +15,7 @@ from flax import nnx
 
 import resihp_jax as rh
 from resihp_jax.model.layers import next_token_targets
+from resihp_jax.runtime.trainer.gil import SWITCH_INTERVAL_S
 from resihp_jax.train.user_pipeline import token_nll_sum
 from tests.helpers import make_batches
 from tests.train.user_models import GPT2, GPT2Block, make_gpt2
@@ -68,11 +72,19 @@ def _params(model: nnx.Module) -> dict:
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_fit_equals_a_plain_jit_loop(plan: str, plain_sgd) -> None:
     seen: list[tuple[int, float]] = []
+    intervals: set[int] = set()
+    before = sys.getswitchinterval()
+
+    def on_step(r: Any) -> None:
+        seen.append((r.step, r.loss))
+        intervals.add(round(sys.getswitchinterval() * 1e6))  # (kept in microseconds)
+
     result = rh.fit(make_gpt2(), _packed(), optimizer=optax.sgd(0.1), plan=_plan(plan),
-                    steps=STEPS, progress=False,
-                    on_step=lambda r: seen.append((r.step, r.loss)))
+                    steps=STEPS, progress=False, on_step=on_step)
     losses, trained = plain_sgd
     assert list(result.losses) == [1, 2, 3] and seen == list(result.losses.items())
+    # while it trains, a background thread lets the step loop have the GIL within 0.1 ms
+    assert intervals == {round(SWITCH_INTERVAL_S * 1e6)} and sys.getswitchinterval() == before
     np.testing.assert_allclose(list(result.losses.values()), losses, rtol=1e-5)
     assert type(result.model) is GPT2 and isinstance(result.model.blocks[1], GPT2Block)
     got, want = _params(result.model), _params(trained)

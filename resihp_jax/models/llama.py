@@ -1,6 +1,11 @@
 """Llama as a plain Flax NNX model behind the user's-model contract (train/user_model.py):
 `embed`, `blocks` (identical `LlamaBlock`s), `head`, kernels named with logical axes, so it
-trains through the same generic step as any user's model (tensor parallelism from shardings).
+trains through the same generic step as any user's model. Its tensor parallelism is manual
+(`tensor_parallel = "manual"`): under tp > 1 each block sees its own heads and MLP columns
+and finishes their sums with `rh.nn.tp_sum`, the embedding is vocab-parallel
+(`rh.nn.vocab_embed`) and the head returns this device's slice of the vocabulary, so its step
+is manual over every mesh axis (stage timing, injected slowdowns and the fused attention
+kernels reach it at any tp). Outside such a step the helpers are the plain operations.
 
 Its math is the built-in decoder's (model/layers.py), op for op: RMSNorm with float32
 statistics, rotary positions per document, grouped KV heads, SwiGLU, our block-sparse
@@ -21,7 +26,7 @@ from flax import nnx
 
 from resihp_jax.model import layers
 from resihp_jax.model.config import ModelConfig, get_model_config
-from resihp_jax.nn import segment_attention
+from resihp_jax.nn import segment_attention, tp_sum, vocab_embed
 
 # Built-in (model/decoder.py) layer parameter name -> this model's block attribute path.
 _BLOCK_NAMES = {"attn_norm": ("attn_norm", "scale"), "wq": ("wq",), "wk": ("wk",),
@@ -104,13 +109,16 @@ class LlamaBlock(nnx.Module):
 
     def __call__(self, x_BxSxD: jax.Array, seg_BxS: jax.Array,
                  pos_BxS: jax.Array) -> jax.Array:
-        x_BxSxD = x_BxSxD + self.attention(x_BxSxD, seg_BxS, pos_BxS)
-        return x_BxSxD + self.mlp(x_BxSxD)
+        # each projection back to d_model is over this device's heads / columns: summed
+        x_BxSxD = x_BxSxD + tp_sum(self.attention(x_BxSxD, seg_BxS, pos_BxS))
+        return x_BxSxD + tp_sum(self.mlp(x_BxSxD))
 
 
 class Llama(nnx.Module):
     """Llama-style decoder for `config`: a `ModelConfig` (`rh.models.get_model_config('tiny')`)
     or a preset's name ('tiny')."""
+
+    tensor_parallel = "manual"  # (module docstring)
 
     def __init__(self, config: ModelConfig | str, *, rngs: nnx.Rngs) -> None:
         if isinstance(config, str):
@@ -125,10 +133,11 @@ class Llama(nnx.Module):
     def embed(self, tokens_BxS: jax.Array, positions_BxS: jax.Array) -> jax.Array:
         del positions_BxS  # positions enter through the blocks' rotary embedding
         # gather float32 rows, then cast only those (the built-in's order)
-        return _compute(jnp.take(self.table[...], tokens_BxS, axis=0), self.config.dtype)
+        return _compute(vocab_embed(self.table[...], tokens_BxS), self.config.dtype)
 
     def head(self, h_BxSxD: jax.Array) -> jax.Array:
-        """Float32 logits [B, S, V] whatever the compute dtype (the loss never sees bf16)."""
+        """Float32 logits [B, S, V] whatever the compute dtype (the loss never sees bf16);
+        under manual tp, this device's slice of the vocabulary [B, S, V / tp]."""
         return layers.logits(_cast(self.final_norm.scale, self.config.dtype),
                              _cast(self.lm_head, self.config.dtype), h_BxSxD, self.config)
 

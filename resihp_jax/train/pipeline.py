@@ -82,8 +82,8 @@ def gated(fn: Callable[..., Any], on: jax.Array, masters: Any, compute: Any,
         masters, acts, (on_, compute_, aux_) = res
 
         def grads() -> tuple[Any, ...]:
-            _, pullback = jax.vjp(lambda c, *a: fn(c, *a, *aux_), compute_, *acts)
-            d_compute, *d_acts = pullback(g)
+            out, pullback = jax.vjp(lambda c, *a: fn(c, *a, *aux_), compute_, *acts)
+            d_compute, *d_acts = pullback(jax.tree.map(_like_output, out, g))
             d_masters = jax.tree.map(lambda d, m: d.astype(m.dtype), d_compute, masters)
             return d_masters, tuple(d_acts)
 
@@ -93,6 +93,14 @@ def gated(fn: Callable[..., Any], on: jax.Array, masters: Any, compute: Any,
     run.defvjp(run_fwd, run_bwd)
     masters, compute, acts = vma.vary((masters, compute, acts), axes)
     return run(masters, acts, (on, compute, aux))
+
+
+def _like_output(out: jax.Array, g: jax.Array) -> jax.Array:
+    """The cotangent `g` of `gated`'s output (made to vary over every manual axis) as the
+    cotangent of what `fn` returned: summed over the axes `fn`'s output did not vary over (a
+    block that finished its own sums over 'tp': the transpose of that widening)."""
+    extra = tuple(sorted(vma.varying_axes(g) - vma.varying_axes(out)))
+    return jax.lax.psum(g, extra) if extra else g
 
 
 def run_stage(masters: dict[str, jax.Array], compute: dict[str, jax.Array],
@@ -193,11 +201,14 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
 
 def run_ticks(work: Callable[..., tuple[jax.Array, jax.Array]], stage: jax.Array, pp: int,
               mb_slots: int, n_microbatches: jax.Array, x_like: jax.Array,
-              axes: tuple[str, ...] = STEP_AXES) -> jax.Array:
+              axes: tuple[str, ...] = STEP_AXES,
+              loss_axes: tuple[str, ...] | None = None) -> jax.Array:
     """The GPipe schedule: at tick t stage s runs micro-batch t - s when its group has it
     (`work(x_received, m, busy, t) -> (x_out, loss)`), then passes its activation on with one
     collective permute. The summed losses of every stage and group (`axes`: the manual axes
-    they are summed over; none outside a shard_map)."""
+    the activations vary over and the losses are summed over, none outside a shard_map;
+    `loss_axes`, if given, those of the losses: a loss already whole over 'tp')."""
+    loss_axes = axes if loss_axes is None else loss_axes
     def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array):
         x_recv, loss_acc = carry
         m = t - stage
@@ -207,9 +218,9 @@ def run_ticks(work: Callable[..., tuple[jax.Array, jax.Array]], stage: jax.Array
             x_out = jax.lax.ppermute(x_out, "pp", [(s, s + 1) for s in range(pp - 1)])
         return (x_out, loss_acc + loss), None
 
-    carry0 = vma.vary((x_like, jnp.zeros((), jnp.float32)), axes)
+    carry0 = (vma.vary(x_like, axes), vma.vary(jnp.zeros((), jnp.float32), loss_axes))
     (_, loss_sum), _ = jax.lax.scan(tick, carry0, jnp.arange(mb_slots + pp - 1))
-    return jax.lax.psum(loss_sum, axes) if axes else loss_sum
+    return jax.lax.psum(loss_sum, loss_axes) if loss_axes else loss_sum
 
 
 # ------------------------------------------------------------------ a single stage (pp == 1)

@@ -26,6 +26,7 @@ from resihp_jax.errors import ConfigError
 DEFAULT_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("vocab", "tp"), ("mlp", "tp"), ("heads", "tp"), ("kv", "tp"))
 MESH_AXES = ("dp", "pp", "tp")
+TENSOR_PARALLEL = ("auto", "manual")  # a model's `tensor_parallel` (ModelParts says what)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class ModelParts:
     # its blocks or shell keep random streams (nnx.Dropout(rngs=...)): each call then draws
     # from keys the step folds its `noise` into
     draws: bool = False
+    # "auto": tensor parallelism from the shardings (XLA splits the blocks); "manual": the
+    # blocks see their own shards and finish the partial sums (rh.nn.tp_sum, vocab_embed),
+    # and the head returns this device's slice of the vocabulary's logits
+    tensor_parallel: str = "auto"
 
     def embed(self, shell: Any, tokens_BxS: jax.Array, positions_BxS: jax.Array,
               noise: Noise | None = None) -> jax.Array:
@@ -140,7 +145,8 @@ def split_model(model: Any) -> tuple[ModelParts, Any, Any]:
     parts = ModelParts(shell_def, _treedef(shell_params), shell_rest, block_def,
                        _treedef(layer_splits[0][1]), block_rest, blocks_type, len(blocks),
                        _logical(shell_params), _logical(layer_splits[0][1]),
-                       type(model).__name__, _draws(shell_rest, block_rest))
+                       type(model).__name__, _draws(shell_rest, block_rest),
+                       tensor_parallel_of(model))
     layers = _stack_layers([nnx.to_pure_dict(p) for _, p, _ in layer_splits])
     return parts, nnx.to_pure_dict(shell_params), layers
 
@@ -152,6 +158,15 @@ def _stack_layers(per_layer: list[Any]) -> Any:
         return jax.tree.map(lambda *xs: jax.ShapeDtypeStruct((len(xs),) + tuple(xs[0].shape),
                                                             xs[0].dtype), *per_layer)
     return jax.jit(lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees))(per_layer)
+
+
+def tensor_parallel_of(model: Any) -> str:
+    """The model's `tensor_parallel` ("auto" unless it says "manual"); ConfigError else."""
+    mode = getattr(model, "tensor_parallel", "auto")
+    if mode not in TENSOR_PARALLEL:
+        raise ConfigError(f"model {type(model).__name__}: tensor_parallel={mode!r}; expected "
+                          f"one of {TENSOR_PARALLEL}")
+    return mode
 
 
 def check_contract(model: Any) -> None:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from resihp_jax import vma
 from resihp_jax.meshes.plan import TIMED_SLOT
+from resihp_jax.model import layers
 from resihp_jax.model.layers import next_token_targets
 from resihp_jax.train.instrument import Instrument
 from resihp_jax.train.pipeline import (ALL_AXES, STEP_AXES, accumulated_loss_sum, gated,
@@ -39,6 +40,20 @@ def token_nll_sum(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
     logz_BxS = jax.nn.logsumexp(logits, axis=-1)
     target_BxS = jnp.take_along_axis(logits, targets_BxS[..., None], axis=-1)[..., 0]
     return jnp.sum((logz_BxS - target_BxS) * weights_BxS)
+
+
+def vocab_parallel_partials(logits_BxSxV: jax.Array,
+                            targets_BxS: jax.Array) -> layers.LossPartials:
+    """This device's softmax statistics of its slice of the vocabulary (a manual model's head
+    returns that slice, rows split over 'tp'), to be combined over 'tp' outside any gate."""
+    offset = layers.vocab_offset(logits_BxSxV.shape[-1], "tp")
+    return layers.loss_partials(logits_BxSxV.astype(jnp.float32), targets_BxS, offset)
+
+
+def vocab_parallel_nll_sum(local: layers.LossPartials, weights_BxS: jax.Array) -> jax.Array:
+    """The loss of one micro-batch from every device's `vocab_parallel_partials` (the
+    collectives over 'tp' are here), the same on every device of a tp group."""
+    return layers.nll_sum(layers.reduce_loss_partials(local, "tp"), weights_BxS)
 
 
 def _run_stage(parts: ModelParts, layers: Any, compute: Any, active: jax.Array,
@@ -105,7 +120,8 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
                            remat: bool, compute_dtype: str | None = None,
                            axes: tuple[str, ...] = STEP_AXES,
                            instrument: Instrument | None = None,
-                           gates: str = "cond", step: jax.Array | None = None) -> jax.Array:
+                           gates: str = "cond", step: jax.Array | None = None,
+                           vocab_tp: int = 1) -> jax.Array:
     """Sum of token losses over all DP groups' micro-batches (same value on every device).
 
     Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...]; knob
@@ -117,7 +133,10 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
     `gates`: how idle work is skipped: "cond" (branches: idle work costs nothing) or
     "select" (computed everywhere and dropped: for a model whose blocks hold collectives
     that a branch would leave some devices out of, meshes/branch_collectives.py).
-    `step`: the state's step (the random streams of a model that has some draw from it)."""
+    `step`: the state's step (the random streams of a model that has some draw from it).
+    `vocab_tp` > 1: a model with manual tensor parallelism over that many devices (axes
+    ALL_AXES): its head returns this device's slice of the vocabulary's logits, the loss is
+    combined over 'tp' outside the gates, whole on each device, and summed over dp and pp."""
     _check_axes(axes, instrument, knob)
     if gates not in GATES:
         raise ValueError(f"gates={gates!r}: expected one of {GATES}")
@@ -133,7 +152,8 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
                                       knob, parts=parts, remat=remat,
                                       compute_dtype=compute_dtype, axes=axes,
                                       instrument=instrument, select=select, own=own,
-                                      step=step, first_microbatch=_before(n_mb_D, group))
+                                      step=step, first_microbatch=_before(n_mb_D, group),
+                                      vocab_tp=vocab_tp)
     shell = params["shell"]
     layers = jax.tree.map(lambda a: a[0], params["blocks"])
     shell_c, layers_c = compute_copy((shell, layers), compute_dtype,
@@ -160,13 +180,22 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
         if instrument is not None:
             x_BxSxD = instrument.exit(x_BxSxD, coords)
         targets_BxS, weights_BxS = next_token_targets(tok_BxS, seg_BxS)
+        on_head = busy & (stage == pp - 1)
+        if vocab_tp > 1:  # the slices' statistics in the gate, their sums over tp outside
+            local = gated(lambda c, x_, t, n: vocab_parallel_partials(parts.head(c, x_, n), t),
+                          on_head, shell, shell_c, (x_BxSxD,),
+                          (targets_BxS, noise(parts.n_layers + 1, m)), axes, select)
+            nll = vocab_parallel_nll_sum(local, weights_BxS)
+            return x_BxSxD, jax.lax.cond(on_head, lambda: vma.vary(nll, STEP_AXES),
+                                         lambda: vma.vary(jnp.zeros((), nll.dtype), STEP_AXES))
         loss = gated(lambda c, x_, t, w, n: token_nll_sum(parts.head(c, x_, n), t, w),
-                     busy & (stage == pp - 1), shell, shell_c, (x_BxSxD,),
+                     on_head, shell, shell_c, (x_BxSxD,),
                      (targets_BxS, weights_BxS, noise(parts.n_layers + 1, m)), axes, select)
         return x_BxSxD, loss
 
     return run_ticks(jax.checkpoint(work) if remat else work, stage, pp, mb_slots,
-                     my_microbatches, x_like, axes)
+                     my_microbatches, x_like, axes,
+                     loss_axes=STEP_AXES if vocab_tp > 1 else None)
 
 
 def _check_axes(axes: tuple[str, ...], instrument: Instrument | None,
@@ -187,7 +216,8 @@ def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
                            instrument: Instrument | None = None,
                            select: bool = False, own: Any = None,
                            step: jax.Array | None = None,
-                           first_microbatch: jax.Array | int = 0) -> jax.Array:
+                           first_microbatch: jax.Array | int = 0,
+                           vocab_tp: int = 1) -> jax.Array:
     """A one-stage plan: gradient accumulation over micro-batches, with no tick schedule
     and no layer gates (pipeline.py: `accumulated_loss_sum`). `remat` recomputes each
     block in its backward. The `instrument`'s markers bracket each micro-batch's blocks,
@@ -218,8 +248,11 @@ def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
         if instrument is not None:
             x_BxSxD = instrument.exit(x_BxSxD, coords)
         targets_BxS, weights_BxS = next_token_targets(tok_BxS, seg_BxS)
-        return token_nll_sum(parts.head(shell_c, x_BxSxD, noise(parts.n_layers + 1, m)),
-                             targets_BxS, weights_BxS)
+        logits = parts.head(shell_c, x_BxSxD, noise(parts.n_layers + 1, m))
+        if vocab_tp > 1:  # (inside the slot's cond: every member of a tp group takes it)
+            return vocab_parallel_nll_sum(vocab_parallel_partials(logits, targets_BxS),
+                                          weights_BxS)
+        return token_nll_sum(logits, targets_BxS, weights_BxS)
 
     # the knob rides with the data: an input the accumulation takes no gradient for
     knob_ = jnp.ones((), jnp.float32) if knob is None else knob.reshape(())
@@ -227,8 +260,10 @@ def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
     draw = (jnp.zeros((), jnp.int32) if step is None else jnp.asarray(step, jnp.int32),
             jnp.asarray(first_microbatch, jnp.int32))
     own_masters = None if own is None else (own["shell"], own["blocks"])
+    # a loss whole over 'tp' (vocab_tp > 1) is summed over dp and pp only
+    loss_axes = STEP_AXES if vocab_tp > 1 else axes
     loss = accumulated_loss_sum(slot_loss,
                                 lambda ms: compute_copy(ms, compute_dtype, own_masters),
                                 masters, (*data, knob_, draw), n_microbatches, data[0].shape[0],
-                                axes, axes, select)
-    return jax.lax.psum(loss, axes) if axes else loss
+                                loss_axes, axes, select)
+    return jax.lax.psum(loss, loss_axes) if loss_axes else loss

@@ -5,9 +5,10 @@ The state's parameters are `{"shell": ..., "blocks": ...}` (train/user_model.py)
 in the stage layout `[pp, slots, ...]`. The optimizer is the user's optax transformation,
 applied as given. Shardings come from the parameters' logical names and `axis_rules`.
 
-A plan with tp == 1 runs a step manual over every mesh axis, which takes an `Instrument`
-(stage timing, injected slowdowns) as the built-in step does; with tp > 1 'tp' is left to
-XLA and no Instrument can reach the stage work (train/user_pipeline.py).
+A plan with tp == 1, or a model with `tensor_parallel = "manual"` at any tp, runs a step
+manual over every mesh axis, which takes an `Instrument` (stage timing, injected slowdowns)
+as the built-in step does; otherwise, with tp > 1, 'tp' is left to XLA and no Instrument can
+reach the stage work (train/user_pipeline.py).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class UserStepProgram(StepProgram):
                 return self._without_branches(hanging)
         check_traced(next(d for d in self.mesh.devices.flat  # (one of this process's)
                           if d.process_index == jax.process_index()))
-        if self.plan.tp > 1:
+        if self.plan.tp > 1 and not fully_manual(self.model, self.plan):
+            # (a manual model's blocks get their shards: nothing is gathered behind them)
             canonical = canonical_state_shapes(self.state_shapes, self.plan.n_layers).params
             warn_parameter_gathers(
                 parameter_gathers(hlo, canonical, self.param_specs),
@@ -175,10 +177,11 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
     if plan.n_layers != parts.n_layers:
         raise PlanError(f"Plan.layers_per_stage={plan.layers_per_stage} sums to "
                         f"{plan.n_layers} layers; the model has {parts.n_layers} blocks")
-    if instrument is not None and plan.tp != 1:
+    if instrument is not None and not fully_manual(parts, plan):
         raise PlanError(f"an Instrument reaches a user's model only under plans with tp == 1 "
-                        f"(host callbacks need every mesh axis manual); this plan has "
-                        f"tp={plan.tp}")
+                        f"or with tensor_parallel='manual' (host callbacks need every mesh "
+                        f"axis manual); this plan has tp={plan.tp} and the model "
+                        f"tensor_parallel={parts.tensor_parallel!r}")
     mesh = make_mesh(plan, devices)
     canonical_specs = param_specs(parts, axis_rules, stage_layout=False)
     check_divisible(example_params, canonical_specs, dict(mesh.shape), "model parameter ")
@@ -227,13 +230,16 @@ def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, sp
                       instrument: Instrument | None,
                       gates: str) -> Callable[[Any, Batch, Splits, jax.Array], jax.Array]:
     """(params, batch, splits, step) -> the batch's summed token losses, per-device body in a
-    shard_map: manual over every axis when tp == 1 (the knob array goes in, and so may an
-    Instrument); else manual over 'dp' and 'pp' with 'tp' automatic; with dp = pp = 1 and
-    tp > 1 no shard_map at all (train/user_pipeline.py says why)."""
-    axes = ALL_AXES if plan.tp == 1 else STEP_AXES if plan.dp * plan.pp > 1 else ()
+    shard_map: manual over every axis when tp == 1 or the model's tensor parallelism is
+    manual (the knob array goes in, and so may an Instrument); else manual over 'dp' and
+    'pp' with 'tp' automatic; with dp = pp = 1 and tp > 1 no shard_map at all
+    (train/user_pipeline.py says why)."""
+    manual = fully_manual(parts, plan)
+    axes = ALL_AXES if manual else STEP_AXES if plan.dp * plan.pp > 1 else ()
     body = functools.partial(user_pipeline_loss_sum, parts=parts, pp=plan.pp,
                              remat=train.remat, compute_dtype=compute_dtype, axes=axes,
-                             instrument=instrument, gates=gates)
+                             instrument=instrument, gates=gates,
+                             vocab_tp=plan.tp if manual else 1)
     batch_specs = (P("dp"),) * 3
     # the state's step rides along (replicated): a model's random streams draw from it
     if axes == ALL_AXES:  # every axis manual: the parameters' whole specs, tp included
@@ -252,6 +258,12 @@ def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, sp
                             out_specs=P(), axis_names=set(STEP_AXES))
     return lambda params, batch, splits, step: run(
         params, *batch, splits.layers_per_stage, splits.microbatches_per_group, step)
+
+
+def fully_manual(parts: ModelParts, plan: Plan) -> bool:
+    """Whether `plan`'s step of the model is manual over every mesh axis (tp == 1, or the
+    model's blocks do their own tensor parallelism)."""
+    return plan.tp == 1 or parts.tensor_parallel == "manual"
 
 
 def _fresh_state(optimizer: optax.GradientTransformation, params: Any) -> TrainState:

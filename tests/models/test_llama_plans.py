@@ -1,8 +1,10 @@
 """`rh.models.Llama` on the user's path computes its own single-device loss and gradients
 under every plan the built-in decoder's equivalence test holds it to (tests/train/
-test_train_equivalence.py): the same 9 plans, the same tolerances. Tensor parallelism here
-comes from the logical axis names (XLA inserts the collectives). Plans that differ only in
-their splits share one compiled program, as a re-plan does."""
+test_train_equivalence.py): the same 9 plans, the same tolerances, in both tensor-parallel
+modes: its own ("manual": the blocks see their shards and finish their sums, the step is
+manual over every mesh axis) and the shardings' ("auto": XLA inserts the collectives, for the
+plans with tp > 1). Plans that differ only in their splits share one compiled program, as a
+re-plan does."""
 
 from __future__ import annotations
 
@@ -14,11 +16,14 @@ import pytest
 from flax import nnx
 
 import resihp_jax as rh
+from resihp_jax.attention import kernels
 from resihp_jax.meshes import layout
+from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.layers import next_token_targets
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.user_model import split_model
 from resihp_jax.train.user_pipeline import token_nll_sum
+from resihp_jax.train.aot import abstract_args
 from resihp_jax.train.user_step import build_user_step
 from tests.helpers import make_batches, max_relative_error
 from tests.train.test_train_equivalence import PLANS, _same_mesh_groups
@@ -39,6 +44,19 @@ def _reference(model: rh.models.Llama, batch) -> tuple[float, dict]:
     return float(loss), nnx.to_pure_dict(grads)
 
 
+class AutoLlama(rh.models.Llama):
+    """The same model with its tensor parallelism left to the shardings (XLA's)."""
+
+    tensor_parallel = "auto"
+
+
+def _cases() -> list[object]:
+    groups = _same_mesh_groups()
+    return ([pytest.param(g, "manual", id="manual " + " + ".join(g)) for g in groups]
+            + [pytest.param(g, "auto", id="auto " + " + ".join(g)) for g in groups
+               if PLANS[g[0]].tp > 1])
+
+
 @pytest.fixture(scope="module")
 def case():
     model = rh.models.Llama(rh.engine.get_model_config("tiny"), rngs=nnx.Rngs(0))
@@ -47,11 +65,20 @@ def case():
     return model, batch, loss, grads
 
 
-@pytest.mark.parametrize("names", _same_mesh_groups(), ids=" + ".join)
-def test_every_plan_computes_the_models_own_loss_and_gradients(names, case) -> None:
+def _as(model: rh.models.Llama, mode: str) -> rh.models.Llama:
+    if mode == "manual":
+        return model
+    auto = nnx.eval_shape(lambda: AutoLlama("tiny", rngs=nnx.Rngs(0)))
+    nnx.update(auto, nnx.state(model))
+    return auto
+
+
+@pytest.mark.parametrize("names,mode", _cases())
+def test_every_plan_computes_the_models_own_loss_and_gradients(names, mode, case) -> None:
     model, batch, want_loss, want = case
     plans = [PLANS[n] for n in names]
-    parts, shell, blocks = split_model(model)
+    parts, shell, blocks = split_model(_as(model, mode))
+    assert parts.tensor_parallel == mode
     params = {"shell": shell, "blocks": blocks}
     train = TrainConfig(layer_slots=max(max(p.layers_per_stage) for p in plans),
                         microbatch_slots=max(max(p.microbatches_per_group) for p in plans))
@@ -73,3 +100,26 @@ def test_every_plan_computes_the_models_own_loss_and_gradients(names, case) -> N
         assert max_relative_error(got_blocks, stacked) < 1e-4, name
         assert max_relative_error(jax.tree.leaves(grads["shell"]),
                                   jax.tree.leaves(want_shell)) < 1e-4, name
+
+
+@pytest.mark.parametrize("mode", ["manual", "auto"])
+def test_only_the_manual_model_leaves_no_axis_to_the_partitioner_around_its_attention(
+        mode, case, monkeypatch) -> None:
+    """At tp = 2 the manual model's attention is traced with every mesh axis manual: "auto"
+    picks the fused kernels there on a GPU (a Triton or cuDNN call XLA cannot split); the
+    model that leaves 'tp' to XLA keeps the block-sparse scan."""
+    seen: list[tuple[str, ...]] = []  # what "auto" weighs at each of the model's calls
+    real = kernels.resolve_implementation
+
+    def resolve(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(kernels._auto_mesh_axes())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "resolve_implementation", resolve)
+    model = case[0]
+    parts, shell, blocks = split_model(_as(model, mode))
+    plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=2, seq_len=S)
+    program = build_user_step(parts, optax.sgd(0.1), plan, jax.devices(),
+                              {"shell": shell, "blocks": blocks})
+    program.step_fn.lower(*abstract_args(program))  # traced, not compiled
+    assert seen and set(seen) == ({()} if mode == "manual" else {("tp",)}), seen

@@ -1,6 +1,7 @@
 """Stage timing and injected per-device slowdowns reach a user's NNX model: under plans with
-tp == 1 its step is manual over every mesh axis and takes the Instrument and the knobs as the
-built-in step does; with tp > 1 it trains as before, without them."""
+tp == 1, or at any tp for a model with manual tensor parallelism (`rh.models.Llama`), its step
+is manual over every mesh axis and takes the Instrument and the knobs as the built-in step
+does; a model that leaves 'tp' to XLA trains at tp > 1 as before, without them."""
 
 from __future__ import annotations
 
@@ -31,6 +32,18 @@ def _plan(dp: int, pp: int, tp: int) -> Plan:
 @pytest.fixture(scope="module")
 def model_parts():
     parts, shell, blocks = split_model(make_gpt2())
+    return parts, {"shell": shell, "blocks": blocks}
+
+
+@pytest.fixture(scope="module")
+def llama_parts():
+    """rh.models.Llama ('tiny'): its blocks do their own tensor parallelism."""
+    from flax import nnx
+
+    import resihp_jax as rh
+
+    parts, shell, blocks = split_model(rh.models.Llama("tiny", rngs=nnx.Rngs(0)))
+    assert parts.tensor_parallel == "manual"
     return parts, {"shell": shell, "blocks": blocks}
 
 
@@ -91,9 +104,48 @@ def test_stage_timer_times_each_stage_and_a_slowed_device_stands_out(model_parts
     assert injector.injected_s > 0.0
 
 
+def test_a_manual_models_tp_devices_each_get_the_markers_and_the_same_math(llama_parts) -> None:
+    """tp = 2 with the model's own tensor parallelism: every device of the mesh, tp
+    included, calls the host, and loss and gradients equal the un-instrumented step's."""
+    plan = _plan(1, 2, 2)
+    seen: set[tuple[int, int, int]] = set()
+    plain, timed = _programs(llama_parts, plan,
+                             lambda e, dp, pp, tp, *rest: seen.add((dp, pp, tp)))
+    params = plain.init_state(llama_parts[1]).params
+    batch = _batch(plain)
+    loss, grads = plain.loss_and_grads(params, batch)
+    loss_i, grads_i = timed.loss_and_grads(params, batch)
+    np.testing.assert_allclose(float(loss_i), float(loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_i), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert seen == {tuple(c) for c in np.ndindex(plan.dp, plan.pp, plan.tp)}
+
+
+def test_a_slowed_device_stands_out_at_tp_2_under_a_manual_model(llama_parts) -> None:
+    """1/2/2: the stage timer's 2 stages; one device slowed by the FaultInjector makes its
+    stage the slowest (its tp partner waits for it in every sum, so both read slow: the
+    stage is what is timed)."""
+    plan = _plan(1, 2, 2)
+    injector = FaultInjector(plan)
+    timer = StageTimer((plan.dp, plan.pp, plan.tp))
+    _, program = _programs(llama_parts, plan, chain_hosts(injector, timer))
+    state = program.init_state(llama_parts[1])
+    batch = _batch(program)
+    state, _, _ = timed_step(program, state, batch, None, timer)  # compile + warm
+    state, _, healthy = timed_step(program, state, batch, None, timer)
+    assert healthy.stage_DxP is not None and healthy.stage_DxP.shape == (1, 2)
+    slow_id = plan.device_grid()[0, 1, 1]  # the second stage's second tp member
+    injector.slow(int(slow_id), SLOW, start_step=1)
+    state, metrics, slowed = timed_step(program, state, batch, injector.knobs(1), timer)
+    assert np.isfinite(float(metrics["loss"]))
+    stages = slowed.stage_DxP[0]
+    assert stages[1] > 3.0 * stages[0], stages
+    assert injector.injected_s > 0.0
+
+
 def test_tp_above_one_trains_without_the_instrument(model_parts) -> None:
-    """tp = 2 leaves 'tp' to XLA: an Instrument is refused by name, and the step trains
-    un-instrumented as before."""
+    """tp = 2 with a model that leaves 'tp' to XLA: an Instrument is refused by name, and the
+    step trains un-instrumented as before."""
     parts, params = model_parts
     plan = _plan(1, 2, 2)
     with pytest.raises(PlanError, match="tp == 1"):

@@ -4,8 +4,8 @@ and for each plan its step program, starting from the model's own parameters.
 
 Anything that trains a user's model under the trainer (rh.fit, `resihp demo --model gpt2`)
 builds it here, so all of them run the same step: the Instrument (stage timing, injected
-per-device slowdowns) reaches the model's step exactly where it can, under plans with tp == 1
-(train/user_step.py says why).
+per-device slowdowns) reaches the model's step exactly where it can: under plans with tp == 1,
+or at any tp for a model with manual tensor parallelism (train/user_step.py says why).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from resihp_jax.train.instrument import Instrument
 from resihp_jax.train.user_facts import UserModelFacts, model_facts
 from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
                                          split_model)
-from resihp_jax.train.user_step import UserStepProgram, build_user_step
+from resihp_jax.train.user_step import UserStepProgram, build_user_step, fully_manual
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,13 @@ class UserPrograms:
     def __call__(self, cfg: TrainConfig, plan: Plan, devices: Sequence[jax.Device],
                  instrument: Instrument | None = None) -> UserStepProgram:
         # stage timing and injected slowdowns reach a user's model where its step is manual
-        # over every mesh axis (tp == 1); with tp > 1 the probes still localize
+        # over every mesh axis (tp == 1, or tensor_parallel="manual"); elsewhere the probes
+        # still localize
+        reaches = fully_manual(self.parts, plan)
         program = build_user_step(self.parts, self.optimizer, plan, devices, self.params,
                                   axis_rules=self.axis_rules, train=cfg,
                                   compute_dtype=self.compute_dtype,
-                                  instrument=instrument if plan.tp == 1 else None)
+                                  instrument=instrument if reaches else None)
         return dataclasses.replace(program, initial_params=initializer(program, self.model,
                                                                        self.params))
 

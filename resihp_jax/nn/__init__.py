@@ -8,8 +8,14 @@ block-sparse scan elsewhere), "cudnn", "pallas" (our fused Triton kernel), "bloc
 "dense" (`dense_attention`, the masked O(S^2) reference with the same semantics, whose cost
 grows per row).
 Shapes: q [B, S, H, K], k and v [B, S, G, K] with G dividing H (grouped KV heads).
+
+`tp_sum`, `vocab_embed`, `tp_size` and `tp_index` are for a model that writes its tensor
+parallelism into its blocks (`tensor_parallel = "manual"`, as `rh.models.Llama` does: see
+nn/tensor_parallel.py); outside such a step they are the plain operations.
 """
 
 from resihp_jax.attention.kernels import IMPLEMENTATIONS, dense_attention, segment_attention
+from resihp_jax.nn.tensor_parallel import tp_index, tp_size, tp_sum, vocab_embed
 
-__all__ = ["IMPLEMENTATIONS", "dense_attention", "segment_attention"]
+__all__ = ["IMPLEMENTATIONS", "dense_attention", "segment_attention", "tp_index", "tp_size",
+           "tp_sum", "vocab_embed"]

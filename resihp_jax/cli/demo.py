@@ -45,9 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--microbatches", default=None,
         help="micro-batches per DP group, e.g. 4,4 (default: 4 per group)")
     add("--model", default="tiny", choices=sorted(PRESETS) + sorted(USER_MODELS),
-        help="a built-in model preset, or gpt2: the GPT-2 example's own NNX model "
-             "(rh.models.GPT2, examples/user_model/train_gpt2.py) trained through rh.fit's "
-             "path, a user's model (default tiny)")
+        help="a preset of rh.models.Llama (its own tensor parallelism: slowdowns reach it "
+             "at any tp), or gpt2: the GPT-2 example's own NNX model (rh.models.GPT2, "
+             "examples/user_model/train_gpt2.py), a user's model; both trained through "
+             "rh.fit's path (default tiny)")
     add("--dtype", default=None, choices=("float32", "bfloat16"),
         help="parameter and compute dtype (default: the preset's)")
     add("--data", default="corpus",

@@ -17,6 +17,7 @@ from resihp_jax.demo.scenario import DetectorTiming, check_fault_timing, check_k
 from resihp_jax.demo.summary import FaultOutcome, match_faults, write_summary
 from resihp_jax.demo.user_model import DemoUserModel
 from resihp_jax.demo.user_model import build as build_user_model
+from resihp_jax.demo.user_model import build_llama
 
 if TYPE_CHECKING:
     from resihp_jax.data import BatchIterator
@@ -52,12 +53,12 @@ def run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     return EXIT_UNDETECTED if missed else 0
 
 
-def _model(config: DemoConfig) -> tuple[ModelFacts, UserPrograms | None]:
-    """What the trainer and the scheduler know of the model, and a user's model's step
-    builder (None: the built-in model's own step)."""
+def _model(config: DemoConfig) -> tuple[ModelFacts, UserPrograms]:
+    """What the trainer and the scheduler know of the model, and its step builder (the user's
+    path, for a preset's Llama too)."""
     if isinstance(config.model, DemoUserModel):
         return build_user_model(config.model, config.plan, config.seed)
-    return config.model, None
+    return config.model, build_llama(config.model, config.seed)
 
 
 def _check_faults(config: DemoConfig, model: ModelFacts) -> list[str]:

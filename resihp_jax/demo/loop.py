@@ -39,8 +39,8 @@ class DemoLog:
 def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO, *,
              model: ModelFacts | None = None, programs: UserPrograms | None = None
              ) -> DemoLog:
-    """Train under the config's faults; `model` and `programs`: a user's model's facts and
-    step builder (user_model.build), else the built-in model's config and step."""
+    """Train under the config's faults; `model` and `programs`: the model's facts and step
+    builder (user_model.py: a preset's Llama or a user's model, both on the user's path)."""
     from resihp_jax.runtime.job.devices import select_devices
     from resihp_jax.runtime.trainer.resilient import ResilientTrainer
     from resihp_jax.train.config import TrainConfig

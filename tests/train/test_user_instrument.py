@@ -61,10 +61,13 @@ def _programs(model_parts, plan: Plan, host=None):  # noqa: ANN001, ANN202
     return plain, timed
 
 
-@pytest.mark.parametrize("mesh", [(2, 2, 1), (1, 4, 1), (2, 1, 1)])
-def test_instrumented_step_gives_the_same_loss_and_gradients(model_parts, mesh) -> None:
+@pytest.mark.parametrize("parts_of,mesh", [
+    ("model_parts", (2, 2, 1)), ("model_parts", (1, 4, 1)), ("model_parts", (2, 1, 1)),
+    ("llama_parts", (1, 2, 2))])  # tp = 2 with the model's own tensor parallelism
+def test_instrumented_step_gives_the_same_loss_and_gradients(parts_of, mesh, request) -> None:
     """The markers are identities: loss and every gradient equal the un-instrumented step's,
-    while the host is called on every device."""
+    while the host is called on every device (tp included)."""
+    model_parts = request.getfixturevalue(parts_of)
     plan = _plan(*mesh)
     seen: set[tuple[int, int, int]] = set()
     plain, timed = _programs(model_parts, plan,
@@ -79,68 +82,39 @@ def test_instrumented_step_gives_the_same_loss_and_gradients(model_parts, mesh) 
     assert seen == {tuple(c) for c in np.ndindex(plan.dp, plan.pp, plan.tp)}
 
 
-def test_stage_timer_times_each_stage_and_a_slowed_device_stands_out(model_parts) -> None:
-    """dp=2, pp=2, tp=1 on 4 devices: the stage timer reports one time for each of the 4
-    stages; with one device slowed by the FaultInjector its stage is the slowest, by far."""
-    plan = _plan(2, 2, 1)
+def _stage_times(model_parts, plan: Plan, slow: tuple[int, int, int]):  # noqa: ANN001, ANN202
+    """(healthy, slowed) stage times [dp, pp] of two steps of `plan`'s stage-timed step, the
+    second with the device at mesh coordinates `slow` slowed SLOW x by the FaultInjector."""
     injector = FaultInjector(plan)
     timer = StageTimer((plan.dp, plan.pp, plan.tp))
     _, program = _programs(model_parts, plan, chain_hosts(injector, timer))
     state = program.init_state(model_parts[1])
     batch = _batch(program)
-    state, _, timing = timed_step(program, state, batch, None, timer)  # compile + warm
+    state, _, _ = timed_step(program, state, batch, None, timer)  # compile + warm
     state, _, healthy = timed_step(program, state, batch, None, timer)
-    assert healthy.stage_DxP is not None and healthy.stage_DxP.shape == (2, 2)
+    assert healthy.stage_DxP is not None and healthy.stage_DxP.shape == (plan.dp, plan.pp)
     assert np.all(healthy.stage_DxP > 0) and injector.injected_s == 0.0
-
-    slow_id = plan.device_grid()[1, 0, 0]  # the second group's first stage
-    injector.slow(int(slow_id), SLOW, start_step=1)
+    injector.slow(int(plan.device_grid()[slow]), SLOW, start_step=1)
     state, metrics, slowed = timed_step(program, state, batch, injector.knobs(1), timer)
-    assert np.isfinite(float(metrics["loss"]))
-    stages = slowed.stage_DxP
+    assert np.isfinite(float(metrics["loss"])) and injector.injected_s > 0.0
+    return healthy.stage_DxP, slowed.stage_DxP
+
+
+def test_stage_timer_times_each_stage_and_a_slowed_device_stands_out(model_parts) -> None:
+    """dp=2, pp=2, tp=1 on 4 devices: the stage timer reports one time for each of the 4
+    stages; with one device slowed by the FaultInjector its stage is the slowest, by far."""
+    _, stages = _stage_times(model_parts, _plan(2, 2, 1), (1, 0, 0))  # group 2, stage 1
     others = np.delete(stages.ravel(), 2)  # (1, 0) is flat index 2
     assert np.argmax(stages) == 2, stages
     assert stages[1, 0] > 3.0 * np.median(others), stages  # ~SLOW x its own compute
-    assert injector.injected_s > 0.0
-
-
-def test_a_manual_models_tp_devices_each_get_the_markers_and_the_same_math(llama_parts) -> None:
-    """tp = 2 with the model's own tensor parallelism: every device of the mesh, tp
-    included, calls the host, and loss and gradients equal the un-instrumented step's."""
-    plan = _plan(1, 2, 2)
-    seen: set[tuple[int, int, int]] = set()
-    plain, timed = _programs(llama_parts, plan,
-                             lambda e, dp, pp, tp, *rest: seen.add((dp, pp, tp)))
-    params = plain.init_state(llama_parts[1]).params
-    batch = _batch(plain)
-    loss, grads = plain.loss_and_grads(params, batch)
-    loss_i, grads_i = timed.loss_and_grads(params, batch)
-    np.testing.assert_allclose(float(loss_i), float(loss), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(grads_i), jax.tree.leaves(grads), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
-    assert seen == {tuple(c) for c in np.ndindex(plan.dp, plan.pp, plan.tp)}
 
 
 def test_a_slowed_device_stands_out_at_tp_2_under_a_manual_model(llama_parts) -> None:
     """1/2/2: the stage timer's 2 stages; one device slowed by the FaultInjector makes its
     stage the slowest (its tp partner waits for it in every sum, so both read slow: the
     stage is what is timed)."""
-    plan = _plan(1, 2, 2)
-    injector = FaultInjector(plan)
-    timer = StageTimer((plan.dp, plan.pp, plan.tp))
-    _, program = _programs(llama_parts, plan, chain_hosts(injector, timer))
-    state = program.init_state(llama_parts[1])
-    batch = _batch(program)
-    state, _, _ = timed_step(program, state, batch, None, timer)  # compile + warm
-    state, _, healthy = timed_step(program, state, batch, None, timer)
-    assert healthy.stage_DxP is not None and healthy.stage_DxP.shape == (1, 2)
-    slow_id = plan.device_grid()[0, 1, 1]  # the second stage's second tp member
-    injector.slow(int(slow_id), SLOW, start_step=1)
-    state, metrics, slowed = timed_step(program, state, batch, injector.knobs(1), timer)
-    assert np.isfinite(float(metrics["loss"]))
-    stages = slowed.stage_DxP[0]
-    assert stages[1] > 3.0 * stages[0], stages
-    assert injector.injected_s > 0.0
+    _, stages = _stage_times(llama_parts, _plan(1, 2, 2), (0, 1, 1))  # stage 2's 2nd member
+    assert stages[0, 1] > 3.0 * stages[0, 0], stages
 
 
 def test_tp_above_one_trains_without_the_instrument(model_parts) -> None:

@@ -71,6 +71,7 @@ def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO, 
         if watch is not None:
             watch.close(trainer.checkpointer, trainer.state)
         log.alarms = trainer.detector.alarms
+        trainer.close()  # its background compiles' thread ends (else it idles for good)
     return log
 
 

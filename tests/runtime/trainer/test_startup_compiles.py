@@ -5,6 +5,7 @@ built after the first step or never (one device has no other plan), and the run'
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import threading
@@ -35,6 +36,7 @@ def _listen() -> None:
     """Record JAX's own compile events (JAX cannot remove a listener: installed once), once
     the background compiles an earlier test's run left in flight have ended (a finished
     run's pool is shut down without waiting: they would count in this run's window)."""
+    gc.collect()  # a pool no run holds any more lets its idle thread go: not one to wait for
     for thread in threading.enumerate():
         if thread.name.startswith(BACKGROUND_PREFIX):
             thread.join()

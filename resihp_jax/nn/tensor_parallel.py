@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from resihp_jax.model import layers
+
 TP_AXIS = "tp"
 
 
@@ -44,11 +46,8 @@ def tp_index() -> jax.Array | int:
 def vocab_embed(table_VxD: jax.Array, tokens_BxS: jax.Array) -> jax.Array:
     """Rows of `table_VxD` for `tokens_BxS`. Under manual tp the table holds this device's
     slice of the vocabulary (rows split over 'tp'): each device looks up the tokens it holds,
-    zeros for the others, and the tp sum completes every row."""
+    zeros for the others, and the tp sum completes every row (the built-in decoder's
+    vocab-parallel lookup, model/layers.py)."""
     if tp_size() == 1:
         return jnp.take(table_VxD, tokens_BxS, axis=0)
-    local_vocab = table_VxD.shape[0]
-    local_BxS = tokens_BxS - tp_index() * local_vocab
-    mine_BxS = (local_BxS >= 0) & (local_BxS < local_vocab)
-    rows_BxSxD = jnp.take(table_VxD, jnp.clip(local_BxS, 0, local_vocab - 1), axis=0)
-    return tp_sum(jnp.where(mine_BxS[..., None], rows_BxSxD, jnp.zeros((), table_VxD.dtype)))
+    return layers.embed(table_VxD, tokens_BxS, TP_AXIS, table_VxD.dtype)

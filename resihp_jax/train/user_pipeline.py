@@ -250,8 +250,8 @@ def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
         targets_BxS, weights_BxS = next_token_targets(tok_BxS, seg_BxS)
         logits = parts.head(shell_c, x_BxSxD, noise(parts.n_layers + 1, m))
         if vocab_tp > 1:  # (inside the slot's cond: every member of a tp group takes it)
-            return vocab_parallel_nll_sum(vocab_parallel_partials(logits, targets_BxS),
-                                          weights_BxS)
+            return layers.token_loss_sum(logits.astype(jnp.float32), targets_BxS, weights_BxS,
+                                         "tp")
         return token_nll_sum(logits, targets_BxS, weights_BxS)
 
     # the knob rides with the data: an input the accumulation takes no gradient for

@@ -38,7 +38,7 @@ from resihp_jax.runtime.trainer import compiles  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
 from resihp_jax.train.reshard import state_bytes, to_canonical  # noqa: E402
 from resihp_jax.train.state_io import save_args, state_handler  # noqa: E402
-from resihp_jax.train.step import build_step  # noqa: E402
+from resihp_jax.train.user_step import build_step  # noqa: E402
 
 PLANS = ("2/2/2", "1/2/4", "4/2/1")  # dp/pp/tp
 

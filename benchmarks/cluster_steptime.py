@@ -29,7 +29,7 @@ def _runner(plan: Any, cfg: Any, injector: Any, seed: int) -> Any:
     from resihp_jax.runtime.trainer.timing import StageTimer
     from resihp_jax.train.config import TrainConfig
     from resihp_jax.train.instrument import Instrument
-    from resihp_jax.train.step import build_step
+    from resihp_jax.train.user_step import build_step
 
     devices = [d for d in jax.devices() if d.id in plan.device_ids]
     devices = sorted(devices, key=lambda d: plan.device_ids.index(d.id))

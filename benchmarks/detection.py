@@ -26,13 +26,13 @@ step-level slowdown caught every time from there up.
 Host load: the same detectors while another process keeps one core busy (a Python busy loop)
 for part of a healthy stretch, and from a few steps before a 1.5x/2x fault on: false alarms
 per 50 loaded steps and detection under load are their own rows.
-A user's model (`--model gpt2`): the same run measures the built-in model (its usual rows)
+A user's model (`--model gpt2`): the same run measures the Llama preset (its usual rows)
 and then the GPT-2 example's own NNX model (examples/user_model/train_gpt2.py), built through
 the library's user path (split_model, model_facts, build_user_step, as `rh.fit` builds it)
 under plans with tp == 1, where the user's step takes the same Instrument: the same injected
 faults, the same detectors fed the same way, each model's figures against its own floor,
 side by side (`--quick --model gpt2`: one plan per model, no host-load rows and no
-Instrument cost: the built-in model's own `--quick` run has those).
+Instrument cost: the Llama preset's own `--quick` run has those).
 Usage: python benchmarks/detection.py [--quick] [--data SOURCE] [--seed S] [--model NAME]
        python benchmarks/detection.py --record tests/detector/healthy_run.json
 (--record: a short healthy run with its batch layouts and floor, the replay test's fixture.)
@@ -74,7 +74,7 @@ from resihp_jax.runtime.trainer.host_cpu import CpuMeter  # noqa: E402
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
 from resihp_jax.train.instrument import Instrument  # noqa: E402
-from resihp_jax.train.step import build_step  # noqa: E402
+from resihp_jax.train.user_step import build_step  # noqa: E402
 from resihp_jax.train.user_facts import model_facts  # noqa: E402
 from resihp_jax.train.user_model import DEFAULT_AXIS_RULES, split_model  # noqa: E402
 from resihp_jax.train.user_step import build_user_step  # noqa: E402
@@ -89,13 +89,13 @@ MODEL = "tiny"
 PLANS = ((1, 4, 2, 4, 1, 1024), (2, 2, 2, 4, 1, 1024))
 QUICK_PLAN = (1, 4, 2, 4, 1, 512)
 RECORD_PLAN, RECORD_STEPS = (1, 4, 2, 4, 1, 512), 120
-MODELS = ("builtin", "gpt2")  # --model: the built-in model alone, or it and the example's
-# The GPT-2 example's model at the built-in rows' sizes (width 64, 4 heads, 4 blocks, byte
+MODELS = ("builtin", "gpt2")  # --model: the Llama preset alone, or it and the example's
+# The GPT-2 example's model at the Llama rows' sizes (width 64, 4 heads, 4 blocks, byte
 # vocabulary, MLP 4x wide), its own block-sparse segment attention (blocks of 32): with rows
 # of 1024 (512 quick) tokens, one per micro-batch, attention's sum of l^2 then dominates its
-# step as it does the built-in model's, so its healthy step times swing with the batch's
+# step as it does the Llama's, so its healthy step times swing with the batch's
 # lengths alike. Plans with tp == 1 only (there the user's step is manual over every mesh
-# axis and takes the Instrument: stage timing, injected slowdowns): the built-in rows' plans
+# axis and takes the Instrument: stage timing, injected slowdowns): the Llama rows' plans
 # with tp 1 in place of 2, so the schedules and micro-batch routing are the same.
 GPT2_EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "user_model" / \
     "train_gpt2.py"
@@ -139,14 +139,14 @@ class Tally:
 
 class Run:
     """One compiled plan: program, injector, stage timer, prober, data, reference batch.
-    `model`: "builtin" (the built-in decoder, `build_step`) or "gpt2" (the example's NNX
+    `model`: "builtin" (rh.models.Llama from its preset, `build_step`) or "gpt2" (the example's NNX
     model through the user path); `facts` is what its detectors are told of the model."""
 
     def __init__(self, spec: tuple[int, ...], data: str, seed: int,
                  model: str = "builtin") -> None:
         dp, pp, tp, m, b, s = spec
         self.model = model
-        self.cfg = get_model_config(MODEL)  # the built-in model's (the overhead row's)
+        self.cfg = get_model_config(MODEL)  # the Llama preset's (the overhead row's)
         self.plan = Plan.uniform(dp, pp, tp, n_layers=self.cfg.n_layers, n_microbatches=m,
                                  microbatch_size=b, seq_len=s)
         self.injector = FaultInjector(self.plan)
@@ -571,7 +571,7 @@ def main() -> None:
     parser.add_argument("--record-steps", type=int, default=RECORD_STEPS, metavar="N",
                         help=f"healthy steps --record keeps (default {RECORD_STEPS})")
     parser.add_argument("--model", default="builtin", metavar="{" + ",".join(MODELS) + "}",
-                        help="builtin (default): the built-in model; gpt2: the built-in model "
+                        help="builtin (default): the Llama preset (build_step); gpt2: it "
                         "and the GPT-2 example's own NNX model (the user path, tp == 1 "
                         "plans), side by side")
     args = parser.parse_args()
@@ -585,7 +585,7 @@ def main() -> None:
         parser.error(f"--record-steps {args.record_steps}: the detector needs at least "
                      f"{2 * WARMUP_STEPS} steps (its warm-up, then steps to judge)")
     if args.record and args.model != "builtin":
-        parser.error("--record records the built-in model's fixture: leave --model out")
+        parser.error("--record records the Llama preset's fixture: leave --model out")
     if args.record:
         record_fixture(args.record, data, args.seed, args.record_steps)
         return
@@ -594,7 +594,7 @@ def main() -> None:
     models = ["builtin"] if args.model == "builtin" else ["builtin", args.model]
     if args.quick and len(models) > 1:
         # two models within the quick run's 2 minutes: each its fault trials, no host load
-        # (the built-in model's own --quick run has it)
+        # (the Llama preset's own --quick run has it)
         schedule = Schedule(healthy=32, floor_every=4, trials=1, max_after=CATCH_STEPS,
                             load_stretch=(0, 0, 0), load_factors=(), load_trials=0)
         overhead_steps = 0
@@ -620,8 +620,8 @@ def main() -> None:
                                         schedule, load)
         print(f"  ({model}: {time.perf_counter() - began:.0f} s, compiles included)")
     builtin = measured["builtin"]
-    # The Instrument's own cost (built-in model): a quick run of two models leaves it to the
-    # built-in model's quick run, to stay within its time.
+    # The Instrument's own cost (Llama preset): a quick run of two models leaves it to the
+    # Llama preset's quick run, to stay within its time.
     overhead, host_share = (instrument_overhead(builtin.last_run, args.seed, overhead_steps)
                             if overhead_steps else (None, None))
     result, loaded, floor = builtin.result, builtin.loaded, builtin.floor
@@ -636,7 +636,7 @@ def main() -> None:
     headlines = {model: headline(m) for model, m in measured.items()}
     if len(measured) > 1:
         print_side_by_side(headlines)
-    cost = ("not measured (see the built-in model's own --quick run)" if overhead is None
+    cost = ("not measured (see the Llama preset's own --quick run)" if overhead is None
             else f"Instrument on vs off {overhead:+.1f}% step time, of which our host "
                  f"functions (vs a no-op host) {host_share:+.1f}%")
     print(f"timing (builtin): {cost}; wall {time.perf_counter() - t_start:.0f} s")

@@ -1,20 +1,17 @@
-"""Healthy step throughput: our dp=8 plan against a plain `jax.jit` data-parallel step, and
-the generic path (`rh.models.Llama` through `build_user_step`) against the built-in.
+"""Healthy step throughput: our dp=8 plan against a plain `jax.jit` data-parallel step.
 
 The baseline is the obvious data-parallel step: `jax.jit` of value_and_grad of the
-token-weighted mean loss (`decoder.loss_sum_and_count` on all rows at once), the same optax
+token-weighted mean loss of `rh.models.Llama` (its own `__call__` on all rows at once, whole
+weights), the same optax
 AdamW update and metrics, parameters replicated (`P()`), rows sharded over the 8 devices
 (`P('dp')`), state donated. Same model, dtype, initial weights, global batches and devices.
-Every round times each program once in turn (ours dp=8, plain, 2/2/2, 2/2/2 generic, 1/4/2,
-1/4/2 generic), so load that comes and goes hits all alike; medians over rounds. No faults are
+Every round times each program once in turn (ours dp=8, plain, 2/2/2, 1/4/2),
+so load that comes and goes hits all alike; medians over rounds. No faults are
 injected: healthy devices.
 
-The generic path trains the same Llama written as a plain NNX model (`rh.models.Llama`, the
-built-in decoder's parameters converted), as a user's model trains: tensor parallelism from
-the parameters' shardings, collectives inserted by XLA. It is timed beside the built-in step
-(hand-written Megatron collectives) on the same plans, weights and batches, and each compiled
-step's per-device memory (XLA's memory analysis: arguments + outputs - donated aliases +
-temporaries) is compared.
+Ours is the one step every model trains through (`build_step`: `rh.models.Llama` under
+the plan, its tensor parallelism its own); each compiled step's per-device memory (XLA's
+memory analysis: arguments + outputs - donated aliases + temporaries) is reported.
 
 The metrics' cost: our dp=8 step as the training loop takes it (its loss fetched, its
 StepRecord built) with and without process 0's metrics written to TensorBoard and a JSON
@@ -41,30 +38,30 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from resihp_jax import vma  # noqa: E402
 from resihp_jax.data import BatchIterator, GlobalBatch  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.metrics import Metrics  # noqa: E402
-from resihp_jax.model import decoder  # noqa: E402
+from resihp_jax.model import layers  # noqa: E402
 from resihp_jax.model.config import ModelConfig, get_model_config  # noqa: E402
-from resihp_jax.models.llama import from_builtin  # noqa: E402
+from resihp_jax.models import Llama  # noqa: E402
 from resihp_jax.perfmodel.costs import CostParams  # noqa: E402
 from resihp_jax.perfmodel.simulator import simulate_step  # noqa: E402
 from resihp_jax.runtime.run.run_metrics import RunMetrics  # noqa: E402
 from resihp_jax.runtime.trainer.loop import StepRecord  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
-from resihp_jax.train.step import StepProgram, build_step  # noqa: E402
+from resihp_jax.train.step import StepProgram  # noqa: E402
+from resihp_jax.train.user_step import build_step  # noqa: E402
 from resihp_jax.train.user_model import split_model  # noqa: E402
-from resihp_jax.train.user_step import build_user_step  # noqa: E402
 
 SHAPES = ((8, 1, 1), (2, 2, 2), (1, 4, 2))  # (dp, pp, tp)
 BASE = "8/1/1"  # one micro-batch per DP group: each device's rows in one tick, like plain jit
 TICKS = "8/1/1 x2"  # the global micro-batch split: two ticks per group (micro-batching cost)
 PLAIN = "plain_jit"
 GSPMD = "plain_gspmd"
-GENERIC = ((2, 2, 2), (1, 4, 2))  # plans also run through the generic path
 LOOP = "8/1/1 loop"  # the step as the loop takes it: loss fetched, record built
 WATCHED = "8/1/1 +metrics"  # the same, its metrics written to TensorBoard and JSON lines
 
@@ -85,10 +82,6 @@ def name_of(dp: int, pp: int, tp: int) -> str:
     return f"{dp}/{pp}/{tp}"
 
 
-def generic_name(plan_name: str) -> str:
-    return f"{plan_name} gen"
-
-
 def plain_runner(model: ModelConfig, train: TrainConfig, devices: list[jax.Device],
                  batches: list[GlobalBatch], seed: int, gspmd: bool) -> Runner:
     """Plain DP: replicated params, rows sharded over 8 devices, same loss/optimizer/metrics.
@@ -101,16 +94,24 @@ def plain_runner(model: ModelConfig, train: TrainConfig, devices: list[jax.Devic
     mesh = Mesh(np.asarray(devices), ("dp",), axis_types=(AxisType.Auto,))
     replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
     optimizer = train.optimizer()
+    with nnx.use_eager_sharding(False):
+        parts = split_model(nnx.eval_shape(lambda: Llama(model, rngs=nnx.Rngs(0))))[0]
 
     def init() -> PlainState:
-        params = decoder.init_params(model, seed)
+        with nnx.use_eager_sharding(False):
+            _, shell, blocks = split_model(Llama(model, rngs=nnx.Rngs(seed)))
+        params = {"shell": shell, "blocks": blocks}
         return PlainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
     def sum_count_grads(params: dict[str, Any], tok_NxS: jax.Array, seg_NxS: jax.Array,
                         pos_NxS: jax.Array):
         if not gspmd:  # local gradients: one explicit psum below, not one per use
             params = vma.vary(params, ("dp",))
-        loss = lambda p: decoder.loss_sum_and_count(p, tok_NxS, seg_NxS, pos_NxS, model)  # noqa: E731
+        def loss(p: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
+            logits = parts.assemble(p["shell"], p["blocks"])(tok_NxS, seg_NxS, pos_NxS)
+            targets, weights = layers.next_token_targets(tok_NxS, seg_NxS)
+            return layers.token_loss_sum(logits, targets, weights), jnp.sum(weights)
+
         (total, count), grads = jax.value_and_grad(loss, has_aux=True)(params)
         return (total, count, grads) if gspmd else jax.lax.psum((total, count, grads), "dp")
 
@@ -139,20 +140,10 @@ def plain_runner(model: ModelConfig, train: TrainConfig, devices: list[jax.Devic
 
 
 def plan_runner(plan: Plan, model: ModelConfig, train: TrainConfig,
-                batches: list[GlobalBatch], seed: int,
-                generic: bool = False) -> tuple[Runner, StepProgram, int]:
-    """(runner, program, per-device bytes of its compiled step) of the built-in step, or
-    with `generic` of `rh.models.Llama` through the user's-model step from the same weights."""
-    if generic:
-        params = decoder.init_params(model, seed)
-        parts, shell, blocks = split_model(from_builtin(model, params))
-        canonical = {"shell": shell, "blocks": blocks}
-        program = build_user_step(parts, train.optimizer(), plan, jax.devices(), canonical,
-                                  train=train)
-        state = program.init_state(canonical)
-    else:
-        program = build_step(model, train, plan, jax.devices())
-        state = program.init_state(seed)
+                batches: list[GlobalBatch], seed: int) -> tuple[Runner, StepProgram, int]:
+    """(runner, program, per-device bytes of its compiled step) of our step for `plan`."""
+    program = build_step(model, train, plan, jax.devices())
+    state = program.init_state(seed)
 
     def regroup(a_MxBxS: np.ndarray) -> np.ndarray:
         # The same rows in the same order, cut into this plan's micro-batch size.
@@ -230,29 +221,6 @@ def spread(values: list[float]) -> float:
     return float((q3 - q1) / med)
 
 
-def generic_rows(samples: dict, memory: dict[str, int]) -> dict[str, dict[str, float]]:
-    """Per plan run both ways: generic/built-in step time (of medians, and the median of
-    per-round ratios) and per-device memory."""
-    rows = {}
-    for name in samples:
-        twin = generic_name(name)
-        if twin not in samples:
-            continue
-        built, gen = np.asarray(samples[name]), np.asarray(samples[twin])
-        rows[name] = {"time": float(np.median(gen) / np.median(built)),
-                      "paired": float(np.median(gen / built)),
-                      "memory": memory[twin] / memory[name]}
-    return rows
-
-
-def print_generic(rows: dict[str, dict[str, float]], memory: dict[str, int]) -> None:
-    print("\ngeneric path (rh.models.Llama, build_user_step) / built-in (build_step), same plan:")
-    print(f"{'plan':<8} {'time':>7} {'paired':>7} {'built MB':>9} {'gen MB':>8} {'memory':>7}")
-    for name, r in rows.items():
-        print(f"{name:<8} {r['time']:7.3f} {r['paired']:7.3f} {memory[name] / 2**20:9.2f} "
-              f"{memory[generic_name(name)] / 2**20:8.2f} {r['memory']:7.3f}")
-
-
 def report(samples: dict, first: dict, plans: dict[str, Plan], model: ModelConfig,
            tokens: int, load: tuple[float, float], memory: dict[str, int]) -> dict[str, Any]:
     median = {name: float(np.median(s)) for name, s in samples.items()}
@@ -266,8 +234,6 @@ def report(samples: dict, first: dict, plans: dict[str, Plan], model: ModelConfi
         print(f"{name:<14} {median[name]:8.4f} {spread(samples[name]):8.3f} {tok_s[name]:10.0f} "
               f"{median[name] / median[BASE]:9.3f} {closed:7.3f} {sim:7.3f} "
               f"{1 / (1 - closed):7.3f} {mb}")
-    rows = generic_rows(samples, memory)
-    print_generic(rows, memory)
     loss_gap = max(abs(float(first[n]["loss"]) - float(first[PLAIN]["loss"])) for n in first)
     ratio = tok_s[BASE] / tok_s[PLAIN]
     paired = float(np.median(np.asarray(samples[PLAIN]) / np.asarray(samples[BASE])))
@@ -284,9 +250,6 @@ def report(samples: dict, first: dict, plans: dict[str, Plan], model: ModelConfi
     print(f"load average before/after: {load[0]:.2f} / {load[1]:.2f} on {os.cpu_count()} cores")
     print(f"ratio ours(8/1/1) / plain jit, tokens/s: {ratio:.3f} of medians, {paired:.3f} "
           f"median of per-round ratios (target >= 0.95)")
-    print("generic / built-in: step time " + ", ".join(
-        f"{n} {r['time']:.3f}" for n, r in rows.items()) + "; memory " + ", ".join(
-        f"{n} {r['memory']:.3f}" for n, r in rows.items()) + " (target <= 1.10)")
     print(f"with / without metrics (TensorBoard + JSON lines, 8/1/1 as the loop runs it), "
           f"tokens/s: {with_metrics:.3f} of medians, {metrics_paired:.3f} median of per-round "
           f"ratios (IQR/med {spread(samples[LOOP]):.3f} without, {spread(samples[WATCHED]):.3f} "
@@ -299,9 +262,6 @@ def report(samples: dict, first: dict, plans: dict[str, Plan], model: ModelConfi
             "bubble_fraction_perfmodel": {n: round(b[1], 4) for n, b in bubbles.items()},
             "iqr_over_median": {n: round(spread(s), 4) for n, s in samples.items()},
             **extra,
-            "generic_over_builtin": {n: round(r["time"], 4) for n, r in rows.items()},
-            "generic_over_builtin_paired": {n: round(r["paired"], 4) for n, r in rows.items()},
-            "generic_memory_ratio": {n: round(r["memory"], 4) for n, r in rows.items()},
             "memory_bytes_per_device": memory,
             "first_step_loss_max_gap": loss_gap, "tokens_per_step": tokens,
             "loadavg_before_after": [round(x, 2) for x in load], "faults": "none"}
@@ -338,7 +298,6 @@ def main() -> None:
     runners: dict[str, Runner] = {}
     memory: dict[str, int] = {}
     scratch = tempfile.mkdtemp(prefix="healthy-throughput-metrics-")
-    generic = {name_of(*s) for s in GENERIC}
     for name, plan in plans.items():
         # No empty headroom ticks: the plan is fixed here, as `resihp train` does it.
         fitted = train.replace(microbatch_slots=max(plan.microbatches_per_group))
@@ -356,11 +315,6 @@ def main() -> None:
                                            watch)
             if args.with_gspmd:
                 runners[GSPMD] = plain_runner(model, train, devices, batches, args.seed, True)
-        if name in generic:  # the generic twin right after its built-in: a pair per round
-            twin = generic_name(name)
-            runners[twin], _, memory[twin] = plan_runner(plan, model, fitted, batches,
-                                                         args.seed, generic=True)
-    plans.update({generic_name(n): plans[n] for n in generic})  # same plans, same bubbles
     load_before = os.getloadavg()[0]
     samples, first = measure(runners, len(batches), warmup, rounds)
     watch.close()

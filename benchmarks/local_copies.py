@@ -45,7 +45,7 @@ from resihp_jax.runtime.recovery.checkpoint import canonical_target  # noqa: E40
 from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots  # noqa: E402
 from resihp_jax.runtime.trainer.loop import run_step  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
-from resihp_jax.train.step import build_step  # noqa: E402
+from resihp_jax.train.user_step import build_step  # noqa: E402
 
 PER = 2  # devices per posing process; one process per node
 LOST = 0  # the node whose process is lost

@@ -1,10 +1,11 @@
 """Localization without the stage-timed step: the probes against per-stage timing, on the
-same injected faults, for the built-in model and for a user's model (the GPT-2 example at a
-tp == 1 plan, where its step is timed per stage too).
+same injected faults, for rh.models.Llama from its preset and for a user's model (the GPT-2
+example at a tp == 1 plan, where its step is timed per stage too).
 
-A user's model at tp > 1 has no per-stage timing (its step leaves tp to XLA, and a host
-callback runs only where every mesh axis is manual): there the probes alone say which device
-is slow. This benchmark measures how well each localizes, from the same faulty steps:
+A user's model at tp > 1 with tensor_parallel="auto" has no per-stage timing (its step
+leaves tp to XLA, and a host callback runs only where every mesh axis is manual): there
+the probes alone say which device is slow. This benchmark measures how well each
+localizes, from the same faulty steps:
 
 - probes: one validation (`Detector.validate`'s two probe runs, each device at its fastest)
   taken at the first faulty step; right when it names the slowed device alone;

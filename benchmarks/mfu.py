@@ -34,15 +34,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from resihp_jax.data import BatchIterator, GlobalBatch  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
-from resihp_jax.model import decoder, layers  # noqa: E402
+from resihp_jax.model import layers  # noqa: E402
+from resihp_jax.models import Llama  # noqa: E402
+from resihp_jax.train.user_model import split_model  # noqa: E402
 from resihp_jax.attention.check import step_attention  # noqa: E402
 from resihp_jax.model.config import ModelConfig, get_model_config  # noqa: E402
 from resihp_jax.train.config import TrainConfig  # noqa: E402
-from resihp_jax.train.step import build_step  # noqa: E402
+from resihp_jax.train.user_step import build_step  # noqa: E402
 
 # Dense bf16 tensor peak per device, FLOP/s, by a substring of `device.device_kind` (first
 # match wins, so the more specific names come first).
@@ -96,9 +99,9 @@ def _segment_mask(seg_NxS: jax.Array) -> jax.Array:
     return same[:, None]  # [N, 1, S, S], broadcast over heads
 
 
-def _peer_attention(p: dict[str, jax.Array], x_NxSxD: jax.Array, seg_NxS: jax.Array,
+def _peer_attention(p: dict[str, Any], x_NxSxD: jax.Array, seg_NxS: jax.Array,
                     pos_NxS: jax.Array, model: ModelConfig, implementation: str) -> jax.Array:
-    h = layers.rms_norm(x_NxSxD, p["attn_norm"], model.norm_eps)
+    h = layers.rms_norm(x_NxSxD, p["attn_norm"]["scale"], model.norm_eps)
     q = layers.rotary(jnp.einsum("bsd,dhk->bshk", h, p["wq"]), pos_NxS, model.rope_theta)
     k = layers.rotary(jnp.einsum("bsd,dgk->bsgk", h, p["wk"]), pos_NxS, model.rope_theta)
     v = jnp.einsum("bsd,dgk->bsgk", h, p["wv"])
@@ -107,21 +110,37 @@ def _peer_attention(p: dict[str, jax.Array], x_NxSxD: jax.Array, seg_NxS: jax.Ar
     return jnp.einsum("bshk,hkd->bsd", o, p["wo"])
 
 
+def _peer_mlp(p: dict[str, Any], x_NxSxD: jax.Array, model: ModelConfig) -> jax.Array:
+    h = layers.rms_norm(x_NxSxD, p["mlp_norm"]["scale"], model.norm_eps)
+    gate = jnp.einsum("bsd,df->bsf", h, p["w_gate"])
+    return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate) * jnp.einsum("bsd,df->bsf", h, p["w_up"]),
+                      p["w_down"])
+
+
 def peer_loss_sum(params: dict[str, Any], tok_NxS: jax.Array, seg_NxS: jax.Array,
                   pos_NxS: jax.Array, model: ModelConfig, implementation: str):
-    """The decoder's math (same layers, same casts) with jax.nn.dot_product_attention."""
-    x = layers.embed(params["embed"]["table"], tok_NxS, dtype=model.dtype)
-    blocks = layers.compute_weights(params["layers"], model.dtype)
-    head = layers.compute_weights(params["head"], model.dtype)
+    """rh.models.Llama's math on its own parameters (same layers, same casts), written as a
+    plain JAX function with jax.nn.dot_product_attention and the layers under one scan."""
+    shell = params["shell"]
+    x = layers.embed(shell["table"], tok_NxS, dtype=model.dtype)
+    blocks = jax.tree.map(lambda w: w.astype(model.dtype), params["blocks"])
 
-    def one_layer(x: jax.Array, p: dict[str, jax.Array]) -> tuple[jax.Array, None]:
+    def one_layer(x: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, None]:
         x = x + _peer_attention(p, x, seg_NxS, pos_NxS, model, implementation)
-        return x + layers.mlp_partial(p, x, model), None
+        return x + _peer_mlp(p, x, model), None
 
     x, _ = jax.lax.scan(one_layer, x, blocks)
     targets, weights = layers.next_token_targets(tok_NxS, seg_NxS)
-    logits = layers.logits(head["norm"], head["w"], x, model)
+    logits = layers.logits(shell["final_norm"]["scale"].astype(model.dtype),
+                           shell["lm_head"].astype(model.dtype), x, model)
     return layers.token_loss_sum(logits, targets, weights), jnp.sum(weights)
+
+
+def llama_params(model: ModelConfig, seed: int) -> dict[str, Any]:
+    """rh.models.Llama(model)'s canonical parameters for `seed` (call under jit)."""
+    with nnx.use_eager_sharding(False):
+        _, shell, blocks = split_model(Llama(model, rngs=nnx.Rngs(seed)))
+    return {"shell": shell, "blocks": blocks}
 
 
 def peer_runner(model: ModelConfig, train: TrainConfig, devices: list[jax.Device],
@@ -145,7 +164,7 @@ def peer_runner(model: ModelConfig, train: TrainConfig, devices: list[jax.Device
             for a in (batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS)]
 
     def init() -> tuple[Any, Any]:
-        params = decoder.init_params(model, seed)
+        params = llama_params(model, seed)
         return params, optimizer.init(params)
 
     state = jax.jit(init, out_shardings=replicated)()

@@ -3,7 +3,7 @@
 The step program (`build_step`, `move_state`), the run `resihp train` performs
 (`TrainingRun`, `RunConfig`, `JobSpec`, `job_spec`), the resilient loop (`ResilientTrainer`,
 `Checkpointer`), detectors and scheduler policies on their own (`make_detector`, `Health`,
-`run_policy`) and the built-in model's configs and data (`ModelConfig`, `get_model_config`,
+`run_policy`) and the configs and data of `rh.models.Llama`'s step (`ModelConfig`, `get_model_config`,
 `TrainConfig`, `BatchIterator`). A script that trains its own model needs none of them: it
 calls `rh.fit`. Like the package, this module imports nothing until a name is used, so
 importing it starts no JAX backend.
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 # name -> the module defining it; imported on first use (PEP 562)
 _EXPORTS: dict[str, str] = {
-    # the step, built from the built-in model's configs
+    # the step of rh.models.Llama, built from its configs
     "ModelConfig": "resihp_jax.model.config",
     "get_model_config": "resihp_jax.model.config",
     "TrainConfig": "resihp_jax.train.config",
     "BatchIterator": "resihp_jax.data.iterator",
-    "build_step": "resihp_jax.train.step",
+    "build_step": "resihp_jax.train.user_step",
     "move_state": "resihp_jax.train.reshard",
     # the resilient loop and its checkpoints
     "ResilientTrainer": "resihp_jax.runtime.trainer.resilient",
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from resihp_jax.scheduler.policies import run_policy
     from resihp_jax.train.config import TrainConfig
     from resihp_jax.train.reshard import move_state
-    from resihp_jax.train.step import build_step
+    from resihp_jax.train.user_step import build_step
 
 
 def __getattr__(name: str) -> Any:

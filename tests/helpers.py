@@ -10,11 +10,12 @@ import numpy as np
 
 from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.meshes import layout
-from resihp_jax.model import decoder
 from resihp_jax.meshes.plan import Plan
+from resihp_jax.model import layers
 from resihp_jax.model.config import ModelConfig
 from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.step import StepProgram, build_step
+from resihp_jax.train.step import StepProgram
+from resihp_jax.train.user_step import build_step
 
 
 def run_processes(script: str, n: int, devices: int, *args: str,
@@ -57,14 +58,47 @@ def make_batches(n_microbatches: int, microbatch_size: int = 2, seq_len: int = 6
     return [it.next_batch() for _ in range(n_batches)]
 
 
+def llama_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
+    """The canonical parameters `{"shell", "blocks"}` of `rh.models.Llama(cfg)` for `seed`:
+    what `build_step(cfg, ...).init_state(seed)` starts from, built whole on one device."""
+    from flax import nnx
+
+    from resihp_jax.models import Llama
+    from resihp_jax.train.user_model import split_model
+
+    _, shell, blocks = split_model(Llama(cfg, rngs=nnx.Rngs(seed)))
+    return {"shell": shell, "blocks": blocks}
+
+
+def llama_loss_sum(cfg: ModelConfig) -> Any:
+    """(params, tokens, seg, pos) -> (summed token losses, token count) of
+    `rh.models.Llama(cfg)` on whole weights (canonical `{"shell", "blocks"}`), through the
+    model's own `__call__`: no plan, no pipeline, no shard_map."""
+    from flax import nnx
+
+    from resihp_jax.models import Llama
+    from resihp_jax.train.user_model import split_model
+
+    with nnx.use_eager_sharding(False):
+        parts = split_model(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))[0]
+
+    def loss_sum(p: Any, tokens: Any, seg: Any, pos: Any) -> tuple[jax.Array, jax.Array]:
+        logits = parts.assemble(p["shell"], p["blocks"])(tokens, seg, pos)
+        targets, weights = layers.next_token_targets(tokens, seg)
+        return layers.token_loss_sum(logits, targets, weights), weights.sum()
+    return loss_sum
+
+
 def reference_loss_and_grads(cfg: ModelConfig, params: Any, batch: GlobalBatch):
-    """Token-weighted mean loss over all micro-batches on whole weights, and its gradients."""
+    """Token-weighted mean loss over all micro-batches on whole weights `params` (canonical
+    `{"shell", "blocks"}`) in a plain jit (`llama_loss_sum`), and its gradients."""
+    loss_sum = llama_loss_sum(cfg)
+
     def mean_loss(p: Any) -> jax.Array:
         total, count = 0.0, 0.0
         for m in range(batch.shape[0]):
-            loss, n = decoder.loss_sum_and_count(p, batch.tokens_MxBxS[m],
-                                                 batch.segment_ids_MxBxS[m],
-                                                 batch.positions_MxBxS[m], cfg)
+            loss, n = loss_sum(p, batch.tokens_MxBxS[m], batch.segment_ids_MxBxS[m],
+                               batch.positions_MxBxS[m])
             total, count = total + loss, count + n
         return total / count
     return jax.jit(jax.value_and_grad(mean_loss))(params)

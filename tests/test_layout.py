@@ -25,7 +25,8 @@ LAYERS: list[set[str]] = [
     {"attention"},
     {"model", "data"},
     {"meshes", "nn"},
-    {"train", "perfmodel", "models"},
+    {"models", "perfmodel"},  # ready-made models: below the step builder, which builds Llama
+    {"train"},
     {"detector", "scheduler", "faults"},
     {"sim", "runtime.recovery", "metrics"},
     {"runtime.job", "runtime.trainer"},

@@ -28,7 +28,7 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import PRESETS, ModelConfig, get_model_config
 
-BUILTIN_PLAN = "dp=2,pp=2,tp=2"  # the built-in model's starting mesh
+BUILTIN_PLAN = "dp=2,pp=2,tp=2"  # a preset's (rh.models.Llama's) starting mesh
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

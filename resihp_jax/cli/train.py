@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", default=None,
                         help="micro-batches per DP group, e.g. 3,1 (default: 2 per group)")
     parser.add_argument("--model", default="tiny", choices=sorted(PRESETS),
-                        help="model preset (default tiny)")
+                        help="a preset of rh.models.Llama, trained through the one step "
+                             "every model trains through (rh.fit's) (default tiny)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="parameter and compute dtype (default: the preset's own)")
     parser.add_argument("--data", default="synthetic:lognormal",

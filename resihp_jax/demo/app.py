@@ -17,7 +17,6 @@ from resihp_jax.demo.scenario import DetectorTiming, check_fault_timing, check_k
 from resihp_jax.demo.summary import FaultOutcome, match_faults, write_summary
 from resihp_jax.demo.user_model import DemoUserModel
 from resihp_jax.demo.user_model import build as build_user_model
-from resihp_jax.demo.user_model import build_llama
 
 if TYPE_CHECKING:
     from resihp_jax.data import BatchIterator
@@ -53,12 +52,13 @@ def run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     return EXIT_UNDETECTED if missed else 0
 
 
-def _model(config: DemoConfig) -> tuple[ModelFacts, UserPrograms]:
-    """What the trainer and the scheduler know of the model, and its step builder (the user's
-    path, for a preset's Llama too)."""
+def _model(config: DemoConfig) -> tuple[ModelFacts, UserPrograms | None]:
+    """What the trainer and the scheduler know of the model, and its step builder: a user's
+    model's, or None for a preset (the trainer's `build_step`: rh.models.Llama from it, on
+    the same one step every model trains through)."""
     if isinstance(config.model, DemoUserModel):
         return build_user_model(config.model, config.plan, config.seed)
-    return config.model, build_llama(config.model, config.seed)
+    return config.model, None
 
 
 def _check_faults(config: DemoConfig, model: ModelFacts) -> list[str]:

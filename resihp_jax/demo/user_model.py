@@ -1,9 +1,9 @@
-"""What the demo trains, always through the user's path (what `rh.fit` builds: the model split
-into shell and blocks, its step from `build_user_step`) under the ResilientTrainer:
+"""What the demo trains, always through the one step builder (what `rh.fit` builds: the model
+split into shell and blocks, its step from `build_user_step`) under the ResilientTrainer:
 
 - a preset (`--model tiny`, the default): `rh.models.Llama`, whose facts are its
   `ModelConfig` (the planner's analytic ones) and whose tensor parallelism is its own, so
-  injected slowdowns reach it at any tp (`build_llama`);
+  injected slowdowns reach it at any tp (the trainer's `build_step`);
 - `--model gpt2`: a user's own NNX model (rh.models.GPT2, the model of
   examples/user_model/train_gpt2.py), its facts read off it by XLA (`build`).
 
@@ -25,7 +25,6 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 
 if TYPE_CHECKING:
-    from resihp_jax.model.config import ModelConfig
     from resihp_jax.runtime.run.user_programs import UserPrograms
     from resihp_jax.train.user_facts import UserModelFacts
 
@@ -76,17 +75,6 @@ def check_user_plan(plan: Plan, name: str, model: DemoUserModel) -> None:
             f"{name}: tp={plan.tp} with model {model.name!r}: injected slowdowns reach a "
             "user's model only on plans with tp=1 (its step is manual over every mesh axis "
             f"only there); give tp=1, e.g. {DEFAULT_PLAN} or dp=2,pp=4,tp=1")
-
-
-def build_llama(config: ModelConfig, seed: int) -> UserPrograms:
-    """The programs of `rh.models.Llama(config)` with the demo's optimizer (TrainConfig's
-    AdamW and schedule), built sharded inside each program from `seed`."""
-    from resihp_jax.models import Llama  # noqa: PLC0415 - JAX starts after the devices
-    from resihp_jax.runtime.run.user_programs import user_programs  # noqa: PLC0415
-    from resihp_jax.train.config import TrainConfig  # noqa: PLC0415
-
-    return user_programs(lambda rngs: Llama(config, rngs=rngs), TrainConfig().optimizer(),
-                         seed)
 
 
 def build(model: DemoUserModel, plan: Plan, seed: int

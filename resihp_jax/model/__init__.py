@@ -1,5 +1,5 @@
-"""The decoder: config presets (importable without JAX), NNX modules in `decoder`, and the
-pure math the train step shards in `layers`."""
+"""The decoder's sizes: config presets (importable without JAX), and in `layers` the pure
+math `rh.models.Llama` and the train step's loss share."""
 
 from resihp_jax.model.config import PRESETS, ModelConfig, get_model_config
 

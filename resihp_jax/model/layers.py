@@ -1,19 +1,18 @@
-"""Pure functions of one decoder's math, shared by the NNX modules and the sharded train step.
+"""Pure functions of a decoder's math, shared by `rh.models.Llama` and the train step's loss.
 
 Every function takes the parameters it needs as arrays and an optional tensor-parallel axis
-name: with `tp_axis=None` it computes on whole weights (the single-device reference); inside
-`shard_map` it computes on this device's shard (heads, MLP columns, vocabulary rows) and
-reduces over `tp_axis` where Megatron-style tensor parallelism needs it.
+name: with `tp_axis=None` it computes on whole weights; inside a step manual over 'tp' it
+computes on this device's shard (vocabulary rows) and reduces over `tp_axis` where
+Megatron-style tensor parallelism needs it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from resihp_jax.attention.kernels import segment_attention
 from resihp_jax.model.config import ModelConfig
 
 Params = Mapping[str, jax.Array]
@@ -21,11 +20,6 @@ Params = Mapping[str, jax.Array]
 
 def _psum(x: jax.Array, axis: str | None) -> jax.Array:
     return x if axis is None else jax.lax.psum(x, axis)
-
-
-def compute_weights(weights: Any, dtype: str) -> Any:
-    """The weights cast to the compute dtype (the float32 masters stay as they are)."""
-    return jax.tree.map(lambda w: w.astype(dtype), weights)
 
 
 def rms_norm(x_BxSxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
@@ -47,35 +41,6 @@ def rotary(x_BxSxHxK: jax.Array, pos_BxS: jax.Array, theta: float) -> jax.Array:
     out = jnp.concatenate([x1 * cos_BxSx1xF - x2 * sin_BxSx1xF,
                            x2 * cos_BxSx1xF + x1 * sin_BxSx1xF], axis=-1)
     return out.astype(x_BxSxHxK.dtype)
-
-
-def attention_partial(p: Params, x_BxSxD: jax.Array, seg_BxS: jax.Array, pos_BxS: jax.Array,
-                      cfg: ModelConfig, attention: str = "auto") -> jax.Array:
-    """This device's heads' contribution to the attention output (sum over tp to finish);
-    `attention` names the kernel (`attention.IMPLEMENTATIONS`)."""
-    h_BxSxD = rms_norm(x_BxSxD, p["attn_norm"], cfg.norm_eps)
-    q_BxSxHxK = rotary(jnp.einsum("bsd,dhk->bshk", h_BxSxD, p["wq"]), pos_BxS, cfg.rope_theta)
-    k_BxSxGxK = rotary(jnp.einsum("bsd,dgk->bsgk", h_BxSxD, p["wk"]), pos_BxS, cfg.rope_theta)
-    v_BxSxGxK = jnp.einsum("bsd,dgk->bsgk", h_BxSxD, p["wv"])
-    o_BxSxHxK = segment_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, seg_BxS,
-                                  block_size=cfg.attn_block, implementation=attention)
-    return jnp.einsum("bshk,hkd->bsd", o_BxSxHxK, p["wo"])
-
-
-def mlp_partial(p: Params, x_BxSxD: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """This device's MLP columns' contribution to the MLP output (sum over tp to finish)."""
-    h_BxSxD = rms_norm(x_BxSxD, p["mlp_norm"], cfg.norm_eps)
-    gate_BxSxF = jnp.einsum("bsd,df->bsf", h_BxSxD, p["w_gate"])
-    up_BxSxF = jnp.einsum("bsd,df->bsf", h_BxSxD, p["w_up"])
-    return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate_BxSxF) * up_BxSxF, p["w_down"])
-
-
-def block(p: Params, x_BxSxD: jax.Array, seg_BxS: jax.Array, pos_BxS: jax.Array,
-          cfg: ModelConfig, tp_axis: str | None = None, attention: str = "auto") -> jax.Array:
-    """One pre-norm decoder layer; `p` holds this layer's (shard of the) weights."""
-    x_BxSxD = x_BxSxD + _psum(attention_partial(p, x_BxSxD, seg_BxS, pos_BxS, cfg, attention),
-                              tp_axis)
-    return x_BxSxD + _psum(mlp_partial(p, x_BxSxD, cfg), tp_axis)
 
 
 def vocab_offset(local_vocab: int, tp_axis: str | None) -> jax.Array | int:

@@ -6,7 +6,6 @@ and `rh.models.GPT2`, a GPT-2 written as a user writes one (examples/user_model/
 
 from resihp_jax.model.config import ModelConfig, get_model_config
 from resihp_jax.models.gpt2 import GPT2, GPT2Block
-from resihp_jax.models.llama import Llama, LlamaBlock, from_builtin, to_builtin
+from resihp_jax.models.llama import Llama, LlamaBlock
 
-__all__ = ["GPT2", "GPT2Block", "Llama", "LlamaBlock", "ModelConfig", "from_builtin",
-           "get_model_config", "to_builtin"]
+__all__ = ["GPT2", "GPT2Block", "Llama", "LlamaBlock", "ModelConfig", "get_model_config"]

@@ -7,18 +7,15 @@ and finishes their sums with `rh.nn.tp_sum`, the embedding is vocab-parallel
 is manual over every mesh axis (stage timing, injected slowdowns and the fused attention
 kernels reach it at any tp). Outside such a step the helpers are the plain operations.
 
-Its math is the built-in decoder's (model/layers.py), op for op: RMSNorm with float32
-statistics, rotary positions per document, grouped KV heads, SwiGLU, our block-sparse
-`segment_attention`, an untied head whose logits are float32. It computes in
-`config.dtype` (float32 masters cast at use, as the built-in does), or lower where the step
-hands it weights already cast lower.
-`from_builtin` / `to_builtin` convert the built-in model's canonical parameters, so both
-start from, and can be compared on, the same weights.
+Its math (model/layers.py): RMSNorm with float32 statistics, rotary positions per document,
+grouped KV heads, SwiGLU, our packed `segment_attention`, an untied head whose logits are
+float32. It computes in `config.dtype` (float32 masters cast at use; the embedding gathers
+float32 rows and casts only those), or lower where the step hands it weights already cast
+lower. It is what `resihp train` and `resihp demo` train (train/user_step.py `build_step`).
 """
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +24,6 @@ from flax import nnx
 from resihp_jax.model import layers
 from resihp_jax.model.config import ModelConfig, get_model_config
 from resihp_jax.nn import segment_attention, tp_sum, vocab_embed
-
-# Built-in (model/decoder.py) layer parameter name -> this model's block attribute path.
-_BLOCK_NAMES = {"attn_norm": ("attn_norm", "scale"), "wq": ("wq",), "wk": ("wk",),
-                "wv": ("wv",), "wo": ("wo",), "mlp_norm": ("mlp_norm", "scale"),
-                "w_gate": ("w_gate",), "w_up": ("w_up",), "w_down": ("w_down",)}
-
 
 def _param(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
     # Logical names only: the train step shards from them, nothing is placed at creation.
@@ -69,13 +60,13 @@ class RMSNorm(nnx.Module):
 class LlamaBlock(nnx.Module):
     """One pre-norm decoder layer: grouped-KV attention with rotary positions, then SwiGLU."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention: str = "auto") -> None:
         d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
         std = d ** -0.5
         # the built-in's init: output projections scaled down with depth, so the residual
         # stream's scale stays flat however many layers there are
         depth = (2 * cfg.n_layers) ** -0.5
-        self.cfg = cfg
+        self.cfg, self.attention_kernel = cfg, attention
         self.attn_norm = RMSNorm(d, cfg.norm_eps, cfg.dtype)
         self.wq = _normal(rngs, (d, h, k), std, ("embed", "heads", "head_dim"))
         self.wk = _normal(rngs, (d, g, k), std, ("embed", "kv", "head_dim"))
@@ -96,7 +87,8 @@ class LlamaBlock(nnx.Module):
                                   pos_BxS, cfg.rope_theta)
         v_BxSxGxK = jnp.einsum("bsd,dgk->bsgk", h_BxSxD, _cast(self.wv, dt))
         o_BxSxHxK = segment_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, seg_BxS,
-                                      block_size=cfg.attn_block)
+                                      block_size=cfg.attn_block,
+                                      implementation=self.attention_kernel)
         return jnp.einsum("bshk,hkd->bsd", o_BxSxHxK, _cast(self.wo, dt))
 
     def mlp(self, x_BxSxD: jax.Array) -> jax.Array:
@@ -116,17 +108,20 @@ class LlamaBlock(nnx.Module):
 
 class Llama(nnx.Module):
     """Llama-style decoder for `config`: a `ModelConfig` (`rh.models.get_model_config('tiny')`)
-    or a preset's name ('tiny')."""
+    or a preset's name ('tiny'). `attention`: the kernel of `rh.nn.segment_attention`
+    ("auto": the fastest correct one for the device; see its `implementation`)."""
 
     tensor_parallel = "manual"  # (module docstring)
 
-    def __init__(self, config: ModelConfig | str, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, config: ModelConfig | str, *, rngs: nnx.Rngs,
+                 attention: str = "auto") -> None:
         if isinstance(config, str):
             config = get_model_config(config)
         d, v = config.d_model, config.vocab_size
         self.config = config
         self.table = _normal(rngs, (v, d), 1.0, ("vocab", "embed"))
-        self.blocks = nnx.List([LlamaBlock(config, rngs=rngs) for _ in range(config.n_layers)])
+        self.blocks = nnx.List([LlamaBlock(config, rngs=rngs, attention=attention)
+                                for _ in range(config.n_layers)])
         self.final_norm = RMSNorm(d, config.norm_eps, config.dtype)
         self.lm_head = _normal(rngs, (d, v), d ** -0.5, ("embed", "vocab"))
 
@@ -147,58 +142,3 @@ class Llama(nnx.Module):
         for block in self.blocks:
             h_BxSxD = block(h_BxSxD, seg_BxS, pos_BxS)
         return self.head(h_BxSxD)
-
-
-def _abstract(config: ModelConfig) -> Llama:
-    with nnx.use_eager_sharding(False):
-        return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-
-
-def pure_params_from_builtin(params: dict[str, Any], n_layers: int) -> dict[str, Any]:
-    """The built-in decoder's canonical parameters (`decoder.init_params`, a `StepProgram`'s
-    canonical state) as this model's pure parameter dict (`nnx.to_pure_dict` layout)."""
-    stacked = params["layers"]
-
-    def block(i: int) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name, path in _BLOCK_NAMES.items():
-            node = out
-            for key in path[:-1]:
-                node = node.setdefault(key, {})
-            node[path[-1]] = stacked[name][i]
-        return out
-
-    return {"table": params["embed"]["table"],
-            "blocks": {i: block(i) for i in range(n_layers)},
-            "final_norm": {"scale": params["head"]["norm"]},
-            "lm_head": params["head"]["w"]}
-
-
-def from_builtin(config: ModelConfig, params: dict[str, Any]) -> Llama:
-    """A Llama holding the built-in decoder's canonical parameters `params` (same math)."""
-    model = _abstract(config)
-    state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, pure_params_from_builtin(params, config.n_layers))
-    nnx.update(model, state)
-    return model
-
-
-def to_builtin(model: Llama) -> dict[str, Any]:
-    """This model's parameters as the built-in decoder's canonical dict (layers stacked)."""
-    return pure_params_to_builtin(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-
-
-def pure_params_to_builtin(pure: dict[str, Any]) -> dict[str, Any]:
-    """A pure dict in this model's layout (its parameters, or gradients of them) in the
-    built-in decoder's canonical layout."""
-    blocks = [pure["blocks"][i] for i in range(len(pure["blocks"]))]
-
-    def leaf(tree: dict[str, Any], path: tuple[str, ...]) -> jax.Array:
-        for key in path:
-            tree = tree[key]
-        return tree  # type: ignore[return-value]
-
-    stacked = {name: jnp.stack([leaf(b, path) for b in blocks])
-               for name, path in _BLOCK_NAMES.items()}
-    return {"embed": {"table": pure["table"]}, "layers": stacked,
-            "head": {"norm": pure["final_norm"]["scale"], "w": pure["lm_head"]}}

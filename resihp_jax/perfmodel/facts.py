@@ -1,7 +1,7 @@
 """ModelFacts: what the cost model, the memory model, the scheduler and the simulator know of a
 model, and all they may ask of it.
 
-The built-in decoder's `ModelConfig` answers from its sizes; a user's NNX model answers from
+A `ModelConfig` (`rh.models.Llama`'s sizes) answers from its sizes; a user's NNX model answers from
 its own parameter shapes and XLA's cost analysis of one block (train/user_facts.py). Nothing
 outside the model packages reads a model's sizes (heads, d_ff, ...) directly.
 """

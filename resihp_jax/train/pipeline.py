@@ -1,4 +1,6 @@
-"""The per-device body of the train step: a GPipe pipeline over 'pp' inside `shard_map`.
+"""The pipeline machinery of the train step (train/user_pipeline.py holds its body): the
+GPipe schedule over 'pp' inside `shard_map` (`run_ticks`), gates that skip idle work
+(`gated`), and gradient accumulation over micro-batch slots (`accumulated_loss_sum`).
 
 Schedule: a `lax.scan` over ticks t = 0 .. mb_slots + pp - 2. At tick t stage s runs
 micro-batch t - s (if its DP group has that many), then every stage passes its activation to
@@ -6,17 +8,14 @@ the next with one collective permute. Reverse-mode autodiff of the scan gives th
 ticks in reverse order (all forwards, then all backwards: GPipe). Stages skip empty layer
 slots and missing micro-batches with `lax.cond`, so the uneven splits are runtime arrays and
 skipped work costs no compute. A one-stage plan (pp == 1) has no schedule to run: its step
-is gradient accumulation over the micro-batch slots (`single_stage_loss_sum`), with no gates
-and so no forward re-run in the backward.
+is gradient accumulation over the micro-batch slots, with no gates and so no forward re-run
+in the backward.
 
-Mixed precision: the float32 master weights are cast to `cfg.dtype` once per step; layers,
-TP all-reduces and the permute run in that dtype, while logits, softmax statistics, the loss
-and the weight gradients (accumulated over micro-batches) stay float32.
-
-Every collective (TP all-reduces, the permute) runs unconditionally, outside any `cond`:
-XLA:CPU deadlocks when only some devices reach a collective, and GPUs need every member of
-a group to join anyway. The conds wrap only collective-free compute and yield zeros when
-idle, so an idle slot still joins its TP all-reduce with a zero contribution.
+Every collective of the schedule (the permute, the loss's sums) runs unconditionally, outside
+any `cond`: XLA:CPU deadlocks when only some devices reach a collective, and GPUs need every
+member of a group to join anyway. A gate's branches hold no collective that only part of a
+group reaches (a model's tp sums are joined by its whole tp group: the gate's predicate
+depends on 'dp' and 'pp' only).
 """
 
 from __future__ import annotations
@@ -27,10 +26,6 @@ import jax
 import jax.numpy as jnp
 
 from resihp_jax import vma
-from resihp_jax.model import layers
-from resihp_jax.model.config import ModelConfig
-from resihp_jax.meshes.plan import TIMED_SLOT
-from resihp_jax.train.instrument import Instrument
 
 STEP_AXES = ("dp", "pp")  # activations differ across these; 'tp' devices hold equal copies
 ALL_AXES = ("dp", "pp", "tp")
@@ -101,102 +96,6 @@ def _like_output(out: jax.Array, g: jax.Array) -> jax.Array:
     block that finished its own sums over 'tp': the transpose of that widening)."""
     extra = tuple(sorted(vma.varying_axes(g) - vma.varying_axes(out)))
     return jax.lax.psum(g, extra) if extra else g
-
-
-def run_stage(masters: dict[str, jax.Array], compute: dict[str, jax.Array],
-              active: jax.Array, n_layers: jax.Array, x_BxSxD: jax.Array, seg_BxS: jax.Array,
-              pos_BxS: jax.Array, cfg: ModelConfig, attention: str = "auto") -> jax.Array:
-    """Apply this stage's first `n_layers` slots when `active`; other slots are skipped.
-
-    `masters` are the stage's layer weights [slots, ...], `compute` the same cast to the
-    compute dtype (what the layers run with); `attention` names the attention kernel."""
-    slot_ids = jnp.arange(jax.tree.leaves(masters)[0].shape[0])
-
-    def one_slot(x: jax.Array, slot: tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array]]):
-        i, p, c = slot
-        on = active & (i < n_layers)
-        attn = gated(lambda c_, x_, s_, q_: layers.attention_partial(c_, x_, s_, q_, cfg,
-                                                                      attention),
-                     on, p, c, (x,), (seg_BxS, pos_BxS))
-        x = x + jax.lax.psum(attn, "tp")
-        mlp = gated(lambda c_, x_: layers.mlp_partial(c_, x_, cfg), on, p, c, (x,), ())
-        return x + jax.lax.psum(mlp, "tp"), None  # idle: both sums are zero, x passes through
-
-    return jax.lax.scan(one_slot, x_BxSxD, (slot_ids, masters, compute))[0]
-
-
-def _tick_loss(params: dict[str, Any], head: dict[str, jax.Array], on_head: jax.Array,
-               x_BxSxD: jax.Array, tok_BxS: jax.Array, seg_BxS: jax.Array,
-               cfg: ModelConfig) -> jax.Array:
-    """Loss sum of one micro-batch on the last stage; `head` is params["head"] cast to the
-    compute dtype. Logits, softmax statistics and the loss are float32."""
-    targets_BxS, weights_BxS = layers.next_token_targets(tok_BxS, seg_BxS)
-    offset = layers.vocab_offset(head["w"].shape[-1], "tp")
-
-    def partials(h: dict[str, jax.Array], x: jax.Array, targets: jax.Array,
-                 off: jax.Array) -> layers.LossPartials:
-        return layers.loss_partials(layers.logits(h["norm"], h["w"], x, cfg), targets, off)
-
-    local = gated(partials, on_head, params["head"], head, (x_BxSxD,), (targets_BxS, offset))
-    parts = layers.reduce_loss_partials(local, "tp")
-    return jax.lax.cond(on_head, lambda: vma.vary(layers.nll_sum(parts, weights_BxS), STEP_AXES),
-                        lambda: vma.vary(jnp.zeros((), jnp.float32), STEP_AXES))
-
-
-def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
-                      pos: jax.Array, n_layers_P: jax.Array, n_mb_D: jax.Array,
-                      knob: jax.Array, *, cfg: ModelConfig, pp: int, remat: bool,
-                      instrument: Instrument | None = None,
-                      attention: str = "auto") -> jax.Array:
-    """Sum of token losses over all DP groups' micro-batches (same value on every device).
-
-    Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...]; knob
-    [1, 1, 1], this device's runtime value handed to `instrument`'s host callbacks, which
-    (when given) bracket each tick's stage work, forward and backward.
-    """
-    # Mark every weight device-varying here, once: otherwise autodiff reduces each weight's
-    # gradient over dp/pp/tp inside every backward tick (one all-reduce per tick instead of
-    # one per step), and those all-reduces race the pipeline permute into a deadlock.
-    params = vma.vary(params, ALL_AXES)
-    if pp == 1:
-        return single_stage_loss_sum(params, tokens, seg, pos, n_mb_D, knob, cfg=cfg,
-                                     remat=remat, instrument=instrument, attention=attention)
-    # The float32 masters are cast to the compute dtype here, once per step, outside the
-    # tick scan: every tick reuses the same loop-invariant copy. Gradients reach the masters
-    # through `gated`, never through this cast, so the copy carries no tangent (else the
-    # scans would hold zero cotangent buffers for it, two more weight-sized arrays).
-    compute = jax.lax.stop_gradient(layers.compute_weights(
-        {"layers": params["layers"], "head": params["head"]}, cfg.dtype))
-    stage = jax.lax.axis_index("pp")
-    my_layers = n_layers_P[stage]
-    my_microbatches = n_mb_D[jax.lax.axis_index("dp")]
-    masters, layer_compute = (jax.tree.map(lambda a: a[0], p)
-                              for p in (params["layers"], compute["layers"]))
-    tokens_MxBxS, seg_MxBxS, pos_MxBxS = tokens[0], seg[0], pos[0]
-    mb_slots, batch, seq = tokens_MxBxS.shape
-    table_VxD = params["embed"]["table"]
-    offset = layers.vocab_offset(table_VxD.shape[0], "tp")
-    x_like = jnp.zeros((batch, seq, cfg.d_model), cfg.dtype)
-
-    def work(x_recv: jax.Array, m: jax.Array, busy: jax.Array, t: jax.Array):
-        tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
-        first = busy & (stage == 0)
-        emb = _when(first, lambda: layers.embed_partial(table_VxD, tok_BxS, offset, cfg.dtype),
-                    x_like)
-        x_BxSxD = jnp.where(stage == 0, jax.lax.psum(emb, "tp"), x_recv)
-        if instrument is not None:
-            coords = instrument.coords(knob.reshape(()), busy, t, timed=m == TIMED_SLOT)
-            x_BxSxD = instrument.enter(x_BxSxD, coords)
-        x_BxSxD = run_stage(masters, layer_compute, busy, my_layers, x_BxSxD, seg_BxS,
-                            pos_BxS, cfg, attention)
-        if instrument is not None:
-            x_BxSxD = instrument.exit(x_BxSxD, coords)
-        loss = _tick_loss(params, compute["head"], busy & (stage == pp - 1), x_BxSxD,
-                          tok_BxS, seg_BxS, cfg)
-        return x_BxSxD, loss
-
-    return run_ticks(jax.checkpoint(work) if remat else work, stage, pp, mb_slots,
-                     my_microbatches, x_like)
 
 
 def run_ticks(work: Callable[..., tuple[jax.Array, jax.Array]], stage: jax.Array, pp: int,
@@ -300,60 +199,3 @@ def accumulated_loss_sum(slot_loss: Callable[[Any, Any, jax.Array], jax.Array],
 
     run.defvjp(run_fwd, run_bwd)
     return run(masters, inputs)
-
-
-def single_stage_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
-                          pos: jax.Array, n_mb_D: jax.Array, knob: jax.Array, *,
-                          cfg: ModelConfig, remat: bool, instrument: Instrument | None = None,
-                          attention: str = "auto") -> jax.Array:
-    """`pipeline_loss_sum` of a one-stage plan: no ticks, no permute, no layer gates (every
-    slot up to the model's depth is a layer); only missing micro-batches are skipped.
-
-    `params` already vary over every mesh axis. The TP all-reduces run inside the slot's
-    `cond`: its predicate (does this DP group have micro-batch m) is shared by every member
-    of a tp group, so each all-reduce is joined by its whole group or skipped by all of it.
-    The gradients' DP reduction stays outside, once per step (the transpose of the caller's
-    `vma.vary`). The stage timing markers bracket each micro-batch's layers, forward and
-    (through their VJPs) backward, keyed on tick = slot. `remat` recomputes each layer in
-    its backward (jax.checkpoint)."""
-    masters = {"embed": params["embed"], "head": params["head"],
-               # slots past the model's depth (a larger requested slot count) are padding
-               "layers": jax.tree.map(lambda a: a[0, :cfg.n_layers], params["layers"])}
-
-    def prepare(m: dict[str, Any]) -> dict[str, Any]:
-        # float32 rows are gathered and cast per token (as the decoder does), never the table
-        return {"embed": m["embed"],
-                **layers.compute_weights({"layers": m["layers"], "head": m["head"]}, cfg.dtype)}
-
-    def layer(x: jax.Array, p: dict[str, jax.Array], seg_BxS: jax.Array,
-              pos_BxS: jax.Array) -> jax.Array:
-        x = x + jax.lax.psum(layers.attention_partial(p, x, seg_BxS, pos_BxS, cfg, attention),
-                             "tp")
-        return x + jax.lax.psum(layers.mlp_partial(p, x, cfg), "tp")
-
-    layer_fn = jax.checkpoint(layer) if remat else layer
-
-    def slot_loss(c: dict[str, Any], data: tuple[jax.Array, ...], m: jax.Array) -> jax.Array:
-        tokens_MxBxS, seg_MxBxS, pos_MxBxS, knob_ = data
-        tok_BxS, seg_BxS, pos_BxS = tokens_MxBxS[m], seg_MxBxS[m], pos_MxBxS[m]
-        table_VxD = c["embed"]["table"]
-        x_BxSxD = jax.lax.psum(layers.embed_partial(
-            table_VxD, tok_BxS, layers.vocab_offset(table_VxD.shape[0], "tp"), cfg.dtype), "tp")
-        if instrument is not None:
-            coords = instrument.coords(knob_, jnp.asarray(True), m, timed=m == TIMED_SLOT)
-            x_BxSxD = instrument.enter(x_BxSxD, coords)
-        x_BxSxD = jax.lax.scan(lambda x, p: (layer_fn(x, p, seg_BxS, pos_BxS), None),
-                               x_BxSxD, c["layers"])[0]
-        if instrument is not None:
-            x_BxSxD = instrument.exit(x_BxSxD, coords)
-        targets_BxS, weights_BxS = layers.next_token_targets(tok_BxS, seg_BxS)
-        head = c["head"]
-        local = layers.loss_partials(layers.logits(head["norm"], head["w"], x_BxSxD, cfg),
-                                     targets_BxS, layers.vocab_offset(head["w"].shape[-1], "tp"))
-        return layers.nll_sum(layers.reduce_loss_partials(local, "tp"), weights_BxS)
-
-    data = (tokens[0], seg[0], pos[0], knob.reshape(()))
-    loss = accumulated_loss_sum(slot_loss, prepare, masters, data,
-                                n_mb_D[jax.lax.axis_index("dp")], tokens.shape[1],
-                                STEP_AXES, ALL_AXES)
-    return jax.lax.psum(loss, STEP_AXES)

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,15 +20,10 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resihp_jax.meshes import layout
-from resihp_jax.meshes.mesh import make_mesh, put_global
+from resihp_jax.meshes.mesh import put_global
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.meshes.rules import spread_shardings, state_shardings, state_specs
-from resihp_jax.model import decoder, layers
-from resihp_jax.attention.check import step_attention
-from resihp_jax.model.config import ModelConfig
+from resihp_jax.model import layers
 from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.instrument import Instrument
-from resihp_jax.train.pipeline import pipeline_loss_sum
 
 
 class TrainState(NamedTuple):
@@ -86,7 +81,7 @@ def token_count(segment_ids: jax.Array) -> jax.Array:
 @dataclass(frozen=True)
 class StepProgram:
     """Everything compiled for one mesh; `plan` may change splits without rebuilding."""
-    model: ModelConfig
+    model: Any  # the model's parts (train/user_model.py ModelParts)
     train: TrainConfig
     plan: Plan
     mesh: jax.sharding.Mesh
@@ -124,7 +119,7 @@ class StepProgram:
     def adopt_compiled(self, compiled_step: Any) -> StepProgram:
         """The program to run with `compiled_step` (this one's step compiled ahead,
         train/aot.py). A user's model's program checks it first and may answer with another
-        program (user_step.py); the built-in model's collectives are its own."""
+        program (user_step.py)."""
         return dataclasses.replace(self, step_fn=compiled_step)
 
     def stage_index_array(self) -> jax.Array:
@@ -186,16 +181,6 @@ class StepProgram:
         tokens = jax.make_array_from_callback(global_shape, self.batch_sharding, tokens_of)
         return Batch(tokens, *(put_global(a, self.batch_sharding) for a in layout_arrays))
 
-    def init_state(self, seed: int) -> TrainState:
-        """Fresh state built directly in its shardings (never materialized whole)."""
-        index_PxL = self.stage_index()  # numpy: jnp.asarray would compile a program
-
-        def init(index: jax.Array) -> TrainState:
-            params = layout.to_stage_layout(decoder.init_params(self.model, seed), index)
-            return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
-
-        return jax.jit(init, out_shardings=self.state_shardings)(index_PxL)
-
     def step(self, state: TrainState, batch: Batch, knobs_DxPxT: np.ndarray | None = None
              ) -> tuple[TrainState, dict[str, jax.Array]]:
         return self.step_fn(state, batch, self.splits(knobs_DxPxT))
@@ -205,84 +190,10 @@ class StepProgram:
 
     def abstract_state(self) -> TrainState:
         """Shapes of this program's state (stage layout), e.g. to compile ahead of time."""
-        return abstract_state(self.model, self.optimizer, self.plan, self.layer_slots)
+        raise NotImplementedError  # the program of train/user_step.py
 
-
-def abstract_state(model: ModelConfig, optimizer: optax.GradientTransformation, plan: Plan,
-                   layer_slots: int) -> TrainState:
-    index_PxL = layout.stage_index(plan.layers_per_stage, layer_slots)  # numpy, no compile
-
-    def init() -> TrainState:
-        params = layout.to_stage_layout(decoder.init_params(model, 0), index_PxL)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-
-    return jax.eval_shape(init)
-
-
-def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
-               devices: Sequence[jax.Device],
-               instrument: Instrument | None = None) -> StepProgram:
-    """Compile-ready program for `plan` on `devices` (looked up by the plan's device ids).
-
-    `instrument` (optional) brackets each device's stage work with host callbacks; the
-    per-device `knobs` input of the step is handed to them (e.g. a slowdown factor).
-    """
-    plan.check(model, [int(d.id) for d in devices])
-    attention = step_attention(train.attention, model, plan.seq_len, devices[0])
-    mesh = make_mesh(plan, devices)
-    layer_slots = layout.layer_slots_for(plan, train.layer_slots)
-    mb_slots = layout.microbatch_slots_for(plan, train.microbatch_slots)
-    optimizer = train.optimizer()
-    shapes = abstract_state(model, optimizer, plan, layer_slots)
-    shardings = state_shardings(shapes, mesh)
-    batch_spec, replicated = P("dp"), NamedSharding(mesh, P())
-    batch_sharding = NamedSharding(mesh, batch_spec)
-
-    sharded_loss = jax.shard_map(
-        functools.partial(pipeline_loss_sum, cfg=model, pp=plan.pp, remat=train.remat,
-                          instrument=instrument, attention=attention),
-        mesh=mesh,
-        in_specs=(state_specs(shapes.params), batch_spec, batch_spec, batch_spec, P(), P(),
-                  KNOB_SPEC),
-        out_specs=P())
-
-    def loss_sum(params: dict[str, Any], batch: Batch, splits: Splits) -> jax.Array:
-        return sharded_loss(params, batch.tokens, batch.segment_ids, batch.positions,
-                            splits.layers_per_stage, splits.microbatches_per_group,
-                            splits.knobs)
-
-    step_fn, grads_fn = step_functions(loss_sum, optimizer, shardings, mesh,
-                                       train.donate_state)
-    # The layout programs a re-plan runs; the split is an input, so one pair serves every
-    # split of this mesh.
-    canonical = canonical_state_shapes(shapes, model.n_layers)
-    canonical_sh = spread_shardings(canonical, mesh)
-    spread = spread_shardings(shapes, mesh, stage_layout=True)
-
-    def canonical_of(state: TrainState, positions_L: jax.Array) -> TrainState:
-        # spread every layer over dp x pp along 'embed' first (an all-to-all): the gather of
-        # layers is then local to each device, and no device ever holds more than its share
-        # (a gather out of a pp-sharded operand becomes masked local gathers plus an
-        # all-reduce of the whole result, several times the traffic)
-        state = jax.lax.with_sharding_constraint(state, spread)
-        return layout.to_canonical_layout(state, positions_L)
-
-    to_canonical_fn = jax.jit(canonical_of, in_shardings=(shardings, replicated),
-                              out_shardings=canonical_sh)
-    to_stage_fn = jax.jit(layout.to_stage_layout, in_shardings=(canonical_sh, replicated),
-                          out_shardings=shardings)
-
-    def restaged(state: TrainState, positions_L: jax.Array, index_PxL: jax.Array):
-        # a new split of the same mesh: each device builds only its own stage's slots (the
-        # old state is donated, as the step donates it, so the new one lands in memory
-        # already touched instead of a state's worth of fresh pages)
-        return layout.to_stage_layout(canonical_of(state, positions_L), index_PxL)
-
-    restage_fn = jax.jit(restaged, in_shardings=(shardings, replicated, replicated),
-                         out_shardings=shardings, donate_argnums=0 if train.donate_state else ())
-    return StepProgram(model, train, plan, mesh, layer_slots, mb_slots, optimizer, shardings,
-                       batch_sharding, replicated, step_fn, grads_fn, canonical_sh,
-                       to_canonical_fn, to_stage_fn, restage_fn)
+    def init_state(self, seed: Any) -> TrainState:
+        raise NotImplementedError  # the program of train/user_step.py
 
 
 def step_functions(loss_sum: Callable[[Any, Batch, Splits], jax.Array],

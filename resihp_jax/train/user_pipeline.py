@@ -1,5 +1,5 @@
-"""The per-device body of a user's model's train step: the same GPipe schedule as the
-built-in model's (pipeline.py).
+"""The per-device body of the train step: the GPipe schedule of pipeline.py over the model's
+shell and blocks.
 
 With tensor parallelism (tp > 1) the shard_map is manual over 'dp' and 'pp'; 'tp' stays
 automatic, so the tensor parallelism comes from the parameters' shardings (logical names ->
@@ -9,7 +9,7 @@ collective inside a branch is always joined by the whole group. The user's code 
 collectives of its own.
 
 Without it (tp == 1) nothing is left for XLA to split: the shard_map is manual over every
-mesh axis, as the built-in model's is, and the stage work can be bracketed by an `Instrument`
+mesh axis, and the stage work can be bracketed by an `Instrument`
 (host callbacks run only where every axis is manual): per-stage timing and injected
 per-device slowdowns reach the user's model exactly as they reach the built-in one.
 """
@@ -172,7 +172,7 @@ def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.A
         emb = gated(parts.embed, busy & (stage == 0), shell, shell_c, (),
                     (tok_BxS, pos_BxS, noise(parts.n_layers, m)), axes, select)
         x_BxSxD = jnp.where(stage == 0, emb, x_recv)
-        if instrument is not None:  # the stage's blocks, as the built-in model brackets them
+        if instrument is not None:  # the stage's blocks, bracketed forward and backward
             coords = instrument.coords(knob.reshape(()), busy, t, timed=m == TIMED_SLOT)
             x_BxSxD = instrument.enter(x_BxSxD, coords)
         x_BxSxD = _run_stage(parts, layers, layers_c, busy, my_layers, x_BxSxD, seg_BxS,

@@ -1,5 +1,7 @@
-"""Build the jitted train step of a user's NNX model under any Plan (the same `StepProgram`
-interface as the built-in model's, so every split, re-plan and state move works alike).
+"""The one step builder: the jitted train step of any NNX model that keeps the contract
+(train/user_model.py) under any Plan, as a `StepProgram`, so every split, re-plan and state
+move works alike for every model. `build_step` is it for `rh.models.Llama` from a
+ModelConfig (what `resihp train`, the demo and most benchmarks run).
 
 The state's parameters are `{"shell": ..., "blocks": ...}` (train/user_model.py), the blocks
 in the stage layout `[pp, slots, ...]`. The optimizer is the user's optax transformation,
@@ -22,14 +24,17 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from resihp_jax.attention.check import check_traced
+from resihp_jax.attention.check import check_traced, step_attention
 from resihp_jax.errors import PlanError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.branch_collectives import BranchCollective, branch_collectives
 from resihp_jax.meshes.mesh import make_mesh
 from resihp_jax.meshes.plan import Plan
+from resihp_jax.meshes.rules import spread_spec
+from resihp_jax.model.config import ModelConfig
 from resihp_jax.train.aot import abstract_args
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.instrument import Instrument
@@ -37,8 +42,8 @@ from resihp_jax.train.param_gathers import parameter_gathers, warn_parameter_gat
 from resihp_jax.train.pipeline import ALL_AXES, STEP_AXES
 from resihp_jax.train.step import (KNOB_SPEC, Batch, Splits, StepProgram, TrainState,
                                    canonical_state_shapes, step_functions)
-from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, check_divisible,
-                                         mesh_specs)
+from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
+                                         check_divisible, mesh_specs, split_model)
 from resihp_jax.train.user_pipeline import user_pipeline_loss_sum
 
 
@@ -61,14 +66,15 @@ class UserStepProgram(StepProgram):
     def abstract_state(self) -> TrainState:
         return self.state_shapes
 
-    def init_state(self, seed_or_params: Any) -> TrainState:  # type: ignore[override]
-        """State from canonical parameters `{"shell": ..., "blocks": [n_layers, ...]}` (or
-        from `initial_params(seed)`), placed straight into this program's shardings."""
-        params = seed_or_params
-        if isinstance(seed_or_params, int):
+    def init_state(self, seed: Any) -> TrainState:  # type: ignore[override]
+        """State from `initial_params(seed)` (an int), or from canonical parameters
+        `{"shell": ..., "blocks": [n_layers, ...]}` given in its place, placed straight into
+        this program's shardings."""
+        params = seed
+        if isinstance(seed, int):
             if self.initial_params is None:
                 raise ValueError("this program has no initial parameters: pass them")
-            params = self.initial_params(seed_or_params)
+            params = self.initial_params(seed)
 
         def init(params: Any, index_PxL: jax.Array) -> TrainState:
             staged = layout.to_stage_layout(params, index_PxL)
@@ -129,8 +135,13 @@ class UserStepProgram(StepProgram):
         return selected.adopt_compiled(selected.step_fn.lower(state, batch, splits).compile())
 
     def canonical_params(self, state: TrainState) -> Any:
-        """The state's parameters with the blocks in canonical order `[n_layers, ...]`."""
-        return self.to_canonical_fn(state, self.canonical_positions()).params
+        """The state's parameters with the blocks in canonical order `[n_layers, ...]`,
+        sharded over 'tp' alone (replicated over dp and pp, not spread: every process of a
+        job holds all of its tp groups' shards, so `jax.device_get` can read them whole)."""
+        params = self.to_canonical_fn(state, self.canonical_positions()).params
+        target = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.param_specs,
+                              is_leaf=lambda x: isinstance(x, P))
+        return jax.jit(lambda p: p, out_shardings=target)(params)
 
 
 def _layer_spec(spec: P, stage_layout: bool) -> P:
@@ -201,15 +212,30 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
                                        takes_step=True)
     canonical = jax.eval_shape(layout.to_canonical_layout, shapes,
                                jax.ShapeDtypeStruct((parts.n_layers,), jnp.int32))
-    canonical_sh = jax.tree.map(
-        lambda s: NamedSharding(mesh, s),
-        _state_specs(optimizer, canonical, canonical_specs), is_leaf=lambda x: isinstance(x, P))
-    to_canonical_fn = jax.jit(layout.to_canonical_layout, in_shardings=(shardings, replicated),
+    named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree,  # noqa: E731
+                                      is_leaf=lambda x: isinstance(x, P))
+    # outside the step the layers are spread over dp x pp (meshes/rules.py spread_spec)
+    canonical_sh = named(_state_specs(optimizer, canonical, _spread(
+        parts, canonical_specs, example_params, dict(mesh.shape), lead=1)))
+    spread_stage = named(_state_specs(optimizer, shapes, _spread(
+        parts, specs.params, shapes.params, dict(mesh.shape), lead=2)))
+
+    def canonical_of(state: TrainState, positions_L: jax.Array) -> TrainState:
+        # each layer spread over dp x pp first (an all-to-all): the gather of layers is then
+        # local to each device, and no device ever holds more than its share (a gather out
+        # of a pp-sharded operand becomes masked local gathers plus an all-reduce of the
+        # whole result, several times the traffic)
+        state = jax.lax.with_sharding_constraint(state, spread_stage)
+        return layout.to_canonical_layout(state, positions_L)
+
+    to_canonical_fn = jax.jit(canonical_of, in_shardings=(shardings, replicated),
                               out_shardings=canonical_sh)
     to_stage_fn = jax.jit(layout.to_stage_layout, in_shardings=(canonical_sh, replicated),
                           out_shardings=shardings)
+    # a new split of the same mesh: each device builds only its own stage's slots (the old
+    # state donated, as the step donates it)
     restage_fn = jax.jit(
-        lambda s, pos, idx: layout.to_stage_layout(layout.to_canonical_layout(s, pos), idx),
+        lambda s, pos, idx: layout.to_stage_layout(canonical_of(s, pos), idx),
         in_shardings=(shardings, replicated, replicated), out_shardings=shardings,
         donate_argnums=0 if train.donate_state else ())
     train = train.replace(layer_slots=layer_slots, microbatch_slots=mb_slots)
@@ -223,6 +249,16 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
                                example_params, axis_rules=axis_rules, train=train,
                                initial_params=initial_params, compute_dtype=compute_dtype,
                                instrument=instrument, gates="select"))
+
+
+def _spread(parts: ModelParts, specs: dict[str, Any], params: dict[str, Any],
+            sizes: dict[str, int], lead: int) -> dict[str, Any]:
+    """Parameter specs `{"shell", "blocks"}` with every block leaf spread over dp and pp
+    (`spread_spec`); `params`: their shapes, with `lead` layer dims."""
+    blocks = jax.tree.map(lambda logical, spec, x: spread_spec(logical, spec, x.shape, sizes, lead),
+                          parts.layer_logical, specs["blocks"], params["blocks"],
+                          is_leaf=lambda x: isinstance(x, P))
+    return {"shell": specs["shell"], "blocks": blocks}
 
 
 def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, specs: Any,
@@ -258,6 +294,51 @@ def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, sp
                             out_specs=P(), axis_names=set(STEP_AXES))
     return lambda params, batch, splits, step: run(
         params, *batch, splits.layers_per_stage, splits.microbatches_per_group, step)
+
+
+def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
+               devices: Sequence[jax.Device],
+               instrument: Instrument | None = None) -> UserStepProgram:
+    """The step of `rh.models.Llama(model)` (what `resihp train` and the demo run) for `plan`
+    on `devices`, with `train`'s optimizer, attention kernel, remat and slots: the one step
+    builder's program, its `init_state(seed)` building the model's parameters straight into
+    their shardings. `instrument`: stage timing and per-device knobs (the model's tensor
+    parallelism is manual, so at any tp)."""
+    plan.check(model, [int(d.id) for d in devices])
+    # the kernel named (or "auto"'s pick) for this platform and shape, refused where it
+    # cannot run and checked against the dense reference before the first step
+    kernel = step_attention(train.attention, model, plan.seq_len, devices[0])
+    make = functools.partial(_llama, model, kernel)
+    parts, shell, blocks = split_model(abstract_model(make, 0))
+    params = {"shell": shell, "blocks": blocks}
+    program = build_user_step(parts, train.optimizer(), plan, devices, params, train=train,
+                              instrument=instrument)
+    return dataclasses.replace(program, initial_params=initializer(program, make, params))
+
+
+def _llama(config: ModelConfig, attention: str, rngs: Any) -> Any:
+    from resihp_jax.models.llama import Llama  # noqa: PLC0415 - models import nn, not train
+
+    return Llama(config, rngs=rngs, attention=attention)
+
+
+def initializer(program: UserStepProgram, model: Any,
+                params: dict[str, Any]) -> Callable[[int], Any]:
+    """seed -> the canonical parameters training starts from: a built model's own (`model`
+    an nnx.Module, `params` its parameters), or a model function's, built inside one program
+    straight into `program`'s shardings (never whole on one device)."""
+    if isinstance(model, nnx.Module):
+        return lambda seed: params
+
+    def initial(seed: int) -> Any:
+        def build() -> dict[str, Any]:
+            with nnx.use_eager_sharding(False):
+                _, shell, blocks = split_model(model(nnx.Rngs(seed)))
+            return {"shell": shell, "blocks": blocks}
+
+        return jax.jit(build, out_shardings=program.canonical_shardings.params)()
+
+    return initial
 
 
 def fully_manual(parts: ModelParts, plan: Plan) -> bool:

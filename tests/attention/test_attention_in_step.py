@@ -12,11 +12,10 @@ import pytest
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.attention import kernels as attention
-from resihp_jax.model import decoder
 from resihp_jax.model.config import get_model_config
 from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.step import build_step
-from tests.helpers import (canonical_grads, make_batches, max_relative_error,
+from resihp_jax.train.user_step import build_step
+from tests.helpers import (canonical_grads, llama_params, make_batches, max_relative_error,
                            reference_loss_and_grads)
 
 CFG = get_model_config("tiny", n_layers=2)
@@ -31,7 +30,7 @@ def test_dense_attention_in_the_step_matches_the_block_sparse_reference(monkeypa
     monkeypatch.setattr(attention, "_sparse", lambda *a: traced.append(
         threading.current_thread()) or sparse(*a))
     batch = make_batches(M, B, S)[0]
-    ref_loss, ref_grads = reference_loss_and_grads(CFG, decoder.init_params(CFG, 0), batch)
+    ref_loss, ref_grads = reference_loss_and_grads(CFG, llama_params(CFG, 0), batch)
     plan = Plan.uniform(2, 2, 2, n_layers=CFG.n_layers, n_microbatches=M, microbatch_size=B,
                         seq_len=S)
     program = build_step(CFG, TrainConfig(attention="dense", microbatch_slots=1), plan,

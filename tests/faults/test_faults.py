@@ -19,7 +19,7 @@ from resihp_jax.train.instrument import chain_hosts
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.instrument import BWD_END, BWD_START, FWD_END, FWD_START, Instrument
-from resihp_jax.train.step import build_step
+from resihp_jax.train.user_step import build_step
 from tests.helpers import make_batches
 
 PLAN = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=1, seq_len=64)

@@ -1,22 +1,20 @@
-"""`rh.models.Llama`, the built-in Llama written as a plain NNX model: on the same parameters
-it computes the built-in decoder's logits, loss and gradients, and `rh.fit` trains it to the
-built-in step's losses and weights under an uneven 2/2/2 plan."""
+"""`rh.models.Llama`, the Llama `resihp train` and the demo train: its parameters' logical
+names and count, documents that never see each other, bf16 compute, and `rh.fit` training it
+under an uneven 2/2/2 plan to a plain jit loop's losses and weights."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 import resihp_jax as rh
-from resihp_jax.model import decoder, layers
-from resihp_jax.models.llama import from_builtin, pure_params_to_builtin, to_builtin
 from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.step import build_step
-from resihp_jax.train.user_pipeline import token_nll_sum
-from tests.helpers import make_batches, max_relative_error
+from resihp_jax.train.user_model import split_model
+from tests.helpers import llama_loss_sum, llama_params, make_batches, max_relative_error
 
 SEQ, MB_SIZE, N_MB, STEPS, SEED = 32, 2, 4, 3, 7
 
@@ -42,42 +40,23 @@ def test_parameters_carry_the_logical_names_the_default_rules_shard() -> None:
     assert tuple(block["wo"])[::2] == ("heads", "embed")
     assert tuple(block["w_up"]) == tuple(block["w_gate"]) == ("embed", "mlp")
     assert tuple(block["w_down"]) == ("mlp", "embed")
-    assert sum(x.size for x in jax.tree.leaves(to_builtin(model))) == \
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == \
         model.config.param_count()
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])
-def test_logits_loss_and_gradients_equal_the_builtin_decoders(preset: str) -> None:
-    cfg = rh.engine.get_model_config(preset)
-    params = decoder.init_params(cfg, SEED)
-    model = from_builtin(cfg, params)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_documents_never_see_each_other_or_the_future(dtype: str) -> None:
+    model = rh.models.Llama(rh.engine.get_model_config("tiny-gqa", dtype=dtype),
+                            rngs=nnx.Rngs(0))
     tokens, seg, pos = _packed_rows()
-    targets, weights = layers.next_token_targets(jnp.asarray(tokens), jnp.asarray(seg))
-
-    @nnx.jit
-    def nnx_loss_and_grads(m: rh.models.Llama):
-        def loss(m_: rh.models.Llama) -> tuple[jax.Array, jax.Array]:
-            logits = m_(tokens, seg, pos)
-            return token_nll_sum(logits, targets, weights), logits  # the generic step's loss
-
-        return nnx.value_and_grad(loss, has_aux=True)(m)
-
-    @jax.jit
-    def builtin_loss_and_grads(p: dict):
-        def loss(p_: dict) -> tuple[jax.Array, jax.Array]:
-            logits = decoder.forward_logits(p_, tokens, seg, pos, cfg)
-            return layers.token_loss_sum(logits, targets, weights), logits
-
-        return jax.value_and_grad(loss, has_aux=True)(p)
-
-    (loss, logits), grads = nnx_loss_and_grads(model)
-    (want_loss, want_logits), want_grads = builtin_loss_and_grads(params)
-    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    got_grads = pure_params_to_builtin(nnx.to_pure_dict(grads))
-    assert max_relative_error(got_grads, want_grads) < 1e-4
-    # and back: the converted model holds exactly the parameters it was given
-    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, to_builtin(model), params)))
+    forward = nnx.jit(lambda m, t: m(t, seg, pos))
+    base = forward(model, tokens)
+    changed = tokens.copy()
+    changed[0, 10:20] = (changed[0, 10:20] + 1) % 256  # second half of document 1
+    diff = np.abs(np.asarray(forward(model, changed) - base)).max(axis=-1)[0]
+    assert diff[:10].max() == 0.0  # its past is untouched (causal)
+    assert diff[10:20].min() > 0.0
+    assert diff[20:].max() == 0.0  # other documents are untouched (segment isolation)
 
 
 def _plan() -> rh.Plan:
@@ -86,50 +65,65 @@ def _plan() -> rh.Plan:
                                                 microbatches_per_group=(3, 1))
 
 
-def _builtin_run(cfg: rh.engine.ModelConfig, train: TrainConfig,
-                 batches) -> tuple[list[float], dict]:
-    """The built-in path: `build_step` (hand-written Megatron collectives) from `SEED`."""
-    program = build_step(cfg, train, _plan(), jax.devices())
-    state = program.init_state(SEED)
-    losses = []
+def _plain_loop(cfg: rh.engine.ModelConfig, optimizer: optax.GradientTransformation,
+                batches) -> tuple[list[float], dict]:
+    """A plain jit loop of the same model from `SEED` on whole weights: each step the
+    token-weighted mean loss of the whole batch, the optimizer's update."""
+    loss_sum = llama_loss_sum(cfg)
+
+    @jax.jit
+    def step(params, opt_state, tokens, seg, pos):
+        def mean(p):
+            total, count = loss_sum(p, tokens, seg, pos)
+            return total / count
+        loss, grads = jax.value_and_grad(mean)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = llama_params(cfg, SEED)
+    opt_state, losses = optimizer.init(params), []
     for b in batches:
-        state, metrics = program.step(state, program.shard_batch(
-            b.tokens_MxBxS, b.segment_ids_MxBxS, b.positions_MxBxS))
-        losses.append(float(metrics["loss"]))
-    canonical = program.to_canonical_fn(state, program.canonical_positions())
-    return losses, jax.device_get(canonical.params)
+        params, opt_state, loss = step(params, opt_state, *(a.reshape(-1, SEQ) for a in (
+            b.tokens_MxBxS, b.segment_ids_MxBxS, b.positions_MxBxS)))
+        losses.append(float(loss))
+    return losses, jax.device_get(params)
 
 
-def test_fit_trains_it_to_the_builtin_steps_losses_and_weights() -> None:
+def test_fit_trains_it_to_a_plain_loops_losses_and_weights() -> None:
     cfg, train = rh.engine.get_model_config("tiny-gqa"), TrainConfig()
     batches = make_batches(N_MB, MB_SIZE, SEQ, n_batches=STEPS, seed=3)
-    want_losses, want_params = _builtin_run(cfg, train, batches)
-    model = from_builtin(cfg, decoder.init_params(cfg, SEED))  # the same initial weights
+    want_losses, want_params = _plain_loop(cfg, train.optimizer(), batches)
     data = [rh.PackedBatch(*(a.reshape(-1, SEQ) for a in (
         b.tokens_MxBxS, b.segment_ids_MxBxS, b.positions_MxBxS))) for b in batches]
-    # the built-in step's own optimizer (AdamW with warm-up and clipping), applied as given
-    result = rh.fit(model, data, optimizer=train.optimizer(), plan=_plan(), steps=STEPS,
+    # `resihp train`'s optimizer (AdamW with warm-up and clipping), applied as given
+    result = rh.fit(lambda rngs: rh.models.Llama(cfg, rngs=rngs), data,
+                    optimizer=train.optimizer(), plan=_plan(), steps=STEPS, seed=SEED,
                     progress=False)
     np.testing.assert_allclose(list(result.losses.values()), want_losses, rtol=1e-5)
     assert type(result.model) is rh.models.Llama
     assert result.facts.attention_cost == "document"  # it calls our segment attention
     # looser than the losses: Adam moves an element whose gradient is at rounding level by up
     # to its learning rate either way (seen: 7e-6 on one w_down element, 4e-3 of its move)
-    assert max_relative_error(to_builtin(result.model), want_params) < 1e-3
+    _, shell, blocks = split_model(result.model)
+    assert max_relative_error({"shell": shell, "blocks": blocks}, want_params) < 1e-3
 
 
 def test_it_computes_in_bf16_from_the_config_or_from_weights_the_step_cast() -> None:
-    cfg = rh.engine.get_model_config("tiny", dtype="bfloat16")
-    params = decoder.init_params(cfg, SEED)
+    cfg = rh.engine.get_model_config("tiny")
     tokens, seg, pos = _packed_rows()
-    want = jax.jit(lambda p: decoder.forward_logits(p, tokens, seg, pos, cfg))(params)
-    got = nnx.jit(lambda m: m(tokens, seg, pos))(from_builtin(cfg, params))
+    forward = nnx.jit(lambda m: m(tokens, seg, pos))
+    want = forward(rh.models.Llama(cfg, rngs=nnx.Rngs(SEED)))
+    bf16 = rh.models.Llama(cfg.replace(dtype="bfloat16"), rngs=nnx.Rngs(SEED))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(bf16, nnx.Param)))
+    got = forward(bf16)
     assert got.dtype == want.dtype == jnp.float32  # logits stay float32 either way
-    # bf16 rounding of differently fused ops: a few bf16 ulps of the largest logit
-    np.testing.assert_allclose(got, want, atol=4 * 2**-8 * float(jnp.abs(want).max()))
+    # a few bf16 roundings (2**-9 relative each) through the layers: 2% of the largest logit
+    np.testing.assert_allclose(got, want, atol=2e-2 * float(jnp.abs(want).max()))
+    assert not np.array_equal(got, want)  # computed in bf16, not silently in float32
     # a float32 config handed bf16 copies (rh.fit(compute_dtype='bfloat16')) stays in bf16
-    bf16_copy = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-    model = from_builtin(cfg.replace(dtype="float32"), bf16_copy)
+    model = rh.models.Llama(cfg, rngs=nnx.Rngs(SEED))
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16), state))
     h = nnx.jit(lambda m: m.blocks[0](m.embed(tokens, pos), seg, pos))(model)
     assert h.dtype == jnp.bfloat16
 

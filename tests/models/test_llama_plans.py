@@ -1,10 +1,8 @@
-"""`rh.models.Llama` on the user's path computes its own single-device loss and gradients
-under every plan the built-in decoder's equivalence test holds it to (tests/train/
-test_train_equivalence.py): the same 9 plans, the same tolerances, in both tensor-parallel
-modes: its own ("manual": the blocks see their shards and finish their sums, the step is
-manual over every mesh axis) and the shardings' ("auto": XLA inserts the collectives, for the
-plans with tp > 1). Plans that differ only in their splits share one compiled program, as a
-re-plan does."""
+"""`rh.models.Llama` with its tensor parallelism left to the shardings ("auto": XLA inserts
+the collectives) computes its own single-device loss and gradients under every plan with
+tp > 1 of the equivalence test (tests/train/test_train_equivalence.py, which holds the
+model's own "manual" mode, `build_step`'s, to a plain jit of it), at the same tolerances.
+Plans that differ only in their splits share one compiled program, as a re-plan does."""
 
 from __future__ import annotations
 
@@ -52,9 +50,8 @@ class AutoLlama(rh.models.Llama):
 
 def _cases() -> list[object]:
     groups = _same_mesh_groups()
-    return ([pytest.param(g, "manual", id="manual " + " + ".join(g)) for g in groups]
-            + [pytest.param(g, "auto", id="auto " + " + ".join(g)) for g in groups
-               if PLANS[g[0]].tp > 1])
+    return [pytest.param(g, "auto", id="auto " + " + ".join(g)) for g in groups
+            if PLANS[g[0]].tp > 1]
 
 
 @pytest.fixture(scope="module")

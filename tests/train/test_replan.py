@@ -11,7 +11,8 @@ from resihp_jax.model.config import get_model_config
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.reshard import move_state, to_canonical
 from resihp_jax.train.staging import HostStaging
-from resihp_jax.train.step import build_step, route_microbatches, routed_groups
+from resihp_jax.train.step import route_microbatches, routed_groups
+from resihp_jax.train.user_step import build_step
 from tests.helpers import make_batches, max_relative_error
 
 CFG = get_model_config("tiny")
@@ -106,7 +107,7 @@ def test_canonical_state_is_spread_over_the_mesh_not_replicated() -> None:
         return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
     assert device_bytes(canonical) < device_bytes(state)
-    wq = canonical.params["layers"]["wq"]
+    wq = canonical.params["blocks"]["wq"]
     assert wq.addressable_shards[0].data.size * 8 == wq.size  # over dp x pp x tp
 
 

@@ -18,19 +18,18 @@ from flax import nnx
 from resihp_jax.faults.injector import FaultInjector
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model import decoder
 from resihp_jax.model.config import get_model_config
 from resihp_jax.model.layers import next_token_targets
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.instrument import (BWD_END, BWD_START, FWD_END, FWD_START, Instrument,
                                          chain_hosts)
-from resihp_jax.train.step import build_step, matmul_count
+from resihp_jax.train.step import matmul_count
 from resihp_jax.train.user_model import split_model
 from resihp_jax.train.user_pipeline import token_nll_sum
-from resihp_jax.train.user_step import build_user_step
-from tests.helpers import (canonical_grads, make_batches, max_relative_error,
-                           reference_loss_and_grads)
+from resihp_jax.train.user_step import build_step, build_user_step
+from tests.helpers import (canonical_grads, llama_loss_sum, llama_params, make_batches,
+                           max_relative_error, reference_loss_and_grads)
 from tests.train.test_bf16 import _dot_operand_dtypes
 from tests.train.test_train_equivalence import BF16_GRAD_TOL, BF16_LOSS_RTOL
 from tests.train.user_models import make_gpt2
@@ -59,25 +58,28 @@ def _temp_ratio(ours: jax.stages.Compiled, peer: jax.stages.Compiled, what: str)
     return ratio
 
 
-def _builtin_peer(batch) -> jax.stages.Lowered:
+def _llama_peer(cfg, batch) -> jax.stages.Lowered:
     tokens, seg, pos = _flat(batch)
-    loss = lambda p: decoder.loss_sum_and_count(p, tokens, seg, pos, CFG)[0]  # noqa: E731
-    return jax.jit(jax.value_and_grad(loss)).lower(decoder.init_params(CFG, 0))
+    loss_sum = llama_loss_sum(cfg)
+    loss = lambda p: loss_sum(p, tokens, seg, pos)[0]  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss)).lower(llama_params(cfg, 0))
 
 
-def test_builtin_one_stage_step_has_the_plain_steps_matmuls() -> None:
-    plan = Plan.uniform(1, 1, 1, n_layers=CFG.n_layers, n_microbatches=M,
-                        microbatch_size=B, seq_len=S)
+def test_llama_one_stage_step_has_the_plain_steps_matmuls() -> None:
+    # one block: the plain step runs the model's Python loop over its blocks (each written
+    # out), ours scans over the stacked blocks (written once): one block compares like for like
+    cfg = CFG.replace(n_layers=1)
+    plan = Plan.uniform(1, 1, 1, n_layers=1, n_microbatches=M, microbatch_size=B, seq_len=S)
     batch = make_batches(M, B, S)[0]
-    peer = _builtin_peer(batch)
-    program = build_step(CFG, TrainConfig(), plan, jax.devices()[:1])
+    peer = _llama_peer(cfg, batch)
+    program = build_step(cfg, TrainConfig(), plan, jax.devices()[:1])
     lowered, compiled = _ours(program, program.init_state(0).params, batch)
     assert matmul_count(lowered) == matmul_count(peer)
     peer_compiled = peer.compile()
     assert matmul_count(compiled) == matmul_count(peer_compiled)
-    _temp_ratio(compiled, peer_compiled, "built-in tiny, 1/1/1")
+    _temp_ratio(compiled, peer_compiled, "Llama tiny (1 block), 1/1/1")
     # a recomputing step is seen: remat re-runs each layer's forward matmuls
-    remat = build_step(CFG, TrainConfig(remat=True), plan, jax.devices()[:1])
+    remat = build_step(cfg, TrainConfig(remat=True), plan, jax.devices()[:1])
     remat_lowered, _ = _ours(remat, remat.init_state(0).params, batch)
     assert matmul_count(remat_lowered) > matmul_count(peer)
 
@@ -154,11 +156,11 @@ UNEVEN = Plan.uniform(2, 1, 2, n_layers=CFG.n_layers, n_microbatches=M, microbat
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_builtin_data_parallel_one_stage_uneven_split_equals_the_reference(dtype: str) -> None:
+def test_llama_data_parallel_one_stage_uneven_split_equals_the_reference(dtype: str) -> None:
     """Float32 to the reference's tolerance; bf16 compute (float32 masters, every matmul in
     bf16, gradients accumulated in float32) to the bf16 tolerance every plan is held to."""
     batch = make_batches(M, B, S)[0]
-    ref_loss, ref_grads = reference_loss_and_grads(CFG, decoder.init_params(CFG, 0), batch)
+    ref_loss, ref_grads = reference_loss_and_grads(CFG, llama_params(CFG, 0), batch)
     program = build_step(get_model_config("tiny", dtype=dtype), TrainConfig(), UNEVEN,
                          jax.devices()[:4])
     params, sharded = program.init_state(0).params, program.shard_batch(

@@ -8,11 +8,10 @@ import pytest
 
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model import decoder
 from resihp_jax.model.config import get_model_config
 from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.step import build_step
-from tests.helpers import (canonical_grads, make_batches, max_relative_error,
+from resihp_jax.train.user_step import build_step
+from tests.helpers import (canonical_grads, llama_params, make_batches, max_relative_error,
                            reference_loss_and_grads)
 
 CFG = get_model_config("tiny")
@@ -22,7 +21,7 @@ M, B, S = 8, 2, 64
 @pytest.fixture(scope="module")
 def reference():
     batch = make_batches(M, B, S)[0]
-    loss, grads = reference_loss_and_grads(CFG, decoder.init_params(CFG, 0), batch)
+    loss, grads = reference_loss_and_grads(CFG, llama_params(CFG, 0), batch)
     return batch, float(loss), jax.device_get(grads)
 
 
@@ -94,7 +93,7 @@ def test_plan_trains_in_bfloat16_within_bf16_tolerance_of_float32(names, referen
                         microbatch_slots=max(max(p.microbatches_per_group) for p in plans))
     program = build_step(get_model_config("tiny", dtype="bfloat16"), train, plans[0],
                          jax.devices())
-    masters = decoder.init_params(CFG, 0)  # float32, as the reference's
+    masters = llama_params(CFG, 0)  # float32, as the reference's
     for plan in plans:
         replanned = program.with_plan(plan)  # same compiled program, new splits
         params = jax.device_put(layout.to_stage_layout(masters, replanned.stage_index()),

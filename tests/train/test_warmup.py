@@ -15,7 +15,7 @@ from resihp_jax.runtime.trainer.resilient import ResilienceConfig
 from resihp_jax.train.aot import compile_program
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.instrument import Instrument
-from resihp_jax.train.step import build_step
+from resihp_jax.train.user_step import build_step
 from resihp_jax.train.warmup import warm_up
 
 

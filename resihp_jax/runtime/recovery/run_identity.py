@@ -7,7 +7,8 @@ is refused, naming what changed. The Plan (mesh, splits, placement) and compile 
 restoring into another plan is what the checkpoints are for. A resume forced on purpose
 (`resume="force"`, `--resume force`) continues anyway and says what differed.
 
-The built-in decoder's identity is its ModelConfig and TrainConfig's optimizer fields; a
+A run of `build_step` (`resihp train`: `rh.models.Llama` from a ModelConfig) is identified by
+its ModelConfig, TrainConfig's optimizer fields and its state's layout (`STATE_LAYOUT`); a
 user's model and optax optimizer describe themselves (runtime/run/user_identity.py).
 """
 
@@ -24,12 +25,17 @@ _OPTIMIZER_FIELDS = ("learning_rate", "warmup_steps", "weight_decay", "b1", "b2"
 _DATA_FIELDS = ("source", "fingerprint", "seed")
 _BATCH_FIELDS = ("n_microbatches", "microbatch_size", "seq_len")
 _MOST_NAMED = 4  # differences spelled out in one line; the rest are counted
+# The state's parameters as the one step builder lays them out; a checkpoint from before it
+# (the retired built-in decoder's {embed, layers, head}) has none and cannot be restored.
+STATE_LAYOUT = "rh.models.Llama {shell, blocks}"
 
 
 def run_identity(model: ModelConfig, train_cfg: Any, data_state: Mapping[str, Any],
                  ) -> dict[str, Any]:
-    """The built-in decoder's identity from its configs and a `BatchIterator.state()`."""
+    """The identity of `rh.models.Llama(model)` trained with `train_cfg`'s optimizer, from
+    its configs and a `BatchIterator.state()`."""
     return json_ready({
+        "state_layout": STATE_LAYOUT,
         "model": dataclasses.asdict(model),
         "optimizer": {name: getattr(train_cfg, name) for name in _OPTIMIZER_FIELDS},
         **data_identity(data_state),
@@ -68,6 +74,13 @@ def identity_differences(saved: Mapping[str, Any] | None, current: Mapping[str, 
             for key in keys if old.get(key) != new.get(key)]
 
 
+def _retired_layout(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> bool:
+    """A checkpoint of the built-in decoder's (a ModelConfig identity without a layout)
+    resumed by a run of the one step builder's."""
+    return (saved is not None and "state_layout" not in saved and "d_model" in saved.get(
+        "model", {}) and current.get("state_layout") == STATE_LAYOUT)
+
+
 def _summary(differences: list[str]) -> str:
     # a wider model changes every parameter's shape: name the first few, count the rest
     named = "; ".join(differences[:_MOST_NAMED])
@@ -82,6 +95,12 @@ def check_identity(saved: Mapping[str, Any] | None, current: Mapping[str, Any],
     differences = identity_differences(saved, current)
     if not differences:
         return None
+    if _retired_layout(saved, current):
+        raise CheckpointError(
+            f"{where} holds the retired built-in decoder's state ({{embed, layers, head}}, "
+            "written by resihp_jax before every model trained through one step): it cannot be "
+            f"restored into {STATE_LAYOUT} even by a forced resume. Train anew in another "
+            "checkpoint directory")
     if force:
         return (f"resume forced: continuing from {where} though it was written by a different "
                 f"run: {_summary(differences)}")

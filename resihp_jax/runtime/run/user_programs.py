@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import optax
@@ -25,7 +25,8 @@ from resihp_jax.train.instrument import Instrument
 from resihp_jax.train.user_facts import UserModelFacts, model_facts
 from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
                                          split_model)
-from resihp_jax.train.user_step import UserStepProgram, build_user_step, fully_manual
+from resihp_jax.train.user_step import (UserStepProgram, build_user_step, fully_manual,
+                                        initializer)
 
 
 @dataclass(frozen=True)
@@ -81,21 +82,3 @@ def split(model: Any, seed: int) -> tuple[ModelParts, dict[str, Any]]:
         model = abstract_model(model, seed)
     parts, shell, blocks = split_model(model)
     return parts, {"shell": shell, "blocks": blocks}
-
-
-def initializer(program: UserStepProgram, model: Any,
-                params: dict[str, Any]) -> Callable[[int], Any]:
-    """seed -> the canonical parameters training starts from: a built model's own, or a
-    model function's, built inside one program straight into its shardings."""
-    if isinstance(model, nnx.Module):
-        return lambda seed: params
-
-    def initial(seed: int) -> Any:
-        def build() -> dict[str, Any]:
-            with nnx.use_eager_sharding(False):
-                _, shell, blocks = split_model(model(nnx.Rngs(seed)))
-            return {"shell": shell, "blocks": blocks}
-
-        return jax.jit(build, out_shardings=program.canonical_shardings.params)()
-
-    return initial

@@ -68,7 +68,8 @@ from resihp_jax.train.aot import compile_program
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.instrument import OFF, Instrument
 from resihp_jax.train.reshard import move_state, move_via_orbax, same_devices
-from resihp_jax.train.step import StepProgram, TrainState, build_step
+from resihp_jax.train.step import StepProgram, TrainState
+from resihp_jax.train.user_step import build_step
 
 LIKELY_SLOWDOWNS = (2.0, 4.0)  # the fail-slow factors the precompiler plans for
 DETECTOR_OFF = "off"  # ResilienceConfig.detector: watch nothing (a failed step still re-plans)
@@ -218,8 +219,8 @@ class _Host:
 class ResilientTrainer:
     """Trains `plan` on `devices`, watching every step; `run(n)` yields StepRecords and Replans.
 
-    `model`: the built-in decoder's ModelConfig, or the facts of a user's model
-    (perfmodel/facts.py) with `programs` building its step for each plan."""
+    `model`: a ModelConfig (its step: `build_step`, `rh.models.Llama` from it), or the facts
+    of a user's model (perfmodel/facts.py) with `programs` building its step for each plan."""
     model: ModelFacts
     train_cfg: TrainConfig
     plan: Plan
@@ -232,7 +233,7 @@ class ResilientTrainer:
     # supervisor watching for progress can allow for it
     on_long_work: Callable[[str], None] | None = None
     # (train_cfg, plan, devices, instrument) -> the StepProgram of a user's model; None:
-    # the built-in decoder's (`build_step`); a user's program starts from its own parameters.
+    # `build_step`'s of the ModelConfig `model`. Either is the one step builder's program.
     # Its `identity(data_state)`, where it has one, is the run's identity its checkpoints
     # record (rh.fit's: the user's model and optimizer, runtime/run/user_identity.py).
     programs: Callable[..., StepProgram] | None = None
@@ -297,8 +298,8 @@ class ResilientTrainer:
         self._step_timed = True  # whether the last step ran its stage-timing callbacks
 
     def _identity(self) -> dict[str, Any]:
-        """The run's identity: a user's programs describe their model and optimizer; the
-        built-in decoder's comes from its configs."""
+        """The run's identity: a user's programs describe their model and optimizer; a
+        ModelConfig run's comes from its configs."""
         identity = getattr(self.programs, "identity", None)
         if identity is not None:
             return identity(self.data.state())

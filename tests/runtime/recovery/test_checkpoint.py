@@ -19,7 +19,7 @@ from resihp_jax.runtime.trainer.loop import run_step
 from resihp_jax.runtime.recovery.run_identity import run_identity
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.reshard import to_canonical
-from resihp_jax.train.step import build_step
+from resihp_jax.train.user_step import build_step
 from tests.helpers import max_relative_error, step_program
 
 CFG = get_model_config("tiny")
@@ -184,6 +184,23 @@ def test_another_runs_checkpoint_is_refused_naming_both_values(tmp_path: Path) -
                                               r"data\.seed=0 in the checkpoint, 5 in this run"):
         Checkpointer(tmp_path / "c", identity=theirs).restore(program)
     assert Checkpointer(tmp_path / "c", identity=ours).restore(program).step == 1
+
+
+def test_a_checkpoint_of_the_retired_builtin_decoder_is_refused_even_when_forced(
+        tmp_path: Path) -> None:
+    """Its identity (ModelConfig and optimizer, no state layout) cannot be restored into the
+    one step's {shell, blocks}: one line saying so, forced or not, before any restore."""
+    program = _program()
+    data = _data()
+    ours = run_identity(CFG, TrainConfig(), data.state())
+    retired = {k: v for k, v in ours.items() if k != "state_layout"}
+    ckpt = Checkpointer(tmp_path / "c", interval=1, identity=retired)
+    ckpt.save(1, program.init_state(0), program, data.state())
+    ckpt.wait()
+    for force in (False, True):
+        with pytest.raises(CheckpointError, match=r"retired built-in decoder's state.*even "
+                                                  r"by a forced resume"):
+            Checkpointer(tmp_path / "c", identity=ours, force_identity=force).restore(program)
 
 
 class _Writes:

@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent("""
     from resihp_jax.runtime.trainer.loop import run_step
     from resihp_jax.train.config import TrainConfig
     from resihp_jax.train.reshard import to_canonical
-    from resihp_jax.train.step import build_step
+    from resihp_jax.train.user_step import build_step
 
     def data(state=None):
         return BatchIterator("synthetic:bimodal", n_microbatches=4, microbatch_size=2,

@@ -26,7 +26,7 @@ from resihp_jax.runtime.trainer.loop import run_step
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.train.config import TrainConfig
 from resihp_jax.train.reshard import to_canonical
-from resihp_jax.train.step import build_step
+from resihp_jax.train.user_step import build_step
 from tests.helpers import max_relative_error, step_program
 
 CFG = get_model_config("tiny")
@@ -80,7 +80,7 @@ def test_copies_of_one_dead_process_restore_onto_a_smaller_plan(tmp_path: Path,
     _survivors_write(tmp_path, program, state, data, dead={0}, mode=mode, then=next_step)
     [next_record] = after  # what the uninterrupted step 3 gives
     # with donation the consumed state is gone from the devices: only the host copy has it
-    assert state.params["embed"]["table"].is_deleted() == (mode == "host")
+    assert state.params["shell"]["table"].is_deleted() == (mode == "host")
     data = _data(state=position)
 
     [copies] = survivor_copies.find(tmp_path)

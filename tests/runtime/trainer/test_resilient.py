@@ -18,7 +18,7 @@ from resihp_jax.faults.injector import FaultInjector
 from resihp_jax.runtime.trainer.loop import StepRecord, train
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
 from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.step import build_step
+from resihp_jax.train.user_step import build_step
 
 CFG = get_model_config("tiny")
 PLAN = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=6, microbatch_size=2, seq_len=64)

@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.model.config import get_model_config  # noqa: E402
 from resihp_jax.runtime.trainer import compiles  # noqa: E402
-from resihp_jax.train.config import TrainConfig  # noqa: E402
-from resihp_jax.train.reshard import state_bytes, to_canonical  # noqa: E402
-from resihp_jax.train.state_io import save_args, state_handler  # noqa: E402
-from resihp_jax.train.user_step import build_step  # noqa: E402
+from resihp_jax.step.config import TrainConfig  # noqa: E402
+from resihp_jax.step.reshard import state_bytes, to_canonical  # noqa: E402
+from resihp_jax.step.state_io import save_args, state_handler  # noqa: E402
+from resihp_jax.step.builder import build_step  # noqa: E402
 
 PLANS = ("2/2/2", "1/2/4", "4/2/1")  # dp/pp/tp
 

@@ -25,11 +25,11 @@ ADAPT = 4  # steps observed on the new plan before the 'after' row
 def _runner(plan: Any, cfg: Any, injector: Any, seed: int) -> Any:
     import jax
 
-    from resihp_jax.train.instrument import chain_hosts
+    from resihp_jax.step.instrument import chain_hosts
     from resihp_jax.runtime.trainer.timing import StageTimer
-    from resihp_jax.train.config import TrainConfig
-    from resihp_jax.train.instrument import Instrument
-    from resihp_jax.train.user_step import build_step
+    from resihp_jax.step.config import TrainConfig
+    from resihp_jax.step.instrument import Instrument
+    from resihp_jax.step.builder import build_step
 
     devices = [d for d in jax.devices() if d.id in plan.device_ids]
     devices = sorted(devices, key=lambda d: plan.device_ids.index(d.id))

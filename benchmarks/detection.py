@@ -67,17 +67,17 @@ from resihp_jax.detector.ours import WARMUP_STEPS  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.model.config import get_model_config  # noqa: E402
 from resihp_jax.faults.injector import FaultInjector  # noqa: E402
-from resihp_jax.train.instrument import chain_hosts  # noqa: E402
+from resihp_jax.step.instrument import chain_hosts  # noqa: E402
 from resihp_jax.sim.measured import SMALL_STEP_EXCESS  # noqa: E402
 from resihp_jax.runtime.trainer.loop import device_batch  # noqa: E402
 from resihp_jax.runtime.trainer.host_cpu import CpuMeter  # noqa: E402
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step  # noqa: E402
-from resihp_jax.train.config import TrainConfig  # noqa: E402
-from resihp_jax.train.instrument import Instrument  # noqa: E402
-from resihp_jax.train.user_step import build_step  # noqa: E402
-from resihp_jax.train.user_facts import model_facts  # noqa: E402
-from resihp_jax.train.user_model import DEFAULT_AXIS_RULES, split_model  # noqa: E402
-from resihp_jax.train.user_step import build_user_step  # noqa: E402
+from resihp_jax.step.config import TrainConfig  # noqa: E402
+from resihp_jax.step.instrument import Instrument  # noqa: E402
+from resihp_jax.step.builder import build_step  # noqa: E402
+from resihp_jax.step.facts import model_facts  # noqa: E402
+from resihp_jax.step.model_parts import DEFAULT_AXIS_RULES, split_model  # noqa: E402
+from resihp_jax.step.builder import build_user_step  # noqa: E402
 
 NAMES = ("resihp", "greyhound", "mad")
 FACTORS = (1.2, 1.5, 2.0, 5.0)

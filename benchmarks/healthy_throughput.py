@@ -52,10 +52,10 @@ from resihp_jax.perfmodel.costs import CostParams  # noqa: E402
 from resihp_jax.perfmodel.simulator import simulate_step  # noqa: E402
 from resihp_jax.runtime.run.run_metrics import RunMetrics  # noqa: E402
 from resihp_jax.runtime.trainer.loop import StepRecord  # noqa: E402
-from resihp_jax.train.config import TrainConfig  # noqa: E402
-from resihp_jax.train.step import StepProgram  # noqa: E402
-from resihp_jax.train.user_step import build_step  # noqa: E402
-from resihp_jax.train.user_model import split_model  # noqa: E402
+from resihp_jax.step.config import TrainConfig  # noqa: E402
+from resihp_jax.step.program import StepProgram  # noqa: E402
+from resihp_jax.step.builder import build_step  # noqa: E402
+from resihp_jax.step.model_parts import split_model  # noqa: E402
 
 SHAPES = ((8, 1, 1), (2, 2, 2), (1, 4, 2))  # (dp, pp, tp)
 BASE = "8/1/1"  # one micro-batch per DP group: each device's rows in one tick, like plain jit

@@ -44,8 +44,8 @@ from resihp_jax.runtime.recovery import local_copies, survivor_copies  # noqa: E
 from resihp_jax.runtime.recovery.checkpoint import canonical_target  # noqa: E402
 from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots  # noqa: E402
 from resihp_jax.runtime.trainer.loop import run_step  # noqa: E402
-from resihp_jax.train.config import TrainConfig  # noqa: E402
-from resihp_jax.train.user_step import build_step  # noqa: E402
+from resihp_jax.step.config import TrainConfig  # noqa: E402
+from resihp_jax.step.builder import build_step  # noqa: E402
 
 PER = 2  # devices per posing process; one process per node
 LOST = 0  # the node whose process is lost

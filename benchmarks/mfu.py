@@ -41,11 +41,11 @@ from resihp_jax.data import BatchIterator, GlobalBatch  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.model import layers  # noqa: E402
 from resihp_jax.models import Llama  # noqa: E402
-from resihp_jax.train.user_model import split_model  # noqa: E402
+from resihp_jax.step.model_parts import split_model  # noqa: E402
 from resihp_jax.attention.check import step_attention  # noqa: E402
 from resihp_jax.model.config import ModelConfig, get_model_config  # noqa: E402
-from resihp_jax.train.config import TrainConfig  # noqa: E402
-from resihp_jax.train.user_step import build_step  # noqa: E402
+from resihp_jax.step.config import TrainConfig  # noqa: E402
+from resihp_jax.step.builder import build_step  # noqa: E402
 
 # Dense bf16 tensor peak per device, FLOP/s, by a substring of `device.device_kind` (first
 # match wins, so the more specific names come first).

@@ -57,7 +57,7 @@ from resihp_jax.runtime.trainer.compiles import counting  # noqa: E402
 from resihp_jax.runtime.trainer.loop import StepRecord  # noqa: E402
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer  # noqa: E402
 from resihp_jax.scheduler import run_policy  # noqa: E402
-from resihp_jax.train.config import TrainConfig  # noqa: E402
+from resihp_jax.step.config import TrainConfig  # noqa: E402
 
 TARGETS = {"split_only": 0.5, "mesh_warm": 2.0}
 # what a switch may add beyond the first step on the new plan, in steady steps (issue 26)

@@ -49,7 +49,7 @@ from resihp_jax.runtime.recovery.cadence import choose_interval, job_mtbf_s  # n
 from resihp_jax.runtime.trainer import resilient  # noqa: E402
 from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX  # noqa: E402
 from resihp_jax.runtime.trainer.resilient import DETECTOR_OFF  # noqa: E402
-from resihp_jax.train.config import TrainConfig  # noqa: E402
+from resihp_jax.step.config import TrainConfig  # noqa: E402
 
 SKIP_STEPS = 2  # the compiling step and the first warm one
 JOBS = (1, 1024)  # devices in the jobs whose default cadence is reported

@@ -41,7 +41,7 @@ from resihp_jax.model.config import get_model_config
 from resihp_jax.runtime.trainer.compiles import counting
 from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer
-from resihp_jax.train.config import TrainConfig
+from resihp_jax.step.config import TrainConfig
 
 cache, model, untimed = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 cfg = get_model_config(model)

@@ -3,10 +3,10 @@
 The step program (`build_step`, `move_state`), the run `resihp train` performs
 (`TrainingRun`, `RunConfig`, `JobSpec`, `job_spec`), the resilient loop (`ResilientTrainer`,
 `Checkpointer`), detectors and scheduler policies on their own (`make_detector`, `Health`,
-`run_policy`) and the configs and data of `rh.models.Llama`'s step (`ModelConfig`, `get_model_config`,
-`TrainConfig`, `BatchIterator`). A script that trains its own model needs none of them: it
-calls `rh.fit`. Like the package, this module imports nothing until a name is used, so
-importing it starts no JAX backend.
+`run_policy`) and the configs and data of `rh.models.Llama`'s step (`ModelConfig`,
+`get_model_config`, `TrainConfig`, `BatchIterator`). A script that trains its own model
+needs none of them: it calls `rh.fit`. Like the package, this module imports nothing until a
+name is used, so importing it starts no JAX backend.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ _EXPORTS: dict[str, str] = {
     # the step of rh.models.Llama, built from its configs
     "ModelConfig": "resihp_jax.model.config",
     "get_model_config": "resihp_jax.model.config",
-    "TrainConfig": "resihp_jax.train.config",
+    "TrainConfig": "resihp_jax.step.config",
     "BatchIterator": "resihp_jax.data.iterator",
-    "build_step": "resihp_jax.train.user_step",
-    "move_state": "resihp_jax.train.reshard",
+    "build_step": "resihp_jax.step.builder",
+    "move_state": "resihp_jax.step.reshard",
     # the resilient loop and its checkpoints
     "ResilientTrainer": "resihp_jax.runtime.trainer.resilient",
     "Checkpointer": "resihp_jax.runtime.recovery.checkpoint",
@@ -67,9 +67,9 @@ if TYPE_CHECKING:
     from resihp_jax.runtime.run.training import TrainingRun
     from resihp_jax.runtime.trainer.resilient import ResilientTrainer
     from resihp_jax.scheduler.policies import run_policy
-    from resihp_jax.train.config import TrainConfig
-    from resihp_jax.train.reshard import move_state
-    from resihp_jax.train.user_step import build_step
+    from resihp_jax.step.config import TrainConfig
+    from resihp_jax.step.reshard import move_state
+    from resihp_jax.step.builder import build_step
 
 
 def __getattr__(name: str) -> Any:

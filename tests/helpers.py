@@ -13,9 +13,9 @@ from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model import layers
 from resihp_jax.model.config import ModelConfig
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.step import StepProgram
-from resihp_jax.train.user_step import build_step
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.program import StepProgram
+from resihp_jax.step.builder import build_step
 
 
 def run_processes(script: str, n: int, devices: int, *args: str,
@@ -64,7 +64,7 @@ def llama_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
     from flax import nnx
 
     from resihp_jax.models import Llama
-    from resihp_jax.train.user_model import split_model
+    from resihp_jax.step.model_parts import split_model
 
     _, shell, blocks = split_model(Llama(cfg, rngs=nnx.Rngs(seed)))
     return {"shell": shell, "blocks": blocks}
@@ -77,7 +77,7 @@ def llama_loss_sum(cfg: ModelConfig) -> Any:
     from flax import nnx
 
     from resihp_jax.models import Llama
-    from resihp_jax.train.user_model import split_model
+    from resihp_jax.step.model_parts import split_model
 
     with nnx.use_eager_sharding(False):
         parts = split_model(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))[0]

@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"model", "data"},
     {"meshes", "nn"},
     {"models", "perfmodel"},  # ready-made models: below the step builder, which builds Llama
-    {"train"},
+    {"step"},
     {"detector", "scheduler", "faults"},
     {"sim", "runtime.recovery", "metrics"},
     {"runtime.job", "runtime.trainer"},

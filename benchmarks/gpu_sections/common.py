@@ -16,7 +16,7 @@ from benchmarks import mfu
 from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig, get_model_config
-from resihp_jax.train.config import TrainConfig
+from resihp_jax.step.config import TrainConfig
 
 # JAX records one event of this name per executable it builds (jax/_src/dispatch.py's
 # BACKEND_COMPILE_EVENT; the suite reads the installed version's constant when it has one).

@@ -23,7 +23,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import ModelConfig, get_model_config
 from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.run.training import TrainingRun
-from resihp_jax.train.config import TrainConfig
+from resihp_jax.step.config import TrainConfig
 
 
 def sizes(quick: bool) -> tuple[ModelConfig, int, int, int, int]:

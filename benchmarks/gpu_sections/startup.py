@@ -21,7 +21,7 @@ import resihp_jax as rh
 from benchmarks.gpu_sections.common import (COMPILE_EVENT, PHASE_EVENTS, Suite, compiles_so_far,
                                             phases_since, phases_so_far, print_table)
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.train.config import TrainConfig
+from resihp_jax.step.config import TrainConfig
 
 
 def packed(batch: Any) -> list[rh.PackedBatch]:

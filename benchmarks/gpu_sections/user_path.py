@@ -19,7 +19,7 @@ from benchmarks.resilience_price import batches
 from examples.user_model.train_gpt2 import GPT2
 from resihp_jax.model.config import get_model_config
 from resihp_jax.model.layers import next_token_targets
-from resihp_jax.train.user_pipeline import token_nll_sum
+from resihp_jax.step.body import token_nll_sum
 
 # precompile off: the likely next plans compiled in the background change no value here
 QUIET = rh.ResilienceConfig(precompile=0, compile_cache_dir=None)

@@ -289,7 +289,7 @@ _sparse.defvjp(_sparse_fwd, _sparse_bwd)
 
 # How many times `segment_attention` was traced with a kernel whose cost grows per document:
 # a model's facts read it around tracing one block to learn how its attention cost grows
-# (train/user_facts.py).
+# (step/facts.py).
 TRACED_CALLS = [0]
 # Every configuration of a per-document kernel traced in this process: (kernel, block size,
 # head dim, heads, kv heads, dtype). A user's model calls `segment_attention` from its own

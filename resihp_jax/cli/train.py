@@ -204,7 +204,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         raise ConfigError(f"--devices={args.devices}: in a job of several processes each "
                           "process uses the devices it was given; remove --devices")
     from resihp_jax.runtime.run.training import TrainingRun  # noqa: PLC0415 - JAX from here
-    from resihp_jax.train.config import TrainConfig  # noqa: PLC0415
+    from resihp_jax.step.config import TrainConfig  # noqa: PLC0415
 
     training = TrainingRun(model, TrainConfig(learning_rate=args.lr, remat=args.remat), plan,
                            config, spec, out)

@@ -25,7 +25,7 @@ from resihp_jax.model.config import ModelConfig
 @dataclass(frozen=True)
 class DemoConfig:
     """One demo run: the model and starting plan, the injected faults, and what to write."""
-    model: ModelConfig | DemoUserModel  # a built-in preset, or a user's model (user_model.py)
+    model: ModelConfig | DemoUserModel  # a built-in preset, or a user's model (step/model_parts.py)
     plan: Plan  # the starting mesh, its split and the batch shape (micro-batches, seq_len)
     n_devices: int  # the pool: more than the plan needs leaves spares for re-plans
     steps: int

@@ -40,10 +40,10 @@ def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO, 
              model: ModelFacts | None = None, programs: UserPrograms | None = None
              ) -> DemoLog:
     """Train under the config's faults; `model` and `programs`: the model's facts and step
-    builder (user_model.py: a preset's Llama or a user's model, both on the user's path)."""
+    builder (step/model_parts.py: a preset's Llama or a user's model, both on the user's path)."""
     from resihp_jax.runtime.job.devices import select_devices
     from resihp_jax.runtime.trainer.resilient import ResilientTrainer
-    from resihp_jax.train.config import TrainConfig
+    from resihp_jax.step.config import TrainConfig
 
     devices = select_devices(config.n_devices)
     injector = _injector(config)
@@ -108,7 +108,7 @@ def _dashboards(config: DemoConfig, model: Any, progress: Progress) -> RunMetric
         return None
     from resihp_jax.metrics import Metrics
     from resihp_jax.runtime.run.run_metrics import RunMetrics
-    from resihp_jax.train.config import TrainConfig
+    from resihp_jax.step.config import TrainConfig
 
     train_cfg = TrainConfig()  # the demo's optimizer (its schedule)
     return RunMetrics(Metrics(config.dashboards, name="demo", say=progress.event), model,

@@ -26,7 +26,7 @@ from resihp_jax.meshes.plan import Plan
 
 if TYPE_CHECKING:
     from resihp_jax.runtime.run.user_programs import UserPrograms
-    from resihp_jax.train.user_facts import UserModelFacts
+    from resihp_jax.step.facts import UserModelFacts
 
 # dp=4,pp=2 over dp=2,pp=4: on 8 fake CPU devices the same 12 steps of the same batches (16
 # micro-batches of 2 x 256 tokens, same losses) took 81 s of CPU against 100 s, compiles

@@ -16,7 +16,7 @@ import numpy as np
 from resihp_jax.errors import PlanError
 
 # The micro-batch slot of every DP group whose forward the train step times on each device.
-# It lives here, below both train/ (which times it) and perfmodel/ (which predicts it).
+# It lives here, below both step/ (which times it) and perfmodel/ (which predicts it).
 TIMED_SLOT = 0
 
 

@@ -1,9 +1,9 @@
 """Which leaves of a training state are layer leaves, stacked `[n_layers, ...]` (canonical) or
 `[pp, slots, ...]` (stage layout), and how the canonical layout spreads them over the mesh.
 
-A model trains as {"shell": ..., "blocks": ...} (train/user_model.py): every leaf under
+A model trains as {"shell": ..., "blocks": ...} (step/model_parts.py): every leaf under
 "blocks", in the parameters and in each optimizer moment that mirrors them, is a layer leaf.
-The mesh specs themselves come from the parameters' logical names (user_model.mesh_specs).
+The mesh specs themselves come from the parameters' logical names (step/model_parts.py mesh_specs).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`rh.models`: ready-made models behind the user's-model contract (train/user_model.py), written
+"""`rh.models`: ready-made models behind the user's-model contract (step/model_parts.py), written
 as plain Flax NNX models, so `rh.fit` trains them like a user's own: `rh.models.Llama`, built
 from a `ModelConfig` or a preset's name (`rh.models.get_model_config('tiny')`, or just 'tiny'),
 and `rh.models.GPT2`, a GPT-2 written as a user writes one (examples/user_model/train_gpt2.py,

@@ -1,5 +1,5 @@
 """GPT-2 as a user writes it: a plain Flax NNX model behind the user's-model contract
-(train/user_model.py), the model of examples/user_model/train_gpt2.py and of `resihp demo
+(step/model_parts.py), the model of examples/user_model/train_gpt2.py and of `resihp demo
 --model gpt2`. Learned positions, pre-norm blocks with one fused qkv projection, a GELU MLP
 4x wide, our block-sparse `segment_attention` (packed documents never see each other), and
 the input embedding tied to the output head. Kernels carry logical axis names only; the

@@ -1,4 +1,4 @@
-"""Llama as a plain Flax NNX model behind the user's-model contract (train/user_model.py):
+"""Llama as a plain Flax NNX model behind the user's-model contract (step/model_parts.py):
 `embed`, `blocks` (identical `LlamaBlock`s), `head`, kernels named with logical axes, so it
 trains through the same generic step as any user's model. Its tensor parallelism is manual
 (`tensor_parallel = "manual"`): under tp > 1 each block sees its own heads and MLP columns
@@ -11,7 +11,7 @@ Its math (model/layers.py): RMSNorm with float32 statistics, rotary positions pe
 grouped KV heads, SwiGLU, our packed `segment_attention`, an untied head whose logits are
 float32. It computes in `config.dtype` (float32 masters cast at use; the embedding gathers
 float32 rows and casts only those), or lower where the step hands it weights already cast
-lower. It is what `resihp train` and `resihp demo` train (train/user_step.py `build_step`).
+lower. It is what `resihp train` and `resihp demo` train (step/builder.py `build_step`).
 """
 
 from __future__ import annotations

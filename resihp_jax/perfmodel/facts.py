@@ -2,7 +2,7 @@
 model, and all they may ask of it.
 
 A `ModelConfig` (`rh.models.Llama`'s sizes) answers from its sizes; a user's NNX model answers from
-its own parameter shapes and XLA's cost analysis of one block (train/user_facts.py). Nothing
+its own parameter shapes and XLA's cost analysis of one block (step/facts.py). Nothing
 outside the model packages reads a model's sizes (heads, d_ff, ...) directly.
 """
 

@@ -13,8 +13,8 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.attention import kernels as attention
 from resihp_jax.model.config import get_model_config
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.user_step import build_step
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.builder import build_step
 from tests.helpers import (canonical_grads, llama_params, make_batches, max_relative_error,
                            reference_loss_and_grads)
 

@@ -235,9 +235,9 @@ def test_a_users_model_has_its_traced_kernels_checked_before_its_first_step(monk
 
     import resihp_jax as rh  # noqa: PLC0415
     from resihp_jax.attention import kernels  # noqa: PLC0415
-    from resihp_jax.train.aot import compile_program  # noqa: PLC0415
-    from resihp_jax.train.user_model import split_model  # noqa: PLC0415
-    from resihp_jax.train.user_step import build_user_step  # noqa: PLC0415
+    from resihp_jax.step.aot import compile_program  # noqa: PLC0415
+    from resihp_jax.step.model_parts import split_model  # noqa: PLC0415
+    from resihp_jax.step.builder import build_user_step  # noqa: PLC0415
 
     cfg = get_model_config("tiny-gqa")
     parts, shell, blocks = split_model(rh.models.Llama(cfg, rngs=nnx.Rngs(0)))

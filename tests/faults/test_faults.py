@@ -15,11 +15,11 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
 from resihp_jax.meshes.plan import TIMED_SLOT
 from resihp_jax.faults.injector import DeviceStoppedError, FaultInjector
-from resihp_jax.train.instrument import chain_hosts
+from resihp_jax.step.instrument import chain_hosts
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.instrument import BWD_END, BWD_START, FWD_END, FWD_START, Instrument
-from resihp_jax.train.user_step import build_step
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.instrument import BWD_END, BWD_START, FWD_END, FWD_START, Instrument
+from resihp_jax.step.builder import build_step
 from tests.helpers import make_batches
 
 PLAN = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=1, seq_len=64)

@@ -23,7 +23,7 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.metrics import Metrics, MetricsEntry
 from resihp_jax.metrics.profile import Profiler
 from tests.runtime.run.test_fit import _packed, _plan
-from tests.train.user_models import make_gpt2
+from tests.step.user_models import make_gpt2
 
 STEPS = 4
 LR = 0.1

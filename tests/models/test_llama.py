@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 import resihp_jax as rh
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.user_model import split_model
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.model_parts import split_model
 from tests.helpers import llama_loss_sum, llama_params, make_batches, max_relative_error
 
 SEQ, MB_SIZE, N_MB, STEPS, SEED = 32, 2, 4, 3, 7

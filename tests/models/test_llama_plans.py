@@ -1,6 +1,6 @@
 """`rh.models.Llama` with its tensor parallelism left to the shardings ("auto": XLA inserts
 the collectives) computes its own single-device loss and gradients under every plan with
-tp > 1 of the equivalence test (tests/train/test_train_equivalence.py, which holds the
+tp > 1 of the equivalence test (tests/step/test_train_equivalence.py, which holds the
 model's own "manual" mode, `build_step`'s, to a plain jit of it), at the same tolerances.
 Plans that differ only in their splits share one compiled program, as a re-plan does."""
 
@@ -18,13 +18,13 @@ from resihp_jax.attention import kernels
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.layers import next_token_targets
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.user_model import split_model
-from resihp_jax.train.user_pipeline import token_nll_sum
-from resihp_jax.train.aot import abstract_args
-from resihp_jax.train.user_step import build_user_step
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.model_parts import split_model
+from resihp_jax.step.body import token_nll_sum
+from resihp_jax.step.aot import abstract_args
+from resihp_jax.step.builder import build_user_step
 from tests.helpers import make_batches, max_relative_error
-from tests.train.test_train_equivalence import PLANS, _same_mesh_groups
+from tests.step.test_train_equivalence import PLANS, _same_mesh_groups
 
 M, B, S = 8, 2, 64
 

@@ -31,9 +31,9 @@ from resihp_jax.runtime.recovery.cadence import (FIRST_SAVE_S, MAX_INTERVAL_S, C
                                                  job_mtbf_s)
 from resihp_jax.runtime.recovery.checksum import leaf_shapes, state_checksums
 from resihp_jax.runtime.recovery.run_identity import check_identity
-from resihp_jax.train.reshard import from_canonical, to_canonical
-from resihp_jax.train.state_io import restore_args, save_args, state_handler
-from resihp_jax.train.step import StepProgram, TrainState, canonical_state_shapes
+from resihp_jax.step.reshard import from_canonical, to_canonical
+from resihp_jax.step.state_io import restore_args, save_args, state_handler
+from resihp_jax.step.program import StepProgram, TrainState, canonical_state_shapes
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ from resihp_jax.runtime.trainer.compiles import install
 from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.overhead import Overhead
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.user_facts import UserModelFacts
-from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES)
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.facts import UserModelFacts
+from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES)
 
 
 @dataclass(frozen=True)

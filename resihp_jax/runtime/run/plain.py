@@ -32,7 +32,7 @@ from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.run.run_metrics import RunMetrics
 from resihp_jax.runtime.job.watchdog import Watchdog
 from resihp_jax.runtime.recovery.checkpoint import deadline_beside_write
-from resihp_jax.train.user_step import build_step
+from resihp_jax.step.builder import build_step
 
 
 class TrainRun:

@@ -27,7 +27,7 @@ from resihp_jax.runtime.job import standby
 from resihp_jax.runtime.job.devices import select_devices
 from resihp_jax.runtime.job.distributed import JobSpec
 from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig
-from resihp_jax.train.config import TrainConfig
+from resihp_jax.step.config import TrainConfig
 
 
 class TrainingRun:

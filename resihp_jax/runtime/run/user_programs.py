@@ -5,7 +5,7 @@ and for each plan its step program, starting from the model's own parameters.
 Anything that trains a user's model under the trainer (rh.fit, `resihp demo --model gpt2`)
 builds it here, so all of them run the same step: the Instrument (stage timing, injected
 per-device slowdowns) reaches the model's step exactly where it can: under plans with tp == 1,
-or at any tp for a model with manual tensor parallelism (train/user_step.py says why).
+or at any tp for a model with manual tensor parallelism (step/builder.py says why).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from flax import nnx
 
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.run.user_identity import user_run_identity
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.instrument import Instrument
-from resihp_jax.train.user_facts import UserModelFacts, model_facts
-from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.instrument import Instrument
+from resihp_jax.step.facts import UserModelFacts, model_facts
+from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
                                          split_model)
-from resihp_jax.train.user_step import (UserStepProgram, build_user_step, fully_manual,
+from resihp_jax.step.builder import (UserStepProgram, build_user_step, fully_manual,
                                         initializer)
 
 

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 from resihp_jax.runtime.recovery.checksum import tree_sums
 from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
-from resihp_jax.train.aot import abstract_args
-from resihp_jax.train.step import StepProgram, canonical_state_shapes
+from resihp_jax.step.aot import abstract_args
+from resihp_jax.step.program import StepProgram, canonical_state_shapes
 
 
 def compile_step(program: StepProgram) -> StepProgram:

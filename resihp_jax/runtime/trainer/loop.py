@@ -18,7 +18,7 @@ import numpy as np
 from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.errors import TrainingDiverged
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.train.step import Batch, StepProgram, TrainState
+from resihp_jax.step.program import Batch, StepProgram, TrainState
 
 if TYPE_CHECKING:  # loop users without checkpoints never import orbax
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer

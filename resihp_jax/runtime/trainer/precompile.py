@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
-from resihp_jax.train.step import StepProgram
+from resihp_jax.step.program import StepProgram
 
 Build = Callable[[Plan], StepProgram]  # a plan -> its program, compiled
 Stage = Callable[[StepProgram], None]  # more preparation for a program, once it is compiled

@@ -52,11 +52,11 @@ from resihp_jax.runtime.trainer.compiles import counting
 from resihp_jax.runtime.trainer.deferred import await_started, compile_layouts, compile_step
 from resihp_jax.runtime.trainer.gil import responsive_loop
 from resihp_jax.runtime.trainer.unwatched import Unwatched
-from resihp_jax.train.instrument import FaultHook
+from resihp_jax.step.instrument import FaultHook
 from resihp_jax.runtime.trainer.loop import StepRecord, device_batch, diverged
 from resihp_jax.runtime.trainer.precompile import Precompiler
-from resihp_jax.train.staging import HostStaging
-from resihp_jax.train.warmup import warm_up
+from resihp_jax.step.staging import HostStaging
+from resihp_jax.step.warmup import warm_up
 from resihp_jax.runtime.recovery.run_identity import run_identity
 from resihp_jax.runtime.trainer.host_cpu import CpuMeter
 from resihp_jax.runtime.trainer.overhead import OVERHEAD_BUDGET, Overhead, run_overhead
@@ -64,12 +64,12 @@ from resihp_jax.runtime.trainer.sampling import TimingSampler, check_every
 from resihp_jax.runtime.trainer.timing import StageTimer, StepTiming, timed_step
 from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
 from resihp_jax.scheduler.scoring import step_time_s
-from resihp_jax.train.aot import compile_program
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.instrument import OFF, Instrument
-from resihp_jax.train.reshard import move_state, move_via_orbax, same_devices
-from resihp_jax.train.step import StepProgram, TrainState
-from resihp_jax.train.user_step import build_step
+from resihp_jax.step.aot import compile_program
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.instrument import OFF, Instrument
+from resihp_jax.step.reshard import move_state, move_via_orbax, same_devices
+from resihp_jax.step.program import StepProgram, TrainState
+from resihp_jax.step.builder import build_step
 
 LIKELY_SLOWDOWNS = (2.0, 4.0)  # the fail-slow factors the precompiler plans for
 DETECTOR_OFF = "off"  # ResilienceConfig.detector: watch nothing (a failed step still re-plans)
@@ -127,7 +127,7 @@ class ResilienceConfig:
     # several processes only (where a hung step restarts the job anyway; one process
     # re-plans around the device it names).
     untimed_start: bool | None = None
-    # Run each prepared program once, in the background, on a zero state (train/warmup.py),
+    # Run each prepared program once, in the background, on a zero state (step/warmup.py),
     # so the first step after a switch onto its mesh pays none of the executable's first-run
     # setup. Off by default: while it runs it holds a second state and the step's activations
     # on the new mesh's devices, which on GPUs share memory with the running step. One

@@ -423,7 +423,7 @@ def test_a_standby_keeps_its_programs_unless_the_health_record_changes_its_plan(
     from resihp_jax.runtime.job.join import Job
     from resihp_jax.runtime.run.config import RunConfig
     from resihp_jax.runtime.run.training import TrainingRun
-    from resihp_jax.train.config import TrainConfig
+    from resihp_jax.step.config import TrainConfig
 
     go_file = tmp_path / "standby" / standby.GO_FILE
     go_file.parent.mkdir()

@@ -17,7 +17,7 @@ from resihp_jax.model.config import get_model_config
 from resihp_jax.runtime.recovery.cadence import (GPU_MTBF_S, Cadence, check_interval,
                                                  choose_interval, job_mtbf_s)
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
-from resihp_jax.train.config import TrainConfig
+from resihp_jax.step.config import TrainConfig
 from tests.helpers import step_program
 
 

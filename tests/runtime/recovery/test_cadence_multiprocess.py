@@ -21,8 +21,8 @@ SCRIPT = textwrap.dedent("""
     from resihp_jax.meshes.plan import Plan
     from resihp_jax.model.config import get_model_config
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
-    from resihp_jax.train.config import TrainConfig
-    from resihp_jax.train.user_step import build_step
+    from resihp_jax.step.config import TrainConfig
+    from resihp_jax.step.builder import build_step
 
     plan = Plan.uniform(2, 1, 1, n_layers=4, n_microbatches=2, microbatch_size=1, seq_len=32,
                         device_ids=tuple(d.id for d in jax.devices()))

@@ -17,9 +17,9 @@ from resihp_jax.model.config import get_model_config
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
 from resihp_jax.runtime.trainer.loop import run_step
 from resihp_jax.runtime.recovery.run_identity import run_identity
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.reshard import to_canonical
-from resihp_jax.train.user_step import build_step
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.reshard import to_canonical
+from resihp_jax.step.builder import build_step
 from tests.helpers import max_relative_error, step_program
 
 CFG = get_model_config("tiny")

@@ -22,8 +22,8 @@ from resihp_jax.runtime.recovery.checkpoint import Checkpointer
 from resihp_jax.runtime.recovery.host_snapshot import MANIFEST, HostSnapshots
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.trainer.loop import run_step
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.reshard import to_canonical
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.reshard import to_canonical
 from tests.helpers import max_relative_error, step_program
 
 CFG = get_model_config("tiny")

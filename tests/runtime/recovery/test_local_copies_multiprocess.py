@@ -28,9 +28,9 @@ SCRIPT = textwrap.dedent("""
     from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots
     from resihp_jax.runtime.recovery.resume import start_state
     from resihp_jax.runtime.trainer.loop import run_step
-    from resihp_jax.train.config import TrainConfig
-    from resihp_jax.train.reshard import to_canonical
-    from resihp_jax.train.user_step import build_step
+    from resihp_jax.step.config import TrainConfig
+    from resihp_jax.step.reshard import to_canonical
+    from resihp_jax.step.builder import build_step
 
     def data(state=None):
         return BatchIterator("synthetic:bimodal", n_microbatches=4, microbatch_size=2,

@@ -18,8 +18,8 @@ import numpy as np
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.user_step import build_step
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.builder import build_step
 
 SCRIPT = textwrap.dedent("""
     import asyncio, os, signal, sys, time
@@ -40,8 +40,8 @@ SCRIPT = textwrap.dedent("""
     from resihp_jax.meshes.plan import Plan
     from resihp_jax.model.config import get_model_config
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
-    from resihp_jax.train.config import TrainConfig
-    from resihp_jax.train.user_step import build_step
+    from resihp_jax.step.config import TrainConfig
+    from resihp_jax.step.builder import build_step
     import jax
     plan = Plan.uniform(1, 1, 1, n_layers=8, n_microbatches=1, microbatch_size=1, seq_len=64)
     program = build_step(get_model_config("small"), TrainConfig(), plan, jax.devices()[:1])

@@ -16,9 +16,9 @@ from flax import nnx
 import resihp_jax as rh
 from resihp_jax.model.layers import next_token_targets
 from resihp_jax.runtime.trainer.gil import SWITCH_INTERVAL_S
-from resihp_jax.train.user_pipeline import token_nll_sum
+from resihp_jax.step.body import token_nll_sum
 from tests.helpers import make_batches
-from tests.train.user_models import GPT2, GPT2Block, make_gpt2
+from tests.step.user_models import GPT2, GPT2Block, make_gpt2
 
 SEQ, MB_SIZE, N_MB, STEPS = 32, 2, 4, 3
 PLANS = {
@@ -220,7 +220,7 @@ def test_bf16_compute_from_float32_masters_stays_close(plain_sgd) -> None:
     result = rh.fit(make_gpt2(), _packed(), optimizer=optax.sgd(0.1), plan=_plan("2/2/2 uneven"),
                     steps=STEPS, progress=False, compute_dtype="bfloat16")
     losses = list(result.losses.values())
-    # tests/train/test_bf16.py's bar for one step's loss (one bf16 rounding, 2e-3), here over
+    # tests/step/test_bf16.py's bar for one step's loss (one bf16 rounding, 2e-3), here over
     # every step of the run (seen: 3e-7, 7e-6, 4e-5: near-uniform logits at the start barely
     # move the loss), and really computed in bf16: not the float32 losses themselves
     np.testing.assert_allclose(losses, plain_sgd[0], rtol=2e-3)

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     import resihp_jax as rh
     from resihp_jax.data import BatchIterator
     from resihp_jax.model.config import get_model_config
-    from resihp_jax.train.config import TrainConfig
+    from resihp_jax.step.config import TrainConfig
     out, steps, ckpt, term_at = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     cfg = get_model_config("tiny")
     it = BatchIterator("synthetic:lognormal", n_microbatches=1, microbatch_size=2, seq_len=64,

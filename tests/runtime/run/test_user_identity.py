@@ -22,7 +22,7 @@ from resihp_jax.data import packed_batches
 from resihp_jax.runtime.recovery.run_identity import check_identity
 from resihp_jax.runtime.run.user_programs import user_programs
 from tests.helpers import make_batches
-from tests.train.user_models import make_gpt2
+from tests.step.user_models import make_gpt2
 
 SEQ, MB_SIZE, N_MB = 32, 2, 4
 ADAM = "optax.adam(1e-2)"
@@ -149,7 +149,7 @@ def test_fit_resumes_the_same_run_and_a_forced_one_says_what_differed(
 def test_a_forced_resume_trains_with_the_injected_hyperparameters_it_was_given() -> None:
     """They live in the optimizer's state: the restored state's would otherwise win."""
     from resihp_jax.runtime.run.user_identity import with_current_hyperparams
-    from resihp_jax.train.step import TrainState
+    from resihp_jax.step.program import TrainState
 
     def adamw(lr: float) -> optax.GradientTransformation:
         return optax.inject_hyperparams(optax.adamw)(learning_rate=lr, weight_decay=0.1)

@@ -14,7 +14,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
 from resihp_jax.runtime.trainer import resilient
 from resihp_jax.runtime.trainer.loop import StepRecord
-from resihp_jax.train.config import TrainConfig
+from resihp_jax.step.config import TrainConfig
 
 CFG = get_model_config("tiny")
 

@@ -17,8 +17,8 @@ from resihp_jax.model.config import get_model_config
 from resihp_jax.faults.injector import FaultInjector
 from resihp_jax.runtime.trainer.loop import StepRecord, train
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.user_step import build_step
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.builder import build_step
 
 CFG = get_model_config("tiny")
 PLAN = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=6, microbatch_size=2, seq_len=64)

@@ -18,7 +18,7 @@ from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer
 from resihp_jax.runtime.trainer.sampling import (FIRST_EVERY, MAX_EVERY, TimingSampler,
                                                  choose_every)
-from resihp_jax.train.config import TrainConfig
+from resihp_jax.step.config import TrainConfig
 
 
 def test_k_keeps_the_timing_cost_within_its_share() -> None:

@@ -20,7 +20,7 @@ import resihp_jax as rh
 from resihp_jax.cli import main
 from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
 from tests.helpers import make_batches
-from tests.train.user_models import make_gpt2
+from tests.step.user_models import make_gpt2
 
 MOST = 5
 _COMPILE = "/jax/core/compile/backend_compile_duration"

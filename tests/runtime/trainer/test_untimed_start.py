@@ -23,7 +23,7 @@ from resihp_jax.model.config import get_model_config
 from resihp_jax.runtime.trainer.compiles import counting, foreground_hits_since, foreground_since
 from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer
-from resihp_jax.train.config import TrainConfig
+from resihp_jax.step.config import TrainConfig
 
 cache = sys.argv[3]
 cfg = get_model_config("tiny")

@@ -17,7 +17,7 @@ benchmarks/recovery.py`, `small`, the prepared mesh's move: 0.073 s and 0.085 s 
 runs, against 0.19-0.21 s in three with numpy's own alignment). The first step on them
 writes its outputs to new memory (XLA cannot donate a buffer it adopted); what made that
 step slower than a steady one was mostly the executable's own first run, which
-`train/warmup.py` takes off the switch.
+`step/warmup.py` takes off the switch.
 """
 
 from __future__ import annotations

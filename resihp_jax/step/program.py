@@ -23,7 +23,7 @@ from resihp_jax.meshes import layout
 from resihp_jax.meshes.mesh import put_global
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model import layers
-from resihp_jax.train.config import TrainConfig
+from resihp_jax.step.config import TrainConfig
 
 
 class TrainState(NamedTuple):
@@ -81,7 +81,7 @@ def token_count(segment_ids: jax.Array) -> jax.Array:
 @dataclass(frozen=True)
 class StepProgram:
     """Everything compiled for one mesh; `plan` may change splits without rebuilding."""
-    model: Any  # the model's parts (train/user_model.py ModelParts)
+    model: Any  # the model's parts (step/model_parts.py ModelParts)
     train: TrainConfig
     plan: Plan
     mesh: jax.sharding.Mesh
@@ -118,8 +118,8 @@ class StepProgram:
 
     def adopt_compiled(self, compiled_step: Any) -> StepProgram:
         """The program to run with `compiled_step` (this one's step compiled ahead,
-        train/aot.py). A user's model's program checks it first and may answer with another
-        program (user_step.py)."""
+        step/aot.py). A user's model's program checks it first and may answer with another
+        program (step/builder.py)."""
         return dataclasses.replace(self, step_fn=compiled_step)
 
     def stage_index_array(self) -> jax.Array:
@@ -190,10 +190,10 @@ class StepProgram:
 
     def abstract_state(self) -> TrainState:
         """Shapes of this program's state (stage layout), e.g. to compile ahead of time."""
-        raise NotImplementedError  # the program of train/user_step.py
+        raise NotImplementedError  # the program of step/builder.py
 
     def init_state(self, seed: Any) -> TrainState:
-        raise NotImplementedError  # the program of train/user_step.py
+        raise NotImplementedError  # the program of step/builder.py
 
 
 def step_functions(loss_sum: Callable[[Any, Batch, Splits], jax.Array],

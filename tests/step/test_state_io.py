@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from resihp_jax.runtime.trainer import compiles
-from resihp_jax.train.state_io import restore_args, save_args, state_handler
+from resihp_jax.step.state_io import restore_args, save_args, state_handler
 
 
 def _tree(mesh: Mesh) -> dict[str, jax.Array]:

@@ -25,10 +25,10 @@ from resihp_jax import vma
 from resihp_jax.meshes.plan import TIMED_SLOT
 from resihp_jax.model import layers
 from resihp_jax.model.layers import next_token_targets
-from resihp_jax.train.instrument import Instrument
-from resihp_jax.train.pipeline import (ALL_AXES, STEP_AXES, accumulated_loss_sum, gated,
+from resihp_jax.step.instrument import Instrument
+from resihp_jax.step.pipeline import (ALL_AXES, STEP_AXES, accumulated_loss_sum, gated,
                                        run_ticks)
-from resihp_jax.train.user_model import ModelParts, Noise
+from resihp_jax.step.model_parts import ModelParts, Noise
 
 GATES = ("cond", "select")
 # A one-stage step writes out a stack of at most this many blocks instead of scanning over

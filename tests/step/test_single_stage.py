@@ -21,18 +21,18 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
 from resihp_jax.model.layers import next_token_targets
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.instrument import (BWD_END, BWD_START, FWD_END, FWD_START, Instrument,
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.instrument import (BWD_END, BWD_START, FWD_END, FWD_START, Instrument,
                                          chain_hosts)
-from resihp_jax.train.step import matmul_count
-from resihp_jax.train.user_model import split_model
-from resihp_jax.train.user_pipeline import token_nll_sum
-from resihp_jax.train.user_step import build_step, build_user_step
+from resihp_jax.step.program import matmul_count
+from resihp_jax.step.model_parts import split_model
+from resihp_jax.step.body import token_nll_sum
+from resihp_jax.step.builder import build_step, build_user_step
 from tests.helpers import (canonical_grads, llama_loss_sum, llama_params, make_batches,
                            max_relative_error, reference_loss_and_grads)
-from tests.train.test_bf16 import _dot_operand_dtypes
-from tests.train.test_train_equivalence import BF16_GRAD_TOL, BF16_LOSS_RTOL
-from tests.train.user_models import make_gpt2
+from tests.step.test_bf16 import _dot_operand_dtypes
+from tests.step.test_train_equivalence import BF16_GRAD_TOL, BF16_LOSS_RTOL
+from tests.step.user_models import make_gpt2
 
 CFG = get_model_config("tiny")
 M, B, S = 4, 2, 32

@@ -12,11 +12,11 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
 from resihp_jax.runtime.trainer.loop import device_batch
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig
-from resihp_jax.train.aot import compile_program
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.instrument import Instrument
-from resihp_jax.train.user_step import build_step
-from resihp_jax.train.warmup import warm_up
+from resihp_jax.step.aot import compile_program
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.instrument import Instrument
+from resihp_jax.step.builder import build_step
+from resihp_jax.step.warmup import warm_up
 
 
 def test_the_warm_up_runs_the_step_with_no_callback_and_a_real_step_still_calls_back() -> None:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.attention.kernels import TRACED_CALLS
-from resihp_jax.train.user_model import ModelParts, mesh_specs
+from resihp_jax.step.model_parts import ModelParts, mesh_specs
 
 ATTENTION_COSTS = ("document", "row")
 # two row lengths: FLOPs = a * S + b * S^2 separates a and b. Short rows first (cheap to

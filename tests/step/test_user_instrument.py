@@ -14,11 +14,11 @@ from resihp_jax.errors import PlanError
 from resihp_jax.faults.injector import FaultInjector
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
-from resihp_jax.train.instrument import Instrument, chain_hosts
-from resihp_jax.train.user_model import split_model
-from resihp_jax.train.user_step import build_user_step
+from resihp_jax.step.instrument import Instrument, chain_hosts
+from resihp_jax.step.model_parts import split_model
+from resihp_jax.step.builder import build_user_step
 from tests.helpers import make_batches
-from tests.train.user_models import make_gpt2
+from tests.step.user_models import make_gpt2
 
 SEQ, N_MB, MB_SIZE = 32, 4, 2
 SLOW = 20.0  # the injected factor: far beyond what two cores' contention does to a stage

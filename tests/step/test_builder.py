@@ -13,11 +13,11 @@ from flax import nnx
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.layers import next_token_targets
-from resihp_jax.train.user_model import split_model
-from resihp_jax.train.user_pipeline import token_nll_sum
-from resihp_jax.train.user_step import build_user_step
+from resihp_jax.step.model_parts import split_model
+from resihp_jax.step.body import token_nll_sum
+from resihp_jax.step.builder import build_user_step
 from tests.helpers import make_batches
-from tests.train.user_models import make_gpt2
+from tests.step.user_models import make_gpt2
 
 SEQ = 32
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from resihp_jax.train.staging import HostStaging
+from resihp_jax.step.staging import HostStaging
 
 
 def _shapes(*shapes: tuple[int, ...]) -> list[jax.ShapeDtypeStruct]:
@@ -47,7 +47,7 @@ def test_dtypes_are_told_apart() -> None:
 def test_buffers_start_on_the_boundary_xla_adopts_without_a_copy() -> None:
     import jax.numpy as jnp
 
-    from resihp_jax.train.staging import ALIGN
+    from resihp_jax.step.staging import ALIGN
 
     staging = HostStaging(budget_bytes=1 << 20)
     shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (((3, 5), np.float32), ((7,), jnp.bfloat16),

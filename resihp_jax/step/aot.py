@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from resihp_jax.train.step import KNOB_SPEC, Batch, Splits, StepProgram, canonical_state_shapes
+from resihp_jax.step.program import KNOB_SPEC, Batch, Splits, StepProgram, canonical_state_shapes
 
 
 def _placed(shapes: Any, shardings: Any) -> Any:

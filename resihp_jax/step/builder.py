@@ -1,16 +1,16 @@
 """The one step builder: the jitted train step of any NNX model that keeps the contract
-(train/user_model.py) under any Plan, as a `StepProgram`, so every split, re-plan and state
+(step/model_parts.py) under any Plan, as a `StepProgram`, so every split, re-plan and state
 move works alike for every model. `build_step` is it for `rh.models.Llama` from a
 ModelConfig (what `resihp train`, the demo and most benchmarks run).
 
-The state's parameters are `{"shell": ..., "blocks": ...}` (train/user_model.py), the blocks
+The state's parameters are `{"shell": ..., "blocks": ...}` (step/model_parts.py), the blocks
 in the stage layout `[pp, slots, ...]`. The optimizer is the user's optax transformation,
 applied as given. Shardings come from the parameters' logical names and `axis_rules`.
 
 A plan with tp == 1, or a model with `tensor_parallel = "manual"` at any tp, runs a step
 manual over every mesh axis, which takes an `Instrument` (stage timing, injected slowdowns)
 as the built-in step does; otherwise, with tp > 1, 'tp' is left to XLA and no Instrument can
-reach the stage work (train/user_pipeline.py).
+reach the stage work (step/body.py).
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ from resihp_jax.meshes.mesh import make_mesh
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.meshes.rules import spread_spec
 from resihp_jax.model.config import ModelConfig
-from resihp_jax.train.aot import abstract_args
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.instrument import Instrument
-from resihp_jax.train.param_gathers import parameter_gathers, warn_parameter_gathers
-from resihp_jax.train.pipeline import ALL_AXES, STEP_AXES
-from resihp_jax.train.step import (KNOB_SPEC, Batch, Splits, StepProgram, TrainState,
+from resihp_jax.step.aot import abstract_args
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.instrument import Instrument
+from resihp_jax.step.param_gathers import parameter_gathers, warn_parameter_gathers
+from resihp_jax.step.pipeline import ALL_AXES, STEP_AXES
+from resihp_jax.step.program import (KNOB_SPEC, Batch, Splits, StepProgram, TrainState,
                                    canonical_state_shapes, step_functions)
-from resihp_jax.train.user_model import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
+from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
                                          check_divisible, mesh_specs, split_model)
-from resihp_jax.train.user_pipeline import user_pipeline_loss_sum
+from resihp_jax.step.body import user_pipeline_loss_sum
 
 
 class SelectedGatesWarning(UserWarning):
@@ -58,7 +58,7 @@ class UserStepProgram(StepProgram):
     state_shapes: Any = None  # the state's shapes in the stage layout
     # seed -> canonical parameters: what `init_state(seed)` starts from (the user's model)
     initial_params: Callable[[int], Any] | None = None
-    gates: str = "cond"  # how the pipeline skips idle work (user_pipeline.py: GATES)
+    gates: str = "cond"  # how the pipeline skips idle work (step/body.py: GATES)
     # the same program with gates by selection: what a compiled step whose branches hold a
     # collective some devices never reach is replaced by (`adopt_compiled`)
     selecting: Callable[[], UserStepProgram] | None = None
@@ -182,7 +182,7 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
     embedding and head compute in it from float32 master weights; the loss stays float32.
     `instrument` (plans with tp == 1 only) brackets each device's stage work with host
     callbacks that get the step's per-device knob, as `build_step`'s does. `gates`: how the
-    pipeline skips idle work (user_pipeline.py); a "cond" program whose compiled step would
+    pipeline skips idle work (step/body.py); a "cond" program whose compiled step would
     hang becomes a "select" one when compiled (`UserStepProgram.adopt_compiled`)."""
     train = train or TrainConfig()
     if plan.n_layers != parts.n_layers:
@@ -269,7 +269,7 @@ def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, sp
     shard_map: manual over every axis when tp == 1 or the model's tensor parallelism is
     manual (the knob array goes in, and so may an Instrument); else manual over 'dp' and
     'pp' with 'tp' automatic; with dp = pp = 1 and tp > 1 no shard_map at all
-    (train/user_pipeline.py says why)."""
+    (step/body.py says why)."""
     manual = fully_manual(parts, plan)
     axes = ALL_AXES if manual else STEP_AXES if plan.dp * plan.pp > 1 else ()
     body = functools.partial(user_pipeline_loss_sum, parts=parts, pp=plan.pp,

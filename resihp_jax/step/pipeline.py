@@ -1,4 +1,4 @@
-"""The pipeline machinery of the train step (train/user_pipeline.py holds its body): the
+"""The pipeline machinery of the train step (step/body.py holds its body): the
 GPipe schedule over 'pp' inside `shard_map` (`run_ticks`), gates that skip idle work
 (`gated`), and gradient accumulation over micro-batch slots (`accumulated_loss_sum`).
 

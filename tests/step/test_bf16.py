@@ -17,8 +17,8 @@ from resihp_jax.model.config import get_model_config
 from resihp_jax.perfmodel import memory_bytes_per_device
 from resihp_jax.perfmodel.memory import static_bytes_S
 from resihp_jax.perfmodel.work import stage_param_counts
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.user_step import build_step
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.builder import build_step
 from tests.helpers import make_batches
 
 M, B, S, STEPS = 8, 2, 64, 4

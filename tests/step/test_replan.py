@@ -8,11 +8,11 @@ import pytest
 
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model.config import get_model_config
-from resihp_jax.train.config import TrainConfig
-from resihp_jax.train.reshard import move_state, to_canonical
-from resihp_jax.train.staging import HostStaging
-from resihp_jax.train.step import route_microbatches, routed_groups
-from resihp_jax.train.user_step import build_step
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.reshard import move_state, to_canonical
+from resihp_jax.step.staging import HostStaging
+from resihp_jax.step.program import route_microbatches, routed_groups
+from resihp_jax.step.builder import build_step
 from tests.helpers import make_batches, max_relative_error
 
 CFG = get_model_config("tiny")
@@ -116,7 +116,7 @@ def test_a_move_onto_other_devices_equals_the_canonical_route() -> None:
     placement) gives the very arrays and shardings of the device route through the canonical
     layout, empty slots zero, without reading a device the new plan leaves out (its buffers
     are gone here: dp holds a copy of each); moving back restores the state exactly."""
-    from resihp_jax.train.reshard import from_canonical
+    from resihp_jax.step.reshard import from_canonical
 
     start = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=B, seq_len=S)
     src = build_step(CFG, TRAIN, start, jax.devices())
@@ -152,7 +152,7 @@ def test_the_host_gather_reads_blocks_split_along_any_axis() -> None:
     the stage axis only (every sharding rule) or the slot axis too."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from resihp_jax.train.reshard import _gather_rows
+    from resihp_jax.step.reshard import _gather_rows
 
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
     x_PxLxX = np.arange(2 * 4 * 4, dtype=np.float32).reshape(2, 4, 4)

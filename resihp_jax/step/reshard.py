@@ -29,9 +29,9 @@ import numpy as np
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.rules import is_layer_leaf
-from resihp_jax.train.staging import HostStaging
-from resihp_jax.train.state_io import restore_args, save_args, state_handler
-from resihp_jax.train.step import StepProgram, TrainState
+from resihp_jax.step.staging import HostStaging
+from resihp_jax.step.state_io import restore_args, save_args, state_handler
+from resihp_jax.step.program import StepProgram, TrainState
 
 
 def to_canonical(state: TrainState, program: StepProgram) -> TrainState:

@@ -12,11 +12,11 @@ import pytest
 from flax import nnx
 
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.train.aot import compile_program
-from resihp_jax.train.param_gathers import ParameterGatherWarning, gathered_results
-from resihp_jax.train.user_model import split_model
-from resihp_jax.train.user_step import build_user_step
-from tests.train.user_models import GPT2, GPT2Block
+from resihp_jax.step.aot import compile_program
+from resihp_jax.step.param_gathers import ParameterGatherWarning, gathered_results
+from resihp_jax.step.model_parts import split_model
+from resihp_jax.step.builder import build_user_step
+from tests.step.user_models import GPT2, GPT2Block
 
 
 class SortingBlock(GPT2Block):

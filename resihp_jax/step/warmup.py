@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resihp_jax.train.instrument import OFF
-from resihp_jax.train.step import StepProgram
+from resihp_jax.step.instrument import OFF
+from resihp_jax.step.program import StepProgram
 
 
 def warm_up(program: StepProgram) -> None:

@@ -8,8 +8,8 @@ in the stage layout `[pp, slots, ...]`. The optimizer is the user's optax transf
 applied as given. Shardings come from the parameters' logical names and `axis_rules`.
 
 A plan with tp == 1, or a model with `tensor_parallel = "manual"` at any tp, runs a step
-manual over every mesh axis, which takes an `Instrument` (stage timing, injected slowdowns)
-as the built-in step does; otherwise, with tp > 1, 'tp' is left to XLA and no Instrument can
+manual over every mesh axis, which takes an `Instrument` (stage timing, injected
+slowdowns); otherwise, with tp > 1, 'tp' is left to XLA and no Instrument can
 reach the stage work (step/body.py).
 """
 
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
@@ -27,121 +25,22 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from resihp_jax.attention.check import check_traced, step_attention
+from resihp_jax.attention.check import step_attention
 from resihp_jax.errors import PlanError
 from resihp_jax.meshes import layout
-from resihp_jax.meshes.branch_collectives import BranchCollective, branch_collectives
 from resihp_jax.meshes.mesh import make_mesh
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.meshes.rules import spread_spec
 from resihp_jax.model.config import ModelConfig
-from resihp_jax.step.aot import abstract_args
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.instrument import Instrument
-from resihp_jax.step.param_gathers import parameter_gathers, warn_parameter_gathers
 from resihp_jax.step.pipeline import ALL_AXES, STEP_AXES
 from resihp_jax.step.program import (KNOB_SPEC, Batch, Splits, StepProgram, TrainState,
-                                   canonical_state_shapes, step_functions)
+                                   step_functions)
 from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
-                                         check_divisible, mesh_specs, split_model)
+                                         check_divisible, fully_manual, mesh_specs,
+                                         split_model)
 from resihp_jax.step.body import user_pipeline_loss_sum
-
-
-class SelectedGatesWarning(UserWarning):
-    """A user's model's step runs its pipeline gates by selection (see `adopt_compiled`)."""
-
-
-@dataclass(frozen=True)
-class UserStepProgram(StepProgram):
-    """A StepProgram for a user's model; its state starts from the model's own parameters."""
-    param_specs: Any = None  # mesh PartitionSpecs of {"shell", "blocks"} (canonical blocks)
-    state_shapes: Any = None  # the state's shapes in the stage layout
-    # seed -> canonical parameters: what `init_state(seed)` starts from (the user's model)
-    initial_params: Callable[[int], Any] | None = None
-    gates: str = "cond"  # how the pipeline skips idle work (step/body.py: GATES)
-    # the same program with gates by selection: what a compiled step whose branches hold a
-    # collective some devices never reach is replaced by (`adopt_compiled`)
-    selecting: Callable[[], UserStepProgram] | None = None
-
-    def abstract_state(self) -> TrainState:
-        return self.state_shapes
-
-    def init_state(self, seed: Any) -> TrainState:  # type: ignore[override]
-        """State from `initial_params(seed)` (an int), or from canonical parameters
-        `{"shell": ..., "blocks": [n_layers, ...]}` given in its place, placed straight into
-        this program's shardings."""
-        params = seed
-        if isinstance(seed, int):
-            if self.initial_params is None:
-                raise ValueError("this program has no initial parameters: pass them")
-            params = self.initial_params(seed)
-
-        def init(params: Any, index_PxL: jax.Array) -> TrainState:
-            staged = layout.to_stage_layout(params, index_PxL)
-            return TrainState(jnp.zeros((), jnp.int32), staged, self.optimizer.init(staged))
-
-        return jax.jit(init, out_shardings=self.state_shardings)(
-            params, self.stage_index())
-
-    def adopt_compiled(self, compiled_step: Any) -> StepProgram:
-        """Check the compiled step before it ever runs, and return the program to run:
-        - a step whose pipeline branches hold a collective that some devices never reach
-          (it would hang: meshes/branch_collectives.py) is replaced by the same program
-          with gates by selection, said once (SelectedGatesWarning), or refused
-          (PlanError naming the construct and the plan) when it has none left;
-        - the attention kernels the model's blocks traced are checked against the dense
-          reference (once per configuration and process: a fused kernel that leaks across
-          documents is refused before the first step, as the built-in step's is);
-        - each tp-sharded parameter the compiled step gathers whole is named
-          (ParameterGatherWarning): sharding propagation's fallback for code it cannot
-          split."""
-        hlo = compiled_step.as_text() if self.plan.tp > 1 else ""  # (once: a large text)
-        if self.plan.tp > 1:
-            hanging = branch_collectives(hlo, self.plan.tp)
-            if hanging:
-                return self._without_branches(hanging)
-        check_traced(next(d for d in self.mesh.devices.flat  # (one of this process's)
-                          if d.process_index == jax.process_index()))
-        if self.plan.tp > 1 and not fully_manual(self.model, self.plan):
-            # (a manual model's blocks get their shards: nothing is gathered behind them)
-            canonical = canonical_state_shapes(self.state_shapes, self.plan.n_layers).params
-            warn_parameter_gathers(
-                parameter_gathers(hlo, canonical, self.param_specs),
-                self.plan.tp)
-        return dataclasses.replace(self, step_fn=compiled_step)
-
-    def _without_branches(self, hanging: list[BranchCollective]) -> StepProgram:
-        what = "; ".join(sorted({"a " + c.describe() for c in hanging}))
-        if self.selecting is None:
-            raise PlanError(
-                f"plan {self.plan.describe()}: the model's blocks hold {what} inside a "
-                "pipeline branch that some devices never reach (the step would hang), and "
-                "this program has no other gates. Move data across a tp-sharded axis "
-                "outside the block, or train with tp=1")
-        warnings.warn(SelectedGatesWarning(
-            f"plan {self.plan.describe()}: the model's blocks hold {what} (data moved "
-            "across a tp-sharded axis, e.g. jnp.split of a fused projection whose parts "
-            "do not line up with the tp shards) which a pipeline branch would leave some "
-            "devices out of: the step would hang. It runs its gates by selection instead "
-            "(idle stages and micro-batches compute and drop their work: slower, same "
-            "math). To keep the branches, cut the projection per head (reshape to "
-            "[..., heads, 3 * head_dim] and split the last axis), or train with tp=1"),
-            stacklevel=2)
-        # what the builder's caller set on this program (its plan's current splits, its
-        # initial parameters) carries over
-        selected = dataclasses.replace(self.selecting(), plan=self.plan,
-                                       initial_params=self.initial_params)
-        state, batch, splits = abstract_args(selected)
-        return selected.adopt_compiled(selected.step_fn.lower(state, batch, splits).compile())
-
-    def canonical_params(self, state: TrainState) -> Any:
-        """The state's parameters with the blocks in canonical order `[n_layers, ...]`,
-        sharded over 'tp' alone (replicated over dp and pp, not spread: every process of a
-        job holds all of its tp groups' shards, so `jax.device_get` can read them whole)."""
-        params = self.to_canonical_fn(state, self.canonical_positions()).params
-        target = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.param_specs,
-                              is_leaf=lambda x: isinstance(x, P))
-        return jax.jit(lambda p: p, out_shardings=target)(params)
 
 
 def _layer_spec(spec: P, stage_layout: bool) -> P:
@@ -173,7 +72,7 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
                     initial_params: Callable[[int], Any] | None = None,
                     compute_dtype: str | None = None,
                     instrument: Instrument | None = None,
-                    gates: str = "cond") -> UserStepProgram:
+                    gates: str = "cond") -> StepProgram:
     """Compile-ready program of a user's model for `plan` on `devices`.
 
     `example_params`: canonical parameters (arrays or shapes) fixing every leaf's shape;
@@ -183,7 +82,7 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
     `instrument` (plans with tp == 1 only) brackets each device's stage work with host
     callbacks that get the step's per-device knob, as `build_step`'s does. `gates`: how the
     pipeline skips idle work (step/body.py); a "cond" program whose compiled step would
-    hang becomes a "select" one when compiled (`UserStepProgram.adopt_compiled`)."""
+    hang becomes a "select" one when compiled (`StepProgram.adopt_compiled`)."""
     train = train or TrainConfig()
     if plan.n_layers != parts.n_layers:
         raise PlanError(f"Plan.layers_per_stage={plan.layers_per_stage} sums to "
@@ -239,7 +138,7 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
         in_shardings=(shardings, replicated, replicated), out_shardings=shardings,
         donate_argnums=0 if train.donate_state else ())
     train = train.replace(layer_slots=layer_slots, microbatch_slots=mb_slots)
-    return UserStepProgram(parts, train, plan, mesh, layer_slots, mb_slots, optimizer,
+    return StepProgram(parts, train, plan, mesh, layer_slots, mb_slots, optimizer,
                            shardings, batch_sharding, replicated, step_fn, grads_fn,
                            canonical_sh, to_canonical_fn, to_stage_fn, restage_fn,
                            param_specs=canonical_specs, state_shapes=shapes,
@@ -298,7 +197,7 @@ def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, sp
 
 def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
                devices: Sequence[jax.Device],
-               instrument: Instrument | None = None) -> UserStepProgram:
+               instrument: Instrument | None = None) -> StepProgram:
     """The step of `rh.models.Llama(model)` (what `resihp train` and the demo run) for `plan`
     on `devices`, with `train`'s optimizer, attention kernel, remat and slots: the one step
     builder's program, its `init_state(seed)` building the model's parameters straight into
@@ -322,7 +221,7 @@ def _llama(config: ModelConfig, attention: str, rngs: Any) -> Any:
     return Llama(config, rngs=rngs, attention=attention)
 
 
-def initializer(program: UserStepProgram, model: Any,
+def initializer(program: StepProgram, model: Any,
                 params: dict[str, Any]) -> Callable[[int], Any]:
     """seed -> the canonical parameters training starts from: a built model's own (`model`
     an nnx.Module, `params` its parameters), or a model function's, built inside one program
@@ -339,12 +238,6 @@ def initializer(program: UserStepProgram, model: Any,
         return jax.jit(build, out_shardings=program.canonical_shardings.params)()
 
     return initial
-
-
-def fully_manual(parts: ModelParts, plan: Plan) -> bool:
-    """Whether `plan`'s step of the model is manual over every mesh axis (tp == 1, or the
-    model's blocks do their own tensor parallelism)."""
-    return plan.tp == 1 or parts.tensor_parallel == "manual"
 
 
 def _fresh_state(optimizer: optax.GradientTransformation, params: Any) -> TrainState:

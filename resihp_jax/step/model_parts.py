@@ -263,3 +263,9 @@ def abstract_model(make: Callable[[nnx.Rngs], Any], seed: int) -> Any:
     """A model from `make(rngs)` built as shapes only (nothing allocated)."""
     with nnx.use_eager_sharding(False):
         return nnx.eval_shape(lambda: make(nnx.Rngs(seed)))
+
+
+def fully_manual(parts: ModelParts, plan: Any) -> bool:
+    """Whether `plan`'s step of the model is manual over every mesh axis (tp == 1, or the
+    model's blocks do their own tensor parallelism)."""
+    return plan.tp == 1 or parts.tensor_parallel == "manual"

@@ -1,8 +1,10 @@
-"""Build the jitted train step of a Plan: shard_map pipeline + TP + token-weighted DP, AdamW.
+"""The program of one model on one mesh (`StepProgram`, what step/builder.py builds for every
+model): the jitted step (pipeline + TP + token-weighted DP, the optimizer's update), its
+loss-and-gradients, the layout moves, and the check a compiled step passes before it runs.
 
-`StepProgram` owns one compiled program per mesh. The uneven layer and micro-batch splits
-are runtime inputs (`Splits`), so re-balancing reuses the same executable; only a new mesh
-shape, device set or slot count builds a new program.
+The uneven layer and micro-batch splits are runtime inputs (`Splits`), so re-balancing
+reuses the same executable; only a new mesh shape, device set or slot count builds a new
+program.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -19,11 +22,16 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from resihp_jax.attention.check import check_traced
+from resihp_jax.errors import PlanError
 from resihp_jax.meshes import layout
+from resihp_jax.meshes.branch_collectives import BranchCollective, branch_collectives
 from resihp_jax.meshes.mesh import put_global
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.model import layers
 from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.model_parts import fully_manual
+from resihp_jax.step.param_gathers import parameter_gathers, warn_parameter_gathers
 
 
 class TrainState(NamedTuple):
@@ -78,6 +86,10 @@ def token_count(segment_ids: jax.Array) -> jax.Array:
     return jnp.sum(layers.next_token_targets(seg_NxS, seg_NxS)[1])
 
 
+class SelectedGatesWarning(UserWarning):
+    """A user's model's step runs its pipeline gates by selection (see `adopt_compiled`)."""
+
+
 @dataclass(frozen=True)
 class StepProgram:
     """Everything compiled for one mesh; `plan` may change splits without rebuilding."""
@@ -97,6 +109,14 @@ class StepProgram:
     to_canonical_fn: Callable[..., Any]  # (state, positions_L) -> canonical state
     to_stage_fn: Callable[..., Any]  # (canonical state, index_PxL) -> state
     restage_fn: Callable[..., Any]  # (state, old positions_L, new index_PxL) -> state
+    param_specs: Any = None  # mesh PartitionSpecs of {"shell", "blocks"} (canonical blocks)
+    state_shapes: Any = None  # the state's shapes in the stage layout
+    # seed -> canonical parameters: what `init_state(seed)` starts from (the user's model)
+    initial_params: Callable[[int], Any] | None = None
+    gates: str = "cond"  # how the pipeline skips idle work (step/body.py: GATES)
+    # the same program with gates by selection: what a compiled step whose branches hold a
+    # collective some devices never reach is replaced by (`adopt_compiled`)
+    selecting: Callable[[], StepProgram] | None = None
     # the splits placed on the devices, by split and knobs: a step reuses them rather than
     # copying three small arrays to the devices each time (shared by `with_plan` copies:
     # the key holds the split)
@@ -115,12 +135,6 @@ class StepProgram:
         layout.layer_slots_for(plan, self.layer_slots)
         layout.microbatch_slots_for(plan, self.mb_slots)
         return dataclasses.replace(self, plan=plan)
-
-    def adopt_compiled(self, compiled_step: Any) -> StepProgram:
-        """The program to run with `compiled_step` (this one's step compiled ahead,
-        step/aot.py). A user's model's program checks it first and may answer with another
-        program (step/builder.py)."""
-        return dataclasses.replace(self, step_fn=compiled_step)
 
     def stage_index_array(self) -> jax.Array:
         return put_global(self.stage_index(), self.replicated)
@@ -189,11 +203,84 @@ class StepProgram:
         return self.loss_and_grads_fn(params, batch, self.splits())
 
     def abstract_state(self) -> TrainState:
-        """Shapes of this program's state (stage layout), e.g. to compile ahead of time."""
-        raise NotImplementedError  # the program of step/builder.py
+        return self.state_shapes
 
     def init_state(self, seed: Any) -> TrainState:
-        raise NotImplementedError  # the program of step/builder.py
+        """State from `initial_params(seed)` (an int), or from canonical parameters
+        `{"shell": ..., "blocks": [n_layers, ...]}` given in its place, placed straight into
+        this program's shardings."""
+        params = seed
+        if isinstance(seed, int):
+            if self.initial_params is None:
+                raise ValueError("this program has no initial parameters: pass them")
+            params = self.initial_params(seed)
+
+        def init(params: Any, index_PxL: jax.Array) -> TrainState:
+            staged = layout.to_stage_layout(params, index_PxL)
+            return TrainState(jnp.zeros((), jnp.int32), staged, self.optimizer.init(staged))
+
+        return jax.jit(init, out_shardings=self.state_shardings)(
+            params, self.stage_index())
+
+    def adopt_compiled(self, compiled_step: Any) -> StepProgram:
+        """Check the compiled step before it ever runs, and return the program to run:
+        - a step whose pipeline branches hold a collective that some devices never reach
+          (it would hang: meshes/branch_collectives.py) is replaced by the same program
+          with gates by selection, said once (SelectedGatesWarning), or refused
+          (PlanError naming the construct and the plan) when it has none left;
+        - the attention kernels the model's blocks traced are checked against the dense
+          reference (once per configuration and process: a fused kernel that leaks across
+          documents is refused before the first step);
+        - each tp-sharded parameter the compiled step gathers whole is named
+          (ParameterGatherWarning): sharding propagation's fallback for code it cannot
+          split."""
+        hlo = compiled_step.as_text() if self.plan.tp > 1 else ""  # (once: a large text)
+        if self.plan.tp > 1:
+            hanging = branch_collectives(hlo, self.plan.tp)
+            if hanging:
+                return self._without_branches(hanging)
+        check_traced(next(d for d in self.mesh.devices.flat  # (one of this process's)
+                          if d.process_index == jax.process_index()))
+        if self.plan.tp > 1 and not fully_manual(self.model, self.plan):
+            # (a manual model's blocks get their shards: nothing is gathered behind them)
+            canonical = canonical_state_shapes(self.state_shapes, self.plan.n_layers).params
+            warn_parameter_gathers(
+                parameter_gathers(hlo, canonical, self.param_specs),
+                self.plan.tp)
+        return dataclasses.replace(self, step_fn=compiled_step)
+
+    def _without_branches(self, hanging: list[BranchCollective]) -> StepProgram:
+        what = "; ".join(sorted({"a " + c.describe() for c in hanging}))
+        if self.selecting is None:
+            raise PlanError(
+                f"plan {self.plan.describe()}: the model's blocks hold {what} inside a "
+                "pipeline branch that some devices never reach (the step would hang), and "
+                "this program has no other gates. Move data across a tp-sharded axis "
+                "outside the block, or train with tp=1")
+        warnings.warn(SelectedGatesWarning(
+            f"plan {self.plan.describe()}: the model's blocks hold {what} (data moved "
+            "across a tp-sharded axis, e.g. jnp.split of a fused projection whose parts "
+            "do not line up with the tp shards) which a pipeline branch would leave some "
+            "devices out of: the step would hang. It runs its gates by selection instead "
+            "(idle stages and micro-batches compute and drop their work: slower, same "
+            "math). To keep the branches, cut the projection per head (reshape to "
+            "[..., heads, 3 * head_dim] and split the last axis), or train with tp=1"),
+            stacklevel=2)
+        # what the builder's caller set on this program (its plan's current splits, its
+        # initial parameters) carries over
+        selected = dataclasses.replace(self.selecting(), plan=self.plan,
+                                       initial_params=self.initial_params)
+        state, batch, splits = abstract_args(selected)
+        return selected.adopt_compiled(selected.step_fn.lower(state, batch, splits).compile())
+
+    def canonical_params(self, state: TrainState) -> Any:
+        """The state's parameters with the blocks in canonical order `[n_layers, ...]`,
+        sharded over 'tp' alone (replicated over dp and pp, not spread: every process of a
+        job holds all of its tp groups' shards, so `jax.device_get` can read them whole)."""
+        params = self.to_canonical_fn(state, self.canonical_positions()).params
+        target = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.param_specs,
+                              is_leaf=lambda x: isinstance(x, P))
+        return jax.jit(lambda p: p, out_shardings=target)(params)
 
 
 def step_functions(loss_sum: Callable[[Any, Batch, Splits], jax.Array],
@@ -263,3 +350,23 @@ def matmul_count(lowered_or_compiled: Any) -> int:
             if callee in bodies)
 
     return count("main") if "main" in bodies else text.count("stablehlo.dot_general")
+
+
+def placed_shapes(shapes: Any, shardings: Any) -> Any:
+    """`shapes` as ShapeDtypeStructs carrying `shardings` (what `.lower` takes)."""
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, shardings)
+
+
+def abstract_args(program: StepProgram) -> tuple[Any, Batch, Splits]:
+    """(state, batch, splits) of `program.step_fn` as placed shapes."""
+    plan, mesh = program.plan, program.mesh
+    state = placed_shapes(program.abstract_state(), program.state_shardings)
+    rows = jax.ShapeDtypeStruct((plan.dp, program.mb_slots, plan.microbatch_size, plan.seq_len),
+                                jnp.int32, sharding=program.batch_sharding)
+    rep = program.replicated
+    splits = Splits(jax.ShapeDtypeStruct((plan.pp,), jnp.int32, sharding=rep),
+                    jax.ShapeDtypeStruct((plan.dp,), jnp.int32, sharding=rep),
+                    jax.ShapeDtypeStruct((plan.dp, plan.pp, plan.tp), jnp.float32,
+                                         sharding=jax.sharding.NamedSharding(mesh, KNOB_SPEC)))
+    return state, Batch(rows, rows, rows), splits

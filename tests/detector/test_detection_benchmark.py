@@ -29,7 +29,7 @@ def bench():  # noqa: ANN201 - the benchmark's module
 
 def test_the_user_models_run_times_its_stages_and_feels_an_injected_slowdown(bench) -> None:
     run = bench.Run(SPEC, "synthetic:lognormal", 0, "gpt2")
-    assert type(run.program).__name__ == "UserStepProgram" and run.facts.name == "GPT2"
+    assert type(run.program).__name__ == "StepProgram" and run.facts.name == "GPT2"
     obs = run.run_step()  # compiles
     assert obs.stage_times_s is not None and obs.stage_times_s.shape == (1, 2)
     assert np.all(obs.stage_times_s > 0) and np.all(obs.mb_sum_l2 > 0)

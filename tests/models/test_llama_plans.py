@@ -21,7 +21,7 @@ from resihp_jax.model.layers import next_token_targets
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.model_parts import split_model
 from resihp_jax.step.body import token_nll_sum
-from resihp_jax.step.aot import abstract_args
+from resihp_jax.step.program import abstract_args
 from resihp_jax.step.builder import build_user_step
 from tests.helpers import make_batches, max_relative_error
 from tests.step.test_train_equivalence import PLANS, _same_mesh_groups

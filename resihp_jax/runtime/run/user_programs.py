@@ -23,10 +23,10 @@ from resihp_jax.runtime.run.user_identity import user_run_identity
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.instrument import Instrument
 from resihp_jax.step.facts import UserModelFacts, model_facts
+from resihp_jax.step.builder import build_user_step, initializer
 from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
-                                         split_model)
-from resihp_jax.step.builder import (UserStepProgram, build_user_step, fully_manual,
-                                        initializer)
+                                         fully_manual, split_model)
+from resihp_jax.step.program import StepProgram
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class UserPrograms:
     compute_dtype: str | None = None
 
     def __call__(self, cfg: TrainConfig, plan: Plan, devices: Sequence[jax.Device],
-                 instrument: Instrument | None = None) -> UserStepProgram:
+                 instrument: Instrument | None = None) -> StepProgram:
         # stage timing and injected slowdowns reach a user's model where its step is manual
         # over every mesh axis (tp == 1, or tensor_parallel="manual"); elsewhere the probes
         # still localize

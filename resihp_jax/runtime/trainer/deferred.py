@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from resihp_jax.runtime.recovery.checksum import tree_sums
 from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
-from resihp_jax.step.aot import abstract_args
+from resihp_jax.step.program import abstract_args
 from resihp_jax.step.program import StepProgram, canonical_state_shapes
 
 

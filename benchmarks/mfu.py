@@ -1,8 +1,9 @@
 """Model FLOPs utilization: our train step against a plain-JAX peer, in the same run.
 
-Ours: `build_step` for the plan (default dp=pp=tp=1), attention as `TrainConfig.attention`
-selects it (`--attention`; auto: the fused Pallas kernel on GPUs, the block-sparse scan on
-CPU). The peer: the same model, weights, batches and AdamW update as one `jax.jit` function
+Ours: `build_step` for the plan (default dp=pp=tp=1): `rh.models.Llama` through the one step
+builder, `rh.fit`'s; attention as `TrainConfig.attention` selects it (`--attention`; auto:
+cuDNN's packed layout on GPUs, the block-sparse scan on CPU). The peer: the same model's
+math on its own parameters, weights, batches and AdamW update as one `jax.jit` function
 (no pipeline, no resilience, parameters replicated and rows split over the same devices),
 its attention `jax.nn.dot_product_attention` with the segment mask and is_causal, in the best
 implementation the device takes (cuDNN where it compiles, else XLA). Each round times one step

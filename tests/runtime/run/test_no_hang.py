@@ -19,11 +19,11 @@ ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = textwrap.dedent("""
     import optax
     import resihp_jax as rh
-    from resihp_jax.step import builder
+    from resihp_jax.step import program
     from tests.models import zoo
     from tests.models.test_zoo import _batches, _plan
     rh.use_cpu_devices(8)
-    builder.branch_collectives = lambda text, tp: []  # the hang goes unforeseen
+    program.branch_collectives = lambda text, tp: []  # the hang goes unforeseen
     rh.fit(zoo.make("fused qkv jnp.split"), _batches(), optimizer=optax.sgd(0.1),
            plan=_plan("2/2/2 uneven"), steps=2, progress=False,
            resilience=rh.ResilienceConfig(step_timeout_s=8.0, hang_floor_s=8.0))

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 
 from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
-from resihp_jax.model.config import ModelConfig, get_model_config  # noqa: E402
+from resihp_jax.models.config import ModelConfig, get_model_config  # noqa: E402
 from resihp_jax.runtime.trainer.loop import device_batch  # noqa: E402
 from resihp_jax.step.config import TrainConfig  # noqa: E402
 from resihp_jax.step.builder import build_step  # noqa: E402

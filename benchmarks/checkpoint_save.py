@@ -33,7 +33,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from resihp_jax.meshes.plan import Plan  # noqa: E402
-from resihp_jax.model.config import get_model_config  # noqa: E402
+from resihp_jax.models.config import get_model_config  # noqa: E402
 from resihp_jax.runtime.trainer import compiles  # noqa: E402
 from resihp_jax.step.config import TrainConfig  # noqa: E402
 from resihp_jax.step.reshard import state_bytes, to_canonical  # noqa: E402

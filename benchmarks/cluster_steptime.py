@@ -78,7 +78,7 @@ def fit_as_detector(cfg: Any, observations: list[Any]) -> Any:
 def step_time_check(fit_steps: int, test_steps: int, seed: int = 0) -> list[dict[str, Any]]:
     """Rows of (case, plan, measured ms, predicted ms, error)."""
     from resihp_jax.meshes.plan import Plan
-    from resihp_jax.model.config import get_model_config
+    from resihp_jax.models.config import get_model_config
     from resihp_jax.perfmodel import Health
     from resihp_jax.faults.injector import FaultInjector
     from resihp_jax.scheduler.context import PlanningContext

@@ -28,7 +28,7 @@ for part of a healthy stretch, and from a few steps before a 1.5x/2x fault on: f
 per 50 loaded steps and detection under load are their own rows.
 A user's model (`--model gpt2`): the same run measures the Llama preset (its usual rows)
 and then the GPT-2 example's own NNX model (examples/user_model/train_gpt2.py), built through
-the library's user path (split_model, model_facts, build_user_step, as `rh.fit` builds it)
+the library's user path (split_model, model_facts, build_model_step, as `rh.fit` builds it)
 under plans with tp == 1, where the user's step takes the same Instrument: the same injected
 faults, the same detectors fed the same way, each model's figures against its own floor,
 side by side (`--quick --model gpt2`: one plan per model, no host-load rows and no
@@ -65,7 +65,7 @@ from resihp_jax.detector import Prober, StepObservation, make_detector  # noqa: 
 from resihp_jax.detector.attention_work import mb_block_pair_l2  # noqa: E402
 from resihp_jax.detector.ours import WARMUP_STEPS  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
-from resihp_jax.model.config import get_model_config  # noqa: E402
+from resihp_jax.models.config import get_model_config  # noqa: E402
 from resihp_jax.faults.injector import FaultInjector  # noqa: E402
 from resihp_jax.step.instrument import chain_hosts  # noqa: E402
 from resihp_jax.sim.measured import SMALL_STEP_EXCESS  # noqa: E402
@@ -77,7 +77,7 @@ from resihp_jax.step.instrument import Instrument  # noqa: E402
 from resihp_jax.step.builder import build_step  # noqa: E402
 from resihp_jax.step.facts import model_facts  # noqa: E402
 from resihp_jax.step.model_parts import DEFAULT_AXIS_RULES, split_model  # noqa: E402
-from resihp_jax.step.builder import build_user_step  # noqa: E402
+from resihp_jax.step.builder import build_model_step  # noqa: E402
 
 NAMES = ("resihp", "greyhound", "mad")
 FACTORS = (1.2, 1.5, 2.0, 5.0)
@@ -202,7 +202,7 @@ def gpt2_example():  # noqa: ANN201 - the example's module
 def gpt2_program(plan: Plan, seed: int, instrument: Instrument):  # noqa: ANN201
     """(facts, program, state) of the example's GPT-2 under `plan` (tp == 1), built as
     `rh.fit` builds a user's model: split into shell and stacked blocks, facts read off the
-    model by XLA's cost analysis, the step from `build_user_step` with the Instrument, the
+    model by XLA's cost analysis, the step from `build_model_step` with the Instrument, the
     example's own optimizer."""
     if plan.tp != 1:
         raise ValueError(f"plan {plan.describe()}: the user's step takes the Instrument only "
@@ -212,7 +212,7 @@ def gpt2_program(plan: Plan, seed: int, instrument: Instrument):  # noqa: ANN201
     parts, shell, blocks = split_model(model)
     facts = model_facts(parts, shell, blocks, parts.name, DEFAULT_AXIS_RULES,
                         seq_len=plan.seq_len)
-    program = build_user_step(parts, optax.adamw(3e-3), plan, jax.devices(),
+    program = build_model_step(parts, optax.adamw(3e-3), plan, jax.devices(),
                               {"shell": shell, "blocks": blocks}, instrument=instrument)
     return facts, program, program.init_state({"shell": shell, "blocks": blocks})
 
@@ -614,7 +614,7 @@ def main() -> None:
         if model != "builtin":
             print(f"\nmodel {model}: the example's own NNX model "
                   f"({GPT2_EXAMPLE.relative_to(GPT2_EXAMPLE.parents[2])}, {GPT2_SIZES}), "
-                  "built through the user path (split_model, build_user_step), tp == 1 plans")
+                  "built through the user path (split_model, build_model_step), tp == 1 plans")
         began = time.perf_counter()
         measured[model] = measure_model(model, jobs_of(model, args.quick), data, args.seed, rng,
                                         schedule, load)

@@ -45,8 +45,8 @@ from resihp_jax import vma  # noqa: E402
 from resihp_jax.data import BatchIterator, GlobalBatch  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.metrics import Metrics  # noqa: E402
-from resihp_jax.model import layers  # noqa: E402
-from resihp_jax.model.config import ModelConfig, get_model_config  # noqa: E402
+from resihp_jax.nn import layers  # noqa: E402
+from resihp_jax.models.config import ModelConfig, get_model_config  # noqa: E402
 from resihp_jax.models import Llama  # noqa: E402
 from resihp_jax.perfmodel.costs import CostParams  # noqa: E402
 from resihp_jax.perfmodel.simulator import simulate_step  # noqa: E402

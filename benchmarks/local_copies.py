@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
-from resihp_jax.model.config import PRESETS, get_model_config  # noqa: E402
+from resihp_jax.models.config import PRESETS, get_model_config  # noqa: E402
 from resihp_jax.runtime.recovery import local_copies, survivor_copies  # noqa: E402
 from resihp_jax.runtime.recovery.checkpoint import canonical_target  # noqa: E402
 from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots  # noqa: E402

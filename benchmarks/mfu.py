@@ -40,11 +40,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from resihp_jax.data import BatchIterator, GlobalBatch  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
-from resihp_jax.model import layers  # noqa: E402
+from resihp_jax.nn import layers  # noqa: E402
 from resihp_jax.models import Llama  # noqa: E402
 from resihp_jax.step.model_parts import split_model  # noqa: E402
 from resihp_jax.attention.check import step_attention  # noqa: E402
-from resihp_jax.model.config import ModelConfig, get_model_config  # noqa: E402
+from resihp_jax.models.config import ModelConfig, get_model_config  # noqa: E402
 from resihp_jax.step.config import TrainConfig  # noqa: E402
 from resihp_jax.step.builder import build_step  # noqa: E402
 
@@ -133,7 +133,7 @@ def peer_loss_sum(params: dict[str, Any], tok_NxS: jax.Array, seg_NxS: jax.Array
     x, _ = jax.lax.scan(one_layer, x, blocks)
     targets, weights = layers.next_token_targets(tok_NxS, seg_NxS)
     logits = layers.logits(shell["final_norm"]["scale"].astype(model.dtype),
-                           shell["lm_head"].astype(model.dtype), x, model)
+                           shell["lm_head"].astype(model.dtype), x, model.norm_eps)
     return layers.token_loss_sum(logits, targets, weights), jnp.sum(weights)
 
 

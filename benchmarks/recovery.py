@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.detector import Verdict  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
-from resihp_jax.model.config import get_model_config  # noqa: E402
+from resihp_jax.models.config import get_model_config  # noqa: E402
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer  # noqa: E402
 from resihp_jax.runtime.trainer.compiles import counting  # noqa: E402
 from resihp_jax.runtime.trainer.loop import StepRecord  # noqa: E402

@@ -44,7 +44,7 @@ import resihp_jax as rh  # noqa: E402
 from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.faults.slow_writer import slow_writes  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
-from resihp_jax.model.config import ModelConfig, get_model_config  # noqa: E402
+from resihp_jax.models.config import ModelConfig, get_model_config  # noqa: E402
 from resihp_jax.runtime.recovery.cadence import choose_interval, job_mtbf_s  # noqa: E402
 from resihp_jax.runtime.trainer import resilient  # noqa: E402
 from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX  # noqa: E402

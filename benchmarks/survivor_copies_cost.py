@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from resihp_jax.model.config import PRESETS  # noqa: E402
+from resihp_jax.models.config import PRESETS  # noqa: E402
 from train_subprocess import run_train  # noqa: E402
 
 MODES = ("off", "keep", "host")

@@ -37,7 +37,7 @@ import json, sys, time
 import jax
 from resihp_jax.data import BatchIterator
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.trainer.compiles import counting
 from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer

@@ -28,7 +28,7 @@ _EXPORTS: dict[str, str] = {
     "StepRecord": "resihp_jax.runtime.trainer.loop",
     "Replan": "resihp_jax.runtime.trainer.resilient",
     "Plan": "resihp_jax.meshes.plan",
-    "PackedBatch": "resihp_jax.data.user_batches",
+    "PackedBatch": "resihp_jax.data.prepacked",
     "ResilienceConfig": "resihp_jax.runtime.trainer.resilient",
     # devices and the job
     "use_cpu_devices": "resihp_jax.runtime.job.devices",
@@ -80,7 +80,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from resihp_jax import data, engine, models, nn
-    from resihp_jax.data.user_batches import PackedBatch
+    from resihp_jax.data.prepacked import PackedBatch
     from resihp_jax.errors import (
         CheckpointError,
         ConfigError,

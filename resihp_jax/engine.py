@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 # name -> the module defining it; imported on first use (PEP 562)
 _EXPORTS: dict[str, str] = {
     # the step of rh.models.Llama, built from its configs
-    "ModelConfig": "resihp_jax.model.config",
-    "get_model_config": "resihp_jax.model.config",
+    "ModelConfig": "resihp_jax.models.config",
+    "get_model_config": "resihp_jax.models.config",
     "TrainConfig": "resihp_jax.step.config",
     "BatchIterator": "resihp_jax.data.iterator",
     "build_step": "resihp_jax.step.builder",
@@ -59,7 +59,7 @@ __all__ = [
 if TYPE_CHECKING:
     from resihp_jax.data.iterator import BatchIterator
     from resihp_jax.detector.base import make_detector
-    from resihp_jax.model.config import ModelConfig, get_model_config
+    from resihp_jax.models.config import ModelConfig, get_model_config
     from resihp_jax.perfmodel.health import Health
     from resihp_jax.runtime.job.distributed import JobSpec, job_spec
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer

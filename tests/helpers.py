@@ -11,8 +11,8 @@ import numpy as np
 from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model import layers
-from resihp_jax.model.config import ModelConfig
+from resihp_jax.nn import layers
+from resihp_jax.models.config import ModelConfig
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.program import StepProgram
 from resihp_jax.step.builder import build_step

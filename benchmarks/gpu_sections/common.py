@@ -15,7 +15,7 @@ import numpy as np
 from benchmarks import mfu
 from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig, get_model_config
+from resihp_jax.models.config import ModelConfig, get_model_config
 from resihp_jax.step.config import TrainConfig
 
 # JAX records one event of this name per executable it builds (jax/_src/dispatch.py's

@@ -20,7 +20,7 @@ from typing import Any
 from benchmarks import resilience_price as price
 from benchmarks.gpu_sections.common import Suite, print_table
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig, get_model_config
+from resihp_jax.models.config import ModelConfig, get_model_config
 from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.step.config import TrainConfig

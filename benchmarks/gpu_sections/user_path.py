@@ -17,8 +17,8 @@ import resihp_jax as rh
 from benchmarks.gpu_sections.common import Suite, print_table
 from benchmarks.resilience_price import batches
 from examples.user_model.train_gpt2 import GPT2
-from resihp_jax.model.config import get_model_config
-from resihp_jax.model.layers import next_token_targets
+from resihp_jax.models.config import get_model_config
+from resihp_jax.nn.layers import next_token_targets
 from resihp_jax.step.body import token_nll_sum
 
 # precompile off: the likely next plans compiled in the background change no value here

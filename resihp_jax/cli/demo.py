@@ -10,7 +10,6 @@ user can get wrong is checked before JAX starts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -22,13 +21,11 @@ from resihp_jax.demo import app
 from resihp_jax.demo.config import DemoConfig, check_at_least, check_plot_name, check_two_files
 from resihp_jax.demo.plot import PLOT_SUFFIXES
 from resihp_jax.demo.scenario import parse_kill, parse_slow
-from resihp_jax.demo.user_model import DEFAULT_PLAN as USER_PLAN
-from resihp_jax.demo.user_model import USER_MODELS, DemoUserModel, check_user_plan
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import PRESETS, ModelConfig, get_model_config
+from resihp_jax.models.registry import GPT2_PLAN, MODELS, Entry, check_plan, get_model, states_facts
 
-BUILTIN_PLAN = "dp=2,pp=2,tp=2"  # a preset's (rh.models.Llama's) starting mesh
+LLAMA_PLAN = "dp=2,pp=2,tp=2"  # a preset's (rh.models.Llama's) starting mesh
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,11 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="devices in the pool, fake CPU devices when no accelerator; more than the plan "
              "needs leaves spares for re-plans (default: dp*pp*tp of --plan)")
     add("--plan", default=None,
-        help=f"starting mesh (default {BUILTIN_PLAN}; with --model gpt2 {USER_PLAN}: a "
+        help=f"starting mesh (default {LLAMA_PLAN}; with --model gpt2 {GPT2_PLAN}: a "
              "user's model trains on plans with tp=1 only, where injected slowdowns reach it)")
     add("--microbatches", default=None,
         help="micro-batches per DP group, e.g. 4,4 (default: 4 per group)")
-    add("--model", default="tiny", choices=sorted(PRESETS) + sorted(USER_MODELS),
+    add("--model", default="tiny", choices=sorted(MODELS),
         help="a preset of rh.models.Llama (its own tensor parallelism: slowdowns reach it "
              "at any tp), or gpt2: the GPT-2 example's own NNX model (rh.models.GPT2, "
              "examples/user_model/train_gpt2.py), a user's model; both trained through "
@@ -109,8 +106,7 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
     if n_devices < plan.n_devices:
         raise ConfigError(f"--devices={n_devices}: --plan {plan_text(args)} needs "
                           f"dp*pp*tp={plan.n_devices} devices")
-    if isinstance(model, DemoUserModel):
-        check_user_plan(plan, f"--plan {plan_text(args)}", model)
+    check_plan(model, plan, f"--plan {plan_text(args)}")
     plan.check(model, range(n_devices))
     check_at_least(args.precompile, 0, "--precompile")
     slow, kill = parse_slow(args.slow), parse_kill(args.kill)
@@ -155,22 +151,19 @@ def _check_outputs(args: argparse.Namespace, plot: str | None, metrics: str | No
                           "starts from scratch: give a new or empty directory")
 
 
-def demo_model(name: str, dtype: str | None) -> ModelConfig | DemoUserModel:
-    """A preset's config, or a user's model's sizes (`--model gpt2`), in `dtype` if given."""
-    if name in USER_MODELS:
-        model = USER_MODELS[name]
-        return dataclasses.replace(model, dtype=dtype) if dtype else model
-    return get_model_config(name, dtype=dtype) if dtype else get_model_config(name)
+def demo_model(name: str, dtype: str | None) -> Entry:
+    """The registry's model `name` (a Llama preset, or gpt2), in `dtype` if given."""
+    return get_model(name, "--model", **({"dtype": dtype} if dtype else {}))
 
 
 def plan_text(args: argparse.Namespace) -> str:
     """--plan as given, else the model's default (a user's model starts at tp=1)."""
     if args.plan is not None:
         return args.plan
-    return USER_PLAN if args.model in USER_MODELS else BUILTIN_PLAN
+    return LLAMA_PLAN if states_facts(MODELS[args.model]) else GPT2_PLAN
 
 
-def demo_plan(args: argparse.Namespace, model: ModelConfig | DemoUserModel) -> Plan:
+def demo_plan(args: argparse.Namespace, model: Entry) -> Plan:
     text = plan_text(args)
     mesh = parse_mesh(text)
     dp, pp, tp = mesh["dp"], mesh["pp"], mesh["tp"]

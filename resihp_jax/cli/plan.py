@@ -14,7 +14,8 @@ from typing import Any
 from resihp_jax.errors import PlanError
 from resihp_jax.cli.args import parse_mesh
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig, get_model_config
+from resihp_jax.models.config import ModelConfig
+from resihp_jax.models.registry import planned_model
 from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.scheduler.context import PlanningContext, SwitchCosts
 from resihp_jax.perfmodel.health_spec import build_health, parse_dead, parse_slowdowns
@@ -29,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="devices in the cluster, ids 0..N-1 (default: the plan's dp*pp*tp)")
     add("--plan", required=True, help="current mesh, e.g. tp=4,dp=4,pp=16")
     add("--layers", type=int, default=None, help="model layers (default: the preset's)")
-    add("--model", default="llama2-70b", help="model preset (default: llama2-70b)")
+    add("--model", default="llama2-70b",
+        help="a model of the registry that states its facts: a preset of rh.models.Llama "
+             "(default: llama2-70b)")
     add("--device-memory-gb", type=float, default=80.0, help="memory per device in GB")
     add("--slow", action="append", default=[], metavar="DEV=X",
         help="device DEV computes X times slower (repeatable; e.g. 17=2.0)")
@@ -79,10 +82,10 @@ def build_inputs(args: argparse.Namespace) -> tuple[Plan, Health, PlanningContex
 
 def _model(args: argparse.Namespace) -> ModelConfig:
     if args.layers is None:
-        return get_model_config(args.model)
+        return planned_model(args.model)
     if args.layers < 1:
         raise PlanError(f"--layers {args.layers}: must be >= 1")
-    return get_model_config(args.model, n_layers=args.layers)
+    return planned_model(args.model, n_layers=args.layers)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ from resihp_jax.cli.args import (METRICS_HELP, add_compile_cache_arguments,
 from resihp_jax.cli.train_checks import check_train_args, checkpoint_every, read_metrics_args
 from resihp_jax.errors import CheckpointFallbackWarning, ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import PRESETS, get_model_config
+from resihp_jax.models.registry import MODELS, GPT2Sizes, check_plan, get_model
 from resihp_jax.runtime.job import distributed
 from resihp_jax.runtime.job.devices import devices_to_request, request_host_devices
 from resihp_jax.runtime.job.exits import run_as_job_process
@@ -48,9 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", help="layers per stage, e.g. 1,3 (default: even)")
     parser.add_argument("--microbatches", default=None,
                         help="micro-batches per DP group, e.g. 3,1 (default: 2 per group)")
-    parser.add_argument("--model", default="tiny", choices=sorted(PRESETS),
-                        help="a preset of rh.models.Llama, trained through the one step "
-                             "every model trains through (rh.fit's) (default tiny)")
+    parser.add_argument("--model", default="tiny", choices=sorted(MODELS),
+                        help="a model of the registry: a preset of rh.models.Llama, or gpt2 "
+                             "(rh.models.GPT2, a user's model as users write one: tp=1 plans, "
+                             "its own adamw at --lr); every one trained through the one step "
+                             "(rh.fit's) (default tiny)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="parameter and compute dtype (default: the preset's own)")
     parser.add_argument("--data", default="synthetic:lognormal",
@@ -196,8 +198,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     check_train_args(args)
     spec = job_spec_from_args(args)
     config = run_config_from_args(args, compile_cache_dir(args))
-    model = get_model_config(args.model, **({"dtype": args.dtype} if args.dtype else {}))
+    model = get_model(args.model, "--model", **({"dtype": args.dtype} if args.dtype else {}))
     plan = plan_from_args(args, model.n_layers)  # the requested plan
+    check_plan(model, plan, f"--plan {args.plan}")
     if spec.single:
         request_host_devices(devices_to_request(args.devices, plan.n_devices, args.plan))
     elif args.devices is not None:
@@ -206,8 +209,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from resihp_jax.runtime.run.training import TrainingRun  # noqa: PLC0415 - JAX from here
     from resihp_jax.step.config import TrainConfig  # noqa: PLC0415
 
+    programs = None  # a Llama preset: its ModelConfig states its facts (the trainer's build_step)
+    if isinstance(model, GPT2Sizes):
+        from resihp_jax.runtime.run.programs import registered_programs  # noqa: PLC0415
+
+        model, programs = registered_programs(model, plan.seq_len, args.seed, args.lr)
     training = TrainingRun(model, TrainConfig(learning_rate=args.lr, remat=args.remat), plan,
-                           config, spec, out)
+                           config, spec, out, programs=programs)
     original_showwarning = warnings.showwarning
 
     def one_line(message: Any, category: type, *rest: Any, **kw: Any) -> None:

@@ -18,8 +18,8 @@ from resihp_jax.data.lengths import (
 from resihp_jax.data.packing import GlobalBatch, PackedRows, fill_row, pack_documents, pack_rows
 from resihp_jax.data.sources import DocumentSource, SyntheticSource, make_source, valid_specs
 from resihp_jax.data.token_file import TokenFileSource, write_token_file
-from resihp_jax.data.user import from_documents, from_grain, from_hf_dataset
-from resihp_jax.data.user_batches import PackedBatch, PackedBatchIterator, packed_batches
+from resihp_jax.data.adapters import from_documents, from_grain, from_hf_dataset
+from resihp_jax.data.prepacked import PackedBatch, PackedBatchIterator, packed_batches
 
 __all__ = [
     "DISTRIBUTIONS",

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from resihp_jax.data.user import MAX_TOKEN_ID, as_document, check_map_style, documents_digest
+from resihp_jax.data.adapters import MAX_TOKEN_ID, as_document, check_map_style, documents_digest
 from resihp_jax.errors import ConfigError
 
 MAGIC = b"RHTOKv1\0"

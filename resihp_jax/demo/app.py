@@ -15,13 +15,12 @@ from resihp_jax.demo.loop import DemoLog, run_demo
 from resihp_jax.demo.plot import save_timeline
 from resihp_jax.demo.scenario import DetectorTiming, check_fault_timing, check_kill_survivable
 from resihp_jax.demo.summary import FaultOutcome, match_faults, write_summary
-from resihp_jax.demo.user_model import DemoUserModel
-from resihp_jax.demo.user_model import build as build_user_model
+from resihp_jax.models.registry import GPT2Sizes
 
 if TYPE_CHECKING:
     from resihp_jax.data import BatchIterator
     from resihp_jax.perfmodel.facts import ModelFacts
-    from resihp_jax.runtime.run.user_programs import UserPrograms
+    from resihp_jax.runtime.run.programs import ModelPrograms
 
 DEVICE_MEMORY_GB = 4.0  # what the trainer's scheduler assumes per fake device
 EXIT_UNDETECTED = 1  # an injected fault slowed the run and was never detected
@@ -52,12 +51,13 @@ def run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     return EXIT_UNDETECTED if missed else 0
 
 
-def _model(config: DemoConfig) -> tuple[ModelFacts, UserPrograms | None]:
+def _model(config: DemoConfig) -> tuple[ModelFacts, ModelPrograms | None]:
     """What the trainer and the scheduler know of the model, and its step builder: a user's
     model's, or None for a preset (the trainer's `build_step`: rh.models.Llama from it, on
     the same one step every model trains through)."""
-    if isinstance(config.model, DemoUserModel):
-        return build_user_model(config.model, config.plan, config.seed)
+    if isinstance(config.model, GPT2Sizes):
+        from resihp_jax.runtime.run.programs import registered_programs  # noqa: PLC0415
+        return registered_programs(config.model, config.plan.seq_len, config.seed)
     return config.model, None
 
 

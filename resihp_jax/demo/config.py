@@ -15,17 +15,16 @@ from pathlib import Path
 
 from resihp_jax.demo.plot import PLOT_SUFFIXES
 from resihp_jax.demo.scenario import Fault, KillSpec, SlowSpec, check_fault_range
-from resihp_jax.demo.user_model import DemoUserModel, check_user_plan
+from resihp_jax.models.registry import Entry, check_plan
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.metrics.destinations import parse_destinations
-from resihp_jax.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class DemoConfig:
     """One demo run: the model and starting plan, the injected faults, and what to write."""
-    model: ModelConfig | DemoUserModel  # a built-in preset, or a user's model (step/model_parts.py)
+    model: Entry  # a registry model: a Llama preset or gpt2 (models/registry.py)
     plan: Plan  # the starting mesh, its split and the batch shape (micro-batches, seq_len)
     n_devices: int  # the pool: more than the plan needs leaves spares for re-plans
     steps: int
@@ -58,8 +57,7 @@ class DemoConfig:
         if self.n_devices < self.plan.n_devices:
             raise ConfigError(f"n_devices={self.n_devices}: the plan {self.plan.describe()} "
                               f"needs dp*pp*tp={self.plan.n_devices} devices")
-        if isinstance(self.model, DemoUserModel):
-            check_user_plan(self.plan, "plan", self.model)
+        check_plan(self.model, self.plan, "plan")
         self.plan.check(self.model, range(self.n_devices))
 
     @property

@@ -11,14 +11,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 from resihp_jax.demo.config import DemoConfig
 from resihp_jax.demo.progress import Progress, progress_mode
 from resihp_jax.demo.summary import ReplanPoint, StepPoint, plan_label
-from resihp_jax.demo.user_model import DemoUserModel
+from resihp_jax.models.registry import Entry, GPT2Sizes
 from resihp_jax.errors import PlanError, ResihpError
 
 if TYPE_CHECKING:
     from resihp_jax.data import BatchIterator
-    from resihp_jax.model.config import ModelConfig
     from resihp_jax.perfmodel.facts import ModelFacts
-    from resihp_jax.runtime.run.user_programs import UserPrograms
+    from resihp_jax.runtime.run.programs import ModelPrograms
     from resihp_jax.faults.injector import FaultInjector
     from resihp_jax.runtime.run.run_metrics import RunMetrics
     from resihp_jax.runtime.trainer.resilient import ResilienceConfig
@@ -37,7 +36,7 @@ class DemoLog:
 
 
 def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO, *,
-             model: ModelFacts | None = None, programs: UserPrograms | None = None
+             model: ModelFacts | None = None, programs: ModelPrograms | None = None
              ) -> DemoLog:
     """Train under the config's faults; `model` and `programs`: the model's facts and step
     builder (step/model_parts.py: a preset's Llama or a user's model, both on the user's path)."""
@@ -75,8 +74,8 @@ def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO, 
     return log
 
 
-def model_label(model: ModelConfig | DemoUserModel) -> str:
-    if isinstance(model, DemoUserModel):
+def model_label(model: Entry) -> str:
+    if isinstance(model, GPT2Sizes):
         return model.describe()
     return f"{model.name} ({model.dtype})"
 

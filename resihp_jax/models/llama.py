@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from resihp_jax.model import layers
-from resihp_jax.model.config import ModelConfig, get_model_config
+from resihp_jax.nn import layers
+from resihp_jax.models.config import ModelConfig, get_model_config
 from resihp_jax.nn import segment_attention, tp_sum, vocab_embed
 
 def _param(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
@@ -134,7 +134,8 @@ class Llama(nnx.Module):
         """Float32 logits [B, S, V] whatever the compute dtype (the loss never sees bf16);
         under manual tp, this device's slice of the vocabulary [B, S, V / tp]."""
         return layers.logits(_cast(self.final_norm.scale, self.config.dtype),
-                             _cast(self.lm_head, self.config.dtype), h_BxSxD, self.config)
+                             _cast(self.lm_head, self.config.dtype), h_BxSxD,
+                             self.config.norm_eps)
 
     def __call__(self, tokens_BxS: jax.Array, seg_BxS: jax.Array,
                  pos_BxS: jax.Array) -> jax.Array:

@@ -11,11 +11,14 @@ Shapes: q [B, S, H, K], k and v [B, S, G, K] with G dividing H (grouped KV heads
 
 `tp_sum`, `vocab_embed`, `tp_size` and `tp_index` are for a model that writes its tensor
 parallelism into its blocks (`tensor_parallel = "manual"`, as `rh.models.Llama` does: see
-nn/tensor_parallel.py); outside such a step they are the plain operations.
+nn/tensor_parallel.py); outside such a step they are the plain operations. `rh.nn.layers`
+holds the pure math they and `rh.models.Llama` share (RMSNorm, rotary positions, float32
+logits, the token loss).
 """
 
 from resihp_jax.attention.kernels import IMPLEMENTATIONS, dense_attention, segment_attention
+from resihp_jax.nn import layers
 from resihp_jax.nn.tensor_parallel import tp_index, tp_size, tp_sum, vocab_embed
 
-__all__ = ["IMPLEMENTATIONS", "dense_attention", "segment_attention", "tp_index", "tp_size",
-           "tp_sum", "vocab_embed"]
+__all__ = ["IMPLEMENTATIONS", "dense_attention", "layers", "segment_attention", "tp_index",
+           "tp_size", "tp_sum", "vocab_embed"]

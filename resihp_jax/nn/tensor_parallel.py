@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from resihp_jax.model import layers
+from resihp_jax.nn import layers
 
 TP_AXIS = "tp"
 
@@ -47,7 +47,7 @@ def vocab_embed(table_VxD: jax.Array, tokens_BxS: jax.Array) -> jax.Array:
     """Rows of `table_VxD` for `tokens_BxS`. Under manual tp the table holds this device's
     slice of the vocabulary (rows split over 'tp'): each device looks up the tokens it holds,
     zeros for the others, and the tp sum completes every row (the vocab-parallel
-    lookup of model/layers.py)."""
+    lookup of nn/layers.py)."""
     if tp_size() == 1:
         return jnp.take(table_VxD, tokens_BxS, axis=0)
     return layers.embed(table_VxD, tokens_BxS, TP_AXIS, table_VxD.dtype)

@@ -20,7 +20,7 @@ import numpy as np
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig
+from resihp_jax.models.config import ModelConfig
 from resihp_jax.perfmodel import features
 from resihp_jax.perfmodel.costs import CostParams
 from resihp_jax.perfmodel.facts import ModelFacts

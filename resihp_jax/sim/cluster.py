@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.registry import planned_model
 from resihp_jax.perfmodel import CostParams, Health, fits_memory
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.scheduler.context import PlanningContext
@@ -148,4 +148,4 @@ class ClusterModel:
 @functools.lru_cache(maxsize=8)
 def get_cluster(n_gpus: int, model_name: str = "llama2-70b") -> ClusterModel:
     """The cluster model of a size, built once per process (the healthy search is the cost)."""
-    return ClusterModel(n_gpus, get_model_config(model_name))
+    return ClusterModel(n_gpus, planned_model(model_name, "model"))

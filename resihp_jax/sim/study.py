@@ -27,7 +27,7 @@ class StudyConfig:
     policies: tuple[str, ...] = tuple(POLICIES)
 
     def __post_init__(self) -> None:
-        from resihp_jax.model.config import get_model_config
+        from resihp_jax.models.config import get_model_config
 
         nominal_plan(self.n_gpus, get_model_config("llama2-70b"))  # validates the size
         get_scenario(self.scenario)

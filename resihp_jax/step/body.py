@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from resihp_jax import vma
 from resihp_jax.meshes.plan import TIMED_SLOT
-from resihp_jax.model import layers
-from resihp_jax.model.layers import next_token_targets
+from resihp_jax.nn import layers
+from resihp_jax.nn.layers import next_token_targets
 from resihp_jax.step.instrument import Instrument
 from resihp_jax.step.pipeline import (ALL_AXES, STEP_AXES, accumulated_loss_sum, gated,
                                        run_ticks)

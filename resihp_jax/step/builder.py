@@ -31,7 +31,7 @@ from resihp_jax.meshes import layout
 from resihp_jax.meshes.mesh import make_mesh
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.meshes.rules import spread_spec
-from resihp_jax.model.config import ModelConfig
+from resihp_jax.models.config import ModelConfig
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.instrument import Instrument
 from resihp_jax.step.pipeline import ALL_AXES, STEP_AXES
@@ -65,7 +65,7 @@ def _state_specs(optimizer: optax.GradientTransformation, shapes: TrainState,
     return TrainState(P(), params, opt)
 
 
-def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, plan: Plan,
+def build_model_step(parts: ModelParts, optimizer: optax.GradientTransformation, plan: Plan,
                     devices: Sequence[jax.Device], example_params: Any, *,
                     axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES,
                     train: TrainConfig | None = None,
@@ -144,7 +144,7 @@ def build_user_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
                            param_specs=canonical_specs, state_shapes=shapes,
                            initial_params=initial_params, gates=gates,
                            selecting=None if gates == "select" else functools.partial(
-                               build_user_step, parts, optimizer, plan, devices,
+                               build_model_step, parts, optimizer, plan, devices,
                                example_params, axis_rules=axis_rules, train=train,
                                initial_params=initial_params, compute_dtype=compute_dtype,
                                instrument=instrument, gates="select"))
@@ -179,13 +179,13 @@ def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, sp
     # the state's step rides along (replicated): a model's random streams draw from it
     if axes == ALL_AXES:  # every axis manual: the parameters' whole specs, tp included
         sharded = jax.shard_map(
-            lambda p, t, s, q, l, m, k, step: body(p, t, s, q, l, m, k, step=step),
+            lambda p, t, s, q, n, m, k, step: body(p, t, s, q, n, m, k, step=step),
             mesh=mesh, in_specs=(specs, *batch_specs, P(), P(), KNOB_SPEC, P()),
             out_specs=P())
         return lambda params, batch, splits, step: sharded(
             params, *batch, splits.layers_per_stage, splits.microbatches_per_group,
             splits.knobs, step)
-    run = lambda p, t, s, q, l, m, step: body(p, t, s, q, l, m, step=step)  # noqa: E731
+    run = lambda p, t, s, q, n, m, step: body(p, t, s, q, n, m, step=step)  # noqa: E731
     if axes == STEP_AXES:  # a parameter's 'tp' sharding travels on its NamedSharding
         manual = jax.tree.map(lambda s: P(*s[:1]) if s and s[0] == "pp" else P(), specs,
                               is_leaf=lambda x: isinstance(x, P))
@@ -210,7 +210,7 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
     make = functools.partial(_llama, model, kernel)
     parts, shell, blocks = split_model(abstract_model(make, 0))
     params = {"shell": shell, "blocks": blocks}
-    program = build_user_step(parts, train.optimizer(), plan, devices, params, train=train,
+    program = build_model_step(parts, train.optimizer(), plan, devices, params, train=train,
                               instrument=instrument)
     return dataclasses.replace(program, initial_params=initializer(program, make, params))
 

@@ -38,7 +38,7 @@ def probe_lengths(seq_len: int | None) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
-class UserModelFacts:
+class MeasuredFacts:
     """ModelFacts of a user's model (see perfmodel/facts.py for what each member means)."""
     name: str
     n_layers: int
@@ -85,7 +85,7 @@ class UserModelFacts:
     def tp_dims(self) -> tuple[int, ...]:
         return self.sharded_dims
 
-    def with_layers(self, n_layers: int) -> UserModelFacts:
+    def with_layers(self, n_layers: int) -> MeasuredFacts:
         return dataclasses.replace(self, n_layers=n_layers)
 
 
@@ -111,7 +111,7 @@ def model_facts(parts: ModelParts, shell: Any, layers: Any, name: str,
                 axis_rules: Sequence[tuple[str, str | None]],
                 attention_cost: str | None = None,
                 compute_dtype: str | None = None,
-                seq_len: int | None = None) -> UserModelFacts:
+                seq_len: int | None = None) -> MeasuredFacts:
     """The facts of a model split by `split_model` (arrays or shapes); `seq_len`, the
     training rows' length, gives probe lengths the model accepts when short rows do not."""
     layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layers)
@@ -130,7 +130,7 @@ def model_facts(parts: ModelParts, shell: Any, layers: Any, name: str,
     quadratic = max((f2 / s2 - f1 / s1) / (s2 - s1), 0.0)  # b in f = a*S + b*S^2
     linear = max(f1 / s1 - quadratic * s1, 0.0)
     head = _flops(parts.head, shell, jax.ShapeDtypeStruct((1, s1, h.shape[-1]), h.dtype)) / s1
-    return UserModelFacts(
+    return MeasuredFacts(
         name=name, n_layers=parts.n_layers, dtype=compute_dtype or str(np.dtype(h.dtype)),
         d_model=h.shape[-1],
         vocab_size=logits.shape[-1], layer_params=_size(layer), shell_params=_size(shell),

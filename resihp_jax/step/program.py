@@ -28,7 +28,7 @@ from resihp_jax.meshes import layout
 from resihp_jax.meshes.branch_collectives import BranchCollective, branch_collectives
 from resihp_jax.meshes.mesh import put_global
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model import layers
+from resihp_jax.nn import layers
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.model_parts import fully_manual
 from resihp_jax.step.param_gathers import parameter_gathers, warn_parameter_gathers

@@ -23,7 +23,7 @@ from resihp_jax.attention.kernels import (
     resolve_implementation,
     segment_attention,
 )
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 
 S, T, H, K = 64, 16, 4, 16  # tokens per row, block size, query heads, head dim
 
@@ -237,7 +237,7 @@ def test_a_users_model_has_its_traced_kernels_checked_before_its_first_step(monk
     from resihp_jax.attention import kernels  # noqa: PLC0415
     from resihp_jax.step.aot import compile_program  # noqa: PLC0415
     from resihp_jax.step.model_parts import split_model  # noqa: PLC0415
-    from resihp_jax.step.builder import build_user_step  # noqa: PLC0415
+    from resihp_jax.step.builder import build_model_step  # noqa: PLC0415
 
     cfg = get_model_config("tiny-gqa")
     parts, shell, blocks = split_model(rh.models.Llama(cfg, rngs=nnx.Rngs(0)))
@@ -245,7 +245,7 @@ def test_a_users_model_has_its_traced_kernels_checked_before_its_first_step(monk
                            microbatch_size=2, seq_len=64)
 
     def program():
-        return build_user_step(parts, optax.sgd(0.1), plan, jax.devices()[:1],
+        return build_model_step(parts, optax.sgd(0.1), plan, jax.devices()[:1],
                                {"shell": shell, "blocks": blocks})
 
     monkeypatch.setattr(kernels, "TRACED_KERNELS", set())

@@ -17,7 +17,7 @@ import pytest
 
 from resihp_jax.attention import check as attention_check, fit as flash_fit, flash
 from resihp_jax.attention.kernels import dense_attention, segment_attention
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.attention.fit import FitSettings, KernelFallbackWarning
 
 SM90 = SimpleNamespace(compute_capability="9.0", platform="gpu")  # an H100 or H200

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from resihp_jax.cli import build_parser
-from resihp_jax.model.config import PRESETS
+from resihp_jax.models.config import PRESETS
 from resihp_jax.cli.train import job_spec_from_args, plan_from_args
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -162,6 +162,22 @@ def test_a_non_finite_loss_stops_naming_the_step_and_the_last_checkpoint(
     assert newest == bad - 1 and steps_on_disk(ckpt) == list(range(1, bad))[-2:]
 
 
+def test_the_registrys_gpt2_trains_a_plain_run_and_resumes_it_loss_for_loss(
+        tmp_path: Path) -> None:
+    """`--model gpt2` (rh.models.GPT2, its facts measured) trains through the plain loop, on
+    its own optimizer, and a resume continues exactly the uninterrupted run."""
+    gpt2 = ["--model", "gpt2", "--plan", "dp=2,pp=2,tp=1", "--microbatches", "1,1"]
+    assert _train(*gpt2, "--metrics", tmp_path / "whole.jsonl", steps=4) == 0
+    ckpt = tmp_path / "ckpt"
+    assert _train(*gpt2, "--checkpoint-dir", ckpt, "--checkpoint-every", "2", "--metrics",
+                  tmp_path / "cut.jsonl", steps=2) == 0
+    assert _train(*gpt2, "--checkpoint-dir", ckpt, "--resume", "--metrics",
+                  tmp_path / "cut.jsonl", steps=4) == 0
+    whole = _losses(tmp_path / "whole.jsonl")
+    assert whole[-1] < whole[0]
+    np.testing.assert_allclose(_losses(tmp_path / "cut.jsonl"), whole, rtol=1e-6)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--plan", "dp=2,pp=2", "--devices", "3"], r"needs dp\*pp\*tp=4 devices; --devices=3"),
     (["--plan", "dp=2,pp=2,tp=2", "--layers", "1,1"], "sums to 2; the model has 4"),
@@ -183,6 +199,7 @@ def test_a_non_finite_loss_stops_naming_the_step_and_the_last_checkpoint(
      "--local-copy-dir=.* exists and is not a directory"),
     (["--no-background-compile"], "--no-background-compile needs --adapt"),
     (["--checkpoint-dir", "{tmp}/held"], "already holds checkpoints \\(steps 5\\); pass --resume"),
+    (["--model", "gpt2", "--plan", "dp=2,pp=2,tp=2"], "tp=2 with model 'gpt2'.*give tp=1"),
 ])
 def test_bad_arguments_get_one_clear_error(tmp_path: Path, argv: list[str], message: str,
                                            capsys) -> None:

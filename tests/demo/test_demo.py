@@ -14,7 +14,7 @@ import pytest
 from resihp_jax.cli import main
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.demo.scenario import (DetectorTiming, KillSpec, SlowSpec, check_faults,
                                       check_kill_survivable, parse_kill, parse_slow)
 from resihp_jax.demo.loop import replan_text

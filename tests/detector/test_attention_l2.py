@@ -9,7 +9,7 @@ import pytest
 
 from resihp_jax.detector.attention_work import mb_attention_l2
 from resihp_jax.errors import ConfigError
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from tests.helpers import make_batches
 
 

@@ -25,7 +25,7 @@ from resihp_jax.detector.ours import (CHECK_AFTER, CHECK_PERIOD, JOB_CHECK_PERIO
                                       WARMUP_STEPS)
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.perfmodel import CostParams, Health, simulate_step
 from resihp_jax.faults.injector import DeviceStoppedError
 

@@ -24,7 +24,7 @@ from resihp_jax.detector import DETECTORS, HostCpu, ProbeResult, StepObservation
 from resihp_jax.detector.attention_work import mb_block_pair_l2
 from resihp_jax.detector.ours import REACH_STEPS
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 
 FIXTURE = json.loads((Path(__file__).parent / "healthy_run.json").read_text())
 CFG = get_model_config(FIXTURE["model"])

@@ -12,7 +12,7 @@ import pytest
 from resihp_jax.detector import Prober
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.meshes.plan import TIMED_SLOT
 from resihp_jax.faults.injector import DeviceStoppedError, FaultInjector
 from resihp_jax.step.instrument import chain_hosts

@@ -17,12 +17,12 @@ import resihp_jax as rh
 from resihp_jax.attention import kernels
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.layers import next_token_targets
+from resihp_jax.nn.layers import next_token_targets
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.model_parts import split_model
 from resihp_jax.step.body import token_nll_sum
 from resihp_jax.step.program import abstract_args
-from resihp_jax.step.builder import build_user_step
+from resihp_jax.step.builder import build_model_step
 from tests.helpers import make_batches, max_relative_error
 from tests.step.test_train_equivalence import PLANS, _same_mesh_groups
 
@@ -79,7 +79,7 @@ def test_every_plan_computes_the_models_own_loss_and_gradients(names, mode, case
     params = {"shell": shell, "blocks": blocks}
     train = TrainConfig(layer_slots=max(max(p.layers_per_stage) for p in plans),
                         microbatch_slots=max(max(p.microbatches_per_group) for p in plans))
-    program = build_user_step(parts, optax.sgd(0.1), plans[0], jax.devices(), params,
+    program = build_model_step(parts, optax.sgd(0.1), plans[0], jax.devices(), params,
                               train=train)
     want_blocks = want["blocks"]
     stacked = [np.stack(x) for x in zip(*(jax.tree.leaves(want_blocks[i])
@@ -116,7 +116,7 @@ def test_only_the_manual_model_leaves_no_axis_to_the_partitioner_around_its_atte
     model = case[0]
     parts, shell, blocks = split_model(_as(model, mode))
     plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=2, seq_len=S)
-    program = build_user_step(parts, optax.sgd(0.1), plan, jax.devices(),
+    program = build_model_step(parts, optax.sgd(0.1), plan, jax.devices(),
                               {"shell": shell, "blocks": blocks})
     program.step_fn.lower(*abstract_args(program))  # traced, not compiled
     assert seen and set(seen) == ({()} if mode == "manual" else {("tp",)}), seen

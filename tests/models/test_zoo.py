@@ -17,7 +17,7 @@ from flax import nnx
 
 import resihp_jax as rh
 from resihp_jax.errors import ConfigError
-from resihp_jax.model.layers import next_token_targets
+from resihp_jax.nn.layers import next_token_targets
 from resihp_jax.step.body import token_nll_sum
 from tests.helpers import make_batches
 from tests.models import zoo

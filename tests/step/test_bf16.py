@@ -13,7 +13,7 @@ import pytest
 from jax.extend import core as jex_core
 
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.perfmodel import memory_bytes_per_device
 from resihp_jax.perfmodel.memory import static_bytes_S
 from resihp_jax.perfmodel.work import stage_param_counts

@@ -12,10 +12,10 @@ from flax import nnx
 
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.layers import next_token_targets
+from resihp_jax.nn.layers import next_token_targets
 from resihp_jax.step.model_parts import split_model
 from resihp_jax.step.body import token_nll_sum
-from resihp_jax.step.builder import build_user_step
+from resihp_jax.step.builder import build_model_step
 from tests.helpers import make_batches
 from tests.step.user_models import make_gpt2
 
@@ -45,7 +45,7 @@ def test_loss_and_every_gradient_equal_the_models_own(mesh, layers, mbs) -> None
     params = {"shell": shell, "blocks": blocks}
     plan = Plan.uniform(*mesh, n_layers=4, n_microbatches=4, microbatch_size=2,
                         seq_len=SEQ).replace(layers_per_stage=layers, microbatches_per_group=mbs)
-    program = build_user_step(parts, optax.sgd(0.1), plan, jax.devices(), params)
+    program = build_model_step(parts, optax.sgd(0.1), plan, jax.devices(), params)
     batch = make_batches(4, 2, SEQ, seed=5)[0]
     state = program.init_state(params)
     loss, grads = program.loss_and_grads(state.params, program.shard_batch(

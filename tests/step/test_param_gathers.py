@@ -15,7 +15,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.step.aot import compile_program
 from resihp_jax.step.param_gathers import ParameterGatherWarning, gathered_results
 from resihp_jax.step.model_parts import split_model
-from resihp_jax.step.builder import build_user_step
+from resihp_jax.step.builder import build_model_step
 from tests.step.user_models import GPT2, GPT2Block
 
 
@@ -40,7 +40,7 @@ def _compile(model_cls) -> list[warnings.WarningMessage]:
         model = model_cls(rngs=nnx.Rngs(0))
     parts, shell, blocks = split_model(model)
     plan = Plan.uniform(1, 2, 2, n_layers=2, n_microbatches=2, microbatch_size=2, seq_len=16)
-    program = build_user_step(parts, optax.sgd(0.1), plan, jax.devices(),
+    program = build_model_step(parts, optax.sgd(0.1), plan, jax.devices(),
                               {"shell": shell, "blocks": blocks})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

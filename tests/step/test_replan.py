@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.reshard import move_state, to_canonical
 from resihp_jax.step.staging import HostStaging

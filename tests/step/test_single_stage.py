@@ -18,8 +18,8 @@ from flax import nnx
 from resihp_jax.faults.injector import FaultInjector
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
-from resihp_jax.model.layers import next_token_targets
+from resihp_jax.models.config import get_model_config
+from resihp_jax.nn.layers import next_token_targets
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.instrument import (BWD_END, BWD_START, FWD_END, FWD_START, Instrument,
@@ -27,7 +27,7 @@ from resihp_jax.step.instrument import (BWD_END, BWD_START, FWD_END, FWD_START, 
 from resihp_jax.step.program import matmul_count
 from resihp_jax.step.model_parts import split_model
 from resihp_jax.step.body import token_nll_sum
-from resihp_jax.step.builder import build_step, build_user_step
+from resihp_jax.step.builder import build_step, build_model_step
 from tests.helpers import (canonical_grads, llama_loss_sum, llama_params, make_batches,
                            max_relative_error, reference_loss_and_grads)
 from tests.step.test_bf16 import _dot_operand_dtypes
@@ -110,7 +110,7 @@ def test_user_one_stage_step_has_the_plain_steps_matmuls() -> None:
     plan = Plan.uniform(1, 1, 1, n_layers=1, n_microbatches=M, microbatch_size=B, seq_len=S)
     batch = make_batches(M, B, S, seed=5)[0]
     peer, _ = _user_reference(model, batch)
-    program = build_user_step(parts, optax.sgd(0.1), plan, jax.devices()[:1], params)
+    program = build_model_step(parts, optax.sgd(0.1), plan, jax.devices()[:1], params)
     lowered, compiled = _ours(program, program.init_state(params).params, batch)
     assert matmul_count(lowered) == matmul_count(peer)
     peer_compiled = peer.compile()
@@ -130,7 +130,7 @@ def test_a_one_slot_user_step_copies_no_more_than_the_plain_step() -> None:
     plan = Plan.uniform(1, 1, 1, n_layers=1, n_microbatches=1, microbatch_size=M * B,
                         seq_len=S)
     batch = make_batches(1, M * B, S, seed=5)[0]
-    program = build_user_step(parts, optax.sgd(0.1), plan, jax.devices()[:1], params)
+    program = build_model_step(parts, optax.sgd(0.1), plan, jax.devices()[:1], params)
     _, ours = _ours(program, program.init_state(params).params, batch)
     graphdef, state = nnx.split(model)
     tokens, seg, pos = _flat(batch)
@@ -176,11 +176,11 @@ def test_llama_data_parallel_one_stage_uneven_split_equals_the_reference(dtype: 
 
 
 @pytest.mark.parametrize("remat", [False, True])
-def test_user_data_parallel_one_stage_uneven_split_equals_the_model(remat: bool) -> None:
+def test_own_data_parallel_one_stage_uneven_split_equals_the_model(remat: bool) -> None:
     model, parts, params = _user_setup(n_layers=2)
     plan = UNEVEN.replace(layers_per_stage=(2,))
     batch = make_batches(M, B, S, seed=5)[0]
-    program = build_user_step(parts, optax.sgd(0.1), plan, jax.devices()[:4], params,
+    program = build_model_step(parts, optax.sgd(0.1), plan, jax.devices()[:4], params,
                               train=TrainConfig(remat=remat))
     loss, grads = program.loss_and_grads(program.init_state(params).params, program.shard_batch(
         batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS))

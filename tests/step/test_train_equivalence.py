@@ -8,7 +8,7 @@ import pytest
 
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.builder import build_step
 from tests.helpers import (canonical_grads, llama_params, make_batches, max_relative_error,

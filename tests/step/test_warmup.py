@@ -9,7 +9,7 @@ import pytest
 from resihp_jax.data import BatchIterator
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.trainer.loop import device_batch
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig
 from resihp_jax.step.aot import compile_program

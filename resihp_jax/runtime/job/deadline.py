@@ -21,7 +21,7 @@ import numpy as np
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig
+from resihp_jax.models.config import ModelConfig
 from resihp_jax.perfmodel.fit import OnlineCostModel
 
 

@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 from resihp_jax.errors import PlanError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import ModelConfig
+from resihp_jax.models.config import ModelConfig
 from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.scheduler import PlanningContext, run_policy
 

@@ -9,7 +9,7 @@ restoring into another plan is what the checkpoints are for. A resume forced on 
 
 A run of `build_step` (`resihp train`: `rh.models.Llama` from a ModelConfig) is identified by
 its ModelConfig, TrainConfig's optimizer fields and its state's layout (`STATE_LAYOUT`); a
-user's model and optax optimizer describe themselves (runtime/run/user_identity.py).
+user's model and optax optimizer describe themselves (runtime/run/model_identity.py).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import json
 from typing import Any, Mapping
 
 from resihp_jax.errors import CheckpointError
-from resihp_jax.model.config import ModelConfig
+from resihp_jax.models.config import ModelConfig
 
 _OPTIMIZER_FIELDS = ("learning_rate", "warmup_steps", "weight_decay", "b1", "b2", "grad_clip")
 _DATA_FIELDS = ("source", "fingerprint", "seed")
 _BATCH_FIELDS = ("n_microbatches", "microbatch_size", "seq_len")
 _MOST_NAMED = 4  # differences spelled out in one line; the rest are counted
 # The state's parameters as the one step builder lays them out; a checkpoint from before it
-# (the retired built-in decoder's {embed, layers, head}) has none and cannot be restored.
+# (the retired built-in decoder's {embed, layers, head}) has none: convert.py converts it.
 STATE_LAYOUT = "rh.models.Llama {shell, blocks}"
 
 
@@ -74,11 +74,11 @@ def identity_differences(saved: Mapping[str, Any] | None, current: Mapping[str, 
             for key in keys if old.get(key) != new.get(key)]
 
 
-def _retired_layout(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> bool:
-    """A checkpoint of the built-in decoder's (a ModelConfig identity without a layout)
-    resumed by a run of the one step builder's."""
-    return (saved is not None and "state_layout" not in saved and "d_model" in saved.get(
-        "model", {}) and current.get("state_layout") == STATE_LAYOUT)
+def retired_layout(saved: Mapping[str, Any] | None) -> bool:
+    """Whether `saved` is the identity of the retired built-in decoder's run (a ModelConfig
+    identity without a layout; recovery/convert.py converts its checkpoints)."""
+    return (saved is not None and "state_layout" not in saved
+            and "d_model" in saved.get("model", {}))
 
 
 def _summary(differences: list[str]) -> str:
@@ -95,12 +95,12 @@ def check_identity(saved: Mapping[str, Any] | None, current: Mapping[str, Any],
     differences = identity_differences(saved, current)
     if not differences:
         return None
-    if _retired_layout(saved, current):
+    if retired_layout(saved) and current.get("state_layout") == STATE_LAYOUT:
         raise CheckpointError(
             f"{where} holds the retired built-in decoder's state ({{embed, layers, head}}, "
-            "written by resihp_jax before every model trained through one step): it cannot be "
-            f"restored into {STATE_LAYOUT} even by a forced resume. Train anew in another "
-            "checkpoint directory")
+            "written by resihp_jax before every model trained through one step): convert it "
+            "first with `python tools/convert_decoder_checkpoint.py SOURCE_DIR NEW_DIR`, then "
+            "resume from NEW_DIR")
     if force:
         return (f"resume forced: continuing from {where} though it was written by a different "
                 f"run: {_summary(differences)}")

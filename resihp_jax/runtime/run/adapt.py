@@ -24,7 +24,7 @@ from resihp_jax.runtime.trainer.overhead import Overhead
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig
-from resihp_jax.runtime.run.user_identity import with_current_hyperparams
+from resihp_jax.runtime.run.model_identity import with_current_hyperparams
 from resihp_jax.runtime.run.plain import (RecordSink, attach_job, close_host_copies,
                                            host_copies, save_on_sigterm)
 from resihp_jax.runtime.run.run_metrics import optimizer_learning_rate

@@ -29,13 +29,13 @@ from resihp_jax.runtime.job.supervisor import (CHECKPOINT_DIR_ENV, LOCAL_COPY_DI
 from resihp_jax.runtime.run.auto_plan import auto_plan
 from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig, check_metrics
 from resihp_jax.runtime.run.training import TrainingRun
-from resihp_jax.runtime.run.user_programs import user_facts, user_programs
+from resihp_jax.runtime.run.programs import read_facts, model_programs
 from resihp_jax.runtime.trainer.compiles import install
 from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.overhead import Overhead
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig
 from resihp_jax.step.config import TrainConfig
-from resihp_jax.step.facts import UserModelFacts
+from resihp_jax.step.facts import MeasuredFacts
 from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES)
 
 
@@ -46,7 +46,7 @@ class FitResult:
     losses: dict[int, float]  # step (from 1) -> loss, for the steps this call trained
     replans: list[Replan] = field(default_factory=list)
     records: list[StepRecord] = field(default_factory=list)
-    facts: UserModelFacts | None = None  # what the planner knew of the model
+    facts: MeasuredFacts | None = None  # what the planner knew of the model
     plan: Plan | None = None  # the plan the last step ran
     first_plan: Plan | None = None  # the plan training started on
     # what resilience cost this call (checkpoints, probes, timing, copies against wall time;
@@ -113,10 +113,10 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         join_job(checkpoint_dir)  # before anything below starts JAX
     local_copy_dir = ((resilience.local_copy_dir if resilience is not None else None)
                       or os.environ.get(LOCAL_COPY_DIR_ENV)) if checkpoint_dir else None
-    programs = user_programs(model, optimizer, seed, axis_rules=axis_rules,
+    programs = model_programs(model, optimizer, seed, axis_rules=axis_rules,
                              compute_dtype=compute_dtype)
     parts = programs.parts
-    facts = user_facts(programs, _seq_len(plan, data), attention_cost)
+    facts = read_facts(programs, _seq_len(plan, data), attention_cost)
     resilience = resilience or ResilienceConfig(compile_cache_dir=None)
     if isinstance(plan, str):  # "auto", checked above
         rows, seq_len = _batch_shape(data)

@@ -11,6 +11,7 @@ split a recovery into its parts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from typing import Any, TextIO
@@ -39,9 +40,11 @@ class TrainRun:
     def __init__(self, config: RunConfig, copies: str | None, job: Any, model: Any,
                  train_cfg: Any, plan: Plan, data: Any, ckpt: Any, ladder: Ladder,
                  phases: dict[str, float], out: TextIO,
-                 compiles_from: float | None = None) -> None:
+                 compiles_from: float | None = None, programs: Any = None) -> None:
         """`copies`: how the survivors' copies are kept (None: none; see host_snapshot.py).
-        `compiles_from`: when its start-up's critical path began (see RecordSink)."""
+        `compiles_from`: when its start-up's critical path began (see RecordSink).
+        `programs`: the model's step builder (runtime/run/programs.py); default: `build_step`
+        of the ModelConfig `model`."""
         self.config, self.job, self.plan, self.data, self.ckpt = config, job, plan, data, ckpt
         self.out, self.phases, self.copies = out, phases, copies
         self.compiles_from = compiles_from
@@ -56,7 +59,8 @@ class TrainRun:
 
         t0 = time.perf_counter()
         # the step alone: the layout moves only a checkpoint save (or a restore) runs
-        self.program = compile_step(build_step(model, train_cfg, plan, jax.devices()))
+        build = programs or functools.partial(build_step, model)
+        self.program = compile_step(build(train_cfg, plan, jax.devices()))
         phases["compile_s"] = time.perf_counter() - t0
         self.snapshots = host_copies(copies, job, ckpt)
         self.sigterm = save_on_sigterm(ckpt, self.snapshots)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
-from resihp_jax.errors import ConfigError, JobStepFailed, ResihpError
+from resihp_jax.errors import JobStepFailed, ResihpError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.runtime.job import standby
@@ -46,7 +46,8 @@ class TrainingRun:
                  resilience: Any = None, devices: Sequence[Any] | None = None,
                  compiles_from: float | None = None) -> None:
         """The keywords serve a user's model (`rh.fit`): its batches (default: from
-        `config.data`), its step builder (`programs`, with `config.adapt`), a callback after
+        `config.data`), its step builder (`programs`; default: `build_step` of the ModelConfig
+        `model`), a callback after
         every step, the detector/scheduler settings, the devices of a one-process run, and
         when its start-up began (time.time(); default: `run()`), for the count of
         executables built on the way to the first step (`rh.fit` compiles before `run`)."""
@@ -58,9 +59,6 @@ class TrainingRun:
         self.phases: dict[str, float] = {}
         self.data, self.programs, self.on_step = data, programs, on_step
         self.resilience, self.devices = resilience, devices
-        if programs is not None and not config.adapt:
-            raise ConfigError("a user's model trains under the ResilientTrainer: "
-                              "RunConfig(adapt=True)")
         self.active: Any = None  # the loop of the current run (AdaptRun or TrainRun)
         self._started = compiles_from
 
@@ -154,18 +152,26 @@ class TrainingRun:
                             compiles_from=self._compiles_from,
                             devices=self.devices if job.spec.single else None)
         from resihp_jax.runtime.recovery.checkpoint import Checkpointer  # noqa: PLC0415
-        from resihp_jax.runtime.recovery.run_identity import run_identity  # noqa: PLC0415
         from resihp_jax.runtime.run.plain import TrainRun  # noqa: PLC0415
 
         ckpt = None
         if config.checkpoint_dir is not None:  # (the adapting trainer keeps its own)
             ckpt = Checkpointer(config.checkpoint_dir, interval=config.checkpoint_every,
                                 asynchronous=True, local_copy_dir=config.local_copy_dir,
-                                identity=run_identity(self.model, train_cfg, data.state()),
+                                identity=self._identity(train_cfg, data),
                                 say=self._say if job.primary else None,
                                 force_identity=config.resume == RESUME_FORCE)
         return TrainRun(config, copies, job, self.model, train_cfg, plan, data, ckpt,
-                        self.ladder, self.phases, self.out, self._compiles_from)
+                        self.ladder, self.phases, self.out, self._compiles_from,
+                        programs=self.programs)
+
+    def _identity(self, train_cfg: TrainConfig, data: Any) -> dict[str, Any]:
+        """The run's identity: a model's programs describe the model and its optimizer;
+        a ModelConfig and the TrainConfig describe a preset's."""
+        if self.programs is not None:
+            return self.programs.identity(data.state())
+        from resihp_jax.runtime.recovery.run_identity import run_identity  # noqa: PLC0415
+        return run_identity(self.model, train_cfg, data.state())
 
     def _take_over(self, go_file: Path, job: Any, plan: Plan, run: Any) -> Any:
         """A standby process: wait for the go, then train as the job's process on the host

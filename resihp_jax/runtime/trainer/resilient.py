@@ -235,7 +235,7 @@ class ResilientTrainer:
     # (train_cfg, plan, devices, instrument) -> the StepProgram of a user's model; None:
     # `build_step`'s of the ModelConfig `model`. Either is the one step builder's program.
     # Its `identity(data_state)`, where it has one, is the run's identity its checkpoints
-    # record (rh.fit's: the user's model and optimizer, runtime/run/user_identity.py).
+    # record (rh.fit's: the user's model and optimizer, runtime/run/model_identity.py).
     programs: Callable[..., StepProgram] | None = None
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from resihp_jax.errors import ConfigError, HostsLeftOut, PlanError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.job import distributed
 from resihp_jax.runtime.recovery import health_record
 from resihp_jax.runtime.job.deadline import Ladder, StepDeadline

@@ -13,7 +13,7 @@ import pytest
 from resihp_jax.errors import CheckpointError, ConfigError
 from resihp_jax.faults.slow_writer import slow_writes
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.recovery.cadence import (GPU_MTBF_S, Cadence, check_interval,
                                                  choose_interval, job_mtbf_s)
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid, initialization_timeout=120)
     from resihp_jax.faults.slow_writer import slow_writes
     from resihp_jax.meshes.plan import Plan
-    from resihp_jax.model.config import get_model_config
+    from resihp_jax.models.config import get_model_config
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
     from resihp_jax.step.config import TrainConfig
     from resihp_jax.step.builder import build_step

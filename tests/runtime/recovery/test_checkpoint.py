@@ -13,7 +13,7 @@ import pytest
 from resihp_jax.data import BatchIterator
 from resihp_jax.errors import CheckpointError, CheckpointFallbackWarning
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
 from resihp_jax.runtime.trainer.loop import run_step
 from resihp_jax.runtime.recovery.run_identity import run_identity
@@ -189,7 +189,8 @@ def test_another_runs_checkpoint_is_refused_naming_both_values(tmp_path: Path) -
 def test_a_checkpoint_of_the_retired_builtin_decoder_is_refused_even_when_forced(
         tmp_path: Path) -> None:
     """Its identity (ModelConfig and optimizer, no state layout) cannot be restored into the
-    one step's {shell, blocks}: one line saying so, forced or not, before any restore."""
+    one step's {shell, blocks}: one line naming the converter, forced or not, before any
+    restore."""
     program = _program()
     data = _data()
     ours = run_identity(CFG, TrainConfig(), data.state())
@@ -198,8 +199,8 @@ def test_a_checkpoint_of_the_retired_builtin_decoder_is_refused_even_when_forced
     ckpt.save(1, program.init_state(0), program, data.state())
     ckpt.wait()
     for force in (False, True):
-        with pytest.raises(CheckpointError, match=r"retired built-in decoder's state.*even "
-                                                  r"by a forced resume"):
+        with pytest.raises(CheckpointError, match=r"retired built-in decoder's state.*convert "
+                                                  r"it first with `python tools/convert_decoder"):
             Checkpointer(tmp_path / "c", identity=ours, force_identity=force).restore(program)
 
 

@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent("""
     from jax.experimental import multihost_utils
     from resihp_jax.data import BatchIterator
     from resihp_jax.meshes.plan import Plan
-    from resihp_jax.model.config import get_model_config
+    from resihp_jax.models.config import get_model_config
     from resihp_jax.runtime.recovery import local_copies, survivor_copies
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
     from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots

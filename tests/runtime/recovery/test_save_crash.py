@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.builder import build_step
@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent("""
 
     async_path.rename = rename
     from resihp_jax.meshes.plan import Plan
-    from resihp_jax.model.config import get_model_config
+    from resihp_jax.models.config import get_model_config
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
     from resihp_jax.step.config import TrainConfig
     from resihp_jax.step.builder import build_step

@@ -18,7 +18,7 @@ import pytest
 from resihp_jax.data import BatchIterator
 from resihp_jax.errors import CheckpointError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.recovery import survivor_copies
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, canonical_target
 from resihp_jax.runtime.recovery.host_snapshot import MANIFEST, HostSnapshots

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     import json, os, signal, sys
     import resihp_jax as rh
     from resihp_jax.data import BatchIterator
-    from resihp_jax.model.config import get_model_config
+    from resihp_jax.models.config import get_model_config
     from resihp_jax.step.config import TrainConfig
     out, steps, ckpt, term_at = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     cfg = get_model_config("tiny")

@@ -11,7 +11,7 @@ import pytest
 from resihp_jax.data import BatchIterator
 from resihp_jax.faults.injector import FaultInjector
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.trainer import resilient
 from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.step.config import TrainConfig

@@ -13,7 +13,7 @@ from resihp_jax.data import BatchIterator
 from resihp_jax.detector.verdict import Verdict
 from resihp_jax.errors import TrainingDiverged
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.faults.injector import FaultInjector
 from resihp_jax.runtime.trainer.loop import StepRecord, train
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer

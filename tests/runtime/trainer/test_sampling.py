@@ -13,7 +13,7 @@ from resihp_jax.detector import make_detector
 from resihp_jax.errors import ConfigError
 from resihp_jax.faults.injector import FaultInjector
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.model.config import get_model_config
+from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.trainer.loop import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer
 from resihp_jax.runtime.trainer.sampling import (FIRST_EVERY, MAX_EVERY, TimingSampler,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.model.config import PRESETS, ModelConfig, get_model_config
+from resihp_jax.models.config import PRESETS, ModelConfig, get_model_config
 
 
 def test_gpu_presets_compute_in_bf16_and_cpu_presets_in_float32() -> None:

@@ -20,7 +20,7 @@ import pytest
 import resihp_jax as rh
 from resihp_jax.data import packed_batches
 from resihp_jax.runtime.recovery.run_identity import check_identity
-from resihp_jax.runtime.run.user_programs import user_programs
+from resihp_jax.runtime.run.programs import model_programs
 from tests.helpers import make_batches
 from tests.step.user_models import make_gpt2
 
@@ -43,7 +43,7 @@ def _plan() -> rh.Plan:
 def _identity(optimizer: str = ADAM, d: int = 32) -> dict:
     """The identity rh.fit records for the test GPT-2 of width `d` under `optimizer` (a
     Python expression, so a fresh process can build the same one)."""
-    programs = user_programs(make_gpt2(d=d) if d != 32 else make_gpt2(),
+    programs = model_programs(make_gpt2(d=d) if d != 32 else make_gpt2(),
                              eval(optimizer), seed=0)  # noqa: S307 - the tests' own text
     data = packed_batches(_packed(), n_microbatches=N_MB, microbatch_size=MB_SIZE,
                           seq_len=SEQ)
@@ -95,7 +95,7 @@ def test_a_wider_model_is_refused_naming_its_parameters(saved: dict) -> None:
 
 def test_the_same_optimizer_built_in_a_new_process_has_the_same_identity() -> None:
     optimizers = [ADAM, COSINE.format(10_000)]
-    code = ("import json; from tests.runtime.run.test_user_identity import _identity; "
+    code = ("import json; from tests.runtime.run.test_model_identity import _identity; "
             f"print(json.dumps([_identity(o) for o in {optimizers!r}]))")  # one process
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -148,7 +148,7 @@ def test_fit_resumes_the_same_run_and_a_forced_one_says_what_differed(
 
 def test_a_forced_resume_trains_with_the_injected_hyperparameters_it_was_given() -> None:
     """They live in the optimizer's state: the restored state's would otherwise win."""
-    from resihp_jax.runtime.run.user_identity import with_current_hyperparams
+    from resihp_jax.runtime.run.model_identity import with_current_hyperparams
     from resihp_jax.step.program import TrainState
 
     def adamw(lr: float) -> optax.GradientTransformation:

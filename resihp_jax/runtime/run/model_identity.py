@@ -32,7 +32,7 @@ _PROBE_DIM = 3  # each probe leaf keeps its rank, every dimension cut to this
 _DIGITS = 5  # significant digits kept of each probe value, relative to its leaf's largest
 
 
-def user_run_identity(model_name: str, params: Any, optimizer: optax.GradientTransformation,
+def model_run_identity(model_name: str, params: Any, optimizer: optax.GradientTransformation,
                       data_state: Mapping[str, Any]) -> dict[str, Any]:
     """The identity of a run of `model_name` (the user's class) with canonical `params`
     (arrays or shapes) under `optimizer`, on the data of a `BatchIterator.state()`."""

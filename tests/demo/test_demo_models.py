@@ -14,11 +14,12 @@ import pytest
 from resihp_jax.cli import build_parser, main
 from resihp_jax.cli.demo import demo_config
 from resihp_jax.demo.config import DemoConfig
-from resihp_jax.demo.user_model import DEFAULT_PLAN, USER_MODELS
+from resihp_jax.models.registry import GPT2_PLAN as DEFAULT_PLAN
+from resihp_jax.models.registry import MODELS
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
 
-GPT2 = USER_MODELS["gpt2"]
+GPT2 = MODELS["gpt2"]
 
 
 def _config(*argv: str) -> DemoConfig:
@@ -40,8 +41,8 @@ def test_the_demos_sizes_are_the_models() -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--plan", "dp=2,pp=2,tp=2"], r"--plan dp=2,pp=2,tp=2: tp=2 with model 'gpt2': injected "
-     r"slowdowns reach a user's model only on plans with tp=1 .* give tp=1, e\.g\. "
+    (["--plan", "dp=2,pp=2,tp=2"], r"--plan dp=2,pp=2,tp=2: tp=2 with model 'gpt2': it trains on "
+     r"plans with tp=1 \(where stage timing and injected slowdowns reach it\); give tp=1, e\.g\. "
      r"dp=4,pp=2,tp=1 or dp=2,pp=4,tp=1"),
     (["--plan", "dp=1,pp=2,tp=4"], "tp=4 with model 'gpt2'"),
     (["--seq-len", "48"], "seq_len=48 must be a multiple of the attention block size 32"),

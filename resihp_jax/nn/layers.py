@@ -1,4 +1,5 @@
-"""Pure functions of a decoder's math, shared by `rh.models.Llama` and the train step's loss.
+"""Pure functions of a decoder's math (`rh.nn.layers`), shared by `rh.models.Llama`, the step's
+loss and a user's own blocks.
 
 Every function takes the parameters it needs as arrays and an optional tensor-parallel axis
 name: with `tp_axis=None` it computes on whole weights; inside a step manual over 'tp' it
@@ -12,8 +13,6 @@ from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-from resihp_jax.model.config import ModelConfig
 
 Params = Mapping[str, jax.Array]
 
@@ -95,11 +94,10 @@ def _logits_f32_bwd(res: tuple[jax.Array, jax.Array], g_BxSxV: jax.Array):
 _logits_f32.defvjp(_logits_f32_fwd, _logits_f32_bwd)
 
 
-def logits(norm_D: jax.Array, w_DxV: jax.Array, x_BxSxD: jax.Array,
-           cfg: ModelConfig) -> jax.Array:
+def logits(norm_D: jax.Array, w_DxV: jax.Array, x_BxSxD: jax.Array, eps: float) -> jax.Array:
     """This device's slice of the vocabulary logits, float32 whatever the compute dtype, so
     the softmax and the loss never see bf16 rounding."""
-    return _logits_f32(rms_norm(x_BxSxD, norm_D, cfg.norm_eps), w_DxV)
+    return _logits_f32(rms_norm(x_BxSxD, norm_D, eps), w_DxV)
 
 
 def next_token_targets(tokens_BxS: jax.Array, seg_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -16,7 +16,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
 from resihp_jax.step.instrument import Instrument, chain_hosts
 from resihp_jax.step.model_parts import split_model
-from resihp_jax.step.builder import build_user_step
+from resihp_jax.step.builder import build_model_step
 from tests.helpers import make_batches
 from tests.step.user_models import make_gpt2
 
@@ -55,8 +55,8 @@ def _batch(program, seed: int = 5):
 def _programs(model_parts, plan: Plan, host=None):  # noqa: ANN001, ANN202
     parts, params = model_parts
     devices = jax.devices()[:plan.n_devices]
-    plain = build_user_step(parts, optax.sgd(0.1), plan, devices, params)
-    timed = build_user_step(parts, optax.sgd(0.1), plan, devices, params,
+    plain = build_model_step(parts, optax.sgd(0.1), plan, devices, params)
+    timed = build_model_step(parts, optax.sgd(0.1), plan, devices, params,
                             instrument=Instrument(host or (lambda *a: None)))
     return plain, timed
 
@@ -123,9 +123,9 @@ def test_tp_above_one_trains_without_the_instrument(model_parts) -> None:
     parts, params = model_parts
     plan = _plan(1, 2, 2)
     with pytest.raises(PlanError, match="tp == 1"):
-        build_user_step(parts, optax.sgd(0.1), plan, jax.devices()[:4], params,
+        build_model_step(parts, optax.sgd(0.1), plan, jax.devices()[:4], params,
                         instrument=Instrument(lambda *a: None))
-    program = build_user_step(parts, optax.sgd(0.1), plan, jax.devices()[:4], params)
+    program = build_model_step(parts, optax.sgd(0.1), plan, jax.devices()[:4], params)
     state = program.init_state(params)
     batch = _batch(program)
     losses = []
@@ -139,15 +139,15 @@ def test_fit_hands_its_instrument_to_tp1_plans(model_parts, monkeypatch) -> None
     """`rh.fit` builds a tp == 1 plan's step with the trainer's Instrument (so its stage
     timing and fault hook reach the user's model)."""
     import resihp_jax as rh
-    from resihp_jax.runtime.run import user_programs as user_programs_module
+    from resihp_jax.runtime.run import model_programs as user_programs_module
 
     given: list = []
 
     def spy(*args, instrument=None, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         given.append(instrument)
-        return build_user_step(*args, instrument=instrument, **kwargs)
+        return build_model_step(*args, instrument=instrument, **kwargs)
 
-    monkeypatch.setattr(user_programs_module, "build_user_step", spy)
+    monkeypatch.setattr(user_programs_module, "build_model_step", spy)
     b = make_batches(N_MB, MB_SIZE, SEQ, n_batches=2, seed=3)
     data = [rh.PackedBatch(*(a.reshape(-1, SEQ) for a in (
         x.tokens_MxBxS, x.segment_ids_MxBxS, x.positions_MxBxS))) for x in b]

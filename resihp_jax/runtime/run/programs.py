@@ -1,9 +1,9 @@
-"""A user's model made ready for the ResilientTrainer, as `rh.fit` makes it: split into its
-shell and stacked blocks, its facts read off it (what the planner and the cost models know),
-and for each plan its step program, starting from the model's own parameters.
+"""A model made ready for the trainer, as `rh.fit` makes it: split into its shell and stacked
+blocks, its facts read off it (what the planner and the cost models know), and for each plan
+its step program, starting from the model's own parameters.
 
-Anything that trains a user's model under the trainer (rh.fit, `resihp demo --model gpt2`)
-builds it here, so all of them run the same step: the Instrument (stage timing, injected
+Anything that trains such a model (rh.fit, `resihp train --model gpt2`, `resihp demo --model
+gpt2`) builds it here, so all of them run the same step: the Instrument (stage timing, injected
 per-device slowdowns) reaches the model's step exactly where it can: under plans with tp == 1,
 or at any tp for a model with manual tensor parallelism (step/builder.py says why).
 """
@@ -19,18 +19,19 @@ import optax
 from flax import nnx
 
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.runtime.run.user_identity import user_run_identity
+from resihp_jax.models.registry import GPT2Sizes, factory
+from resihp_jax.runtime.run.model_identity import model_run_identity
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.instrument import Instrument
-from resihp_jax.step.facts import UserModelFacts, model_facts
-from resihp_jax.step.builder import build_user_step, initializer
+from resihp_jax.step.facts import MeasuredFacts, model_facts
+from resihp_jax.step.builder import build_model_step, initializer
 from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
                                          fully_manual, split_model)
 from resihp_jax.step.program import StepProgram
 
 
 @dataclass(frozen=True)
-class UserPrograms:
+class ModelPrograms:
     """`programs(train_cfg, plan, devices, instrument)` -> the user's step for `plan` (the
     ResilientTrainer's `programs`), starting from the model's parameters."""
     model: Any  # the built nnx.Module, or the function rngs -> model
@@ -46,7 +47,7 @@ class UserPrograms:
         # over every mesh axis (tp == 1, or tensor_parallel="manual"); elsewhere the probes
         # still localize
         reaches = fully_manual(self.parts, plan)
-        program = build_user_step(self.parts, self.optimizer, plan, devices, self.params,
+        program = build_model_step(self.parts, self.optimizer, plan, devices, self.params,
                                   axis_rules=self.axis_rules, train=cfg,
                                   compute_dtype=self.compute_dtype,
                                   instrument=instrument if reaches else None)
@@ -56,20 +57,20 @@ class UserPrograms:
     def identity(self, data_state: dict[str, Any]) -> dict[str, Any]:
         """The run's identity (recovery/run_identity.py): this model's class and parameter
         shapes, this optimizer, the data of `data_state` (a `BatchIterator.state()`)."""
-        return user_run_identity(self.parts.name, self.params, self.optimizer, data_state)
+        return model_run_identity(self.parts.name, self.params, self.optimizer, data_state)
 
 
-def user_programs(model: Any, optimizer: optax.GradientTransformation, seed: int, *,
+def model_programs(model: Any, optimizer: optax.GradientTransformation, seed: int, *,
                   axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES,
-                  compute_dtype: str | None = None) -> UserPrograms:
+                  compute_dtype: str | None = None) -> ModelPrograms:
     """The programs of `model` (an nnx.Module, or a function rngs -> model, then built
     sharded inside each program, never whole on one device)."""
     parts, params = split(model, seed)
-    return UserPrograms(model, parts, params, optimizer, tuple(axis_rules), compute_dtype)
+    return ModelPrograms(model, parts, params, optimizer, tuple(axis_rules), compute_dtype)
 
 
-def user_facts(programs: UserPrograms, seq_len: int | None,
-               attention_cost: str | None = None) -> UserModelFacts:
+def read_facts(programs: ModelPrograms, seq_len: int | None,
+               attention_cost: str | None = None) -> MeasuredFacts:
     """What the planner and the cost models know of the model, read at rows of `seq_len`."""
     return model_facts(programs.parts, programs.params["shell"], programs.params["blocks"],
                        programs.parts.name, programs.axis_rules, attention_cost,
@@ -82,3 +83,16 @@ def split(model: Any, seed: int) -> tuple[ModelParts, dict[str, Any]]:
         model = abstract_model(model, seed)
     parts, shell, blocks = split_model(model)
     return parts, {"shell": shell, "blocks": blocks}
+
+
+def registered_programs(entry: GPT2Sizes, seq_len: int, seed: int,
+                        learning_rate: float | None = None
+                        ) -> tuple[MeasuredFacts, ModelPrograms]:
+    """(facts, programs) of a registry model that states no facts (models/registry.py), for
+    rows of `seq_len`, with its own optimizer (optax.adamw at `learning_rate`, default the
+    entry's), exactly as `rh.fit` builds a user's model."""
+    compute_dtype = None if entry.dtype == "float32" else entry.dtype
+    rate = entry.learning_rate if learning_rate is None else learning_rate
+    programs = model_programs(factory(entry, seq_len), optax.adamw(rate), seed,
+                              axis_rules=entry.axis_rules, compute_dtype=compute_dtype)
+    return read_facts(programs, seq_len), programs

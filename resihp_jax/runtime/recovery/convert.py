@@ -1,0 +1,147 @@
+"""A checkpoint of the retired built-in decoder converted into the one step's state.
+
+Before every model trained through one step builder, `resihp train` and the demo trained a
+built-in decoder whose canonical state was `{embed, layers, head}`; `rh.models.Llama`'s is
+`{shell, blocks}`. Both hold the same arrays (the layers stacked `[n_layers, ...]` alike),
+so a checkpoint converts by renaming its leaves, in the parameters and in every optimizer
+statistic that mirrors them (Adam's mu and nu). The step, the data position and the plan it
+was written under carry over unchanged, and the converted run identity gains the layout, so
+`resihp train --resume` continues it exactly where it stopped.
+
+The conversion reads every array onto the host: a machine with host memory for one copy of the
+state runs it (`tools/convert_decoder_checkpoint.py`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+
+from resihp_jax.errors import CheckpointError
+from resihp_jax.models.config import ModelConfig
+from resihp_jax.runtime.recovery.checksum import leaf_shapes, state_checksums
+from resihp_jax.runtime.recovery.run_identity import STATE_LAYOUT, retired_layout
+from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.program import TrainState
+
+# the built-in decoder's name of each block leaf -> its path in rh.models.Llama's blocks
+_BLOCK_PATHS = {"attn_norm": ("attn_norm", "scale"), "wq": ("wq",), "wk": ("wk",),
+                "wv": ("wv",), "wo": ("wo",), "mlp_norm": ("mlp_norm", "scale"),
+                "w_gate": ("w_gate",), "w_up": ("w_up",), "w_down": ("w_down",)}
+_SHELL_PATHS = {("embed", "table"): ("shell", "table"),
+                ("head", "norm"): ("shell", "final_norm", "scale"),
+                ("head", "w"): ("shell", "lm_head")}
+
+
+def new_path(old: tuple[str, ...]) -> tuple[str, ...]:
+    """The path in the one step's state of the decoder's leaf at `old` (a parameter, or an
+    optimizer statistic of one: the layout sits anywhere in the path); others unchanged."""
+    for i in range(len(old) - 1):
+        pair = old[i:i + 2]
+        if pair in _SHELL_PATHS:
+            return old[:i] + _SHELL_PATHS[pair] + old[i + 2:]
+        if pair[0] == "layers" and pair[1] in _BLOCK_PATHS:
+            return old[:i] + ("blocks", *_BLOCK_PATHS[pair[1]]) + old[i + 2:]
+    return old
+
+
+def path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
+    """A key path as plain names, whatever holds the leaf: a dict, a named tuple's field or a
+    list (orbax reads a saved named tuple back as a dict, a tuple as a list)."""
+    names = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                names.append(str(getattr(key, attr)))
+                break
+    return tuple(names)
+
+
+def target_state(model: ModelConfig, train_cfg: TrainConfig) -> TrainState:
+    """Shapes of `rh.models.Llama(model)`'s canonical state under `train_cfg`'s optimizer."""
+    from resihp_jax.models.registry import factory  # noqa: PLC0415
+    from resihp_jax.step.model_parts import abstract_model, split_model  # noqa: PLC0415
+
+    _, shell, blocks = split_model(abstract_model(factory(model, model.attn_block), seed=0))
+    params = {"shell": shell, "blocks": blocks}
+    opt_state = jax.eval_shape(train_cfg.optimizer().init, params)
+    return TrainState(jax.ShapeDtypeStruct((), np.int32), params, opt_state)
+
+
+def converted_state(raw: Any, target: TrainState, where: str) -> TrainState:
+    """The decoder's raw state (nested dicts and lists of host arrays) as `target`'s tree."""
+    old = {new_path(path_names(p)): leaf
+           for p, leaf in jax.tree_util.tree_flatten_with_path(raw)[0]}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    leaves = []
+    for path, shape in flat:
+        names = path_names(path)
+        leaf = old.pop(names, None)
+        if leaf is None or tuple(leaf.shape) != tuple(shape.shape):
+            found = "missing" if leaf is None else f"shape {tuple(leaf.shape)}"
+            raise CheckpointError(f"{where}: leaf {'/'.join(names)} is {found}; "
+                                  f"rh.models.Llama needs shape {tuple(shape.shape)}")
+        leaves.append(np.asarray(leaf, dtype=shape.dtype))
+    if old:
+        raise CheckpointError(f"{where}: leaves rh.models.Llama has no place for: "
+                              f"{', '.join('/'.join(p) for p in sorted(old)[:4])}")
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def convert_checkpoint(source: Path, destination: Path, step: int | None = None,
+                       say: Callable[[str], None] = print) -> int:
+    """Write the decoder's checkpoint at `step` (default: the newest) of `source` as a
+    checkpoint of `rh.models.Llama`'s state in `destination` (new or empty); returns the
+    step. Refuses, naming the directory, anything but a decoder's checkpoint."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    from resihp_jax.step.state_io import save_args, state_handler  # noqa: PLC0415
+
+    if not source.is_dir():
+        raise CheckpointError(f"{source}: no such checkpoint directory")
+    if destination.exists() and any(destination.iterdir()):
+        raise CheckpointError(f"{destination}: not empty; give a new or empty directory")
+    handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(source.absolute(), item_handlers=handlers) as reader:
+        steps = reader.all_steps()
+        if not steps or (step is not None and step not in steps):
+            which = "" if step is None else f" step {step}"
+            raise CheckpointError(f"{source}: no checkpoint{which} (steps found: "
+                                  f"{sorted(steps) or 'none'})")
+        step = max(steps) if step is None else step
+        where = f"checkpoint step {step} in {source}"
+        meta = reader.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        identity = _decoder_identity(meta, where)
+        shapes = reader.item_metadata(step)["state"]
+        shapes = getattr(shapes, "tree", shapes)
+        host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes,
+                            is_leaf=lambda x: hasattr(x, "shape"))
+        raw = reader.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(restore_args=host)))["state"]
+    model = ModelConfig(**identity["model"])
+    train_cfg = TrainConfig(**identity["optimizer"])
+    state = converted_state(raw, target_state(model, train_cfg), where)
+    on_host = jax.device_put(state, jax.devices("cpu")[0])
+    new_meta = {**meta, "identity": {"state_layout": STATE_LAYOUT, **identity},
+                "leaves": leaf_shapes(on_host), "checksums": state_checksums(on_host)}
+    handlers = {"state": state_handler(), "meta": ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(destination.absolute(), item_handlers=handlers) as writer:
+        writer.save(step, args=ocp.args.Composite(state=save_args(on_host),
+                                                  meta=ocp.args.JsonSave(new_meta)))
+        writer.wait_until_finished()
+    say(f"converted {where} ({model.name}, {len(jax.tree.leaves(state))} arrays) into "
+        f"{destination}: resume it with --checkpoint-dir {destination} --resume")
+    return step
+
+
+def _decoder_identity(meta: Mapping[str, Any], where: str) -> dict[str, Any]:
+    identity = meta.get("identity")
+    if not isinstance(identity, dict) or not retired_layout(identity):
+        held = ("no run identity" if not isinstance(identity, dict) else
+                f"state_layout {identity.get('state_layout', 'of a user model')!r}")
+        raise CheckpointError(f"{where} is not a checkpoint of the retired built-in decoder "
+                              f"({held}); it needs no conversion")
+    return identity

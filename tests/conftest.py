@@ -2,5 +2,7 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from tests.xla_flags import xla_flags  # JAX-free
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))  # and fast compiles: tests/xla_flags.py says why
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

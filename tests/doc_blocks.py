@@ -14,6 +14,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from tests.xla_flags import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNABLE = ("python", "bash")
@@ -50,7 +51,7 @@ def blocks(path: Path) -> list[Block]:
 
 
 def reader_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()  # no fake devices, as in a new shell (fast compiles: tests/xla_flags.py)
     env["JAX_PLATFORMS"] = "cpu"
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = str(ROOT)  # the checkout under test, also where it is not installed

@@ -16,6 +16,7 @@ from resihp_jax.models.config import ModelConfig
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.program import StepProgram
 from resihp_jax.step.builder import build_step
+from tests.xla_flags import child_env
 
 
 def run_processes(script: str, n: int, devices: int, *args: str,
@@ -23,15 +24,13 @@ def run_processes(script: str, n: int, devices: int, *args: str,
     """`script` (python -c) as `n` local processes of `devices` CPU devices each, argv
     `PROCESS_ID PORT *args`; the JSON each prints after "RESULT ", in process order."""
     import json
-    import os
     import subprocess
     import sys
 
     from resihp_jax.runtime.job.supervisor import free_port
 
     port = str(free_port())
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu")
+    env = dict(child_env(devices), JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, "-c", script, str(i), port, *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(n)]

@@ -5,7 +5,6 @@ dataset and on a Grain pipeline, each through rh.fit."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from tests.xla_flags import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2 = Path("examples/user_model/train_gpt2.py")
@@ -26,7 +26,7 @@ STEPS = 2
 def _run(example: Path, cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     """The example run as a user runs it, from another directory, on its own devices (not
     the 8 this test process asked for)."""
-    clean = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    clean = child_env()  # no fake devices (fast compiles: tests/xla_flags.py)
     done = subprocess.run([sys.executable, str(ROOT / example), "--steps", str(STEPS), *args],
                           cwd=cwd, env={**clean, **env}, capture_output=True, text=True,
                           timeout=600)

@@ -10,6 +10,12 @@ dp=2,pp=2,tp=2, and 4.4x the time of the save without them). A
 shard is written once either way, and with the pipeline and tensor axes sharding the
 weights, the writes stay spread over the hosts that hold the shards. The files are
 orbax's standard PyTree layout either way, so checkpoints written before read unchanged.
+
+The device-to-host copy a save starts with goes through pinned host memory on GPUs: the
+handler leaves orbax's `enable_pinned_host_transfer` at its platform default, on where
+`jax.default_backend()` is 'gpu' (each shard `jax.device_put` to its device's `pinned_host`
+memory, a DMA the copy engines run beside the step's kernels), off on CPUs, whose device
+memory is host memory already.
 """
 
 from __future__ import annotations

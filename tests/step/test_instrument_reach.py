@@ -139,7 +139,7 @@ def test_fit_hands_its_instrument_to_tp1_plans(model_parts, monkeypatch) -> None
     """`rh.fit` builds a tp == 1 plan's step with the trainer's Instrument (so its stage
     timing and fault hook reach the user's model)."""
     import resihp_jax as rh
-    from resihp_jax.runtime.run import model_programs as user_programs_module
+    from resihp_jax.runtime.run import programs as programs_module
 
     given: list = []
 
@@ -147,7 +147,7 @@ def test_fit_hands_its_instrument_to_tp1_plans(model_parts, monkeypatch) -> None
         given.append(instrument)
         return build_model_step(*args, instrument=instrument, **kwargs)
 
-    monkeypatch.setattr(user_programs_module, "build_model_step", spy)
+    monkeypatch.setattr(programs_module, "build_model_step", spy)
     b = make_batches(N_MB, MB_SIZE, SEQ, n_batches=2, seed=3)
     data = [rh.PackedBatch(*(a.reshape(-1, SEQ) for a in (
         x.tokens_MxBxS, x.segment_ids_MxBxS, x.positions_MxBxS))) for x in b]

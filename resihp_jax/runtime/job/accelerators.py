@@ -95,12 +95,13 @@ def check_fits(gpus: Sequence[str], procs: int, per_proc: int) -> None:
 
 def process_env(platform: str, per_proc: int, share: Sequence[str],
                 environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The variables one process of the job starts with for its devices."""
+    """The variables one process of the job starts with for its devices; the launcher's other
+    XLA flags (a dump directory, an optimization level) reach every process unchanged."""
+    flags = re.sub(rf"{_FAKE_FLAG}=\d+", "", environ.get("XLA_FLAGS", "")).strip()
     if platform == "cpu":
         return {"JAX_PLATFORMS": environ.get("JAX_PLATFORMS", "cpu"),
-                "XLA_FLAGS": f"{_FAKE_FLAG}={per_proc}"}
+                "XLA_FLAGS": f"{flags} {_FAKE_FLAG}={per_proc}".strip()}
     # only its own GPUs: JAX then starts CUDA contexts on these alone, and a process that
     # finds no GPU (a CPU-only JAX) stops at once (exit 2) instead of training on CPUs
-    flags = re.sub(rf"{_FAKE_FLAG}=\d+", "", environ.get("XLA_FLAGS", "")).strip()
     return {"CUDA_VISIBLE_DEVICES": ",".join(share), "JAX_PLATFORMS": "cuda",
             "XLA_FLAGS": flags, EXPECT_PLATFORM_ENV: "gpu"}

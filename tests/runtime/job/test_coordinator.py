@@ -20,6 +20,7 @@ from resihp_jax.runtime.job import coordinator
 from resihp_jax.runtime.job.exits import HUNG_EXIT
 from tests.runtime.job.test_launch_script import SCRIPT
 from tests.runtime.job.test_launched import _free_slurm_job_id
+from tests.xla_flags import xla_flags
 
 TASKS, STEPS, KILL_AFTER = 2, 4, 2
 
@@ -42,7 +43,7 @@ def _task_env(root: Path, job: str, task: int) -> dict[str, str]:
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("RESIHP_", "SLURM_", "OMPI_"))}
     return {**clean, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(sys.path),
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // TASKS}",
+            "XLA_FLAGS": xla_flags(8 // TASKS),
             "SLURM_JOB_ID": job, "SLURM_NTASKS": str(TASKS), "SLURM_STEP_NUM_TASKS": str(TASKS),
             "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task), "SLURM_STEP_ID": "0",
             "SLURM_STEP_NODELIST": "localhost", "SLURM_NODELIST": "localhost",

@@ -7,7 +7,6 @@ every step once, with the losses of the uninterrupted run."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 
 from resihp_jax.cli import main
+from tests.xla_flags import child_env
 
 STEPS = 6
 # the job's step deadline before the cost model predicts one (it needs 24 steps): a hang is
@@ -85,7 +85,7 @@ def _records(path: Path) -> list[dict]:
 def reference_losses(script: Path, steps: int) -> list[float]:
     """The script's losses uninterrupted, in one process on 8 devices."""
     log = script.with_name(f"reference-{steps}.jsonl")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = child_env(8)
     for name in ("RESIHP_NUM_PROCESSES", "SLURM_JOB_ID"):  # alone, not in a job of ours
         env.pop(name, None)
     done = subprocess.run([sys.executable, str(script), str(log), "--steps", str(steps)],

@@ -18,6 +18,7 @@ from resihp_jax.cli import launch
 from resihp_jax.errors import ConfigError
 from resihp_jax.runtime.job import accelerators
 from resihp_jax.runtime.job.autojoin import launched_job, started_as_cli
+from tests.xla_flags import FAST_COMPILE, xla_flags
 
 LAUNCHED = {"RESIHP_COORDINATOR": "127.0.0.1:8476", "RESIHP_NUM_PROCESSES": "4",
             "RESIHP_PROCESS_ID": "2", "RESIHP_HOST_ID": "p2"}
@@ -98,7 +99,7 @@ def test_a_natural_script_joins_as_srun_tasks(tmp_path: Path) -> None:
     tasks = [subprocess.Popen(
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env={**clean, "JAX_PLATFORMS": "cpu",
-                        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                        "XLA_FLAGS": xla_flags(2),
                         "SLURM_JOB_ID": job, "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
                         "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "SLURM_STEP_ID": "0",
                         "SLURM_STEP_NODELIST": "localhost", "SLURM_NODELIST": "localhost"})
@@ -157,7 +158,7 @@ def test_each_process_gets_its_share_of_the_gpus_never_fake_devices(tmp_path: Pa
     assert "no warm standby on GPUs" in said
     seen = {p.name: json.loads(p.read_text()) for p in out.iterdir()}
     assert seen == {f"p{i}": {"CUDA_VISIBLE_DEVICES": f"{2 * i},{2 * i + 1}",
-                              "JAX_PLATFORMS": "cuda", "XLA_FLAGS": "",
+                              "JAX_PLATFORMS": "cuda", "XLA_FLAGS": FAST_COMPILE,
                               "RESIHP_EXPECT_PLATFORM": "gpu", "RESIHP_PROCESS_ID": str(i)}
                     for i in range(4)}
 
@@ -178,5 +179,12 @@ def test_gpu_shares_by_default_forced_cpu_and_a_node_too_small() -> None:
     assert relaunched.process_env("p3")["CUDA_VISIBLE_DEVICES"] == "3"
     assert not relaunched.keeps_standby
     cpu = LaunchConfig(4, 2, Path("job"), ())
-    assert cpu.keeps_standby and cpu.process_env("standby0")["XLA_FLAGS"] == \
+    assert cpu.keeps_standby
+    assert cpu.process_env("standby0")["XLA_FLAGS"].split()[-1] == \
         "--xla_force_host_platform_device_count=2"
+    from resihp_jax.runtime.job.accelerators import process_env
+
+    given = {"XLA_FLAGS": "--xla_dump_to=/d --xla_force_host_platform_device_count=8"}
+    assert process_env("cpu", 2, (), given)["XLA_FLAGS"] == \
+        "--xla_dump_to=/d --xla_force_host_platform_device_count=2"  # the other flags kept
+    assert process_env("gpu", 1, ("3",), given)["XLA_FLAGS"] == "--xla_dump_to=/d"

@@ -6,7 +6,6 @@ is killed."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.builder import build_step
+from tests.xla_flags import child_env
 
 SCRIPT = textwrap.dedent("""
     import asyncio, os, signal, sys, time
@@ -63,7 +63,7 @@ def _program():  # noqa: ANN202
 
 def test_kill_during_a_save_leaves_a_restorable_checkpoint(tmp_path: Path) -> None:
     directory = tmp_path / "ckpt"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = child_env(1)
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(directory)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == -9, proc.stderr

@@ -9,11 +9,11 @@ before the check existed: the stand-in for any hang the check cannot foresee."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from tests.xla_flags import child_env
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = textwrap.dedent("""
@@ -32,8 +32,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_a_step_that_never_returns_ends_the_process_in_one_line() -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
-    env.pop("XLA_FLAGS", None)
+    env = dict(child_env(), PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 75, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -1,0 +1,28 @@
+"""The XLA flags every test process compiles with (this module imports no JAX).
+
+Tests compile hundreds of small programs (tiny models, a few steps each), and most of each
+compile is XLA:CPU's backend optimization, which buys nothing at those sizes. At level 0,
+tests/step/test_train_equivalence.py and tests/models/test_zoo.py took 213 s of test time
+against 403 s. The programs, their HLO and every check stay the same; only the machine code
+is less optimized. The benchmarks never import this: they time what users run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+_DEVICES = "--xla_force_host_platform_device_count"
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """The flags of a test process, with `devices` fake CPU devices if given."""
+    return FAST_COMPILE + (f" {_DEVICES}={devices}" if devices else "")
+
+
+def child_env(devices: int | None = None,
+              environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """`environ` for a child process: its own device count (none: JAX's default, as in a new
+    shell) and the tests' fast compiles."""
+    return {**environ, "XLA_FLAGS": xla_flags(devices)}

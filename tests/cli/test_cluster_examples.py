@@ -222,7 +222,8 @@ def test_cpu_sbatch_runs_the_users_script_on_fake_devices(tmp_path: Path) -> Non
     assert user[user.index("--tokens") + 1] == str(tmp_path / "shared" / "stdlib.tokens")
     env = srun_env(tmp_path)
     assert env["FAKE_VENV_ACTIVE"] == "1" and env["JAX_PLATFORMS"] == "cpu"
-    assert env["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2"]
+    flags = env["XLA_FLAGS"].split()  # the caller's own flags kept, one device count added
+    assert [f for f in flags if "device_count" in f] == ["--xla_force_host_platform_device_count=2"]
     assert env["RESIHP_CHECKPOINT_DIR"] == str(tmp_path / "shared" / "ckpt")
     # the example's plan (dp=2,pp=2,tp=2) on the recipe's tasks x devices
     assert train_nodes(SBATCH_CPU) * int(sbatch_options(SBATCH_CPU)["ntasks-per-node"]) \

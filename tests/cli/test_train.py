@@ -165,17 +165,18 @@ def test_a_non_finite_loss_stops_naming_the_step_and_the_last_checkpoint(
 def test_the_registrys_gpt2_trains_a_plain_run_and_resumes_it_loss_for_loss(
         tmp_path: Path) -> None:
     """`--model gpt2` (rh.models.GPT2, its facts measured) trains through the plain loop, on
-    its own optimizer, and a resume continues exactly the uninterrupted run."""
-    gpt2 = ["--model", "gpt2", "--plan", "dp=2,pp=2,tp=1", "--microbatches", "1,1"]
-    assert _train(*gpt2, "--metrics", tmp_path / "whole.jsonl", steps=4) == 0
+    its own optimizer, and a resume from its step-2 checkpoint repeats steps 3 and 4 exactly."""
+    gpt2 = ["--model", "gpt2", "--plan", "dp=1,pp=1,tp=1", "--microbatches", "2"]
     ckpt = tmp_path / "ckpt"
     assert _train(*gpt2, "--checkpoint-dir", ckpt, "--checkpoint-every", "2", "--metrics",
-                  tmp_path / "cut.jsonl", steps=2) == 0
+                  tmp_path / "whole.jsonl", steps=4) == 0
+    assert steps_on_disk(ckpt) == [2, 4]
+    shutil.rmtree(ckpt / "4")
     assert _train(*gpt2, "--checkpoint-dir", ckpt, "--resume", "--metrics",
-                  tmp_path / "cut.jsonl", steps=4) == 0
+                  tmp_path / "resumed.jsonl", steps=4) == 0
     whole = _losses(tmp_path / "whole.jsonl")
     assert whole[-1] < whole[0]
-    np.testing.assert_allclose(_losses(tmp_path / "cut.jsonl"), whole, rtol=1e-6)
+    np.testing.assert_allclose(_losses(tmp_path / "resumed.jsonl"), whole[2:], rtol=1e-6)
 
 
 @pytest.mark.parametrize("argv, message", [

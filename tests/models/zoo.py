@@ -207,6 +207,28 @@ class Bf16Block(nnx.Module):
         return FusedHeadsBlock.__call__(self, h, seg, pos)
 
 
+# ---- 9. flax's own MultiHeadAttention under nnx.remat, an nnx.Sequential MLP ---------------
+class LibraryBlock(nnx.Module):
+    """What NNX hands a user ready-made: `nnx.MultiHeadAttention` (a mask of causal pairs
+    within each document, no logical names: replicated), an `nnx.Sequential` holding a plain
+    function, and the call under `nnx.remat`."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.ln1, self.ln2 = nnx.LayerNorm(D, rngs=rngs), nnx.LayerNorm(D, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D, decode=False,
+                                           kernel_init=INIT, rngs=rngs)
+        self.mlp = nnx.Sequential(dense(D, 2 * D, ("embed", "mlp"), rngs), jax.nn.relu,
+                                  dense(2 * D, D, ("mlp", "embed"), rngs))
+
+    @nnx.remat
+    def __call__(self, h, seg, pos):
+        s = h.shape[1]
+        mask = (jnp.tril(jnp.ones((s, s), bool))[None]
+                & (seg[:, :, None] == seg[:, None, :]))[:, None]
+        h = h + self.attn(self.ln1(h), mask=mask, deterministic=True)
+        return h + self.mlp(self.ln2(h))
+
+
 ZOO: dict[str, Callable[[nnx.Rngs], nnx.Module]] = {
     "fused qkv jnp.split": lambda rngs: Decoder(FusedSplitBlock, rngs=rngs),
     "grouped-query jnp.repeat": lambda rngs: Decoder(GroupedQueryBlock, rngs=rngs),
@@ -216,6 +238,7 @@ ZOO: dict[str, Callable[[nnx.Rngs], nnx.Module]] = {
     "swiglu": lambda rngs: Decoder(SwiGLUBlock, rngs=rngs),
     "dropout": lambda rngs: Decoder(DropoutBlock, rngs=rngs),
     "bfloat16 parameters": lambda rngs: Decoder(Bf16Block, rngs=rngs, dtype=jnp.bfloat16),
+    "flax MultiHeadAttention, remat, Sequential": lambda rngs: Decoder(LibraryBlock, rngs=rngs),
 }
 
 

@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
 SECTIONS = ("kernels", "float32_model", "startup", "memory", "profile", "speed", "user_path",
-            "resilience_price")
+            "resilience_price", "gpt2_speed")
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -87,6 +87,10 @@ def test_timing_sections_give_real_ratios(quick: dict) -> None:
                                                                rel=1e-4)
     assert any("long docs" in name and row["documents"] <= 8
                for name, row in s["speed"].items())
+    gpt2 = s["gpt2_speed"]  # rh.fit's step of the example's GPT-2 against its plain loop
+    assert _real(gpt2["ratio"]) and gpt2["ratio"] > 0
+    assert gpt2["first_step_loss"]["ours"] == pytest.approx(gpt2["first_step_loss"]["peer"],
+                                                            rel=1e-4)
     price = s["resilience_price"]
     head = price["headline"]
     for key in ("on_off_ratio", "worst_case_on_off", "blocking_s_per_save"):

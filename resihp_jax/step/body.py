@@ -121,7 +121,7 @@ def compute_copy(params: Any, dtype: str | None, own: Any = None) -> Any:
         else x, params, params if own is None else own))
 
 
-def user_pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
+def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
                            pos: jax.Array, n_layers_P: jax.Array, n_mb_D: jax.Array,
                            knob: jax.Array | None = None, *, parts: ModelParts, pp: int,
                            remat: bool, compute_dtype: str | None = None,

@@ -32,6 +32,7 @@ from resihp_jax.meshes.mesh import make_mesh
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.meshes.rules import spread_spec
 from resihp_jax.models.config import ModelConfig
+from resihp_jax.models.llama import Llama
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.instrument import Instrument
 from resihp_jax.step.pipeline import ALL_AXES, STEP_AXES
@@ -40,7 +41,7 @@ from resihp_jax.step.program import (KNOB_SPEC, Batch, Splits, StepProgram, Trai
 from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
                                          check_divisible, fully_manual, mesh_specs,
                                          split_model)
-from resihp_jax.step.body import user_pipeline_loss_sum
+from resihp_jax.step.body import pipeline_loss_sum
 
 
 def _layer_spec(spec: P, stage_layout: bool) -> P:
@@ -171,7 +172,7 @@ def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, sp
     (step/body.py says why)."""
     manual = fully_manual(parts, plan)
     axes = ALL_AXES if manual else STEP_AXES if plan.dp * plan.pp > 1 else ()
-    body = functools.partial(user_pipeline_loss_sum, parts=parts, pp=plan.pp,
+    body = functools.partial(pipeline_loss_sum, parts=parts, pp=plan.pp,
                              remat=train.remat, compute_dtype=compute_dtype, axes=axes,
                              instrument=instrument, gates=gates,
                              vocab_tp=plan.tp if manual else 1)
@@ -215,9 +216,7 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
     return dataclasses.replace(program, initial_params=initializer(program, make, params))
 
 
-def _llama(config: ModelConfig, attention: str, rngs: Any) -> Any:
-    from resihp_jax.models.llama import Llama  # noqa: PLC0415 - models import nn, not train
-
+def _llama(config: ModelConfig, attention: str, rngs: Any) -> Llama:
     return Llama(config, rngs=rngs, attention=attention)
 
 

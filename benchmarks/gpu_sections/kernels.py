@@ -6,8 +6,10 @@ the output and of dq, dk, dv; padding outputs (must be exactly 0); the largest c
 other document's output when one document's keys and values change (must be exactly 0); and
 forward+backward milliseconds against `jax.nn.dot_product_attention` (cuDNN where it
 compiles, else XLA) on the same rows, with the segment mask and is_causal as mfu.py's peer.
-The candidate `thd` (cuDNN's packed layout, attention/cudnn.py; bf16 only) gets the same
-checks and its own time where it runs; where it does not, the row says why."""
+The candidates `thd` (cuDNN's packed layout, attention/cudnn.py; bf16 only) and `tkx`
+(tokamax's Mosaic GPU, Triton or XLA kernel given each token's document start,
+attention/tokamax.py; where the optional package is importable) get the same checks and their
+own times where they run; where one does not, the row says why."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import numpy as np
 from benchmarks import mfu
 from benchmarks.attention_cost import lognormal_docs
 from benchmarks.gpu_sections.common import Suite, first_line, interleaved, median_ms, print_table
+from resihp_jax.attention import tokamax
 from resihp_jax.attention.cudnn import documents_per_row, packed_attention
 from resihp_jax.attention.kernels import dense_attention, segment_attention
 from resihp_jax.attention.check import select_kernel
@@ -162,6 +165,23 @@ def packed_candidate(case: Case, args: tuple, o_ref, grads_ref, doc: np.ndarray,
     return row, fn
 
 
+def tokamax_candidate(case: Case, args: tuple, o_ref, grads_ref, doc: np.ndarray, k2, v2
+                      ) -> tuple[dict[str, Any], Callable | None]:
+    """tokamax's kernels (attention/tokamax.py): the same checks, and its compiled fwd+bwd
+    (None where the package is missing or no kernel of it takes the case)."""
+    why = tokamax.unavailable()
+    if why is not None:
+        return {"tkx": why[:160]}, None
+    fn = jax.jit(functools.partial(value_and_grads, tokamax.document_attention))
+    try:
+        o, grads = fn(*args)
+    except Exception as error:  # noqa: BLE001 - a candidate that fails is a row's note
+        return {"tkx": first_line(error)[:160]}, None
+    return {"tkx": "tokamax, document starts",
+            **checks(fn, (o, grads), o_ref, grads_ref, args, doc, k2, v2, case.dtype,
+                     "tkx_")}, fn
+
+
 def inputs(case: Case, seed: int) -> tuple:
     keys = jax.random.split(jax.random.key(seed), 5)
     b, s = case.rows, case.seq_len
@@ -193,19 +213,20 @@ def one_case(suite: Suite, case: Case, rounds: int) -> dict[str, Any]:
                                     doc, k2, v2, case.dtype)}
     args = (q, k, v, seg, w)
     row["peer"], peer = peer_fwd_bwd(suite, args)
-    thd, thd_fn = packed_candidate(case, args, o_ref, grads_ref, doc, k2, v2)
-    row.update(thd)
     timed = {"ours": lambda: ours(*args), "peer": lambda: peer(*args)}
-    if thd_fn is not None:
-        timed["thd"] = lambda: thd_fn(*args)
+    for name, candidate in (("thd", packed_candidate), ("tkx", tokamax_candidate)):
+        notes, fn = candidate(case, args, o_ref, grads_ref, doc, k2, v2)
+        row.update(notes)
+        if fn is not None:
+            timed[name] = functools.partial(fn, *args)
     samples = interleaved(timed, warmup=1, rounds=rounds)
     row["ours_ms"], row["peer_ms"] = median_ms(samples["ours"]), median_ms(samples["peer"])
     row["peer_over_ours"] = round(float(np.median(np.asarray(samples["peer"])
                                                   / np.asarray(samples["ours"]))), 4)
-    if thd_fn is not None:
-        row["thd_ms"] = median_ms(samples["thd"])
-        row["thd_over_ours"] = round(float(np.median(np.asarray(samples["thd"])
-                                                     / np.asarray(samples["ours"]))), 4)
+    for name in set(timed) & {"thd", "tkx"}:
+        row[f"{name}_ms"] = median_ms(samples[name])
+        row[f"{name}_over_ours"] = round(float(np.median(np.asarray(samples[name])
+                                                          / np.asarray(samples["ours"]))), 4)
     return row
 
 
@@ -222,7 +243,7 @@ def run(suite: Suite) -> dict[str, Any]:
         print(f"  {rows[-1]}")
     columns = ["case", "runs", "err_o", "err_dq", "err_dk", "err_dv", "pad_max", "leak_max",
                "ok", "ours_ms", "peer", "peer_ms", "peer_over_ours", "thd_ok", "thd_ms",
-               "thd_over_ours", "error"]
+               "thd_over_ours", "tkx_ok", "tkx_ms", "tkx_over_ours", "error"]
     print_table("kernels: fused attention vs float32 masked softmax; fwd+bwd ms vs "
                 "jax.nn.dot_product_attention (peer/ours > 1: ours faster)", rows, columns)
     failed = [r["case"] for r in rows if "error" in r]

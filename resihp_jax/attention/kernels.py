@@ -7,7 +7,8 @@ recomputes probabilities block by block (flash-attention style), so the backward
 same blocks and never holds an S x S matrix. `dense_attention` is the masked O(S^2) reference.
 `segment_attention(..., implementation=)` picks the kernel: this one ("blocksparse", the CPU
 default), cuDNN's packed layout of `cudnn.py` ("cudnn", the GPU default), the fused Pallas
-kernel of `flash.py` ("pallas", where cuDNN's does not compile or the inputs are float32) or
+kernel of `flash.py` ("pallas", where cuDNN's does not compile or the inputs are float32),
+tokamax's kernels of `tokamax.py` ("tokamax", an optional package, chosen by name only) or
 "dense".
 """
 
@@ -23,7 +24,7 @@ from jax import lax
 
 from resihp_jax import vma
 from resihp_jax.errors import ConfigError
-from resihp_jax.attention import cudnn, fit as flash_fit, flash
+from resihp_jax.attention import cudnn, fit as flash_fit, flash, tokamax
 
 _F32 = jnp.float32
 # Finite stand-in for -inf: exp(_MASKED - _MASKED) stays finite, so rows with no key yet
@@ -297,7 +298,7 @@ TRACED_CALLS = [0]
 # on each (attention/check.py `check_traced`).
 TRACED_KERNELS: set[tuple[str, int, int, int, int, str]] = set()
 
-IMPLEMENTATIONS = ("auto", "blocksparse", "pallas", "cudnn", "dense")
+IMPLEMENTATIONS = ("auto", "blocksparse", "pallas", "cudnn", "tokamax", "dense")
 
 
 def _auto_mesh_axes() -> tuple[str, ...]:
@@ -319,6 +320,8 @@ def resolve_implementation(implementation: str, platform: str | None = None, *,
     if implementation not in IMPLEMENTATIONS:
         raise ConfigError(f"attention implementation {implementation!r}: valid are "
                           f"{', '.join(IMPLEMENTATIONS)}")
+    if implementation == "tokamax":
+        tokamax.require()  # an optional package: refused in one line where it is missing
     if implementation != "auto":
         return implementation
     on_gpu = (platform or jax.default_backend()) in flash.GPU_PLATFORMS
@@ -334,7 +337,9 @@ def segment_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
     `implementation`: "blocksparse" (a scan of conds over block pairs), "pallas" (fused flash
     kernel; Triton on GPUs, interpreted elsewhere), "cudnn" (cuDNN's packed layout, GPUs,
     bf16/fp16: up to `cudnn.MAX_DOCUMENTS` documents a row, a batch with more runs cuDNN's
-    masked kernel), "dense" (masked O(S^2) reference), or "auto" (see
+    masked kernel), "tokamax" (tokamax's Mosaic GPU, Triton or XLA kernel given each token's
+    document start: an optional package, `resihp-jax[gpu]`; attention/tokamax.py), "dense"
+    (masked O(S^2) reference), or "auto" (see
     `resolve_implementation`). The sparse kernels do work growing with the sum of squared
     document lengths; on GPUs the fused kernel may run smaller blocks that fit, and a kernel
     that does not compile falls back with one warning (`flash_fit.choose`)."""
@@ -357,6 +362,8 @@ def segment_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
         kind = choice.implementation
     if kind == "cudnn":
         return cudnn.document_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS)
+    if kind == "tokamax":
+        return tokamax.document_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS)
     if kind == "pallas":
         return flash.flash_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS,
                                      block_q=choice.block_q, block_k=choice.block_k)

@@ -28,7 +28,8 @@ class TrainConfig:
     # consumes stays intact, e.g. for the survivors' copies; one more state in memory)
     donate_state: bool = True
     # attention kernel: "auto" (cuDNN's packed layout on GPUs, block-sparse scan elsewhere),
-    # "blocksparse", "pallas", "cudnn" or "dense" (attention/kernels.py)
+    # "blocksparse", "pallas", "cudnn", "tokamax" (an optional package) or "dense"
+    # (attention/kernels.py)
     attention: str = "auto"
 
     def __post_init__(self) -> None:

@@ -93,7 +93,8 @@ def test_segment_attention_dispatches_every_implementation():
         got = jax.jit(functools.partial(segment_attention, block_size=T,
                                         implementation=name))(q, k, v, seg)
         np.testing.assert_allclose(got, want, atol=2e-6, err_msg=name)
-    with pytest.raises(ConfigError, match="'flash'.*auto, blocksparse, pallas, cudnn, dense"):
+    with pytest.raises(ConfigError,
+                       match="'flash'.*auto, blocksparse, pallas, cudnn, tokamax, dense"):
         segment_attention(q, k, v, seg, block_size=T, implementation="flash")
 
 

@@ -1,8 +1,9 @@
 """A user's Flax NNX model, taken apart for the pipeline and put back together after training.
 
-The contract: an `nnx.Module` with `embed(tokens_BxS, positions_BxS) -> h_BxSxD`, `blocks` (a
-list or `nnx.List` of blocks of one structure, each `block(h_BxSxD, segment_ids_BxS,
-positions_BxS) -> h_BxSxD`) and `head(h_BxSxD) -> logits_BxSxV`. Its parameters (`nnx.Param`)
+The contract: an `nnx.Module` with `embed(tokens_BxS, positions_BxS) -> h_BxSxD`, `blocks` (an
+`nnx.List`, or a list, which Flax 0.12 takes as `nnx.data([...])`, of blocks of one structure,
+each `block(h_BxSxD, segment_ids_BxS, positions_BxS) -> h_BxSxD`) and
+`head(h_BxSxD) -> logits_BxSxV`. Its parameters (`nnx.Param`)
 are split into the *shell* (everything outside `blocks`: what `embed` and `head` use) and the
 *layers* (the blocks' parameters stacked `[n_layers, ...]`, the pipeline's canonical layout).
 Logical axis names (`nnx.with_partitioning`) travel beside them as PartitionSpecs.

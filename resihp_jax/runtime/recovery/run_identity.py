@@ -42,6 +42,17 @@ def run_identity(model: ModelConfig, train_cfg: Any, data_state: Mapping[str, An
     })
 
 
+def identity_of(programs: Any, model: Any, train_cfg: Any,
+                data_state: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's identity: its step builder's own, where it has one (a model's programs describe
+    the model and its optax optimizer: runtime/run/model_identity.py), else the ModelConfig
+    `model`'s and `train_cfg`'s (`run_identity`)."""
+    identity = getattr(programs, "identity", None)
+    if identity is not None:
+        return identity(data_state)
+    return run_identity(model, train_cfg, data_state)
+
+
 def data_identity(data_state: Mapping[str, Any]) -> dict[str, Any]:
     """The data and batch-shape parts of an identity, from a `BatchIterator.state()`."""
     return {"data": {name: data_state[name] for name in _DATA_FIELDS},

@@ -152,26 +152,21 @@ class TrainingRun:
                             compiles_from=self._compiles_from,
                             devices=self.devices if job.spec.single else None)
         from resihp_jax.runtime.recovery.checkpoint import Checkpointer  # noqa: PLC0415
+        from resihp_jax.runtime.recovery.run_identity import identity_of  # noqa: PLC0415
         from resihp_jax.runtime.run.plain import TrainRun  # noqa: PLC0415
 
         ckpt = None
         if config.checkpoint_dir is not None:  # (the adapting trainer keeps its own)
             ckpt = Checkpointer(config.checkpoint_dir, interval=config.checkpoint_every,
                                 asynchronous=True, local_copy_dir=config.local_copy_dir,
-                                identity=self._identity(train_cfg, data),
+                                identity=identity_of(self.programs, self.model, train_cfg,
+                                                     data.state()),
                                 say=self._say if job.primary else None,
                                 force_identity=config.resume == RESUME_FORCE)
         return TrainRun(config, copies, job, self.model, train_cfg, plan, data, ckpt,
                         self.ladder, self.phases, self.out, self._compiles_from,
                         programs=self.programs)
 
-    def _identity(self, train_cfg: TrainConfig, data: Any) -> dict[str, Any]:
-        """The run's identity: a model's programs describe the model and its optimizer;
-        a ModelConfig and the TrainConfig describe a preset's."""
-        if self.programs is not None:
-            return self.programs.identity(data.state())
-        from resihp_jax.runtime.recovery.run_identity import run_identity  # noqa: PLC0415
-        return run_identity(self.model, train_cfg, data.state())
 
     def _take_over(self, go_file: Path, job: Any, plan: Plan, run: Any) -> Any:
         """A standby process: wait for the go, then train as the job's process on the host

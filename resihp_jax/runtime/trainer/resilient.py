@@ -57,7 +57,7 @@ from resihp_jax.runtime.trainer.loop import StepRecord, device_batch, diverged
 from resihp_jax.runtime.trainer.precompile import Precompiler
 from resihp_jax.step.staging import HostStaging
 from resihp_jax.step.warmup import warm_up
-from resihp_jax.runtime.recovery.run_identity import run_identity
+from resihp_jax.runtime.recovery.run_identity import identity_of
 from resihp_jax.runtime.trainer.host_cpu import CpuMeter
 from resihp_jax.runtime.trainer.overhead import OVERHEAD_BUDGET, Overhead, run_overhead
 from resihp_jax.runtime.trainer.sampling import TimingSampler, check_every
@@ -298,12 +298,7 @@ class ResilientTrainer:
         self._step_timed = True  # whether the last step ran its stage-timing callbacks
 
     def _identity(self) -> dict[str, Any]:
-        """The run's identity: a user's programs describe their model and optimizer; a
-        ModelConfig run's comes from its configs."""
-        identity = getattr(self.programs, "identity", None)
-        if identity is not None:
-            return identity(self.data.state())
-        return run_identity(self.model, self.train_cfg, self.data.state())
+        return identity_of(self.programs, self.model, self.train_cfg, self.data.state())
 
     # ---- programs ------------------------------------------------------------------------
     def _compiled(self, plan: Plan, timed: bool | None = None,

@@ -5,7 +5,10 @@ step 2, so everything between steps counts):
 - between saves: `rh.fit` with its defaults (detector, probes, timing, the 'auto' checkpoint
   cadence, survivors' copies as the defaults make them) against all off, over a window in
   which no save falls due (the first 'auto' save comes after a minute of training);
-  alternated on/off over rounds, medians;
+  alternated on/off over rounds, medians; and over the steps after the start-up's background
+  compiles (the layout moves, the likely next plans: one-off work beside the first steps,
+  timed from JAX's own compile events), the same steps of both runs: what every later step
+  of a long run pays;
 - per save: a run saving every N steps gives C (the seconds the step loop is blocked per
   save), the background write's time and how much the steps run during a write slow down;
 - at the default cadence: the interval the library picks for a job of 1 device and of 1,024
@@ -33,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -47,7 +51,8 @@ from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.models.config import ModelConfig, get_model_config  # noqa: E402
 from resihp_jax.runtime.recovery.cadence import choose_interval, job_mtbf_s  # noqa: E402
 from resihp_jax.runtime.trainer import resilient  # noqa: E402
-from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX  # noqa: E402
+from resihp_jax.runtime.trainer.compiles import (  # noqa: E402
+    BACKGROUND_PREFIX, background_since)
 from resihp_jax.runtime.trainer.resilient import DETECTOR_OFF  # noqa: E402
 from resihp_jax.step.config import TrainConfig  # noqa: E402
 
@@ -63,11 +68,12 @@ def all_off() -> rh.ResilienceConfig:
                                compile_cache_dir=None, warm_prepared=False)
 
 
-def wall_rate(records: list[Any]) -> float:
-    """Tokens per second over the wall time from the end of step SKIP_STEPS to the last."""
+def wall_rate(records: list[Any], skip: int = SKIP_STEPS) -> float:
+    """Tokens per second over the wall time from the end of step `skip` (default
+    SKIP_STEPS) to the last."""
     ends = [r.end_unix_s for r in records]
-    tokens = sum(r.tokens for r in records[SKIP_STEPS:])
-    return tokens / (ends[-1] - ends[SKIP_STEPS - 1])
+    tokens = sum(r.tokens for r in records[skip:])
+    return tokens / (ends[-1] - ends[skip - 1])
 
 
 def median_gap_s(records: list[Any]) -> float:
@@ -147,20 +153,45 @@ def slow_checkpointers(seconds: float) -> Iterator[None]:
         resilient.Checkpointer = real
 
 
+def settled_from(records: list[Any], started: float) -> tuple[int, int, float]:
+    """(the index of the first step that ended after the last executable the run's
+    background compiler built, those executables, their seconds): the start-up's work beside
+    the steps (the layout moves, the next plans' steps) is over from that step on."""
+    built = background_since(started)
+    if not built:
+        return SKIP_STEPS, 0, 0.0
+    last = max(end for end, _ in built)
+    later = [i for i, r in enumerate(records) if r.end_unix_s > last]
+    return (max(SKIP_STEPS, later[0]) if later else len(records)), len(built), \
+        sum(s for _, s in built)
+
+
 def between_saves(bench: Bench, rounds: int) -> dict[str, Any]:
-    """Defaults against all off, alternated; no save falls due inside the run."""
-    on, off, saves, gaps = [], [], [], []
+    """Defaults against all off, alternated; no save falls due inside the run. Also over
+    the steps after the start-up's background compiles (the same steps of both runs):
+    what every later step of a long run pays."""
+    on, off, saves, gaps, settled, settled_at, background = [], [], [], [], [], [], []
     for _ in range(rounds):
+        started = time.time()
         result = bench.fit_saving("auto")
         on.append(wall_rate(result.records))
+        at, built, built_s = settled_from(result.records, started)
         saves.append(result.overhead.checkpoint["saves"] - 1)  # (the final save is after)
         plain = bench.fit(all_off()).records
         off.append(wall_rate(plain))
         gaps.append(median_gap_s(plain) / median_gap_s(result.records))
+        if at < len(result.records) - 2:
+            settled.append(wall_rate(result.records, at) / wall_rate(plain, at))
+        settled_at.append(at)
+        background.append((built, built_s))
     return {"on_tok_s": statistics.median(on), "off_tok_s": statistics.median(off),
             "on_off_ratio": statistics.median(on) / statistics.median(off),
             "ratios": [a / b for a, b in zip(on, off)], "median_gap_ratio":
             statistics.median(gaps), "saves_in_window": max(saves),
+            "settled_on_off_ratio": statistics.median(settled) if settled else None,
+            "settled_from_step": max(settled_at) + 1,
+            "background_compiles": max(b[0] for b in background),
+            "background_compile_s": max(b[1] for b in background),
             "overhead": result.overhead.as_dict()}
 
 
@@ -252,6 +283,10 @@ def report(out: dict[str, Any], label: str) -> None:
              "off tok/s": between["off_tok_s"], "on/off": between["on_off_ratio"]},
             {"part": "between saves, median step gap off / on", "on tok/s": "",
              "off tok/s": "", "on/off": between["median_gap_ratio"]},
+            {"part": f"between saves, from step {between['settled_from_step']} (after the "
+                     f"start-up's {between['background_compiles']} background compiles, "
+                     f"{between['background_compile_s']:.1f} s)", "on tok/s": "",
+             "off tok/s": "", "on/off": between["settled_on_off_ratio"] or "n/a"},
             {"part": "worst case: a save due every step", "on tok/s": worst["on_tok_s"],
              "off tok/s": between["off_tok_s"], "on/off": worst["on_off_ratio"]}]
     rows += [{"part": f"default cadence, {n} device(s): every {c['interval_s']:,.0f} s "
@@ -281,6 +316,9 @@ def headline(out: dict[str, Any]) -> dict[str, Any]:
                            for n, c in out["default_cadence"].items()},
             "on_off_ratio": round(between["on_off_ratio"], 4),
             "median_gap_ratio": round(between["median_gap_ratio"], 4),
+            "settled_on_off_ratio": None if between["settled_on_off_ratio"] is None
+            else round(between["settled_on_off_ratio"], 4),
+            "settled_from_step": between["settled_from_step"],
             "resilience_share_between_saves": round(between["overhead"]["share"], 4),
             "default_cadence_on_off": {n: round(c["on_off"], 4)
                                        for n, c in out["default_cadence"].items()},

@@ -143,7 +143,7 @@ def _consume(trainer: Any, config: DemoConfig, log: DemoLog, progress: Progress,
 def step_point(record: Any, trainer: Any) -> StepPoint:
     plan = trainer.plan
     return StepPoint(record.step, record.step_time_s, record.tokens,
-                     trainer.detector.last_prediction_s,
+                     trainer.last_prediction_s,
                      plan_label(plan.describe(), plan.device_ids), record.loss)
 
 

@@ -64,6 +64,12 @@ class Detector:
         self.last_prediction_s: float | None = None  # what the step was compared against
 
     def observe(self, obs: StepObservation) -> Verdict | None:
+        """Judge the step, then let the probes decide where it (or the schedule) asks."""
+        return self.conclude(obs, self.judge(obs))
+
+    def judge(self, obs: StepObservation) -> bool:
+        """Is the step suspect? Host work only (the prediction, the evidence, what the
+        models learn from it): a trainer runs it while the devices run the next step."""
         if not isinstance(obs, StepObservation):
             raise ConfigError(f"observe() takes a StepObservation, got {type(obs).__name__}")
         t0 = self.clock()
@@ -71,6 +77,11 @@ class Detector:
         suspicious = self._suspect(obs)
         self.cost_s += self.clock() - t0
         self.steps += 1
+        return suspicious
+
+    def conclude(self, obs: StepObservation, suspicious: bool) -> Verdict | None:
+        """The verdict on a judged step: the probes validate a suspicion, or run a check
+        when one is due. They run on the devices, so only between steps."""
         if not suspicious:
             if self.prober is None:
                 return None

@@ -152,7 +152,7 @@ class AdaptRun:
         if self.data_step >= self.config.steps:
             # the final checkpoint and the job's shutdown follow, guarded by no step deadline
             return float(self.ladder.init_timeout_s)
-        deadline = self.ladder.deadline_s(self.trainer.detector.last_prediction_s)
+        deadline = self.ladder.deadline_s(self.trainer.last_prediction_s)
         ckpt = self.trainer.checkpointer
         if ckpt is not None and ckpt.due(self.data_step + 1):
             # the trainer saves that step before it reports it: the save's own deadline on
@@ -181,7 +181,7 @@ class AdaptRun:
                     event = dataclasses.replace(event, host_copy_s=self.snapshots.capture(
                         event.step, self.trainer.state, self.trainer.program,
                         self.data.state(), event.to_json()))
-                sink.add(event, predicted_s=trainer.detector.last_prediction_s,
+                sink.add(event, predicted_s=trainer.last_prediction_s,
                          state=trainer.state, checkpointer=trainer.checkpointer)
                 if self.on_step is not None:
                     self.on_step(event)

@@ -28,6 +28,8 @@ _hits: Counter[int] = Counter()  # thread ident -> persistent-cache hits
 # (wall clock at the end, seconds) of each executable built outside the background compiler
 _foreground: list[tuple[float, float]] = []
 _foreground_hits: list[float] = []  # wall clock of each of their persistent-cache hits
+# (wall clock at the end, seconds) of each executable the background compiler built
+_background: list[tuple[float, float]] = []
 _installed = False
 
 
@@ -37,8 +39,7 @@ def _on_duration(event: str, duration_s: float, **_: object) -> None:
         with _lock:
             _compiles[threading.get_ident()] += 1
             _compile_s[threading.get_ident()] += duration_s
-            if not background:
-                _foreground.append((time.time(), duration_s))
+            (_background if background else _foreground).append((time.time(), duration_s))
 
 
 def _on_event(event: str, **_: object) -> None:
@@ -70,6 +71,14 @@ def foreground_since(start: float) -> tuple[int, float]:
     with _lock:
         built = [seconds for end, seconds in _foreground if end > start]
     return len(built), float(sum(built))
+
+
+def background_since(start: float) -> list[tuple[float, float]]:
+    """(wall clock at the end, seconds) of each executable the background compiler built
+    that finished after `start` (time.time()): when a run's work beside its steps ended."""
+    install()
+    with _lock:
+        return [(end, seconds) for end, seconds in _background if end > start]
 
 
 @dataclass

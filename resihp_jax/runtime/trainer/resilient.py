@@ -59,6 +59,7 @@ from resihp_jax.step.staging import HostStaging
 from resihp_jax.step.warmup import warm_up
 from resihp_jax.runtime.recovery.run_identity import identity_of
 from resihp_jax.runtime.trainer.host_cpu import CpuMeter
+from resihp_jax.runtime.trainer.judging import Judging
 from resihp_jax.runtime.trainer.overhead import OVERHEAD_BUDGET, Overhead, run_overhead
 from resihp_jax.runtime.trainer.sampling import TimingSampler, check_every
 from resihp_jax.runtime.trainer.timing import StageTimer, StepTiming, timed_step
@@ -296,6 +297,10 @@ class ResilientTrainer:
         self.sampler = TimingSampler(self.config.stage_timing_every,
                                      self.config.overhead_budget)
         self._step_timed = True  # whether the last step ran its stage-timing callbacks
+        # the healthy time the detector predicted for the newest step (None: it cannot say
+        # yet), worked out beside that step: the step's own judgement comes a step later
+        self.last_prediction_s: float | None = None
+        self._last_l2_M = np.zeros(0)  # the newest step's attention work per micro-batch
 
     def _identity(self) -> dict[str, Any]:
         return identity_of(self.programs, self.model, self.train_cfg, self.data.state())
@@ -434,11 +439,13 @@ class ResilientTrainer:
         if self.state is None:
             self.state = self.program.init_state(seed)
         done = int(self.state.step)
+        # the last step, judged while the devices run the next one (judging.py)
+        judging: Judging | None = None
         while done < steps:
             data_before = self.data.state()
             batch = self.data.next_batch()
             try:
-                record = self._step(done + 1, batch)
+                record = self._step(done + 1, batch, beside=judging)
             except StepFailed as failed:
                 if multi_process():
                     # the peers are stuck in this step's collectives: no process can go on
@@ -446,6 +453,7 @@ class ResilientTrainer:
                     raise JobStepFailed(str(failed)) from failed
                 if failed.hung and not failed.verdict.devices:
                     raise StepHung(self._hung_line(failed)) from failed
+                judging = None  # the failure's re-plan decides now
                 yield self.react(failed.verdict, data_before, cause=str(failed))
                 continue  # the data iterator was rewound: the same batch runs again
             if not (math.isfinite(record.loss) and math.isfinite(record.grad_norm)):
@@ -462,25 +470,38 @@ class ResilientTrainer:
                     await_started(self._layouts)
                 self.checkpointer.save(done, self.state, self.program, self.data.state())
                 self.spent_s["checkpoints"] += self.clock() - saving_from
-            # judged before it is yielded, so the caller sees this step's prediction
-            judging_from, probes_before = self.clock(), self.spent_s["probes"]
-            verdict = _agreed(self.detector.observe(self._observation(record, batch)))
-            self.spent_s["detector"] += (self.clock() - judging_from
-                                         - (self.spent_s["probes"] - probes_before))
+            verdict = self._verdict(judging)  # the previous step's, judged beside this one
+            judging = Judging(self.detector, self._observation(record))
             yield record
             if self.checkpointer:
                 self.checkpointer.stop_if_preempted()
             if verdict is not None:
+                judging = None  # that step ran on the plan the verdict just replaced
                 yield self.react(verdict, None)
             elif self._pending_ready():
+                judging = None
                 yield self._finish_pending()
             elif self._timed_ready():
                 self._take_timed()
+        verdict = self._verdict(judging)  # the last step's: no step to judge it beside
+        if verdict is not None:
+            yield self.react(verdict, None)
         if self.checkpointer:  # a later run resumes where this one ended
             await_started(self._layouts)
             self.checkpointer.save(done, self.state, self.program, self.data.state(),
                                    force=True)
             self.checkpointer.wait()
+
+    def _verdict(self, judging: Judging | None) -> Verdict | None:
+        """`judging`'s verdict, the same on every process; the time the step loop waited for
+        it (a judgement not made beside a step, the probes excluded) is the detector's."""
+        if judging is None:
+            return None
+        judging_from, probes_before = self.clock(), self.spent_s["probes"]
+        verdict = _agreed(judging.verdict())
+        self.spent_s["detector"] += (self.clock() - judging_from
+                                     - (self.spent_s["probes"] - probes_before))
+        return verdict
 
     def close(self) -> None:
         self.precompiler.close()
@@ -539,7 +560,10 @@ class ResilientTrainer:
         self.probe_runs += 1
         return result
 
-    def _step(self, step: int, batch: GlobalBatch) -> StepRecord:
+    def _step(self, step: int, batch: GlobalBatch, beside: Judging | None = None
+              ) -> StepRecord:
+        """Run one step to completion; `beside`: the previous step's judgement, made while
+        the devices run this one."""
         program, timer = self.program, self._host.timer
         arrays = device_batch(program, batch)
         instrumented = self._instrumented()
@@ -556,14 +580,19 @@ class ResilientTrainer:
             finally:
                 dispatched.set()  # (also when it failed before dispatching)
 
+        l2_M: list[np.ndarray] = []
+
         def deadline() -> float:
-            # predicted while the devices run the step, once it is dispatched (before, this
-            # thread's Python would hold up the step's own)
+            # host work while the devices run the step, once it is dispatched (before, this
+            # thread's Python would hold up the step's own): the previous step's judgement,
+            # this batch's healthy time (its deadline)
             dispatched.wait(self.config.hang_floor_s)
-            return self.deadline_s(batch)
+            if beside is not None:
+                beside.judge()
+            l2_M.append(mb_attention_l2(self.model, batch))
+            return self.deadline_s(batch, l2_M[0])
 
         spent_before = timer.spent_s
-        # the deadline's prediction runs while the devices run the step
         self.state, metrics, timing = run_guarded(run_once, step, deadline,
                                                   in_flight=self._in_flight)
         self.spent_s["timing"] += timer.spent_s - spent_before
@@ -576,14 +605,17 @@ class ResilientTrainer:
             self.sampler.observe(timed, timing.step_time_s, timer.spent_s - spent_before,
                                  in_doubt=in_doubt)
         self._last_timing = timing
+        self._last_l2_M = l2_M[0]
         return StepRecord.of(int(self.state.step), self.plan, jax.device_get(metrics),
                              timing.step_time_s, batch)
 
-    def deadline_s(self, batch: GlobalBatch) -> float:
+    def deadline_s(self, batch: GlobalBatch, l2_M: np.ndarray | None = None) -> float:
         """How long this batch's step may take before it counts as hung (worked out while
-        the devices run the step: not on the step loop's path, nor in its account)."""
-        predicted = self.detector.healthy_time_s(self.plan, self._mb_tokens(),
-                                                 mb_attention_l2(self.model, batch))
+        the devices run the step: not on the step loop's path, nor in its account).
+        `l2_M`: the batch's attention work per micro-batch, when already known."""
+        l2_M = mb_attention_l2(self.model, batch) if l2_M is None else l2_M
+        predicted = self.detector.healthy_time_s(self.plan, self._mb_tokens(), l2_M)
+        self.last_prediction_s = predicted
         if predicted is None:
             return self.config.step_timeout_s
         deadline = max(self.config.hang_floor_s, self.config.hang_factor * predicted)
@@ -598,9 +630,9 @@ class ResilientTrainer:
         grid = self.plan.device_grid()
         return tuple(int(grid[c]) for c in self._host.timer.in_flight())
 
-    def _observation(self, record: StepRecord, batch: GlobalBatch) -> StepObservation:
-        return StepObservation(record.step, self.plan, self._mb_tokens(),
-                               mb_attention_l2(self.model, batch),
+    def _observation(self, record: StepRecord) -> StepObservation:
+        """The step just run, as the detector judges it."""
+        return StepObservation(record.step, self.plan, self._mb_tokens(), self._last_l2_M,
                                record.step_time_s, self._last_timing.stage_DxP,
                                self._last_timing.host_cpu)
 

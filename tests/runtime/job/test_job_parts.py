@@ -475,7 +475,7 @@ def test_a_save_steps_deadline_holds_the_save_too() -> None:
     run = object.__new__(AdaptRun)
     run.ladder = Ladder(floor_s=10.0, factor=3.0, startup_s=120.0)
     run.config = SimpleNamespace(steps=100)
-    run.trainer = SimpleNamespace(detector=SimpleNamespace(last_prediction_s=2.0),
+    run.trainer = SimpleNamespace(last_prediction_s=2.0,
                                   checkpointer=Ckpt())
     run.data_step = 28  # step 29 next: no save
     assert run._next_deadline() == 10.0

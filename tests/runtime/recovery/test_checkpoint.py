@@ -211,7 +211,7 @@ class _Writes:
         self.under_way = False
         self.clock, self.call_s = clock, call_s  # a save call advances `clock` by `call_s`
 
-    def should_save(self, step: int) -> bool:
+    def reached_preemption(self, step: int) -> bool:
         return True
 
     def latest_step(self) -> None:

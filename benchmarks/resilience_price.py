@@ -13,7 +13,8 @@ step 2, so everything between steps counts):
   save), the background write's time and how much the steps run during a write slow down;
 - at the default cadence: the interval the library picks for a job of 1 device and of 1,024
   (Young's sqrt(2 C M) from the C and write time just measured) and the overhead that follows:
-  (C + slowdown during a write) / interval + the between-saves share;
+  (C + slowdown during a write) / interval + the between-saves share (of the steps after the
+  start-up's background compiles);
 - worst case: a save due after every step (the writer's fastest cadence: each save is put
   off until the previous write ends), on/off (reported, not a target);
 - a slow writer (the fault): every background write made to last 10x the step time
@@ -218,7 +219,8 @@ def per_save(bench: Bench, every: int) -> dict[str, Any]:
 def default_cadence(save: dict[str, Any], between_ratio: float,
                     budget: float) -> dict[str, Any]:
     """The interval 'auto' picks for jobs of JOBS devices from the measured costs, and the
-    overhead that follows from the parts measured."""
+    overhead that follows from the parts measured: `between_ratio` is the per-step price,
+    the steps after the start-up's one-off background compiles where measured."""
     out = {}
     for devices in JOBS:
         choice = choose_interval(save["blocking_s_per_save"], save["write_s"],
@@ -266,7 +268,9 @@ def measure(bench: Bench, rounds: int, every: int) -> dict[str, Any]:
     budget = rh.ResilienceConfig().overhead_budget
     between = between_saves(bench, rounds)
     save = per_save(bench, every)
-    cadence = default_cadence(save, between["on_off_ratio"], budget)
+    steady = between["settled_on_off_ratio"]
+    cadence = default_cadence(save, between["on_off_ratio"] if steady is None else steady,
+                              budget)
     worst = worst_case(bench, between["off_tok_s"])
     off = bench.fit(all_off())
     slow = slow_writer(bench, save["step_s"], off)

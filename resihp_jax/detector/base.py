@@ -152,6 +152,12 @@ class Detector:
         runtime derives its hang deadline from it); None: no prediction yet."""
         return None
 
+    def prediction_s(self, plan: Plan, mb_tokens: np.ndarray,
+                     mb_sum_l2: np.ndarray) -> float | None:
+        """The healthy time a step of this batch will be judged against, known before the
+        step (what a run's metrics and plots show beside it); None: none."""
+        return self.healthy_time_s(plan, mb_tokens, mb_sum_l2)
+
     def wants_stage_times(self) -> bool:
         """Should the next step carry per-stage times whatever the sampling (the trainer
         times stages on 1 step in K otherwise, runtime/trainer/sampling.py)? A detector

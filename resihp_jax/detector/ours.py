@@ -243,6 +243,14 @@ class ResiHPDetector(Detector):
             return None
         return self.scale * self.cost.predict(plan, mb_tokens, mb_sum_l2)
 
+    def prediction_s(self, plan: Plan, mb_tokens: np.ndarray,
+                     mb_sum_l2: np.ndarray) -> float | None:
+        """None while the drift scale is re-measured after a re-plan (those steps are
+        judged against nothing; a hang deadline still comes from `healthy_time_s`)."""
+        if self._rebase_left > 0:
+            return None
+        return self.healthy_time_s(plan, mb_tokens, mb_sum_l2)
+
     def wants_stage_times(self) -> bool:
         """Every step while the evidence is in doubt: the warm-up (the stage baselines are
         learned there), the steps after a re-plan, and while a step over the slack, a

@@ -297,8 +297,8 @@ class ResilientTrainer:
         self.sampler = TimingSampler(self.config.stage_timing_every,
                                      self.config.overhead_budget)
         self._step_timed = True  # whether the last step ran its stage-timing callbacks
-        # the healthy time the detector predicted for the newest step (None: it cannot say
-        # yet), worked out beside that step: the step's own judgement comes a step later
+        # the healthy time the newest step will be judged against (None: none yet), worked
+        # out beside that step: its judgement comes a step later
         self.last_prediction_s: float | None = None
         self._last_l2_M = np.zeros(0)  # the newest step's attention work per micro-batch
 
@@ -590,6 +590,8 @@ class ResilientTrainer:
             if beside is not None:
                 beside.judge()
             l2_M.append(mb_attention_l2(self.model, batch))
+            self.last_prediction_s = self.detector.prediction_s(self.plan, self._mb_tokens(),
+                                                                l2_M[0])
             return self.deadline_s(batch, l2_M[0])
 
         spent_before = timer.spent_s
@@ -615,7 +617,6 @@ class ResilientTrainer:
         `l2_M`: the batch's attention work per micro-batch, when already known."""
         l2_M = mb_attention_l2(self.model, batch) if l2_M is None else l2_M
         predicted = self.detector.healthy_time_s(self.plan, self._mb_tokens(), l2_M)
-        self.last_prediction_s = predicted
         if predicted is None:
             return self.config.step_timeout_s
         deadline = max(self.config.hang_floor_s, self.config.hang_factor * predicted)

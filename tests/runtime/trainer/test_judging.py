@@ -1,6 +1,7 @@
 """What runs beside a step rather than between two: the detector's judgement of step n while
 the devices run step n+1 (its probes and verdict after that step), and the host's CPU
-counters once a step is dispatched."""
+counters (read once a step, beside the next one, in a process of its own; from a step's
+dispatch to its end where a job gathers them with the step)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class _Spy(Detector):
         self.log, self.verdict_at, self.fail_at = log, verdict_at, fail_at
 
     def _suspect(self, obs: StepObservation) -> bool:
-        self.log.append(("judge", obs.step, threading.get_ident()))
+        self.log.append(("judge", obs.step, threading.get_ident(), obs.host_cpu))
         if obs.step == self.fail_at:
             raise ValueError(f"judging step {obs.step} failed")
         return False
@@ -87,6 +88,12 @@ def test_a_step_is_judged_while_the_next_one_runs(monkeypatch: pytest.MonkeyPatc
         assert _at(log, "dispatch", n + 1) < _at(log, "judge", n) < _at(log, "conclude", n)
         assert _at(log, "done", n + 1) < _at(log, "conclude", n) < _at(log, "dispatch", n + 2)
         assert log[_at(log, "judge", n)][2] == me
+    # one process reads its host's counters once a step, beside the next one: each judged
+    # step carries the window its read ended (none at the step's own end)
+    assert trainer._host.timer.cpu is None
+    for n in (1, 2, 4):
+        cpu = log[_at(log, "judge", n)][3]
+        assert cpu is not None and cpu.own > 0 and cpu.cores >= 1
     # step 3 ran on the plan step 2's verdict replaced: the detector starts afresh after it
     assert not any(e[:2] in {("judge", 3), ("conclude", 3)} for e in log)
     # the last step has no next one: judged and concluded after it, before the run ends

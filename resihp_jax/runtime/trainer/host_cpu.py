@@ -57,30 +57,20 @@ class CpuMeter:
         self._start: tuple[float, float, float] | None = None
 
     def begin(self) -> None:
-        self._start = self._read()
+        host = self.host()
+        self._start = None if host is None else (self.clock(), host, self.own())
 
     def end(self) -> HostCpu | None:
-        return self._since(self._start, self._read())
-
-    def lap(self) -> HostCpu | None:
-        """The cores each side used since the previous lap (None at the first): one read
-        per step where each lap ends the previous window and begins the next."""
-        now = self._read()
-        start, self._start = self._start, now
-        return self._since(start, now)
-
-    def _read(self) -> tuple[float, float, float] | None:
-        host = self.host()
-        return None if host is None else (self.clock(), host, self.own())
-
-    def _since(self, start: tuple[float, float, float] | None,
-               now: tuple[float, float, float] | None) -> HostCpu | None:
-        if start is None or now is None:
+        if self._start is None:
             return None
-        wall = now[0] - start[0]
+        host = self.host()
+        if host is None:
+            return None
+        t0, host0, own0 = self._start
+        wall = self.clock() - t0
         if wall <= 0:
             return None
-        own = (now[2] - start[2]) / wall
+        own = (self.own() - own0) / wall
         # the tick counters step in 1/100 s: over a short step `others` is that coarse, and
         # may come out slightly below zero
-        return HostCpu(own=own, others=(now[1] - start[1]) / wall - own, cores=self.cores)
+        return HostCpu(own=own, others=(host - host0) / wall - own, cores=self.cores)

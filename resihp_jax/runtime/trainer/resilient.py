@@ -257,10 +257,6 @@ class ResilientTrainer:
                               "ResilienceConfig(stage_timing=True)")
         timed = self.config.stage_timing and not untimed
         self._untimed_wanted = bool(wanted)
-        # one process reads its host's CPU counters once a step, beside the next step: each
-        # read ends one step's window and begins the next (a job's processes read theirs at
-        # the step's ends, to gather them with the step's time)
-        self._laps = None if multi_process() else CpuMeter()
         # the step alone: the layout moves and every background compile wait for the first
         # step (`start_background`), so nothing competes with it for the host's cores
         self._install(self._compiled(self.plan, timed=timed, layouts=False), self.plan,
@@ -396,8 +392,7 @@ class ResilientTrainer:
     def _install(self, program: StepProgram, plan: Plan, timed: bool = True) -> None:
         self.program, self.plan, self._timed = program, plan, timed
         self._host.hook = self.fault_hook.with_plan(plan) if self.fault_hook else None
-        self._host.timer = StageTimer((plan.dp, plan.pp, plan.tp),
-                                      cpu=CpuMeter() if self._laps is None else None)
+        self._host.timer = StageTimer((plan.dp, plan.pp, plan.tp), cpu=CpuMeter())
         self._prober: Prober | None = None  # compiled at the first alarm on this plan
 
     def _program_for(self, plan: Plan) -> tuple[StepProgram, str]:
@@ -488,9 +483,7 @@ class ResilientTrainer:
                 yield self._finish_pending()
             elif self._timed_ready():
                 self._take_timed()
-        if judging is not None:  # the last step's: no step to judge it beside
-            self._judge_beside(judging)
-        verdict = self._verdict(judging)
+        verdict = self._verdict(judging)  # the last step's: no step to judge it beside
         if verdict is not None:
             yield self.react(verdict, None)
         if self.checkpointer:  # a later run resumes where this one ended
@@ -594,7 +587,8 @@ class ResilientTrainer:
             # thread's Python would hold up the step's own): the previous step's judgement,
             # this batch's healthy time (its deadline)
             dispatched.wait(self.config.hang_floor_s)
-            self._judge_beside(beside)
+            if beside is not None:
+                beside.judge()
             l2_M.append(mb_attention_l2(self.model, batch))
             self.last_prediction_s = self.detector.prediction_s(self.plan, self._mb_tokens(),
                                                                 l2_M[0])
@@ -616,15 +610,6 @@ class ResilientTrainer:
         self._last_l2_M = l2_M[0]
         return StepRecord.of(int(self.state.step), self.plan, jax.device_get(metrics),
                              timing.step_time_s, batch)
-
-    def _judge_beside(self, judging: Judging | None) -> None:
-        """The previous step's judgement, its window of the host's CPU counters ending now
-        (one process; in a job, its step's own), while the devices run the next step."""
-        cpu = self._laps.lap() if self._laps is not None else None
-        if judging is not None:
-            if self._laps is not None:
-                judging.obs = dataclasses.replace(judging.obs, host_cpu=cpu)
-            judging.judge()
 
     def deadline_s(self, batch: GlobalBatch, l2_M: np.ndarray | None = None) -> float:
         """How long this batch's step may take before it counts as hung (worked out while

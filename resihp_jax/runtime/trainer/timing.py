@@ -7,7 +7,7 @@ event (a slowed device's markers fire on all its ticks, for the fault injector).
 device's callbacks arrive in order from one thread and every device writes only its own
 slot, so no lock is needed; the cost is two callbacks and two clock reads per device and step.
 Given a `CpuMeter`, the timer also says what CPU this process and the rest of its host used
-over the step (two reads of /proc/stat per step, the first once the step is dispatched).
+over the step (two reads of /proc/stat per step).
 """
 
 from __future__ import annotations
@@ -67,10 +67,9 @@ class StageTimer:
         self._regions = RegionTimer(clock)
         self._fwd = np.zeros(self.shape)
         self._t0 = 0.0
-        # host seconds spent timing (the callbacks' own work, the CPU counters' read at the
-        # step's end): the "timing" part of a run's resilience overhead. Callbacks of several
-        # devices add to it from their own threads; a lost update under-counts by one callback
-        # at most
+        # host seconds spent timing (the callbacks' own work, the CPU counters' reads): the
+        # "timing" part of a run's resilience overhead. Callbacks of several devices add to
+        # it from their own threads; a lost update under-counts by one callback at most
         self.spent_s = 0.0
 
     def __call__(self, event: int, dp: int, pp: int, tp: int, knob: float, busy: bool,
@@ -88,17 +87,13 @@ class StageTimer:
         self.spent_s += time.perf_counter() - entered
 
     def begin(self) -> None:
-        """Just before the step is dispatched."""
         self._fwd[:] = 0.0
         self._regions.clear()
-        self._t0 = self._regions.clock()
-
-    def dispatched(self) -> None:
-        """Once the step is on its way: the host's counters are read from here on, while
-        the devices run it (not between two steps, where they would wait for the read; so
-        not in `spent_s`, the step loop's account)."""
         if self.cpu is not None:
+            entered = time.perf_counter()
             self.cpu.begin()
+            self.spent_s += time.perf_counter() - entered
+        self._t0 = self._regions.clock()
 
     def end(self) -> StepTiming:
         elapsed = self._regions.clock() - self._t0
@@ -128,7 +123,6 @@ def timed_step(program: Any, state: Any, batch: Any, knobs_DxPxT: np.ndarray | N
     state, metrics = program.step(state, batch, knobs_DxPxT)
     if dispatched is not None:
         dispatched.set()
-    timer.dispatched()
     # the step's time is read when its loss is ready, which the loop fetches anyway
     jax.block_until_ready(metrics)
     timing = timer.end()

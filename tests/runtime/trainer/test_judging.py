@@ -1,7 +1,6 @@
 """What runs beside a step rather than between two: the detector's judgement of step n while
-the devices run step n+1 (its probes and verdict after that step), and the host's CPU
-counters (read once a step, beside the next one, in a process of its own; from a step's
-dispatch to its end where a job gathers them with the step)."""
+the devices run step n+1 (its probes and verdict after that step); and what does not: the
+host's CPU counters, whose window must hold the step's dispatch."""
 
 from __future__ import annotations
 
@@ -88,9 +87,7 @@ def test_a_step_is_judged_while_the_next_one_runs(monkeypatch: pytest.MonkeyPatc
         assert _at(log, "dispatch", n + 1) < _at(log, "judge", n) < _at(log, "conclude", n)
         assert _at(log, "done", n + 1) < _at(log, "conclude", n) < _at(log, "dispatch", n + 2)
         assert log[_at(log, "judge", n)][2] == me
-    # one process reads its host's counters once a step, beside the next one: each judged
-    # step carries the window its read ended (none at the step's own end)
-    assert trainer._host.timer.cpu is None
+    # each judged step carries its own window of the host's CPU counters
     for n in (1, 2, 4):
         cpu = log[_at(log, "judge", n)][3]
         assert cpu is not None and cpu.own > 0 and cpu.cores >= 1
@@ -117,7 +114,11 @@ def test_an_error_while_judging_is_raised_once_the_step_beside_it_ended(
     assert trainer.completed == 2 and ("done", 2) in log and ("dispatch", 3) not in log
 
 
-def test_the_host_counters_start_once_the_step_is_dispatched() -> None:
+def test_the_host_counters_window_holds_the_steps_dispatch() -> None:
+    """Read from just before the dispatch to the step's end. A window opened after the
+    dispatch (off the step loop's path) doubled the detector's prediction error on CPU
+    devices, where the dispatch runs part of the step (`benchmarks/detection.py --quick`:
+    MAPE 6.6-9.6% against 3.2-3.7%)."""
     log: list[str] = []
 
     class Meter:
@@ -136,5 +137,5 @@ def test_the_host_counters_start_once_the_step_is_dispatched() -> None:
 
     timer = StageTimer((1, 1, 1), cpu=Meter())  # type: ignore[arg-type]
     state, metrics, timing = timed_step(Program(), jnp.zeros(()), None, None, timer)
-    assert log == ["dispatch", "counters from", "counters to"]
+    assert log == ["counters from", "dispatch", "counters to"]
     assert float(state) == 1.0 and timing.step_time_s > 0

@@ -122,13 +122,13 @@ def compute_copy(params: Any, dtype: str | None, own: Any = None) -> Any:
 
 
 def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
-                           pos: jax.Array, n_layers_P: jax.Array, n_mb_D: jax.Array,
-                           knob: jax.Array | None = None, *, parts: ModelParts, pp: int,
-                           remat: bool, compute_dtype: str | None = None,
-                           axes: tuple[str, ...] = STEP_AXES,
-                           instrument: Instrument | None = None,
-                           gates: str = "cond", step: jax.Array | None = None,
-                           vocab_tp: int = 1) -> jax.Array:
+                      pos: jax.Array, n_layers_P: jax.Array, n_mb_D: jax.Array,
+                      knob: jax.Array | None = None, *, parts: ModelParts, pp: int,
+                      remat: bool, compute_dtype: str | None = None,
+                      axes: tuple[str, ...] = STEP_AXES,
+                      instrument: Instrument | None = None,
+                      gates: str = "cond", step: jax.Array | None = None,
+                      vocab_tp: int = 1) -> jax.Array:
     """Sum of token losses over all DP groups' micro-batches (same value on every device).
 
     Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...]; knob

@@ -167,7 +167,6 @@ class TrainingRun:
                         self.ladder, self.phases, self.out, self._compiles_from,
                         programs=self.programs)
 
-
     def _take_over(self, go_file: Path, job: Any, plan: Plan, run: Any) -> Any:
         """A standby process: wait for the go, then train as the job's process on the host
         it names. The prepared run serves when the job's health record still gives `plan`

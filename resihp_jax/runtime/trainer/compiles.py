@@ -64,21 +64,25 @@ def install() -> None:
     monitoring.register_event_listener(_on_event)
 
 
-def foreground_since(start: float) -> tuple[int, float]:
-    """Executables built outside the background compiler that finished after wall-clock
-    time `start` (time.time()), and their seconds; counted once `install` has run."""
+def _built_since(built: list[tuple[float, float]], start: float) -> list[tuple[float, float]]:
+    """The (end, seconds) of `built` that finished after wall-clock time `start`
+    (time.time()); counted once `install` has run."""
     install()
     with _lock:
-        built = [seconds for end, seconds in _foreground if end > start]
-    return len(built), float(sum(built))
+        return [(end, seconds) for end, seconds in built if end > start]
+
+
+def foreground_since(start: float) -> tuple[int, float]:
+    """Executables built outside the background compiler that finished after wall-clock
+    time `start` (time.time()), and their seconds."""
+    built = _built_since(_foreground, start)
+    return len(built), float(sum(seconds for _, seconds in built))
 
 
 def background_since(start: float) -> list[tuple[float, float]]:
     """(wall clock at the end, seconds) of each executable the background compiler built
     that finished after `start` (time.time()): when a run's work beside its steps ended."""
-    install()
-    with _lock:
-        return [(end, seconds) for end, seconds in _background if end > start]
+    return _built_since(_background, start)
 
 
 @dataclass

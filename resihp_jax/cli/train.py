@@ -112,7 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapt", action="store_true",
                         help="watch every step and re-plan around slow devices in place "
                              "(detector and scheduler; in a job of several processes, every "
-                             "process follows process 0's verdict and plan)")
+                             "process follows process 0's verdict and plan). Without it the "
+                             "same loop runs with nothing watched: step deadlines, checkpoints "
+                             "and survivors' copies as ever, no probes or stage timing")
     parser.add_argument("--precompile", type=int, default=0,
                         help="with --adapt: compile this many likely next plans in the "
                              "background (default 0; worth it on hosts with spare cores)")

@@ -5,6 +5,6 @@
 - `recovery/`: state that outlives a fault: orbax checkpoints, survivors' copies, host
   snapshots, resume, the job's health record;
 - `job/`: the multi-process job: joining it, the plan on the devices it has, heartbeats,
-  deadlines, the watchdog, process exits and the local supervisor (`resihp launch`);
+  deadlines, process exits and the local supervisor (`resihp launch`);
 - `run/`: the run `resihp train` performs, as a library object built from typed configs.
 """

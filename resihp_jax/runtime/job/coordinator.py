@@ -26,7 +26,8 @@ import sys
 import threading
 from typing import Any
 
-from resihp_jax.runtime.job.watchdog import HUNG_EXIT
+HUNG_EXIT = 75  # EX_TEMPFAIL: the job may be retried (a process that lost a peer)
+
 
 PROBE_TIMEOUT_S = 2.0  # a host that is gone does not refuse: it stays silent this long
 # held by the path that is ending the process: a second path waits for the first to exit

@@ -17,12 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
-from resihp_jax.models.config import ModelConfig
-from resihp_jax.perfmodel.fit import OnlineCostModel
 
 
 @dataclass(frozen=True)
@@ -57,39 +52,3 @@ class Ladder:
     def init_timeout_s(self) -> int:
         """Joining the job waits for the slowest process's start-up: longer still."""
         return int(math.ceil(max(300.0, 3 * self.startup_s)))
-
-
-class StepDeadline:
-    """The deadline of each step of a plain training loop, learned from its healthy steps."""
-
-    def __init__(self, model: ModelConfig, ladder: Ladder, *, remat: bool = False,
-                 first_compiles: bool = True) -> None:
-        """`first_compiles`: the first step includes compilation (it is then not learned
-        from); False when the program was compiled ahead of time."""
-        self.ladder = ladder
-        self._skip = 1 if first_compiles else 0
-        self.cost = OnlineCostModel(model, remat=remat, window=64, min_steps=6, refit_every=4)
-        self._seen = 0
-        self._slowest: float | None = None
-
-    def predicted_s(self, plan: Plan, mb_sum_l2: np.ndarray) -> float | None:
-        """This batch's healthy time by the cost model; until it can predict, the slowest
-        healthy step measured so far (None before any step but the compiling first)."""
-        if not self.cost.ready:
-            return self._slowest
-        return self.cost.predict(plan, _tokens(plan), np.asarray(mb_sum_l2, np.float64))
-
-    def deadline_s(self, plan: Plan, mb_sum_l2: np.ndarray) -> float:
-        return self.ladder.deadline_s(self.predicted_s(plan, mb_sum_l2))
-
-    def observe(self, plan: Plan, mb_sum_l2: np.ndarray, step_time_s: float) -> None:
-        """Learn from a finished step (not from one that included compilation)."""
-        self._seen += 1
-        if self._seen > self._skip and step_time_s > 0:
-            self._slowest = max(self._slowest or 0.0, step_time_s)
-            self.cost.observe(plan, _tokens(plan), np.asarray(mb_sum_l2, np.float64),
-                              step_time_s)
-
-
-def _tokens(plan: Plan) -> np.ndarray:
-    return np.full(plan.n_microbatches, plan.microbatch_size * plan.seq_len, np.float64)

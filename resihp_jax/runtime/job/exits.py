@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from resihp_jax.errors import HostsLeftOut, JobStepFailed, Preempted, ResihpError
 from resihp_jax.runtime.job.coordinator import leaving, lost_line
-from resihp_jax.runtime.job.watchdog import HUNG_EXIT
+from resihp_jax.runtime.job.coordinator import HUNG_EXIT
 
 USER_ERROR = 2
 # what host_snapshot.py exits with on SIGTERM (it sits below this layer and holds its own
@@ -96,7 +96,7 @@ def run_as_job_process(body: Callable[[], Any], prog: str) -> int:
     at once with the code its end calls for. `prog` names the process in its messages."""
     from resihp_jax.runtime.recovery.host_snapshot import set_prog  # noqa: PLC0415 - JAX
 
-    set_prog(prog)  # the exit paths elsewhere (SIGTERM, the watchdog) name it the same
+    set_prog(prog)  # the exit paths elsewhere (SIGTERM, a lost coordinator) name it the same
     # a process may be killed at any moment: what it printed must already be in its log
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)

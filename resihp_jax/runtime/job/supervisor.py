@@ -50,7 +50,7 @@ from resihp_jax.runtime.recovery import health_record
 from resihp_jax.faults.throttle import Throttle
 from resihp_jax.runtime.job import priority
 from resihp_jax.runtime.job.exits import EXIT_CODES, PEER_LOST_ENV, USER_ERROR
-from resihp_jax.runtime.job.watchdog import HUNG_EXIT
+from resihp_jax.runtime.job.coordinator import HUNG_EXIT
 
 # the job's directory, for a user's own command (rh.fit checkpoints there by default)
 CHECKPOINT_DIR_ENV = "RESIHP_CHECKPOINT_DIR"
@@ -448,7 +448,7 @@ class Supervisor:
                 return Failure("readmit", None, step, None, "excluded host(s) repaired: "
                                "restarting to take them in"), step, beats
             # the deadline the processes publish for the step in flight (from the cost
-            # model, with their floor); their own watchdogs use the same figure
+            # model, with their floor); their own step deadlines use the same figure
             limit = cfg.startup_s if not started else \
                 max((b.deadline_s for b in beats.values()), default=cfg.startup_s)
             if self.clock() - advanced_at > limit:
@@ -482,7 +482,7 @@ class Supervisor:
     def _died(self, failed: dict[str, int], beats: dict[str, heartbeat.Beat],
               step: int) -> Failure:
         """The failure behind these exits. A process killed by a signal or failing on its
-        own is the culprit; processes that gave up waiting (their watchdog's HUNG_EXIT) are
+        own is the culprit; processes that gave up waiting (a step past its deadline: HUNG_EXIT) are
         victims, and the culprit is then the one whose heartbeat froze."""
         culprits = {h: c for h, c in failed.items() if c != HUNG_EXIT}
         if not culprits:

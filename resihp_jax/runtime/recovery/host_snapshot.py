@@ -58,7 +58,7 @@ VERSION = 1
 PREEMPTED_EXIT = 74
 # A launcher that ends the job after another process failed (resihp launch) names the failure
 # in the file this variable points to before its SIGTERM: the process then exits 75 (a peer
-# was lost: restart, counted, not this process's fault; HUNG_EXIT in job/watchdog.py) with one
+# was lost: restart, counted, not this process's fault; HUNG_EXIT in job/coordinator.py) with one
 # line naming the lost peer, where a preemption's SIGTERM exits PREEMPTED_EXIT.
 PEER_LOST_ENV = "RESIHP_PEER_LOST_FILE"
 PEER_LOST_EXIT = 75

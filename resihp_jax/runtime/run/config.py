@@ -48,7 +48,9 @@ class RunConfig:
     # a jax.profiler trace of steps (first, end) (end excluded) into the metrics directory
     profile_steps: tuple[int, int] | None = None
     progress: bool = True  # a progress bar on process 0
-    adapt: bool = False  # detector + scheduler: re-plan around slow devices in place
+    # detector + scheduler: re-plan around slow devices in place (False: the same loop,
+    # nothing watched; a failed step is still survived)
+    adapt: bool = False
     precompile: int = 0  # with adapt: likely next plans compiled in the background
     background_compile: bool = True  # with adapt: train a split while a new mesh compiles
     hang_floor_s: float = 10.0  # a step deadline is never below this

@@ -26,7 +26,7 @@ from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.runtime.job import standby
 from resihp_jax.runtime.job.devices import select_devices
 from resihp_jax.runtime.job.distributed import JobSpec
-from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig
+from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.step.config import TrainConfig
 
 
@@ -59,7 +59,7 @@ class TrainingRun:
         self.phases: dict[str, float] = {}
         self.data, self.programs, self.on_step = data, programs, on_step
         self.resilience, self.devices = resilience, devices
-        self.active: Any = None  # the loop of the current run (AdaptRun or TrainRun)
+        self.active: Any = None  # the loop of the current run (ProcessRun)
         self._started = compiles_from
 
     def run(self) -> list[Any]:
@@ -132,7 +132,7 @@ class TrainingRun:
         return records
 
     def _build(self, job: Any, plan: Plan) -> Any:
-        """The loop for this run: the plain one, or the ResilientTrainer's with `adapt`."""
+        """The loop for this run: the ResilientTrainer's, watching what `_resilience` says."""
         from resihp_jax.data import BatchIterator  # noqa: PLC0415 - after the device flag is set
 
         config = self.config
@@ -143,29 +143,25 @@ class TrainingRun:
                                           microbatch_size=plan.microbatch_size,
                                           seq_len=plan.seq_len, seed=config.seed)
         self._describe(job, plan, copies)
-        if config.adapt:
-            from resihp_jax.runtime.run.adapt import AdaptRun  # noqa: PLC0415
+        from resihp_jax.runtime.run.process import ProcessRun  # noqa: PLC0415
 
-            return AdaptRun(config, copies, job, self.model, train_cfg, plan, data,
-                            self.ladder, self.phases, self.out, programs=self.programs,
-                            on_step=self.on_step, resilience=self.resilience,
-                            compiles_from=self._compiles_from,
-                            devices=self.devices if job.spec.single else None)
-        from resihp_jax.runtime.recovery.checkpoint import Checkpointer  # noqa: PLC0415
-        from resihp_jax.runtime.recovery.run_identity import identity_of  # noqa: PLC0415
-        from resihp_jax.runtime.run.plain import TrainRun  # noqa: PLC0415
+        return ProcessRun(config, copies, job, self.model, train_cfg, plan, data,
+                        self.ladder, self.phases, self.out, programs=self.programs,
+                        on_step=self.on_step, resilience=self._resilience(),
+                        compiles_from=self._compiles_from,
+                        devices=self.devices if job.spec.single else None)
 
-        ckpt = None
-        if config.checkpoint_dir is not None:  # (the adapting trainer keeps its own)
-            ckpt = Checkpointer(config.checkpoint_dir, interval=config.checkpoint_every,
-                                asynchronous=True, local_copy_dir=config.local_copy_dir,
-                                identity=identity_of(self.programs, self.model, train_cfg,
-                                                     data.state()),
-                                say=self._say if job.primary else None,
-                                force_identity=config.resume == RESUME_FORCE)
-        return TrainRun(config, copies, job, self.model, train_cfg, plan, data, ckpt,
-                        self.ladder, self.phases, self.out, self._compiles_from,
-                        programs=self.programs)
+    def _resilience(self) -> Any:
+        """What the loop watches: the given settings (`rh.fit`), the full detector and
+        scheduler with `adapt`, else nothing (no detector, probes or stage timing: the loop
+        still learns each step's deadline, checkpoints, keeps copies and survives a failed
+        step)."""
+        from resihp_jax.runtime.trainer.resilient import (DETECTOR_OFF,  # noqa: PLC0415
+                                                          ResilienceConfig)
+
+        if self.resilience is not None or self.config.adapt:
+            return self.resilience
+        return ResilienceConfig(detector=DETECTOR_OFF, stage_timing=False, precompile=0)
 
     def _take_over(self, go_file: Path, job: Any, plan: Plan, run: Any) -> Any:
         """A standby process: wait for the go, then train as the job's process on the host

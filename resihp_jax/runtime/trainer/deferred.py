@@ -11,14 +11,12 @@ Until then a move compiles on first use, in whatever thread calls it, and is cou
 from __future__ import annotations
 
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
 
 from resihp_jax.runtime.recovery.checksum import tree_sums
-from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
 from resihp_jax.step.program import abstract_args
 from resihp_jax.step.program import StepProgram, canonical_state_shapes
 
@@ -63,26 +61,3 @@ def await_started(future: Future | None) -> None:
     except Exception as err:  # noqa: BLE001 - a failed background compile: compile on use
         warnings.warn(f"compiling the layout moves in the background failed ({err!r}); "
                       "they compile when first used", stacklevel=2)
-
-
-class BackgroundCompiles:
-    """One piece of work run once, in a thread of its own that the compile counter knows as
-    background (compiles.BACKGROUND_PREFIX): a run without the ResilientTrainer's
-    Precompiler."""
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._future: Future | None = None
-
-    def start(self, work: Callable[[], object]) -> None:
-        """Start `work` unless started before."""
-        if self._future is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=BACKGROUND_PREFIX)
-            self._future = self._pool.submit(work)
-
-    def wait(self) -> None:
-        await_started(self._future)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,21 +1,19 @@
-"""A plain training loop over a StepProgram: data in plan order, one metrics record a step.
-
-Each step's loss and gradient norm are checked on the host (they are fetched for the record
-anyway): a non-finite one stops training before that step is checkpointed, so the newest
-checkpoint always holds a finite state.
+"""A step's record, and the parts of running one that every loop shares: the batch on the
+mesh, one timed step, and the error that stops a run at a non-finite loss or gradient norm
+(checked on the host, where they are fetched for the record anyway) before that step is
+checkpointed, so the newest checkpoint always holds a finite state.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import numpy as np
 
-from resihp_jax.data import BatchIterator, GlobalBatch
+from resihp_jax.data import GlobalBatch
 from resihp_jax.errors import TrainingDiverged
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.step.program import Batch, StepProgram, TrainState
@@ -90,34 +88,3 @@ def diverged(record: StepRecord, checkpointer: Checkpointer | None) -> TrainingD
         f"step {record.step}: loss={record.loss} grad_norm={record.grad_norm} is not finite; "
         f"training stopped and step {record.step} was not saved ({newest}). A learning rate "
         "far too high is the usual cause")
-
-
-def train(program: StepProgram, state: TrainState, data: BatchIterator, steps: int,
-          checkpointer: Checkpointer | None = None,
-          before_step: Callable[[Plan, GlobalBatch], None] | None = None,
-          after_step: Callable[[TrainState, StepRecord], StepRecord] | None = None,
-          ) -> Iterator[tuple[TrainState, StepRecord]]:
-    """Yield (state, record) after each of `steps` steps, saving when `checkpointer` is due
-    and after the last step. `before_step` sees each batch before its step starts (e.g. to
-    set that step's deadline); `after_step` each finished step before it is saved (its
-    record is the one yielded).
-
-    TrainingDiverged on a non-finite loss or gradient norm; that step is neither saved
-    nor yielded.
-    """
-    for _ in range(steps):
-        batch = data.next_batch()
-        if before_step is not None:
-            before_step(program.plan, batch)
-        state, record = run_step(program, state, batch)
-        if not (math.isfinite(record.loss) and math.isfinite(record.grad_norm)):
-            raise diverged(record, checkpointer)
-        if after_step is not None:
-            record = after_step(state, record)
-        if checkpointer is not None:
-            checkpointer.save(record.step, state, program, data.state())
-        yield state, record
-        if checkpointer is not None:
-            checkpointer.stop_if_preempted()
-    if checkpointer is not None and steps > 0:  # a later run resumes where this one ended
-        checkpointer.save(record.step, state, program, data.state(), force=True)

@@ -1,16 +1,55 @@
-"""The detector of a run that watches nothing (`ResilienceConfig(detector="off")`): it never
-suspects a step, predicts no step time (deadlines stay `step_timeout_s`) and never probes. A
-step that fails or hangs is still re-planned around (that verdict comes from the failure,
-not from a detector). For timing what the watching costs against a run without it."""
+"""The detector of a run that watches nothing (`ResilienceConfig(detector="off")`, and
+`resihp train` without `--adapt`): it never suspects a step and never probes. It still learns
+what a healthy step of this plan costs, so a step's hang deadline is `hang_factor` times what
+that batch should take, not the start-up's long limit: a frozen peer is caught as fast as
+under the full detector. A step that fails or hangs is still re-planned around (that verdict
+comes from the failure, not from a detector).
+
+The estimate is a straight line in the batch's attention work (sum of l^2 over its
+documents) fitted to the plan's recent steps: microseconds of host time a step, where the
+full detector's cost model re-simulates the pipeline over its window (a fifth of a second a
+refit). A deadline is three times the estimate, floored at seconds; it needs no more."""
 
 from __future__ import annotations
 
+from collections import deque
+
+import numpy as np
+
 from resihp_jax.detector.base import Detector
 from resihp_jax.detector.verdict import StepObservation
+from resihp_jax.meshes.plan import Plan
+
+WINDOW, MIN_STEPS = 32, 6
 
 
 class Unwatched(Detector):
     name = "off"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._plan: Plan | None = None
+        self._seen: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (sum l^2, seconds)
+
     def _suspect(self, obs: StepObservation) -> bool:
+        if obs.plan != self._plan:  # another plan's steps say nothing of this one's
+            self._plan = obs.plan
+            self._seen.clear()
+        if obs.step_time_s > 0:
+            self._seen.append((float(np.sum(obs.mb_sum_l2)), obs.step_time_s))
         return False
+
+    def healthy_time_s(self, plan: Plan, mb_tokens: np.ndarray,
+                       mb_sum_l2: np.ndarray) -> float | None:
+        """This batch's time on the line through the plan's recent steps, never below their
+        median; the slowest of them until there are `MIN_STEPS`; None before any."""
+        if plan != self._plan or not self._seen:
+            return None
+        l2, seconds = np.asarray(self._seen).T
+        if len(seconds) < MIN_STEPS:
+            return float(seconds.max())
+        median = float(np.median(seconds))
+        if np.ptp(l2) == 0:  # every batch alike: no line to fit
+            return median
+        slope, intercept = np.polyfit(l2, seconds, 1)
+        return max(float(intercept + slope * np.sum(mb_sum_l2)), median)

@@ -1,5 +1,5 @@
 """The pieces of a multi-process job that need no second process: who a process is, the plan
-on the devices a job has, step deadlines, the watchdog, the supervisor's blame, metrics kept
+on the devices a job has, step deadlines, the supervisor's blame, metrics kept
 across a relaunch. Time is injected everywhere: nothing here waits."""
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.job import distributed
 from resihp_jax.runtime.recovery import health_record
-from resihp_jax.runtime.job.deadline import Ladder, StepDeadline
+from resihp_jax.detector.verdict import StepObservation
+from resihp_jax.runtime.job.deadline import Ladder
 from resihp_jax.runtime.job.heartbeat import Beat
 from resihp_jax.runtime.job.plan import cover_processes, plan_for_devices
 from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor
-from resihp_jax.runtime.run.plain import metrics_file
-from resihp_jax.runtime.job.watchdog import HUNG_EXIT, Watchdog
+from resihp_jax.runtime.run.record_sink import metrics_file
+from resihp_jax.runtime.job.coordinator import HUNG_EXIT
+from resihp_jax.runtime.trainer.unwatched import Unwatched
 
 
 def test_job_spec_from_flags_variables_or_cluster() -> None:
@@ -97,20 +99,33 @@ def test_deadline_from_the_cost_model_with_a_floor() -> None:
     assert ladder.deadline_s(None) == 60.0 and ladder.deadline_s(0.1) == 2.0
     assert ladder.deadline_s(5.0) == 15.0
     assert ladder.heartbeat_timeout_s > ladder.startup_s and ladder.init_timeout_s > 60
-    deadline = StepDeadline(get_model_config("tiny"), ladder)
+    # the loop with nothing watched learns each batch's healthy time all the same
+    watch = Unwatched()
     plan, rng = _requested(), np.random.default_rng(0)
-    l2 = rng.uniform(1e3, 4e3, 4)
-    assert deadline.deadline_s(plan, l2) == 60.0  # nothing measured: the start-up limit
-    deadline.observe(plan, l2, 50.0)  # the first step compiles: not learned
-    assert deadline.deadline_s(plan, l2) == 60.0
-    for _ in range(3):
-        deadline.observe(plan, l2, 4.0)
-    assert deadline.deadline_s(plan, l2) == 12.0  # 3x the slowest healthy step so far
-    for _ in range(12):
+    tokens, l2 = np.full(4, 256.0), np.full(4, 2e3)
+
+    def deadline_s(sums: np.ndarray = l2, on: Plan = plan) -> float:
+        return ladder.deadline_s(watch.healthy_time_s(on, tokens, sums))
+
+    def seen(step: int, sums: np.ndarray, step_time_s: float, on: Plan = plan) -> None:
+        assert watch.observe(StepObservation(step, on, tokens, sums, step_time_s)) is None
+
+    assert deadline_s() == 60.0  # nothing measured: the start-up limit
+    for step in range(1, 4):
+        seen(step, l2, 4.0)
+    assert deadline_s() == 12.0  # 3x the slowest healthy step so far
+    times = []
+    for step in range(4, 40):  # a step's time grows with its batch's attention work
         sums = rng.uniform(1e3, 4e3, 4)
-        deadline.observe(plan, sums, 1.0 + sums.sum() / 4e3)
-    assert deadline.cost.ready and deadline.deadline_s(plan, l2) == pytest.approx(
-        3 * deadline.predicted_s(plan, l2))
+        times.append(1.0 + sums.sum() / 4e3)
+        seen(step, sums, times[-1])
+    assert watch.alarms == 0
+    heavy, light = np.full(4, 4e3), np.full(4, 1e3)
+    assert deadline_s(heavy) == pytest.approx(3 * 5.0)  # on the line the steps lie on
+    # a light batch's line time (2 s) is below most steps': never under their median
+    assert deadline_s(light) == pytest.approx(3 * np.median(times[-32:]))
+    other = _requested(2, 1, 1)
+    assert other != plan and deadline_s(on=other) == 60.0  # another plan: nothing learned
 
 
 @pytest.mark.parametrize("kw", [dict(floor_s=0.0), dict(factor=1.0),
@@ -118,24 +133,6 @@ def test_deadline_from_the_cost_model_with_a_floor() -> None:
 def test_bad_ladder_is_refused(kw: dict) -> None:
     with pytest.raises(ConfigError):
         Ladder(**kw)
-
-
-def test_watchdog_fires_only_past_the_deadline() -> None:
-    now, fired = [0.0], []
-    dog = Watchdog(on_expiry=fired.append, clock=lambda: now[0], poll_s=3600)
-    try:
-        dog.arm(7, 5.0)
-        now[0] = 4.9
-        assert not dog.check()
-        now[0] = 5.1
-        assert dog.check() and "step 7" in fired[0] and "5.0 s" in fired[0]
-        assert not dog.check()  # fires once
-        dog.arm(8, 5.0)
-        dog.disarm()
-        now[0] = 100.0
-        assert not dog.check()
-    finally:
-        dog.close()
 
 
 def _supervisor(tmp_path: Path) -> Supervisor:
@@ -460,7 +457,7 @@ def test_a_save_steps_deadline_holds_the_save_too() -> None:
     warm-up); other steps keep the step's own."""
     from types import SimpleNamespace
 
-    from resihp_jax.runtime.run.adapt import AdaptRun
+    from resihp_jax.runtime.run.process import ProcessRun
 
     class Ckpt:
         def due(self, step: int) -> bool:  # (its cadence: every 10 steps)
@@ -472,7 +469,7 @@ def test_a_save_steps_deadline_holds_the_save_too() -> None:
         def deadline_beside_write(self, deadline_s: float, limit_s: float) -> float:
             return deadline_s  # no write under way
 
-    run = object.__new__(AdaptRun)
+    run = object.__new__(ProcessRun)
     run.ladder = Ladder(floor_s=10.0, factor=3.0, startup_s=120.0)
     run.config = SimpleNamespace(steps=100)
     run.trainer = SimpleNamespace(last_prediction_s=2.0,

@@ -130,7 +130,7 @@ def test_hang_is_caught_by_the_deadline(tmp_path: Path, reference: list[float]) 
     # not before the deadline: 3x the slowest healthy step so far, floored at
     # --hang-floor-s 5 (the tiny model's steps are far shorter, so the floor decides). The
     # deadline runs from the step's start, which the fault follows by up to a poll; when the
-    # processes' own watchdogs (armed just before the step's heartbeat) catch it first, the
+    # processes' own step deadlines (set just before the step's heartbeat) catch it first, the
     # supervisor, which saw that heartbeat up to a poll late, counts up to a poll less
     [failure] = supervisor.summary.failures
     assert failure.stalled_s >= 5.0 - 0.1 and failure.detect_s <= failure.stalled_s

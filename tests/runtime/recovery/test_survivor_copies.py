@@ -296,7 +296,7 @@ def test_a_step_finished_on_the_devices_is_kept_when_a_later_collective_fails(
     a failed step donated is left alone."""
     from types import SimpleNamespace
 
-    from resihp_jax.runtime.run.adapt import keep_completed
+    from resihp_jax.runtime.run.process import keep_completed
 
     plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
     program, state, data = _trained(plan, 2, donate=False)

@@ -1,10 +1,15 @@
-"""The steps of one training process under the ResilientTrainer (`resihp train --adapt`).
+"""The steps of one training process: the one loop of `resihp train` (with `--adapt` or
+without), `rh.fit` and the demo, the ResilientTrainer's, under whatever it is asked to watch.
 
-Every process of the job runs the trainer: it times its own devices, the timings are
-combined across processes so every detector sees the same step, process 0's verdict and
-plan are every process's, and the switch happens in the running processes (a new split in
-place; a new mesh through orbax and a recompile). A failed or hung step cannot be survived
-in place by a job of several processes: the process exits for a relaunch on the survivors.
+Start-up (restore or initialize, the survivors' copies, SIGTERM's save), the heartbeat that
+tells the job's supervisor each step's deadline, and each finished step's record. With the
+detector on, every process times its own devices, the timings are combined across processes
+so every detector sees the same step, process 0's verdict and plan are every process's, and
+the switch happens in the running processes (a new split in place; a new mesh through orbax
+and a recompile). With everything off (`resihp train` without `--adapt`) the loop still
+learns each step's deadline from the steps before it. A failed or hung step cannot be
+survived in place by a job of several processes: the process exits for a relaunch on the
+survivors.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from resihp_jax.errors import HostsLeftOut
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.runtime.job.deadline import Ladder
 from resihp_jax.runtime.job.heartbeat import Heartbeat
+from resihp_jax.runtime.recovery.copy_writers import node_of_host
+from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots, activate, deactivate
+from resihp_jax.runtime.recovery.preemption import SaveOnSigterm
 from resihp_jax.runtime.recovery.checkpoint import deadline_beside_write
 from resihp_jax.runtime.trainer.deferred import compile_layouts
 from resihp_jax.runtime.trainer.loop import StepRecord
@@ -25,8 +33,7 @@ from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, Resil
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig
 from resihp_jax.runtime.run.model_identity import with_current_hyperparams
-from resihp_jax.runtime.run.plain import (RecordSink, attach_job, close_host_copies,
-                                           host_copies, save_on_sigterm)
+from resihp_jax.runtime.run.record_sink import RecordSink
 from resihp_jax.runtime.run.run_metrics import optimizer_learning_rate
 
 
@@ -43,7 +50,7 @@ def _excluding_left_out(events: Iterator[Any], job: Any,
         raise
 
 
-class AdaptRun:
+class ProcessRun:
     def __init__(self, config: RunConfig, copies: str | None, job: Any, model: Any,
                  train_cfg: Any, plan: Plan, data: Any, ladder: Ladder,
                  phases: dict[str, float], out: TextIO, *, programs: Any = None,
@@ -91,8 +98,17 @@ class AdaptRun:
         self.trainer.start_background()
 
     def attach(self, job: Any, compiles_from: float) -> None:
-        """Train in `job` (a standby's, once its go named its hosts; see attach_job)."""
-        self.heartbeat, self.snapshots = attach_job(self, job, self.trainer.checkpointer)
+        """Train in `job` from now on: the heartbeat and host copies under its host id, the
+        checkpoint list read afresh. A standby built its run (and compiled it) for
+        placeholder hosts long before its go named the real ones."""
+        self.job, ckpt = job, self.trainer.checkpointer
+        if self.heartbeat is not None:
+            self.heartbeat.close()  # it wrote nothing: told a step only once training starts
+        close_host_copies(self.snapshots)
+        if ckpt is not None:
+            ckpt.reload()
+        self.heartbeat = Heartbeat.from_env(job.spec.host_id)
+        self.snapshots = host_copies(self.copies, job, ckpt)
         self.compiles_from = compiles_from
 
     def run(self) -> list[StepRecord]:
@@ -255,3 +271,33 @@ def keep_completed(snapshots: Any, trainer: Any) -> bool:
         return False
     snapshots.capture(completed, state, trainer.program, trainer.data.state(), None)
     return True
+
+
+def host_copies(mode: str | None, job: Any, ckpt: Any) -> HostSnapshots | None:
+    """This process's copies of the last completed step (None without a checkpoint directory
+    or with copies off), written out by the process's exit paths and on SIGTERM."""
+    if ckpt is None or mode is None:
+        return None
+    hosts = tuple(getattr(job, "hosts", ()))  # each process's host id, in process order
+    node_of = (lambda process: node_of_host(hosts[process])) if hosts else None
+    snapshots = HostSnapshots(ckpt.directory, job.spec.host_id, ckpt.identity, mode=mode,
+                              node_of=node_of, local_root=getattr(ckpt, "local_copies", None))
+    activate(snapshots)
+    snapshots.exit_on_sigterm()
+    return snapshots
+
+
+def save_on_sigterm(ckpt: Any, snapshots: HostSnapshots | None) -> SaveOnSigterm | None:
+    """A one-process run without survivors' copies: SIGTERM saves the step under way and
+    ends the run (preemption.py). Where copies are kept, they answer SIGTERM instead."""
+    import jax  # noqa: PLC0415
+
+    if ckpt is None or snapshots is not None or jax.process_count() > 1:
+        return None
+    return SaveOnSigterm(ckpt)
+
+
+def close_host_copies(snapshots: HostSnapshots | None) -> None:
+    if snapshots is not None:
+        deactivate(snapshots)
+        snapshots.close()

@@ -49,7 +49,8 @@ from resihp_jax.runtime.recovery.cadence import MAX_INTERVAL_S, check_interval
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, deadline_beside_write
 from resihp_jax.runtime.trainer.compile_cache import default_cache_dir, enable_compilation_cache
 from resihp_jax.runtime.trainer.compiles import counting
-from resihp_jax.runtime.trainer.deferred import await_started, compile_layouts, compile_step
+from resihp_jax.runtime.trainer.deferred import (MOVES, await_started, compile_layouts,
+                                                 compile_step)
 from resihp_jax.runtime.trainer.gil import responsive_loop
 from resihp_jax.runtime.trainer.unwatched import Unwatched
 from resihp_jax.step.instrument import FaultHook
@@ -336,13 +337,22 @@ class ResilientTrainer:
         if self._background_started:
             return
         self._background_started = True
-        program = self.program
-        if self.config.background_compile:
-            self._layouts = self.precompiler.run_later(lambda: compile_layouts(program))
+        program, moves = self.program, self._moves_ahead()
+        if self.config.background_compile and moves:
+            self._layouts = self.precompiler.run_later(lambda: compile_layouts(program, moves))
         if self._untimed_start():  # the stage-timed step, for a step boundary once compiled
             self.precompiler.prepare([self.plan])
         self._cache_untimed()
         self._prepare_next()
+
+    def _moves_ahead(self) -> tuple[str, ...]:
+        """The layout moves worth compiling ahead: all of them where a detector may call for
+        a re-plan; with nothing watched only a save's, where saves are made (a failed step's
+        re-plan compiles its moves when it comes: four processes on two cores compiling
+        every move beside the first steps slowed them threefold)."""
+        if self._watching:
+            return MOVES
+        return ("to_canonical_fn",) if self.checkpointer is not None else ()
 
     def _cache_untimed(self) -> None:
         """Compile the current plan's untimed program once, in the background, so that JAX
@@ -498,7 +508,9 @@ class ResilientTrainer:
         if judging is None:
             return None
         judging_from, probes_before = self.clock(), self.spent_s["probes"]
-        verdict = _agreed(judging.verdict())
+        # nothing watched: no verdict on any process, nothing to agree on (a collective
+        # a step less: on gloo a tenth of a second)
+        verdict = _agreed(judging.verdict()) if self._watching else judging.verdict()
         self.spent_s["detector"] += (self.clock() - judging_from
                                      - (self.spent_s["probes"] - probes_before))
         return verdict
@@ -523,9 +535,15 @@ class ResilientTrainer:
         """Build now the small programs every step of a job of several processes runs
         besides the step (gathering its timings, process 0's broadcast of the verdict), so
         the first step compiles nothing: a relaunch's first step is on its critical path."""
-        if multi_process():
+        if multi_process() and self._watching:
             StepTiming(0.0, np.zeros((self.plan.dp, self.plan.pp, self.plan.tp))).gathered()
             from_primary(None)
+
+    @property
+    def _watching(self) -> bool:
+        """Does a detector watch the steps (the same on every process)? Off, each process
+        times its own steps for its own deadlines, and no verdict needs agreeing."""
+        return self.config.detector != DETECTOR_OFF
 
     def _knobs(self, step: int, timed: bool = True) -> np.ndarray | None:
         """The hook's per-device knobs for this step (None: healthy); it may raise a stop.
@@ -601,7 +619,7 @@ class ResilientTrainer:
         # done on the devices: should a later collective of this step fail (a peer died
         # meanwhile), this process can still keep it, as peers that got further did
         self.completed = step
-        if multi_process():  # every process feeds its detector the same observation
+        if multi_process() and self._watching:  # every detector sees the same observation
             timing = timing.gathered()
         if instrumented:
             self.sampler.observe(timed, timing.step_time_s, timer.spent_s - spent_before,

@@ -164,7 +164,7 @@ def test_a_non_finite_loss_stops_naming_the_step_and_the_last_checkpoint(
 
 def test_the_registrys_gpt2_trains_a_plain_run_and_resumes_it_loss_for_loss(
         tmp_path: Path) -> None:
-    """`--model gpt2` (rh.models.GPT2, its facts measured) trains through the plain loop, on
+    """`--model gpt2` (rh.models.GPT2, its facts measured) trains without --adapt, on
     its own optimizer, and a resume from its step-2 checkpoint repeats steps 3 and 4 exactly."""
     gpt2 = ["--model", "gpt2", "--plan", "dp=1,pp=1,tp=1", "--microbatches", "2"]
     ckpt = tmp_path / "ckpt"

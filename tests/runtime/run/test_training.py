@@ -32,7 +32,7 @@ def _script_run(tmp_path: Path, adapt: bool) -> tuple[list, str]:
     return records, out.getvalue()
 
 
-@pytest.mark.parametrize("adapt", [True], ids=["adapt"])  # the plain run: tests/cli
+@pytest.mark.parametrize("adapt", [True], ids=["adapt"])  # unwatched: tests/cli
 def test_a_script_runs_what_the_command_runs(tmp_path: Path, adapt: bool) -> None:
     cli_metrics = tmp_path / "cli.jsonl"
     argv = ["train", *FLAGS, "--checkpoint-dir", str(tmp_path / "cli-ckpt"), "--metrics",

@@ -146,10 +146,10 @@ class TrainingRun:
         from resihp_jax.runtime.run.process import ProcessRun  # noqa: PLC0415
 
         return ProcessRun(config, copies, job, self.model, train_cfg, plan, data,
-                        self.ladder, self.phases, self.out, programs=self.programs,
-                        on_step=self.on_step, resilience=self._resilience(),
-                        compiles_from=self._compiles_from,
-                        devices=self.devices if job.spec.single else None)
+                          self.ladder, self.phases, self.out, programs=self.programs,
+                          on_step=self.on_step, resilience=self._resilience(),
+                          compiles_from=self._compiles_from,
+                          devices=self.devices if job.spec.single else None)
 
     def _resilience(self) -> Any:
         """What the loop watches: the given settings (`rh.fit`), the full detector and

@@ -39,6 +39,7 @@ def train_rates(suite: Suite, model: ModelConfig, rows: int, seq: int,
     plan = Plan.uniform(1, 1, 1, n_layers=model.n_layers, n_microbatches=1,
                         microbatch_size=rows, seq_len=seq, device_ids=(int(suite.device.id),))
     rates = {}
+    # plain: `resihp train` without --adapt, the same loop with nothing watched
     for name, adapt in (("--adapt", True), ("plain", False)):
         config = RunConfig(steps=steps, seed=suite.seed, progress=False, adapt=adapt)
         records = TrainingRun(model, TrainConfig(), plan, config, out=io.StringIO(),

@@ -30,6 +30,9 @@ class Unwatched(Detector):
         super().__init__()
         self._plan: Plan | None = None
         self._seen: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (sum l^2, seconds)
+        # (slope, intercept, floor) of the steps seen, refitted once a step as they come in:
+        # a step's deadline and its prediction both read it
+        self._line: tuple[float, float, float] | None = None
 
     def _suspect(self, obs: StepObservation) -> bool:
         if obs.plan != self._plan:  # another plan's steps say nothing of this one's
@@ -37,19 +40,29 @@ class Unwatched(Detector):
             self._seen.clear()
         if obs.step_time_s > 0:
             self._seen.append((float(np.sum(obs.mb_sum_l2)), obs.step_time_s))
+        self._line = _fitted(self._seen)
         return False
 
     def healthy_time_s(self, plan: Plan, mb_tokens: np.ndarray,
                        mb_sum_l2: np.ndarray) -> float | None:
         """This batch's time on the line through the plan's recent steps, never below their
         median; the slowest of them until there are `MIN_STEPS`; None before any."""
-        if plan != self._plan or not self._seen:
+        if plan != self._plan or self._line is None:
             return None
-        l2, seconds = np.asarray(self._seen).T
-        if len(seconds) < MIN_STEPS:
-            return float(seconds.max())
-        median = float(np.median(seconds))
-        if np.ptp(l2) == 0:  # every batch alike: no line to fit
-            return median
-        slope, intercept = np.polyfit(l2, seconds, 1)
-        return max(float(intercept + slope * np.sum(mb_sum_l2)), median)
+        slope, intercept, floor = self._line
+        return max(intercept + slope * float(np.sum(mb_sum_l2)), floor)
+
+
+def _fitted(seen: deque[tuple[float, float]]) -> tuple[float, float, float] | None:
+    """(slope, intercept, floor) of step time against attention work: until `MIN_STEPS`
+    steps a flat line at the slowest; where every batch did alike work, at their median."""
+    if not seen:
+        return None
+    l2, seconds = np.asarray(seen).T
+    if len(seconds) < MIN_STEPS:
+        return 0.0, float(seconds.max()), 0.0
+    median = float(np.median(seconds))
+    if np.ptp(l2) == 0:  # no line to fit
+        return 0.0, median, median
+    slope, intercept = np.polyfit(l2, seconds, 1)
+    return float(slope), float(intercept), median

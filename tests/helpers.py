@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import jax
@@ -112,3 +113,16 @@ def max_relative_error(tree: Any, reference: Any) -> float:
                                            / (np.max(np.abs(np.asarray(b))) + 1e-12)),
                         tree, reference)
     return max(jax.tree.leaves(errs))
+
+
+class AtOnce(Executor):
+    """Runs what is submitted in the caller's thread: a Checkpointer's handed-off saves on a
+    test's fake clock, which a thread of their own would read at a moment of its choosing."""
+
+    def submit(self, fn, /, *args: Any, **kwargs: Any) -> Future:  # noqa: ANN001
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as err:  # noqa: BLE001 - the future holds it, as a thread's would
+            future.set_exception(err)
+        return future

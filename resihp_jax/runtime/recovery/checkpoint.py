@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -91,7 +92,8 @@ class Checkpointer:
     tells `say` once what differed (a resume forced on purpose). `mtbf_s` (the job's expected
     seconds between failures; default: cadence.GPU_MTBF_S over the job's devices),
     `max_interval_s` and `budget` shape the 'auto' interval. `say` is told once which
-    cadence 'auto' chose.
+    cadence 'auto' chose. `handoff` runs the saves a one-process run hands off (default: a
+    thread of their own; a test may run them at once, on its fake clock).
     """
 
     def __init__(self, directory: str | Path, *, interval: int | str = 10, keep: int = 2,
@@ -100,7 +102,8 @@ class Checkpointer:
                  local_copy_dir: str | Path | None = None, put_off_while_writing: bool = True,
                  mtbf_s: float | None = None, max_interval_s: float = MAX_INTERVAL_S,
                  budget: float | None = None, first_save_s: float = FIRST_SAVE_S,
-                 say: Callable[[str], None] | None = None, force_identity: bool = False):
+                 say: Callable[[str], None] | None = None, force_identity: bool = False,
+                 handoff: Executor | None = None):
         if keep < 1:
             raise CheckpointError(f"checkpoint keep={keep} must be >= 1")
         try:
@@ -130,6 +133,15 @@ class Checkpointer:
         self._preempted = False  # SIGTERM in a one-process run (see preemption.py)
         self._stopping: Preempted | None = None  # its save is written: the run stops
         self.stats = SaveStats()
+        # In a one-process run a cadence save is handed to a thread once its canonical copy
+        # is dispatched: the device-to-host copy (through pinned host memory on GPUs) and
+        # orbax's start of the write then run beside the next steps, off the step loop. The
+        # copy is a fresh output of the layout move, which no step donates. In a job of
+        # several processes orbax's save holds device-collective barriers, which must keep
+        # their order among the step's collectives: there it stays on the step loop.
+        self._hands_off = asynchronous and jax.process_count() == 1
+        self._handing: tuple[int, Future] | None = None  # (step, its save) under way
+        self._pool, self._own_pool = handoff, handoff is None
         # orbax decides only preemption saves; the cadence decides the rest (`force`)
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
@@ -139,6 +151,14 @@ class Checkpointer:
             item_handlers={"state": state_handler(), "meta": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
+        """The newest step saved (a save handed off is waited for until orbax has it)."""
+        self._finish_handoff()
+        return self._manager.latest_step()
+
+    def _newest(self) -> int | None:
+        """The newest step saved or being saved, without waiting for a handed-off save."""
+        if self._handing is not None:
+            return self._handing[0]
         return self._manager.latest_step()
 
     def due(self, step: int) -> bool:
@@ -150,22 +170,24 @@ class Checkpointer:
         """Save if `step` is due (or `force`, or a preemption was signalled) and not saved
         yet; returns whether it saved. Call it after every step: the cadence counts them.
 
-        Asynchronous saves copy the state to host memory before returning (orbax does so
-        before it starts writing), so the caller may donate `state` to the next step. A due
+        Asynchronous saves first copy the state on its devices (the canonical layout, which
+        no step donates), so the caller may donate `state` to the next step; in a one-process
+        run the copy to host and orbax's write then run in a thread beside the next steps
+        (elsewhere orbax copies to host before `save` returns). A due
         save that finds the previous write still under way is put off to the first later
         step that finds it done (never a stall of the step); in a job of several processes
         process 0's view decides for all. `force` and a preemption save and wait.
         """
         self.cadence.step_ended(step)
         self._step_now = step
-        if self._preempted and step == self.latest_step():
+        if self._preempted and step == self._newest():
             self._stop_preempted(step)
             return False
         if self._write_started is not None:
             self.saving()  # (a local look) times the write to the step that sees it end
         if self.cadence.needs_plan():
             self._plan_next(step)
-        if step == self.latest_step():
+        if step == self._newest():
             return False
         # (the manager's policy saves at JAX's preemption sync point only: asked directly,
         # as `should_save` would, without its per-step look at writes and steps, ~0.2 ms)
@@ -180,22 +202,27 @@ class Checkpointer:
             self._owed = True
             self.stats.put_off += 1
             return False
-        if self._manager.is_saving_in_progress():  # orbax waits for it before this save
+        # orbax waits for the write under way before this save (a handed-off one too)
+        behind_one = self._handing is not None
+        self._finish_handoff()
+        if behind_one or self._manager.is_saving_in_progress():
             if urgent:
                 self.stats.urgent_waits += 1
             else:
                 self.stats.waits_on_previous_save += 1
         started = self._clock()
-        canonical = to_canonical(state, program)
+        canonical = to_canonical(state, program)  # dispatched: a copy of the state's own
         meta = {"step": step, "data_state": data_state, "plan": program.plan.to_dict(),
                 "model": program.model.name, "identity": self.identity,
-                "leaves": leaf_shapes(canonical), "checksums": state_checksums(canonical)}
-        try:
-            saved = self._manager.save(step, args=ocp.args.Composite(
-                state=save_args(canonical), meta=ocp.args.JsonSave(meta)), force=True)
-        except Exception as err:  # orbax raises plain Exceptions; an earlier async write too
-            raise CheckpointError(f"saving checkpoint step {step} to {self.directory} "
-                                  f"failed: {_first_line(err)}") from err
+                "leaves": leaf_shapes(canonical)}
+        handing = self._hands_off and not urgent
+        if handing:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="resihp-save")
+            self._handing = (step, self._pool.submit(self._write, step, canonical, meta))
+            saved = True
+        else:
+            saved = self._write(step, canonical, meta)
         if saved:
             took = self._clock() - started
             self._owed = False
@@ -205,11 +232,32 @@ class Checkpointer:
             self.stats.saved.append((step, took, urgent))
             self.cadence.saved(took)
             self._written()  # orbax ended any earlier write before it began this one
-            if self.saving():
+            if handing:  # its copy to host is part of the write, beside the steps
+                self._write_started, self._write_step = started, step
+            elif self.saving():
                 self._write_started, self._write_step = self._clock(), step
         if self._preempted:
             self._stop_preempted(step)
         return saved
+
+    def _write(self, step: int, canonical: TrainState, meta: dict[str, Any]) -> bool:
+        """Start orbax's write of `canonical` (its checksums first: they wait for the copy on
+        the devices), returning once the arrays are on the host; CheckpointError if it fails.
+        """
+        try:
+            meta = {**meta, "checksums": state_checksums(canonical)}
+            return bool(self._manager.save(step, args=ocp.args.Composite(
+                state=save_args(canonical), meta=ocp.args.JsonSave(meta)), force=True))
+        except Exception as err:  # orbax raises plain Exceptions; an earlier async write too
+            raise CheckpointError(f"saving checkpoint step {step} to {self.directory} "
+                                  f"failed: {_first_line(err)}") from err
+
+    def _finish_handoff(self) -> None:
+        """Wait until a save handed to the thread is with orbax; its error, if it failed."""
+        if self._handing is not None:
+            future = self._handing[1]
+            self._handing = None
+            future.result()  # CheckpointError from `_write`
 
     def preempt(self) -> None:
         """A preemption was signalled (preemption.py): the next `save` is forced and written
@@ -240,6 +288,10 @@ class Checkpointer:
 
     def saving(self) -> bool:
         """Whether an asynchronous save is still being written."""
+        if self._handing is not None:
+            if not self._handing[1].done():
+                return True  # (orbax is not asked while the thread is inside it)
+            self._finish_handoff()
         under_way = bool(self._manager.is_saving_in_progress())
         if not under_way:
             self._written()
@@ -247,6 +299,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until pending asynchronous saves are written; CheckpointError if one failed."""
+        self._finish_handoff()
         try:
             self._manager.wait_until_finished()
         except Exception as err:  # the error of a background write surfaces here
@@ -300,6 +353,7 @@ class Checkpointer:
         With `step=None`, damaged newer steps are skipped with one CheckpointFallbackWarning
         and set aside; an explicit `step` that is damaged raises CheckpointError instead.
         """
+        self._finish_handoff()
         steps = sorted(self._manager.all_steps(), reverse=True)
         if step is not None:
             if step not in steps:
@@ -384,10 +438,16 @@ class Checkpointer:
     def reload(self) -> None:
         """Read the directory's list of steps again (it is read once, when this object is
         built): a standby built its checkpointer long before the job wrote its newest steps."""
+        self._finish_handoff()
         self._manager.reload()
 
     def close(self) -> None:
-        self._manager.close()
+        try:
+            self._finish_handoff()
+        finally:
+            if self._pool is not None and self._own_pool:
+                self._pool.shutdown()
+            self._manager.close()
 
 
 def _first_line(err: BaseException) -> str:

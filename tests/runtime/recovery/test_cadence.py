@@ -18,7 +18,7 @@ from resihp_jax.runtime.recovery.cadence import (GPU_MTBF_S, Cadence, check_inte
                                                  choose_interval, job_mtbf_s)
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
 from resihp_jax.step.config import TrainConfig
-from tests.helpers import step_program
+from tests.helpers import AtOnce, step_program
 
 
 def test_young_interval_for_one_gpu_and_a_thousand() -> None:
@@ -112,7 +112,7 @@ def _slow_run(directory: Path, program, put_off: bool) -> tuple:  # noqa: ANN001
         now[0] += seconds
 
     ckpt = Checkpointer(directory, interval=1, asynchronous=True, clock=lambda: now[0],
-                        put_off_while_writing=put_off)
+                        put_off_while_writing=put_off, handoff=AtOnce())
     slow_writes(ckpt, 10.0, clock=lambda: now[0], sleep=sleep)
     saved = _run(ckpt, program, 30, now, 1.0)
     stats, waited = dataclasses.replace(ckpt.stats), sum(slept)
@@ -138,7 +138,8 @@ def test_a_slow_writer_never_makes_a_step_wait(tmp_path: Path, program) -> None:
 
 def test_the_final_save_waits_for_the_write_under_way(tmp_path: Path, program) -> None:  # noqa: ANN001
     now = [0.0]
-    ckpt = Checkpointer(tmp_path / "c", interval=1, asynchronous=True, clock=lambda: now[0])
+    ckpt = Checkpointer(tmp_path / "c", interval=1, asynchronous=True, clock=lambda: now[0],
+                        handoff=AtOnce())
     slow_writes(ckpt, 10.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
     state = program.init_state(0)
     assert ckpt.save(1, state, program, {"position": 1})
@@ -154,7 +155,7 @@ def test_auto_saves_at_the_measured_cadence_and_says_once_why(tmp_path: Path,
                                                               program) -> None:  # noqa: ANN001
     now, said = [0.0], []
     ckpt = Checkpointer(tmp_path / "c", interval="auto", asynchronous=True, mtbf_s=100.0,
-                        first_save_s=5.0, clock=lambda: now[0], say=said.append)
+                        first_save_s=5.0, clock=lambda: now[0], say=said.append, handoff=AtOnce())
     slow_writes(ckpt, 3.0, clock=lambda: now[0])  # each write lasts 3 s of the fake clock
     saved = _run(ckpt, program, 30, now, 1.0)
     ckpt.wait()

@@ -4,6 +4,7 @@ back from a damaged newest step, and refuse another run's steps."""
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 
 import jax
@@ -20,7 +21,7 @@ from resihp_jax.runtime.recovery.run_identity import run_identity
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.reshard import to_canonical
 from resihp_jax.step.builder import build_step
-from tests.helpers import max_relative_error, step_program
+from tests.helpers import AtOnce, max_relative_error, step_program
 
 CFG = get_model_config("tiny")
 M, B, S = 6, 2, 64
@@ -110,6 +111,38 @@ def test_async_save_keeps_the_saved_step_although_buffers_are_donated(tmp_path: 
     assert restored.step == 3
     assert max_relative_error(_canonical_params(restored.state, program), expected) == 0.0
     assert max_relative_error(_canonical_params(later, program), expected) > 0.0
+
+
+def test_a_save_is_handed_off_and_the_steps_go_on_while_it_is_copied_and_written(
+        tmp_path: Path) -> None:
+    """One process: `save` returns once the state's canonical copy is dispatched; the copy to
+    host and orbax's write start in a thread. Held there, the steps go on (donating the state
+    saved), a due save is put off, and the save released writes the step as it was."""
+    program, data = _program(), _data()
+    state = _trained(program, 1, data)
+    expected = _canonical_params(state, program)
+    ckpt = Checkpointer(tmp_path / "c", interval=1, asynchronous=True)
+    release, released_first = threading.Event(), []
+    real_save = ckpt._manager.save
+
+    def held_save(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        # (the timeout only keeps a broken hand-off from hanging the suite: it then fails)
+        released_first.append(release.wait(timeout=120))
+        return real_save(*args, **kwargs)
+
+    ckpt._manager.save = held_save
+    assert ckpt.save(1, state, program, data.state())  # the write is held: no wait here
+    state = _trained(program, 1, data, state)  # donates the buffers of the state saved
+    assert not ckpt.save(2, state, program, data.state())  # due, put off: step 1 is writing
+    assert ckpt.saving() and ckpt.stats.put_off == 1
+    release.set()
+    ckpt.wait()
+    assert released_first == [True]
+    assert ckpt.stats.saves == 1 and ckpt.stats.waits_on_previous_save == 0
+    restored = ckpt.restore(program)
+    assert restored.step == 1
+    assert max_relative_error(_canonical_params(restored.state, program), expected) == 0.0
+    ckpt.close()
 
 
 def _largest_file(step_dir: Path) -> Path:
@@ -235,7 +268,8 @@ def test_a_step_beside_an_asynchronous_write_gets_twice_the_longest_write_on_top
         1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S), jax.devices())
     state, data = program.init_state(0), _data()
     now = [100.0]
-    ckpt = Checkpointer(tmp_path / "c", interval=1, asynchronous=True, clock=lambda: now[0])
+    ckpt = Checkpointer(tmp_path / "c", interval=1, asynchronous=True, clock=lambda: now[0],
+                        handoff=AtOnce())
     writes = _Writes()
     ckpt._manager.close()
     ckpt._manager = writes  # type: ignore[assignment]
@@ -266,7 +300,8 @@ def test_a_save_may_take_a_multiple_of_the_longest_save_so_far_before_it_counts_
         1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S), jax.devices())
     state, data = program.init_state(0), _data()
     now = [0.0]
-    ckpt = Checkpointer(tmp_path / "c", interval=1, asynchronous=True, clock=lambda: now[0])
+    ckpt = Checkpointer(tmp_path / "c", interval=1, asynchronous=True, clock=lambda: now[0],
+                        handoff=AtOnce())
     writes = _Writes(now, call_s=2.0)
     ckpt._manager.close()
     ckpt._manager = writes  # type: ignore[assignment]

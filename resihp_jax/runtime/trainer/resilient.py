@@ -266,8 +266,8 @@ class ResilientTrainer:
                          make_detector(self.config.detector, prober=self._probe,
                                        model=self.model, clock=self.clock))
         self.detector.job_checks = multi_process()  # its devices checked from the start
-        # asynchronous: orbax copies the state to host before `save` returns, so the
-        # donation of the next step cannot touch what is being written
+        # asynchronous: a save writes a canonical copy of the state, which no step donates
+        # (one process: copied to host beside the next steps; a job: before `save` returns)
         self.checkpointer = (Checkpointer(
             self.config.checkpoint_dir, interval=self.config.checkpoint_interval,
             asynchronous=True, identity=self._identity(),

@@ -38,13 +38,29 @@ def from_primary(value: Any) -> Any:
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
     # None (no verdict: nearly every step) is an empty payload: one broadcast, not two
-    payload = b"" if value is None else json.dumps(value).encode()
-    if jax.process_index() != 0:
-        payload = b""
+    payload = primary_payload(value)
     size = int(multihost_utils.broadcast_one_to_all(np.int32(len(payload))))
-    if size == 0:
-        return None
+    return from_payload(bytes_from_primary(payload, size))
+
+
+def primary_payload(value: Any) -> bytes:
+    """What process 0 sends of `value` (JSON; nothing for None, and nothing elsewhere)."""
+    if value is None or jax.process_index() != 0:
+        return b""
+    return json.dumps(value).encode()
+
+
+def from_payload(payload: bytes) -> Any:
+    return None if not payload else json.loads(payload.decode())
+
+
+def bytes_from_primary(payload: bytes, size: int) -> bytes:
+    """Process 0's `payload` on every process, whose `size` every process already knows
+    (one broadcast; none for an empty one)."""
+    if size == 0 or not multi_process():
+        return payload[:size]
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
     buffer = np.zeros(size, np.uint8)
     buffer[:len(payload)] = np.frombuffer(payload, np.uint8)
-    data = np.asarray(multihost_utils.broadcast_one_to_all(buffer), np.uint8)
-    return json.loads(bytes(data).decode())
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer), np.uint8))

@@ -44,7 +44,8 @@ from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.perfmodel.facts import ModelFacts
-from resihp_jax.meshes.agree import from_primary, multi_process
+from resihp_jax.meshes.agree import (bytes_from_primary, from_payload, from_primary,
+                                     multi_process, primary_payload)
 from resihp_jax.runtime.recovery.cadence import MAX_INTERVAL_S, check_interval
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, deadline_beside_write
 from resihp_jax.runtime.trainer.compile_cache import default_cache_dir, enable_compilation_cache
@@ -455,7 +456,7 @@ class ResilientTrainer:
             data_before = self.data.state()
             batch = self.data.next_batch()
             try:
-                record = self._step(done + 1, batch, beside=judging)
+                record, verdict = self._step(done + 1, batch, beside=judging)
             except StepFailed as failed:
                 if multi_process():
                     # the peers are stuck in this step's collectives: no process can go on
@@ -480,7 +481,6 @@ class ResilientTrainer:
                     await_started(self._layouts)
                 self.checkpointer.save(done, self.state, self.program, self.data.state())
                 self.spent_s["checkpoints"] += self.clock() - saving_from
-            verdict = self._verdict(judging)  # the previous step's, judged beside this one
             judging = Judging(self.detector, self._observation(record))
             yield record
             if self.checkpointer:
@@ -502,15 +502,18 @@ class ResilientTrainer:
                                    force=True)
             self.checkpointer.wait()
 
-    def _verdict(self, judging: Judging | None) -> Verdict | None:
-        """`judging`'s verdict, the same on every process; the time the step loop waited for
-        it (a judgement not made beside a step, the probes excluded) is the detector's."""
+    def _verdict(self, judging: Judging | None, agree: bool = True) -> Verdict | None:
+        """`judging`'s verdict, the same on every process (this process's own, not `agree`d:
+        the caller agrees on it); the time the step loop waited for it (a judgement not made
+        beside a step, the probes excluded) is the detector's."""
         if judging is None:
             return None
         judging_from, probes_before = self.clock(), self.spent_s["probes"]
         # nothing watched: no verdict on any process, nothing to agree on (a collective
         # a step less: on gloo a tenth of a second)
-        verdict = _agreed(judging.verdict()) if self._watching else judging.verdict()
+        verdict = judging.verdict()
+        if agree and self._watching:
+            verdict = _agreed(verdict)
         self.spent_s["detector"] += (self.clock() - judging_from
                                      - (self.spent_s["probes"] - probes_before))
         return verdict
@@ -536,8 +539,9 @@ class ResilientTrainer:
         besides the step (gathering its timings, process 0's broadcast of the verdict), so
         the first step compiles nothing: a relaunch's first step is on its critical path."""
         if multi_process() and self._watching:
-            StepTiming(0.0, np.zeros((self.plan.dp, self.plan.pp, self.plan.tp))).gathered()
-            from_primary(None)
+            _agreed_step(StepTiming(0.0, np.zeros((self.plan.dp, self.plan.pp, self.plan.tp))),
+                         None)
+            from_primary(None)  # (the last step's verdict, the checkpoints' decisions)
 
     @property
     def _watching(self) -> bool:
@@ -579,9 +583,10 @@ class ResilientTrainer:
         return result
 
     def _step(self, step: int, batch: GlobalBatch, beside: Judging | None = None
-              ) -> StepRecord:
+              ) -> tuple[StepRecord, Verdict | None]:
         """Run one step to completion; `beside`: the previous step's judgement, made while
-        the devices run this one."""
+        the devices run this one, whose verdict (agreed by every process) comes back with
+        the step's record."""
         program, timer = self.program, self._host.timer
         arrays = device_batch(program, batch)
         instrumented = self._instrumented()
@@ -619,15 +624,17 @@ class ResilientTrainer:
         # done on the devices: should a later collective of this step fail (a peer died
         # meanwhile), this process can still keep it, as peers that got further did
         self.completed = step
+        # the previous step's verdict: its probes, if any, use the devices this step has left
+        verdict = self._verdict(beside, agree=False)
         if multi_process() and self._watching:  # every detector sees the same observation
-            timing = timing.gathered()
+            timing, verdict = _agreed_step(timing, verdict)
         if instrumented:
             self.sampler.observe(timed, timing.step_time_s, timer.spent_s - spent_before,
                                  in_doubt=in_doubt)
         self._last_timing = timing
         self._last_l2_M = l2_M[0]
         return StepRecord.of(int(self.state.step), self.plan, jax.device_get(metrics),
-                             timing.step_time_s, batch)
+                             timing.step_time_s, batch), verdict
 
     def deadline_s(self, batch: GlobalBatch, l2_M: np.ndarray | None = None) -> float:
         """How long this batch's step may take before it counts as hung (worked out while
@@ -851,10 +858,22 @@ def _agreed(verdict: Verdict | None) -> Verdict | None:
     split decision must be impossible, not merely unlikely)."""
     if not multi_process():
         return verdict
-    agreed = from_primary(None if verdict is None else dataclasses.asdict(verdict))
-    if agreed is None:
-        return None
-    return Verdict(**{**agreed, "devices": tuple(agreed["devices"])})
+    return _verdict_of(from_primary(None if verdict is None else dataclasses.asdict(verdict)))
+
+
+def _agreed_step(timing: StepTiming, verdict: Verdict | None
+                 ) -> tuple[StepTiming, Verdict | None]:
+    """The step's timing as the whole job saw it and process 0's `verdict` on the step
+    before, in one all-gather: the size of process 0's verdict rides along with the timing
+    (the other processes send 0), and only a step with a verdict (rare) broadcasts its bytes.
+    One collective a step where two were (each a host round-trip; on gloo 0.1 s)."""
+    payload = primary_payload(None if verdict is None else dataclasses.asdict(verdict))
+    timing, (size,) = timing.gathered_with((float(len(payload)),))
+    return timing, _verdict_of(from_payload(bytes_from_primary(payload, int(size))))
+
+
+def _verdict_of(fields: dict[str, Any] | None) -> Verdict | None:
+    return None if fields is None else Verdict(**{**fields, "devices": tuple(fields["devices"])})
 
 
 def _updated_health(health: Health, verdict: Verdict) -> Health:

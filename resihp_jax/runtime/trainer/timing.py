@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -38,16 +38,25 @@ class StepTiming:
         field's maximum over the processes that measured it (the most others' cores: a load
         on any one host slows the whole step); with several processes no one host's cores
         run every device (`HostCpu.every_device`)."""
+        return self.gathered_with(())[0]
+
+    def gathered_with(self, values: Sequence[float]) -> tuple[StepTiming, np.ndarray]:
+        """`gathered`, and each of `values`' maximum over the processes, in the same
+        all-gather (a step's other agreement rides along instead of a collective of its own).
+        """
         from resihp_jax.meshes.agree import max_over_processes  # noqa: PLC0415
 
         cpu = self.host_cpu
         unmeasured = (0.0, -np.inf, 1)  # never the maximum of a process that measured
         head = [self.step_time_s, cpu is not None,
                 *((cpu.own, cpu.others, cpu.cores) if cpu is not None else unmeasured)]
-        flat = max_over_processes(np.concatenate([head, self.fwd_DxPxT.ravel()]))
+        n = len(values)
+        flat = max_over_processes(np.concatenate([head, np.asarray(values, np.float64),
+                                                  self.fwd_DxPxT.ravel()]))
         gathered = HostCpu(float(flat[2]), float(flat[3]), int(flat[4]),
                            every_device=jax.process_count() == 1) if flat[1] else None
-        return StepTiming(float(flat[0]), flat[5:].reshape(self.fwd_DxPxT.shape), gathered)
+        return (StepTiming(float(flat[0]), flat[5 + n:].reshape(self.fwd_DxPxT.shape), gathered),
+                flat[5:5 + n])
 
     @property
     def stage_DxP(self) -> np.ndarray | None:

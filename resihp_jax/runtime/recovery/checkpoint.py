@@ -289,8 +289,11 @@ class Checkpointer:
     def saving(self) -> bool:
         """Whether an asynchronous save is still being written."""
         if self._handing is not None:
-            if not self._handing[1].done():
+            future = self._handing[1]
+            if not future.done():
                 return True  # (orbax is not asked while the thread is inside it)
+            if future.exception() is not None:
+                return False  # a look only: the next `save` or `wait` raises its error
             self._finish_handoff()
         under_way = bool(self._manager.is_saving_in_progress())
         if not under_way:

@@ -145,6 +145,25 @@ def test_a_save_is_handed_off_and_the_steps_go_on_while_it_is_copied_and_written
     ckpt.close()
 
 
+def test_a_handed_off_save_that_fails_is_raised_by_the_next_save_not_by_a_look(
+        tmp_path: Path) -> None:
+    """A failed write surfaces as one CheckpointError naming its step at the next `save` (or
+    `wait`), never from `saving()`, which a step's deadline asks while the step runs."""
+    program, data = _program(), _data()
+    state = _trained(program, 1, data)
+    ckpt = Checkpointer(tmp_path / "c", interval=1, asynchronous=True, handoff=AtOnce())
+
+    def full_disk(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise OSError("No space left on device")
+
+    ckpt._manager.save = full_disk
+    assert ckpt.save(1, state, program, data.state())  # handed off; it fails there
+    assert not ckpt.saving()
+    with pytest.raises(CheckpointError, match="saving checkpoint step 1 .* No space left"):
+        ckpt.save(2, state, program, data.state())
+    ckpt.close()
+
+
 def _largest_file(step_dir: Path) -> Path:
     return max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 

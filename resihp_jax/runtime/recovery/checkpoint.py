@@ -215,7 +215,7 @@ class Checkpointer:
         meta = {"step": step, "data_state": data_state, "plan": program.plan.to_dict(),
                 "model": program.model.name, "identity": self.identity,
                 "leaves": leaf_shapes(canonical)}
-        handing = self._hands_off and not urgent
+        handing = self._hands_off and not urgent and room_beside_steps(canonical)
         if handing:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="resihp-save")
@@ -451,6 +451,24 @@ class Checkpointer:
             if self._pool is not None and self._own_pool:
                 self._pool.shutdown()
             self._manager.close()
+
+
+def room_beside_steps(copy: Any, stats_of: Callable[[Any], Mapping[str, int] | None]
+                      = lambda device: device.memory_stats()) -> bool:
+    """Whether every device holding `copy` has room for it beside a step: a handed-off copy
+    stays on the devices while the next steps run, on top of their peak (the devices' own
+    `peak_bytes_in_use`), where a save on the loop freed it before the next step. Devices
+    without memory statistics (CPUs: their memory is the host's) always have room."""
+    need: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(copy):
+        for shard in leaf.addressable_shards:
+            need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
+    for device, nbytes in need.items():
+        stats = stats_of(device)
+        if stats and "bytes_limit" in stats and \
+                stats.get("peak_bytes_in_use", 0) + nbytes > stats["bytes_limit"]:
+            return False
+    return True
 
 
 def _first_line(err: BaseException) -> str:

@@ -15,7 +15,7 @@ from resihp_jax.data import BatchIterator
 from resihp_jax.errors import CheckpointError, CheckpointFallbackWarning
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.models.config import get_model_config
-from resihp_jax.runtime.recovery.checkpoint import Checkpointer
+from resihp_jax.runtime.recovery.checkpoint import Checkpointer, room_beside_steps
 from resihp_jax.runtime.trainer.loop import run_step
 from resihp_jax.runtime.recovery.run_identity import run_identity
 from resihp_jax.step.config import TrainConfig
@@ -161,6 +161,42 @@ def test_a_handed_off_save_that_fails_is_raised_by_the_next_save_not_by_a_look(
     assert not ckpt.saving()
     with pytest.raises(CheckpointError, match="saving checkpoint step 1 .* No space left"):
         ckpt.save(2, state, program, data.state())
+    ckpt.close()
+
+
+def test_a_copy_is_handed_off_only_where_the_devices_have_room_for_it_beside_a_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy handed off outlives the save call, on top of the next steps' peak: a device
+    whose peak plus its share of the copy passes its limit saves on the loop instead."""
+    from resihp_jax.runtime.recovery import checkpoint as checkpoint_module
+
+    program, data = _program(), _data()
+    state = _trained(program, 1, data)
+    copy = to_canonical(state, program)
+    nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(copy))  # one device holds it all
+    assert room_beside_steps(copy, lambda device: None)  # CPUs: no statistics, the host's
+    assert room_beside_steps(copy, lambda d: {"bytes_limit": 10 * nbytes,
+                                              "peak_bytes_in_use": 9 * nbytes})
+    assert not room_beside_steps(copy, lambda d: {"bytes_limit": 10 * nbytes,
+                                                  "peak_bytes_in_use": 9 * nbytes + 1})
+
+    class Counting(AtOnce):
+        submitted = 0
+
+        def submit(self, fn, /, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            Counting.submitted += 1
+            return super().submit(fn, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "room_beside_steps", lambda copy: False)
+    ckpt = Checkpointer(tmp_path / "c", interval=1, asynchronous=True, handoff=Counting())
+    assert ckpt.save(1, state, program, data.state())
+    assert Counting.submitted == 0  # saved on the loop, as in a job
+    monkeypatch.setattr(checkpoint_module, "room_beside_steps", lambda copy: True)
+    ckpt.wait()
+    assert ckpt.save(2, state, program, data.state())
+    assert Counting.submitted == 1
+    ckpt.wait()
+    assert ckpt.latest_step() == 2
     ckpt.close()
 
 

@@ -26,17 +26,37 @@ PROC_STAT = "/proc/stat"
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
 
 
-def host_busy_s(path: str = PROC_STAT) -> float | None:
-    """CPU seconds the whole host has been busy since boot (None: not readable here)."""
-    try:
-        with open(path, encoding="ascii") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if len(fields) < 9 or fields[0] != "cpu":
-        return None
-    ticks = sum(int(fields[1 + i]) for i in _BUSY_FIELDS)
-    return ticks / os.sysconf("SC_CLK_TCK")
+class HostBusy:
+    """Callable: CPU seconds the whole host has been busy since boot (None: not readable).
+
+    The file stays open and each call is one `pread` from its start, which /proc answers
+    with fresh counters: about 8 us a read against 28 us for an open, a read and a close
+    (on the 2-core machine; /proc/stat grows with the cores). A step reads it twice, just
+    before its dispatch and at its end, so the read is on the step's path and kept small.
+    """
+
+    def __init__(self, path: str = PROC_STAT) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def __call__(self) -> float | None:
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            fields = os.pread(self._fd, 512, 0).split(b"\n", 1)[0].split()
+        except OSError:
+            return None
+        if len(fields) < 9 or fields[0] != b"cpu":
+            return None
+        return sum(int(fields[1 + i]) for i in _BUSY_FIELDS) / self._tick
+
+    def __del__(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+
+
+host_busy_s = HostBusy()  # the one reader of this host's /proc/stat every meter shares
 
 
 def own_cpu_s() -> float:

@@ -8,7 +8,7 @@ import pytest
 
 from resihp_jax.detector import HostCpu
 from resihp_jax.errors import ConfigError
-from resihp_jax.runtime.trainer.host_cpu import CpuMeter, host_busy_s
+from resihp_jax.runtime.trainer.host_cpu import CpuMeter, HostBusy
 
 
 class Counters:
@@ -57,10 +57,14 @@ def test_proc_stat_is_read_as_busy_seconds(tmp_path: Path) -> None:
     stat = tmp_path / "stat"
     # user nice system idle iowait irq softirq steal guest guest_nice
     stat.write_text(f"cpu  {tick} 0 {tick} 99999 77 0 {tick} {tick} 5 0\ncpu0 1 2 3\n")
-    assert host_busy_s(str(stat)) == pytest.approx(4.0)  # idle, iowait and guest left out
+    read = HostBusy(str(stat))
+    assert read() == pytest.approx(4.0)  # idle, iowait and guest left out
+    # the file stays open and every read sees what it holds now
+    stat.write_text(f"cpu  {2 * tick} 0 {tick} 99999 77 0 {tick} {tick} 5 0\n")
+    assert read() == pytest.approx(5.0)
     stat.write_text("intr 1 2 3\n")
-    assert host_busy_s(str(stat)) is None
-    assert host_busy_s(str(tmp_path / "missing")) is None
+    assert read() is None
+    assert HostBusy(str(tmp_path / "missing"))() is None
 
 
 def test_bad_host_cpu_is_refused() -> None:

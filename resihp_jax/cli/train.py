@@ -63,7 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatch-size", type=int, default=2, help="rows per micro-batch")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per row")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    parser.add_argument("--remat", action="store_true", help="recompute activations in backward")
+    parser.add_argument("--remat", nargs="?", const="full", default="none",
+                        choices=("none", "projections", "full"),  # step/config.py REMAT_POLICIES
+                        help="what the backward recomputes: none (default), projections (keep "
+                             "the matmuls' and attention's outputs, recompute the rest) or full "
+                             "(each stage's forward; --remat alone)")
     add_metrics_argument(parser, METRICS_HELP + " (a JSON lines file is appended to when "
                          "resuming; default: $RESIHP_METRICS, which resihp launch --metrics sets)")
     parser.add_argument("--profile", default=None, metavar="FIRST:END",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from resihp_jax.nn import layers
 from resihp_jax.models.config import ModelConfig, get_model_config
@@ -86,9 +87,10 @@ class LlamaBlock(nnx.Module):
         k_BxSxGxK = layers.rotary(jnp.einsum("bsd,dgk->bsgk", h_BxSxD, _cast(self.wk, dt)),
                                   pos_BxS, cfg.rope_theta)
         v_BxSxGxK = jnp.einsum("bsd,dgk->bsgk", h_BxSxD, _cast(self.wv, dt))
-        o_BxSxHxK = segment_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, seg_BxS,
-                                      block_size=cfg.attn_block,
-                                      implementation=self.attention_kernel)
+        o_BxSxHxK = checkpoint_name(segment_attention(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, seg_BxS,
+                                                      block_size=cfg.attn_block,
+                                                      implementation=self.attention_kernel),
+                                    layers.CONTEXT)
         return jnp.einsum("bshk,hkd->bsd", o_BxSxHxK, _cast(self.wo, dt))
 
     def mlp(self, x_BxSxD: jax.Array) -> jax.Array:

@@ -17,6 +17,11 @@ import jax.numpy as jnp
 Params = Mapping[str, jax.Array]
 
 
+# the name a model gives its attention output (`jax.ad_checkpoint.checkpoint_name(o, CONTEXT)`)
+# for `TrainConfig(remat="projections")` to keep it rather than recompute the attention
+CONTEXT = "context"
+
+
 def _psum(x: jax.Array, axis: str | None) -> jax.Array:
     return x if axis is None else jax.lax.psum(x, axis)
 

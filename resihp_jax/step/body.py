@@ -22,9 +22,11 @@ import jax
 import jax.numpy as jnp
 
 from resihp_jax import vma
+from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import TIMED_SLOT
 from resihp_jax.nn import layers
 from resihp_jax.nn.layers import next_token_targets
+from resihp_jax.step.config import CONTEXT, remat_name
 from resihp_jax.step.instrument import Instrument
 from resihp_jax.step.pipeline import (ALL_AXES, STEP_AXES, accumulated_loss_sum, gated,
                                        run_ticks)
@@ -61,6 +63,87 @@ def vocab_parallel_nll_sum(local: layers.LossPartials, weights_BxS: jax.Array) -
     """The loss of one micro-batch from every device's `vocab_parallel_partials` (the
     collectives over 'tp' are here), the same on every device of a tp group."""
     return layers.nll_sum(layers.reduce_loss_partials(local, "tp"), weights_BxS)
+
+
+# "auto" splits a micro-batch's head and loss into token chunks once its float32 logits
+# pass this size: llama-1b's vocabulary (128,256) at 4 x 2048 tokens (4.2 GB, the speed rows)
+# stays whole; at 16 x 2048 (32,768 tokens: 16.8 GB, and as much again for their gradient)
+# it runs in 4 chunks.
+LOGITS_CHUNK_BYTES = 4 * 2**30
+
+
+def head_chunks(setting: int | str, rows: int, seq: int, vocab: int) -> int:
+    """How many token chunks a micro-batch's head and loss run in (`TrainConfig.loss_chunks`):
+    an int as given (it must divide the sequence length), or "auto": the fewest that divide
+    `seq` and keep each chunk's float32 logits within `LOGITS_CHUNK_BYTES`."""
+    if setting != "auto":
+        if seq % setting:
+            raise ConfigError(f"TrainConfig.loss_chunks={setting}: must divide the sequence "
+                              f"length {seq} (valid: {_divisors(seq)[:12]}, ... or 'auto')")
+        return int(setting)
+    whole = rows * seq * vocab * 4
+    return next((c for c in _divisors(seq) if whole <= c * LOGITS_CHUNK_BYTES), seq)
+
+
+def rematted(fn: Callable[..., Any], remat: bool | str) -> Callable[..., Any]:
+    """`fn` under `remat`'s policy (step/config.py REMAT_POLICIES)."""
+    name = remat_name(remat)
+    if name == "none":
+        return fn
+    if name == "full":
+        return jax.checkpoint(fn)
+    policies = jax.checkpoint_policies
+    return jax.checkpoint(fn, policy=policies.save_from_both_policies(
+        policies.dots_with_no_batch_dims_saveable, policies.save_only_these_names(CONTEXT)))
+
+
+def _divisors(n: int) -> list[int]:
+    return [c for c in range(1, n + 1) if n % c == 0]
+
+
+def over_token_chunks(fn: Callable[..., Any], chunks: int, x_BxSxD: jax.Array,
+                      *tokens_BxS: jax.Array) -> Any:
+    """`fn(x_BxCxD, *tokens_BxC)` on each of `chunks` slices of the sequence, one after
+    another, each recomputed in the backward (jax.checkpoint): one chunk's logits are alive
+    at a time, forward and backward, never the micro-batch's whole. Returns the chunks'
+    results stacked on a leading axis (`from_token_chunks` puts per-token ones back)."""
+    if chunks == 1:
+        return jax.tree.map(lambda y: y[None], fn(x_BxSxD, *tokens_BxS))
+    rows, seq = x_BxSxD.shape[:2]
+    split = lambda a: jnp.moveaxis(  # noqa: E731
+        a.reshape(rows, chunks, seq // chunks, *a.shape[2:]), 1, 0)
+    return jax.lax.map(jax.checkpoint(lambda args: fn(*args)),
+                       (split(x_BxSxD), *map(split, tokens_BxS)))
+
+
+def from_token_chunks(y_NxBxC: jax.Array) -> jax.Array:
+    """[chunks, B, C] per-token results of `over_token_chunks` back to [B, chunks * C]."""
+    return jnp.moveaxis(y_NxBxC, 0, 1).reshape(y_NxBxC.shape[1], -1)
+
+
+def _head_loss(parts: ModelParts, shell_c: Any, x_BxSxD: jax.Array, targets_BxS: jax.Array,
+               weights_BxS: jax.Array, noise: Noise | None, loss_chunks: int | str,
+               vocab_tp: int) -> jax.Array:
+    """The micro-batch's summed loss from the head, in token chunks where its logits are
+    large; with `vocab_tp` > 1 each chunk combines its vocabulary slices over 'tp'."""
+    def chunk_loss(x_BxCxD: jax.Array, t_BxC: jax.Array, w_BxC: jax.Array) -> jax.Array:
+        logits = parts.head(shell_c, x_BxCxD, noise)
+        if vocab_tp > 1:
+            return layers.token_loss_sum(logits.astype(jnp.float32), t_BxC, w_BxC, "tp")
+        return token_nll_sum(logits, t_BxC, w_BxC)
+
+    chunks = _chunks_for(parts, shell_c, x_BxSxD, noise, loss_chunks)
+    return jnp.sum(over_token_chunks(chunk_loss, chunks, x_BxSxD, targets_BxS, weights_BxS))
+
+
+def _chunks_for(parts: ModelParts, shell_c: Any, x_BxSxD: jax.Array, noise: Noise | None,
+                loss_chunks: int | str) -> int:
+    """`head_chunks` for this micro-batch (its vocabulary from the head's output shape); a
+    model that draws random numbers in its head keeps it whole, so no chunk repeats a draw."""
+    if parts.draws:
+        return 1
+    logits = jax.eval_shape(lambda c, x: parts.head(c, x, noise), shell_c, x_BxSxD)
+    return head_chunks(loss_chunks, *x_BxSxD.shape[:2], logits.shape[-1])
 
 
 def _run_stage(parts: ModelParts, layers: Any, compute: Any, active: jax.Array,
@@ -124,11 +207,11 @@ def compute_copy(params: Any, dtype: str | None, own: Any = None) -> Any:
 def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
                       pos: jax.Array, n_layers_P: jax.Array, n_mb_D: jax.Array,
                       knob: jax.Array | None = None, *, parts: ModelParts, pp: int,
-                      remat: bool, compute_dtype: str | None = None,
+                      remat: bool | str, compute_dtype: str | None = None,
                       axes: tuple[str, ...] = STEP_AXES,
                       instrument: Instrument | None = None,
                       gates: str = "cond", step: jax.Array | None = None,
-                      vocab_tp: int = 1) -> jax.Array:
+                      vocab_tp: int = 1, loss_chunks: int | str = "auto") -> jax.Array:
     """Sum of token losses over all DP groups' micro-batches (same value on every device).
 
     Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...]; knob
@@ -143,7 +226,8 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
     `step`: the state's step (the random streams of a model that has some draw from it).
     `vocab_tp` > 1: a model with manual tensor parallelism over that many devices (axes
     ALL_AXES): its head returns this device's slice of the vocabulary's logits, the loss is
-    combined over 'tp' outside the gates, whole on each device, and summed over dp and pp."""
+    combined over 'tp' outside the gates, whole on each device, and summed over dp and pp.
+    `loss_chunks`: the token chunks the head and loss run in (`head_chunks`)."""
     _check_axes(axes, instrument, knob)
     if gates not in GATES:
         raise ValueError(f"gates={gates!r}: expected one of {GATES}")
@@ -160,7 +244,7 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
                                       compute_dtype=compute_dtype, axes=axes,
                                       instrument=instrument, select=select, own=own,
                                       step=step, first_microbatch=_before(n_mb_D, group),
-                                      vocab_tp=vocab_tp)
+                                      vocab_tp=vocab_tp, loss_chunks=loss_chunks)
     shell = params["shell"]
     layers = jax.tree.map(lambda a: a[0], params["blocks"])
     shell_c, layers_c = compute_copy((shell, layers), compute_dtype,
@@ -188,19 +272,25 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
             x_BxSxD = instrument.exit(x_BxSxD, coords)
         targets_BxS, weights_BxS = next_token_targets(tok_BxS, seg_BxS)
         on_head = busy & (stage == pp - 1)
+        head_noise = noise(parts.n_layers + 1, m)
+        chunks = _chunks_for(parts, shell_c, x_BxSxD, head_noise, loss_chunks)
         if vocab_tp > 1:  # the slices' statistics in the gate, their sums over tp outside
-            local = gated(lambda c, x_, t, n: vocab_parallel_partials(parts.head(c, x_, n), t),
-                          on_head, shell, shell_c, (x_BxSxD,),
-                          (targets_BxS, noise(parts.n_layers + 1, m)), axes, select)
+            local = gated(lambda c, x_, t, n: jax.tree.map(from_token_chunks, over_token_chunks(
+                              lambda xc, tc: vocab_parallel_partials(parts.head(c, xc, n), tc),
+                              chunks, x_, t)),
+                          on_head, shell, shell_c, (x_BxSxD,), (targets_BxS, head_noise),
+                          axes, select)
             nll = vocab_parallel_nll_sum(local, weights_BxS)
             return x_BxSxD, jax.lax.cond(on_head, lambda: vma.vary(nll, STEP_AXES),
                                          lambda: vma.vary(jnp.zeros((), nll.dtype), STEP_AXES))
-        loss = gated(lambda c, x_, t, w, n: token_nll_sum(parts.head(c, x_, n), t, w),
+        loss = gated(lambda c, x_, t, w, n: jnp.sum(over_token_chunks(
+                         lambda xc, tc, wc: token_nll_sum(parts.head(c, xc, n), tc, wc),
+                         chunks, x_, t, w)),
                      on_head, shell, shell_c, (x_BxSxD,),
-                     (targets_BxS, weights_BxS, noise(parts.n_layers + 1, m)), axes, select)
+                     (targets_BxS, weights_BxS, head_noise), axes, select)
         return x_BxSxD, loss
 
-    return run_ticks(jax.checkpoint(work) if remat else work, stage, pp, mb_slots,
+    return run_ticks(rematted(work, remat), stage, pp, mb_slots,
                      my_microbatches, x_like, axes,
                      loss_axes=STEP_AXES if vocab_tp > 1 else None)
 
@@ -218,13 +308,13 @@ def _check_axes(axes: tuple[str, ...], instrument: Instrument | None,
 
 def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
                            n_microbatches: jax.Array, knob: jax.Array | None, *,
-                           parts: ModelParts, remat: bool, compute_dtype: str | None,
+                           parts: ModelParts, remat: bool | str, compute_dtype: str | None,
                            axes: tuple[str, ...],
                            instrument: Instrument | None = None,
                            select: bool = False, own: Any = None,
                            step: jax.Array | None = None,
                            first_microbatch: jax.Array | int = 0,
-                           vocab_tp: int = 1) -> jax.Array:
+                           vocab_tp: int = 1, loss_chunks: int | str = "auto") -> jax.Array:
     """A one-stage plan: gradient accumulation over micro-batches, with no tick schedule
     and no layer gates (pipeline.py: `accumulated_loss_sum`). `remat` recomputes each
     block in its backward. The `instrument`'s markers bracket each micro-batch's blocks,
@@ -238,7 +328,7 @@ def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
               noise_: Noise | None) -> jax.Array:
         return parts.block(c, x, seg_BxS, pos_BxS, noise_)
 
-    block_fn = jax.checkpoint(block) if remat else block
+    block_fn = rematted(block, remat)
 
     def slot_loss(compute: tuple[Any, Any], data_: tuple[jax.Array, ...],
                   m: jax.Array) -> jax.Array:
@@ -256,11 +346,9 @@ def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
         if instrument is not None:
             x_BxSxD = instrument.exit(x_BxSxD, coords)
         targets_BxS, weights_BxS = next_token_targets(tok_BxS, seg_BxS)
-        logits = parts.head(shell_c, x_BxSxD, noise(parts.n_layers + 1, m))
-        if vocab_tp > 1:  # (inside the slot's cond: every member of a tp group takes it)
-            return layers.token_loss_sum(logits.astype(jnp.float32), targets_BxS, weights_BxS,
-                                         "tp")
-        return token_nll_sum(logits, targets_BxS, weights_BxS)
+        # (with vocab_tp > 1 inside the slot's cond: every member of a tp group takes it)
+        return _head_loss(parts, shell_c, x_BxSxD, targets_BxS, weights_BxS,
+                          noise(parts.n_layers + 1, m), loss_chunks, vocab_tp)
 
     # the knob rides with the data: an input the accumulation takes no gradient for
     knob_ = jnp.ones((), jnp.float32) if knob is None else knob.reshape(())

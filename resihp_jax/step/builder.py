@@ -175,7 +175,8 @@ def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, sp
     body = functools.partial(pipeline_loss_sum, parts=parts, pp=plan.pp,
                              remat=train.remat, compute_dtype=compute_dtype, axes=axes,
                              instrument=instrument, gates=gates,
-                             vocab_tp=plan.tp if manual else 1)
+                             vocab_tp=plan.tp if manual else 1,
+                             loss_chunks=train.loss_chunks)
     batch_specs = (P("dp"),) * 3
     # the state's step rides along (replicated): a model's random streams draw from it
     if axes == ALL_AXES:  # every axis manual: the parameters' whole specs, tp included

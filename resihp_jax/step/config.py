@@ -9,7 +9,22 @@ from dataclasses import dataclass
 import optax
 
 from resihp_jax.errors import ConfigError
+from resihp_jax.nn.layers import CONTEXT  # noqa: F401 - what the policy saves by name
 from resihp_jax.attention.kernels import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+
+
+# What a step keeps for its backward pass (`TrainConfig.remat`): "none" keeps every
+# activation; "projections" keeps the matmuls' outputs (dots without batch dimensions: the
+# q/k/v, output and MLP projections) and whatever a model names "context" (its attention
+# output, `jax.ad_checkpoint.checkpoint_name`), and recomputes the rest (norms, activations,
+# the attention kernel): MaxText's `minimal_with_context`; "full" recomputes each stage's
+# forward. True and False mean "full" and "none".
+REMAT_POLICIES = ("none", "projections", "full")
+
+
+def remat_name(remat: bool | str) -> str:
+    """The policy `remat` names (True: "full", False: "none")."""
+    return {True: "full", False: "none"}.get(remat, remat) if isinstance(remat, bool) else remat
 
 
 @dataclass(frozen=True)
@@ -21,7 +36,7 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.95
     grad_clip: float = 1.0
-    remat: bool = False  # recompute each stage's forward in the backward pass (less memory)
+    remat: bool | str = False  # what the backward recomputes: REMAT_POLICIES, or a bool
     layer_slots: int | None = None  # layer slots per stage; None: even share + headroom
     microbatch_slots: int | None = None  # micro-batch slots per DP group; None: likewise
     # let the step reuse the state's buffers for the new state (False: the state a step
@@ -31,6 +46,10 @@ class TrainConfig:
     # "blocksparse", "pallas", "cudnn", "tokamax" (an optional package) or "dense"
     # (attention/kernels.py)
     attention: str = "auto"
+    # the token chunks a micro-batch's head and loss run in, each recomputed in the backward,
+    # so a large vocabulary's logits are never whole: an int dividing the sequence length,
+    # or "auto" (chunks once the float32 logits pass 4 GiB: step/body.py `head_chunks`)
+    loss_chunks: int | str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("learning_rate", "grad_clip"):
@@ -47,10 +66,24 @@ class TrainConfig:
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ConfigError(f"TrainConfig.attention={self.attention!r}: valid are "
                               f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        if not isinstance(self.remat, (bool, str)) or remat_name(self.remat) not in REMAT_POLICIES:
+            raise ConfigError(f"TrainConfig.remat={self.remat!r}: valid are True, False, "
+                              f"{', '.join(map(repr, REMAT_POLICIES))}")
+        if self.loss_chunks != "auto" and (isinstance(self.loss_chunks, bool) or
+                                           not isinstance(self.loss_chunks, int) or
+                                           self.loss_chunks < 1):
+            raise ConfigError(f"TrainConfig.loss_chunks={self.loss_chunks!r}: must be 'auto' "
+                              "or an int >= 1 dividing the sequence length")
         for name in ("layer_slots", "microbatch_slots"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"TrainConfig.{name}={value!r}: must be None or an int >= 1")
+
+    @property
+    def recomputes_forward(self) -> bool:
+        """The backward recomputes each stage's whole forward (what the planner's cost and
+        memory models know as remat; "projections" they count as keeping everything)."""
+        return remat_name(self.remat) == "full"
 
     def replace(self, **changes: object) -> TrainConfig:
         return dataclasses.replace(self, **changes)

@@ -59,7 +59,7 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         checkpoint_dir: str | None = None, resilience: ResilienceConfig | None = None,
         axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES,
         on_step: Callable[[StepRecord], None] | None = None, progress: bool | None = None,
-        attention_cost: str | None = None, remat: bool = False,
+        attention_cost: str | None = None, remat: bool | str = False,
         compute_dtype: str | None = None, metrics: Any = None,
         profile_steps: tuple[int, int] | None = None,
         resume: bool | str = True) -> FitResult:
@@ -89,6 +89,9 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         another run wrote (a changed model class or parameter shapes, optimizer, data or
         batch shape: CheckpointError naming what changed); 'force' continues even then, and
         prints one line naming what differed.
+    remat: what the backward recomputes: False or "none" (nothing), "projections" (keeps the
+        matmuls' outputs and the attention output a model names "context", recomputes the
+        rest), True or "full" (each stage's whole forward).
     """
     install()  # the start-up count includes the model's split and facts below
     started = time.time()
@@ -118,10 +121,12 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     parts = programs.parts
     facts = read_facts(programs, _seq_len(plan, data), attention_cost)
     resilience = resilience or ResilienceConfig(compile_cache_dir=None)
+    train = TrainConfig(remat=remat)
     if isinstance(plan, str):  # "auto", checked above
         rows, seq_len = _batch_shape(data)
         plan, _ = auto_plan(facts, [d.id for d in (devices or jax.devices())], rows, seq_len,
-                            device_memory_gb=resilience.device_memory_gb, remat=remat)
+                            device_memory_gb=resilience.device_memory_gb,
+                            remat=train.recomputes_forward)
 
     config = RunConfig(
         metrics=metrics, profile_steps=profile_steps,
@@ -135,7 +140,7 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         survivor_copies="auto" if checkpoint_dir is not None else "off",
         checkpoint_every=resilience.checkpoint_interval,
         local_copy_dir=local_copy_dir)
-    training = TrainingRun(facts, TrainConfig(remat=remat), plan, config, spec,
+    training = TrainingRun(facts, train, plan, config, spec,
                            data=_batches(data, plan, seed), programs=programs, on_step=on_step,
                            resilience=resilience, devices=devices, compiles_from=started)
     records: list[StepRecord] = []

@@ -237,7 +237,8 @@ class TrainingRun:
                       f"({job.record.excluded[host].reason})", file=out)
             devices = job.usable_devices()
         plan, why = plan_for_devices(requested, self.model, [int(d.id) for d in devices],
-                                     slow=job.slow_devices(), remat=self.train_cfg.remat)
+                                     slow=job.slow_devices(),
+                                     remat=self.train_cfg.recomputes_forward)
         if not job.spec.single:
             plan = cover_processes(plan, {int(d.id): d.process_index for d in devices})
         if why != "as requested":

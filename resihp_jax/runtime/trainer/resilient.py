@@ -834,7 +834,7 @@ class ResilientTrainer:
         return PlanningContext(
             self.model, costs or CostParams.for_model(self.model),
             self.config.device_memory_gb * 2**30, tuple(int(d.id) for d in self.devices),
-            schedule="gpipe", remat=self.train_cfg.remat, switch=switch)
+            schedule="gpipe", remat=self.train_cfg.recomputes_forward, switch=switch)
 
 
 def _primary_plans(new: Plan, interim: Plan | None) -> tuple[Plan, Plan | None]:

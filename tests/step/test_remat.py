@@ -1,0 +1,54 @@
+"""What each remat policy keeps for the backward of one `rh.models.Llama` block."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import resihp_jax as rh
+from resihp_jax.errors import ConfigError
+from resihp_jax.step.body import rematted
+from resihp_jax.step.config import REMAT_POLICIES, TrainConfig
+
+
+def _kept(remat: str, capsys: pytest.CaptureFixture) -> list[str]:
+    """The residuals the backward keeps that the block computed (not its inputs)."""
+    cfg = rh.engine.get_model_config("tiny")
+    graph, state = nnx.split(rh.models.Llama(cfg, rngs=nnx.Rngs(0)).blocks[0])
+    seg_BxS = jnp.ones((2, 32), jnp.int32)
+    pos_BxS = jnp.broadcast_to(jnp.arange(32), (2, 32))
+    loss = rematted(lambda s, x: jnp.sum(nnx.merge(graph, s)(x, seg_BxS, pos_BxS) ** 2), remat)
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(loss, state, jnp.ones((2, 32, cfg.d_model)))
+    return [line for line in capsys.readouterr().out.splitlines()
+            if "from the argument" not in line and "from a constant" not in line]
+
+
+def test_projections_keep_the_seven_projections_and_the_attention_output_only(capsys) -> None:
+    kept = _kept("projections", capsys)
+    assert sum("output of dot_general" in line for line in kept) == 7  # q k v o gate up down
+    assert sum("named 'context'" in line for line in kept) == 1
+    assert len(kept) == 8
+    assert _kept("full", capsys) == []  # the whole forward again
+    assert len(_kept("none", capsys)) > 8  # norms, rotary, softmax statistics, ... too
+
+
+def test_a_bad_remat_is_refused_by_name() -> None:
+    assert TrainConfig(remat=True).recomputes_forward
+    assert not TrainConfig(remat="projections").recomputes_forward
+    for bad in ("some", 1, None):
+        with pytest.raises(ConfigError, match=r"TrainConfig.remat=.*valid are True, False"):
+            TrainConfig(remat=bad)
+
+
+def test_the_cli_offers_the_same_policies() -> None:
+    import argparse  # noqa: PLC0415
+
+    from resihp_jax.cli.train import add_arguments  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    action = next(a for a in parser._actions if "--remat" in a.option_strings)
+    assert tuple(action.choices) == REMAT_POLICIES and action.const == "full"

@@ -45,14 +45,18 @@ PLANS = {
 
 @pytest.mark.parametrize("name", list(PLANS))
 def test_plan_matches_single_device_reference(name: str, reference) -> None:
+    _assert_matches(reference, PLANS[name])
+
+
+def _assert_matches(reference, plan: Plan, **train: object) -> None:
+    """`plan`'s step (with `train`'s settings) computes the reference loss and gradients."""
     batch, ref_loss, ref_grads = reference
-    plan = PLANS[name]
-    train = TrainConfig(microbatch_slots=max(plan.microbatches_per_group))
-    program = build_step(CFG, train, plan, jax.devices())
-    state = program.init_state(0)
+    program = build_step(CFG, TrainConfig(microbatch_slots=max(plan.microbatches_per_group),
+                                          **train), plan, jax.devices())
     loss, grads = program.loss_and_grads(
-        state.params, program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
-                                          batch.positions_MxBxS))
+        program.init_state(0).params,
+        program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
+                            batch.positions_MxBxS))
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
     assert max_relative_error(canonical_grads(program, grads), ref_grads) < 1e-4
 
@@ -118,29 +122,12 @@ def test_the_head_and_loss_in_token_chunks_compute_the_same_loss_and_gradients(
         name: str, reference) -> None:
     """One stage and a pipeline, with the vocabulary whole and split over 'tp' (chunks
     combined per chunk): the same loss and gradients at the same tolerances."""
-    batch, ref_loss, ref_grads = reference
-    plan = PLANS[name]
-    train = TrainConfig(microbatch_slots=max(plan.microbatches_per_group), loss_chunks=4)
-    program = build_step(CFG, train, plan, jax.devices())
-    loss, grads = program.loss_and_grads(
-        program.init_state(0).params,
-        program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
-                            batch.positions_MxBxS))
-    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
-    assert max_relative_error(canonical_grads(program, grads), ref_grads) < 1e-4
+    _assert_matches(reference, PLANS[name], loss_chunks=4)
 
 
 @pytest.mark.parametrize("name,remat", [("1/1/1", "projections"), ("2/2/2", "projections"),
                                         ("2/4/1", "full")])
 def test_every_remat_policy_computes_the_same_loss_and_gradients(name: str, remat: str,
                                                                  reference) -> None:
-    batch, ref_loss, ref_grads = reference
-    plan = PLANS[name]
-    train = TrainConfig(microbatch_slots=max(plan.microbatches_per_group), remat=remat)
-    program = build_step(CFG, train, plan, jax.devices())
-    loss, grads = program.loss_and_grads(
-        program.init_state(0).params,
-        program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
-                            batch.positions_MxBxS))
-    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
-    assert max_relative_error(canonical_grads(program, grads), ref_grads) < 1e-4
+    """What the backward keeps changes, the math does not."""
+    _assert_matches(reference, PLANS[name], remat=remat)

@@ -16,6 +16,8 @@ from benchmarks import mfu
 from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.models.config import ModelConfig, get_model_config
+from resihp_jax.perfmodel.memory import devices_memory_gb
+from resihp_jax.runtime.run.auto_plan import remat_for_memory
 from resihp_jax.step.config import TrainConfig
 
 # JAX records one event of this name per executable it builds (jax/_src/dispatch.py's
@@ -153,6 +155,11 @@ class Pair:
         self.runners[name] = runner._replace(state=state)
 
 
+def _out_of_memory(error: BaseException) -> bool:
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
 def cold_runner(build: Callable[[], mfu.Runner]) -> tuple[mfu.Runner, Cold, float]:
     """build() and its first step, timed and counted: (runner at its next state, Cold, loss)."""
     out: dict[str, Any] = {}
@@ -196,14 +203,15 @@ class Suite:
         return self.pair("4x2048" if not self.quick else "4x64", 4, 64 if self.quick else 2048)
 
     def pair(self, name: str, rows: int, seq_len: int,
-             batch: GlobalBatch | None = None) -> Pair:
-        """The cached pair `name` (built and cold-started on first use)."""
+             batch: GlobalBatch | None = None, remat: str | None = None) -> Pair:
+        """The cached pair `name` (built and cold-started on first use); `remat`: ours' policy
+        (None: chosen by the device's memory, as rh.fit chooses it)."""
         if name not in self.pairs:
-            self.pairs[name] = self._build_pair(self.llama(), rows, seq_len, batch)
+            self.pairs[name] = self._build_pair(self.llama(), rows, seq_len, batch, remat)
         return self.pairs[name]
 
     def _build_pair(self, model: ModelConfig, rows: int, seq_len: int,
-                    batch: GlobalBatch | None) -> Pair:
+                    batch: GlobalBatch | None, remat: str | None) -> Pair:
         devices = [self.device]
         batch = batch or BatchIterator("synthetic:lognormal", n_microbatches=1,
                                        microbatch_size=rows, seq_len=seq_len,
@@ -211,21 +219,37 @@ class Suite:
         plan = Plan.uniform(1, 1, 1, n_layers=model.n_layers, n_microbatches=1,
                             microbatch_size=rows, seq_len=seq_len,
                             device_ids=(int(devices[0].id),))
-        train = TrainConfig()
+        # what the backward keeps, chosen by the device's memory as rh.fit chooses it (the
+        # 32,768-token row needs a policy that recomputes; the peer keeps everything)
+        if remat is None:
+            remat, why = remat_for_memory(model, plan, devices_memory_gb(devices))
+            print(f"  ours: remat {remat} ({why})")
         kinds: dict[str, str] = {}
 
         def build_ours() -> mfu.Runner:
-            runner, kinds["ours"] = mfu.our_runner(model, train, plan, devices, batch, self.seed)
+            runner, kinds["ours"] = mfu.our_runner(model, TrainConfig(remat=remat), plan,
+                                                   devices, batch, self.seed)
             return runner
 
         def build_peer() -> mfu.Runner:
-            kinds["peer"], runner = mfu.best_peer(model, train, devices, batch, self.seed)
+            kinds["peer"], runner = mfu.best_peer(model, TrainConfig(), devices, batch,
+                                                  self.seed)
             return runner
 
-        ours, ours_cold, ours_loss = cold_runner(build_ours)
+        try:
+            ours, ours_cold, ours_loss = cold_runner(build_ours)
+        except Exception as error:  # noqa: BLE001 - only running out of memory is retried
+            # the memory model is an estimate: where the device runs out all the same, the
+            # policy that recomputes most
+            if remat == "full" or not _out_of_memory(error):
+                raise
+            print(f"  ours ran out of memory with remat {remat}: again with remat full")
+            jax.clear_caches()
+            remat = "full"
+            ours, ours_cold, ours_loss = cold_runner(build_ours)
         peer, peer_cold, peer_loss = cold_runner(build_peer)
         return Pair(model, batch, {"ours": ours, "peer": peer},
-                    {"ours": f"segment_attention[{kinds['ours']}]",
+                    {"ours": f"segment_attention[{kinds['ours']}], remat {remat}",
                      "peer": f"dot_product_attention[{kinds['peer']}]"},
                     {"ours": ours_cold, "peer": peer_cold},
                     {"ours": ours_loss, "peer": peer_loss})

@@ -88,6 +88,15 @@ class ModelConfig:
         sharded = 2 * self.d_model + 2 * kv_dim + 3 * self.d_ff  # q, attn out, k, v, MLP
         return replicated + sharded / tp
 
+    def layer_kept_elements(self, tp: int) -> float:
+        """Elements per token one layer keeps under remat "projections": the q, k, v, output,
+        gate, up and down projections' outputs and the attention output."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        q_dim = self.n_heads * self.head_dim
+        replicated = 2 * self.d_model  # the output and down projections (partial under tp)
+        sharded = 2 * q_dim + 2 * kv_dim + 2 * self.d_ff  # q, context, k, v, gate, up
+        return replicated + sharded / tp
+
     def tp_dims(self) -> tuple[int, ...]:
         return (self.n_heads, self.n_kv_heads, self.d_ff, self.vocab_size)
 

@@ -25,6 +25,32 @@ _NON_NEGATIVE = ("c", "alpha", "beta", "head_alpha", "embed_alpha", "tick_overhe
 # dtype (`ModelFacts.dtype`, which sets activations and the per-step weight copy).
 MASTER_BYTES = 4
 
+# What a step keeps for its backward pass (`TrainConfig.remat`): "none" keeps every
+# activation; "projections" keeps the matmuls' outputs (dots without batch dimensions: the
+# q/k/v, output and MLP projections) and the activation a model names "context" (its
+# attention output), and recomputes the rest (norms, activations, the attention kernel):
+# MaxText's `minimal_with_context`; "full" recomputes each stage's forward. True and False
+# mean "full" and "none"; the cost model charges a recomputed forward for "full" only.
+REMAT_POLICIES = ("none", "projections", "full")
+
+# "auto" head chunks (`TrainConfig.loss_chunks`) split a micro-batch's head and loss into
+# token chunks once its float32 logits pass this size: Llama 3's vocabulary (128,256) at
+# 4 x 2048 tokens (4.2 GB) stays whole, at 16 x 2048 (16.8 GB) it runs in 4 chunks; the
+# llama-1b preset's (32,000) stays whole at 16 x 2048 (4.2 GB).
+LOGITS_CHUNK_BYTES = 4 * 2**30
+
+
+def remat_name(remat: bool | str) -> str:
+    """The policy `remat` names (True: "full", False: "none")."""
+    if isinstance(remat, bool):
+        return "full" if remat else "none"
+    return remat
+
+
+def recomputes_forward(remat: bool | str) -> bool:
+    """The backward recomputes each stage's whole forward."""
+    return remat_name(remat) == "full"
+
 
 def dtype_bytes(dtype: str) -> int:
     return 2 if dtype == "bfloat16" else 4

@@ -60,6 +60,11 @@ class ModelFacts(Protocol):
         """Elements per token one layer saves for its backward pass on `tp` devices."""
         ...
 
+    def layer_kept_elements(self, tp: int) -> float:
+        """Elements per token one layer keeps under remat "projections" (its matmuls' outputs
+        and its attention output) on `tp` devices."""
+        ...
+
     def tp_dims(self) -> tuple[int, ...]:
         """Dimensions that tensor parallelism shards: a valid tp divides each."""
         ...

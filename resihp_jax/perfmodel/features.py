@@ -11,14 +11,15 @@ import numpy as np
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel.simulator import StepSim
 from resihp_jax.meshes.plan import TIMED_SLOT
+from resihp_jax.perfmodel.costs import recomputes_forward
 from resihp_jax.perfmodel.work import GroupData
 
 PATH_FEATURES = ("c", "alpha", "beta", "head_alpha", "tick_overhead", "step_overhead")
 TOTAL_FEATURES = ("total_c", "total_alpha", "total_beta")
 
 
-def bwd_multiplier(bwd_ratio: float, remat: bool) -> float:
-    return bwd_ratio + (1.0 if remat else 0.0)
+def bwd_multiplier(bwd_ratio: float, remat: bool | str) -> float:
+    return bwd_ratio + (1.0 if recomputes_forward(remat) else 0.0)
 
 
 def path_units(sim: StepSim, plan: Plan, tokens_N: np.ndarray, sum_l2_N: np.ndarray,

@@ -9,16 +9,36 @@ Activations assume flash-style attention (no stored l^2 scores).
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import numpy as np
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.perfmodel.costs import MASTER_BYTES, dtype_bytes
+from resihp_jax.perfmodel.costs import (LOGITS_CHUNK_BYTES, MASTER_BYTES, dtype_bytes,
+                                        remat_name)
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.perfmodel.simulator import check_schedule
 from resihp_jax.perfmodel.work import stage_param_counts
 
 LOGIT_BYTES = 4  # the loss is computed from float32 logits
+# what a device that reports no memory is planned with (CPU devices: host memory)
+DEFAULT_DEVICE_MEMORY_GB = 4.0
+
+
+def devices_memory_gb(devices: Sequence[Any], default_gb: float = DEFAULT_DEVICE_MEMORY_GB
+                      ) -> float:
+    """The least memory any of `devices` has for a program (GiB: `bytes_limit` of its
+    `memory_stats()`, what a GPU's allocator may use), or `default_gb` where none says."""
+    limits = []
+    for device in devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # noqa: BLE001 - a backend without statistics raises
+            stats = None
+        if stats and stats.get("bytes_limit"):
+            limits.append(stats["bytes_limit"] / 2**30)
+    return min(limits) if limits else default_gb
 
 
 def static_bytes_S(plan: Plan, model: ModelFacts, layer_slots: int | None,
@@ -44,7 +64,7 @@ def _slots(name: str, value: int | None, minimum: int) -> int:
 
 
 def memory_bytes_per_device(plan: Plan, model: ModelFacts, *, schedule: str = "gpipe",
-                            remat: bool = False, layer_slots: int | None = None,
+                            remat: bool | str = False, layer_slots: int | None = None,
                             mb_slots: int | None = None,
                             optimizer_bytes_per_param: float | None = None) -> np.ndarray:
     """[dp, pp, tp] bytes per device. Optimizer state defaults to Adam's two float32
@@ -55,16 +75,21 @@ def memory_bytes_per_device(plan: Plan, model: ModelFacts, *, schedule: str = "g
     tokens = plan.microbatch_size * plan.seq_len
     width = dtype_bytes(model.dtype)
     full_layer = tokens * model.layer_activation_elements(plan.tp) * width
-    saved_per_layer = tokens * model.d_model * width if remat else full_layer
+    policy = remat_name(remat)
+    saved_per_layer = {"full": tokens * model.d_model * width,
+                       "projections": tokens * model.layer_kept_elements(plan.tp) * width,
+                       }.get(policy, full_layer)
     logits = tokens * model.vocab_size / plan.tp * LOGIT_BYTES
     stash_S = np.full(plan.pp, layers * saved_per_layer)
-    stash_S[-1] += 0.0 if remat else logits
+    # chunked logits (past LOGITS_CHUNK_BYTES) are recomputed in the backward, never kept
+    stash_S[-1] += 0.0 if policy == "full" or logits > LOGITS_CHUNK_BYTES else logits
     if schedule == "gpipe":
         in_flight_S = np.full(plan.pp, slots + plan.pp - 1)
     else:
         in_flight_S = np.minimum(plan.pp - np.arange(plan.pp), slots)
     working_S = np.full(plan.pp, full_layer)
-    working_S[-1] += 2 * logits  # logits and their gradient during the last backward
+    # logits (one chunk of them) and their gradient during the last backward
+    working_S[-1] += 2 * min(logits, LOGITS_CHUNK_BYTES)
     total_S = (static_bytes_S(plan, model, layers, optimizer_bytes_per_param)
                + in_flight_S * stash_S + working_S)
     if schedule == "gpipe":

@@ -12,7 +12,7 @@ import numpy as np
 
 from resihp_jax.errors import ConfigError, PlanError
 from resihp_jax.meshes.plan import TIMED_SLOT, Plan
-from resihp_jax.perfmodel.costs import MASTER_BYTES, CostParams, dtype_bytes
+from resihp_jax.perfmodel.costs import MASTER_BYTES, CostParams, dtype_bytes, recomputes_forward
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.perfmodel.health import Health
 
@@ -140,7 +140,7 @@ def stage_work(plan: Plan, model: ModelFacts, costs: CostParams, data: GroupData
     fwd = compute + tp_fwd
     timed = timed + tp_fwd[:, :, TIMED_SLOT]
     bwd = costs.bwd_ratio * compute + tp_fwd
-    if remat:
+    if recomputes_forward(remat):
         bwd += fwd
     return StageWork(fwd, bwd, _p2p_times(plan, costs, factors, act),
                      _dp_allreduce(plan, model, costs, factors), timed)

@@ -25,8 +25,8 @@ from resihp_jax import vma
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import TIMED_SLOT
 from resihp_jax.nn import layers
-from resihp_jax.nn.layers import next_token_targets
-from resihp_jax.step.config import CONTEXT, remat_name
+from resihp_jax.nn.layers import CONTEXT, next_token_targets
+from resihp_jax.perfmodel.costs import LOGITS_CHUNK_BYTES, remat_name
 from resihp_jax.step.instrument import Instrument
 from resihp_jax.step.pipeline import (ALL_AXES, STEP_AXES, accumulated_loss_sum, gated,
                                        run_ticks)
@@ -63,13 +63,6 @@ def vocab_parallel_nll_sum(local: layers.LossPartials, weights_BxS: jax.Array) -
     """The loss of one micro-batch from every device's `vocab_parallel_partials` (the
     collectives over 'tp' are here), the same on every device of a tp group."""
     return layers.nll_sum(layers.reduce_loss_partials(local, "tp"), weights_BxS)
-
-
-# "auto" splits a micro-batch's head and loss into token chunks once its float32 logits
-# pass this size: llama-1b's vocabulary (128,256) at 4 x 2048 tokens (4.2 GB, the speed rows)
-# stays whole; at 16 x 2048 (32,768 tokens: 16.8 GB, and as much again for their gradient)
-# it runs in 4 chunks.
-LOGITS_CHUNK_BYTES = 4 * 2**30
 
 
 def head_chunks(setting: int | str, rows: int, seq: int, vocab: int) -> int:

@@ -9,22 +9,8 @@ from dataclasses import dataclass
 import optax
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.nn.layers import CONTEXT  # noqa: F401 - what the policy saves by name
+from resihp_jax.perfmodel.costs import REMAT_POLICIES, recomputes_forward, remat_name
 from resihp_jax.attention.kernels import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-
-
-# What a step keeps for its backward pass (`TrainConfig.remat`): "none" keeps every
-# activation; "projections" keeps the matmuls' outputs (dots without batch dimensions: the
-# q/k/v, output and MLP projections) and whatever a model names "context" (its attention
-# output, `jax.ad_checkpoint.checkpoint_name`), and recomputes the rest (norms, activations,
-# the attention kernel): MaxText's `minimal_with_context`; "full" recomputes each stage's
-# forward. True and False mean "full" and "none".
-REMAT_POLICIES = ("none", "projections", "full")
-
-
-def remat_name(remat: bool | str) -> str:
-    """The policy `remat` names (True: "full", False: "none")."""
-    return {True: "full", False: "none"}.get(remat, remat) if isinstance(remat, bool) else remat
 
 
 @dataclass(frozen=True)
@@ -36,7 +22,8 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.95
     grad_clip: float = 1.0
-    remat: bool | str = False  # what the backward recomputes: REMAT_POLICIES, or a bool
+    # what the backward keeps and recomputes: REMAT_POLICIES (perfmodel/costs.py), or a bool
+    remat: bool | str = False
     layer_slots: int | None = None  # layer slots per stage; None: even share + headroom
     microbatch_slots: int | None = None  # micro-batch slots per DP group; None: likewise
     # let the step reuse the state's buffers for the new state (False: the state a step
@@ -81,9 +68,8 @@ class TrainConfig:
 
     @property
     def recomputes_forward(self) -> bool:
-        """The backward recomputes each stage's whole forward (what the planner's cost and
-        memory models know as remat; "projections" they count as keeping everything)."""
-        return remat_name(self.remat) == "full"
+        """The backward recomputes each stage's whole forward (what the cost model charges)."""
+        return recomputes_forward(self.remat)
 
     def replace(self, **changes: object) -> TrainConfig:
         return dataclasses.replace(self, **changes)

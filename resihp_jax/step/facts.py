@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.attention.kernels import TRACED_CALLS
+from resihp_jax.step.body import rematted
 from resihp_jax.step.model_parts import ModelParts, mesh_specs
 
 ATTENTION_COSTS = ("document", "row")
@@ -51,6 +52,7 @@ class MeasuredFacts:
     pair_flops: float  # per (query, key) pair
     head_flops: float  # per token
     activation_elements: float  # per token and layer
+    kept_elements: float  # per token and layer, under remat "projections"
     sharded_dims: tuple[int, ...]
     attention_cost: str = "row"
     seq_multiple: int = 1
@@ -81,6 +83,10 @@ class MeasuredFacts:
     def layer_activation_elements(self, tp: int) -> float:
         del tp  # read off one device's residuals: an upper bound under tensor parallelism
         return self.activation_elements
+
+    def layer_kept_elements(self, tp: int) -> float:
+        del tp  # likewise
+        return self.kept_elements
 
     def tp_dims(self) -> tuple[int, ...]:
         return self.sharded_dims
@@ -136,6 +142,7 @@ def model_facts(parts: ModelParts, shell: Any, layers: Any, name: str,
         vocab_size=logits.shape[-1], layer_params=_size(layer), shell_params=_size(shell),
         layer_flops=linear, pair_flops=2.0 * quadratic, head_flops=head,
         activation_elements=_residual_elements(parts, layer, h) / s1,
+        kept_elements=_residual_elements(parts, layer, h, "projections") / s1,
         sharded_dims=_tp_dims(parts, shell, layer, axis_rules),
         attention_cost=_attention_cost(attention_cost, calls_segment_attention))
 
@@ -154,12 +161,14 @@ def _block_flops(parts: ModelParts, shell: Any, layer: Any, s1: int, s2: int
     return h, block_flops(s1), block_flops(s2)
 
 
-def _residual_elements(parts: ModelParts, layer: Any, h: Any) -> float:
-    """Elements one block keeps for its backward on one row, its weights not counted."""
+def _residual_elements(parts: ModelParts, layer: Any, h: Any, remat: str = "none") -> float:
+    """Elements one block keeps for its backward on one row under `remat`, its weights not
+    counted."""
     _, seg, pos = _tokens(h.shape[1])
+    block = rematted(lambda p, x_: parts.block(p, x_, seg, pos), remat)
 
     def pullback(p: Any, x: jax.Array) -> Any:
-        return jax.vjp(lambda x_: parts.block(p, x_, seg, pos), x)[1]
+        return jax.vjp(lambda x_: block(p, x_), x)[1]
 
     residuals = jax.eval_shape(pullback, layer, jax.ShapeDtypeStruct(h.shape, h.dtype))
     return float(max(_size(residuals) - _size(layer), 0))

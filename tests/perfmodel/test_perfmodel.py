@@ -24,7 +24,9 @@ from resihp_jax.perfmodel import (
     simulate_step,
     tokens_per_second,
 )
+from resihp_jax.perfmodel.costs import LOGITS_CHUNK_BYTES, REMAT_POLICIES
 from resihp_jax.perfmodel.features import path_units
+from resihp_jax.perfmodel.memory import static_bytes_S
 from resihp_jax.perfmodel.onef1b import stage_order
 
 MODEL8 = ModelConfig(n_layers=8)
@@ -302,6 +304,30 @@ def test_llama2_70b_fits_80gb_only_when_sharded() -> None:
                         seq_len=4096)
     assert not fits_memory(flat, LLAMA, 80e9, remat=True)
 
+
+
+def test_each_remat_policy_keeps_less_than_the_one_before_it() -> None:
+    plan = Plan.uniform(1, 2, 2, n_layers=8, n_microbatches=8, microbatch_size=4, seq_len=1024)
+    model = get_model_config("small")
+    mem = [memory_bytes_per_device(plan, model, remat=p).max() for p in REMAT_POLICIES]
+    assert mem[0] > mem[1] > mem[2]
+    assert memory_bytes_per_device(plan, model, remat=True).max() == mem[2]
+    assert memory_bytes_per_device(plan, model, remat=False).max() == mem[0]
+
+
+def test_logits_past_the_chunk_size_are_planned_one_chunk_at_a_time() -> None:
+    """llama-1b with Llama 3's vocabulary at 16 x 2048 tokens a step: its float32 logits
+    (16.8 GB) run in chunks, so a vocabulary twice as large costs its parameters only."""
+    model = get_model_config("llama-1b").replace(vocab_size=128_256)
+    wider = model.replace(vocab_size=2 * model.vocab_size)
+    plan = Plan.uniform(1, 1, 1, n_layers=model.n_layers, n_microbatches=1,
+                        microbatch_size=16, seq_len=2048)
+    assert 16 * 2048 * model.vocab_size * 4 > LOGITS_CHUNK_BYTES
+    grown = (memory_bytes_per_device(plan, wider).max()
+             - memory_bytes_per_device(plan, model).max())
+    params = (static_bytes_S(plan, wider, None, None).max()
+              - static_bytes_S(plan, model, None, None).max())
+    assert grown == pytest.approx(params)
 
 # ---- bad inputs ---------------------------------------------------------------------------
 def test_bad_microbatch_arrays_name_the_value() -> None:

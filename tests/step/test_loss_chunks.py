@@ -17,7 +17,8 @@ LLAMA3_VOCAB = 128_256
 
 def test_auto_keeps_small_logits_whole_and_chunks_large_ones_within_the_cap() -> None:
     assert head_chunks("auto", 4, 2048, 256) == 1  # tiny's vocabulary
-    assert head_chunks("auto", 4, 2048, LLAMA3_VOCAB) == 1  # 4.2 GB: the speed rows
+    assert head_chunks("auto", 4, 2048, LLAMA3_VOCAB) == 1  # 4.2 GB
+    assert head_chunks("auto", 16, 2048, 32_000) == 1  # the llama-1b preset at 32k tokens
     chunks = head_chunks("auto", 16, 2048, LLAMA3_VOCAB)  # 32,768 tokens: 16.8 GB
     assert chunks == 4 and 16 * 2048 // chunks * LLAMA3_VOCAB * 4 <= LOGITS_CHUNK_BYTES
     assert 2048 % head_chunks("auto", 64, 2048, LLAMA3_VOCAB) == 0

@@ -26,7 +26,8 @@ from resihp_jax.runtime.job.exits import HUNG_EXIT, run_as_job_process
 from resihp_jax.runtime.job.join import join_job
 from resihp_jax.runtime.job.supervisor import (CHECKPOINT_DIR_ENV, LOCAL_COPY_DIR_ENV,
                                               launched_metrics)
-from resihp_jax.runtime.run.auto_plan import auto_plan
+from resihp_jax.perfmodel.memory import devices_memory_gb
+from resihp_jax.runtime.run.auto_plan import auto_plan, auto_plan_and_remat, remat_for_memory
 from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig, check_metrics
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.run.programs import read_facts, model_programs
@@ -37,6 +38,8 @@ from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.facts import MeasuredFacts
 from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES)
+
+REMAT_AUTO = "auto"  # rh.fit's remat chosen by the devices' memory
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         checkpoint_dir: str | None = None, resilience: ResilienceConfig | None = None,
         axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES,
         on_step: Callable[[StepRecord], None] | None = None, progress: bool | None = None,
-        attention_cost: str | None = None, remat: bool | str = False,
+        attention_cost: str | None = None, remat: bool | str = "auto",
         compute_dtype: str | None = None, metrics: Any = None,
         profile_steps: tuple[int, int] | None = None,
         resume: bool | str = True) -> FitResult:
@@ -91,11 +94,15 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         prints one line naming what differed.
     remat: what the backward recomputes: False or "none" (nothing), "projections" (keeps the
         matmuls' outputs and the attention output a model names "context", recomputes the
-        rest), True or "full" (each stage's whole forward).
+        rest), True or "full" (each stage's whole forward); "auto" (default): the first of
+        those three under which the plan fits the devices' memory by the memory model (the
+        devices' own, or `resilience.device_memory_gb`), said once.
     """
     install()  # the start-up count includes the model's split and facts below
     started = time.time()
     _check_args(steps, plan, optimizer)
+    if remat != REMAT_AUTO:
+        TrainConfig(remat=remat)  # a bad policy is refused before anything is built
     metrics = metrics if metrics is not None else launched_metrics()
     check_metrics(metrics, profile_steps)
     if resume not in (True, RESUME_FORCE):
@@ -121,12 +128,8 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     parts = programs.parts
     facts = read_facts(programs, _seq_len(plan, data), attention_cost)
     resilience = resilience or ResilienceConfig(compile_cache_dir=None)
-    train = TrainConfig(remat=remat)
-    if isinstance(plan, str):  # "auto", checked above
-        rows, seq_len = _batch_shape(data)
-        plan, _ = auto_plan(facts, [d.id for d in (devices or jax.devices())], rows, seq_len,
-                            device_memory_gb=resilience.device_memory_gb,
-                            remat=train.recomputes_forward)
+    plan, train = _plan_and_remat(facts, plan, remat, data, devices or jax.devices(),
+                                  resilience.device_memory_gb)
 
     config = RunConfig(
         metrics=metrics, profile_steps=profile_steps,
@@ -173,6 +176,30 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
 
 def _show_progress(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
+
+
+def _plan_and_remat(facts: MeasuredFacts, plan: Plan | str, remat: bool | str, data: Any,
+                    devices: Sequence[jax.Device], memory_gb: float | None
+                    ) -> tuple[Plan, TrainConfig]:
+    """The plan (`"auto"`: the scheduler's) and the step's settings, `remat="auto"` resolved
+    by the devices' memory (said once, by process 0)."""
+    memory_gb = memory_gb or devices_memory_gb(devices)
+    ids = [d.id for d in devices]
+    why = None
+    if isinstance(plan, str):  # "auto", checked above
+        rows, seq_len = _batch_shape(data)
+        if remat == REMAT_AUTO:
+            plan, remat = auto_plan_and_remat(facts, ids, rows, seq_len,
+                                              device_memory_gb=memory_gb)
+            why = f"the least recomputing policy a plan fits {memory_gb:.1f} GiB a device with"
+        else:
+            plan, _ = auto_plan(facts, ids, rows, seq_len, device_memory_gb=memory_gb,
+                                remat=remat)
+    elif remat == REMAT_AUTO:
+        remat, why = remat_for_memory(facts, plan, memory_gb)
+    if why is not None and jax.process_index() == 0:
+        print(f"remat: {remat} ({why})", flush=True)
+    return plan, TrainConfig(remat=remat)
 
 
 def _check_args(steps: int, plan: Any, optimizer: Any) -> None:

@@ -238,7 +238,7 @@ class TrainingRun:
             devices = job.usable_devices()
         plan, why = plan_for_devices(requested, self.model, [int(d.id) for d in devices],
                                      slow=job.slow_devices(),
-                                     remat=self.train_cfg.recomputes_forward)
+                                     remat=self.train_cfg.remat)
         if not job.spec.single:
             plan = cover_processes(plan, {int(d.id): d.process_index for d in devices})
         if why != "as requested":

@@ -42,6 +42,7 @@ from resihp_jax.errors import (ConfigError, HostsLeftOut, JobStepFailed, PlanErr
                                ResihpError, StepHung)
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
+from resihp_jax.perfmodel.memory import devices_memory_gb
 from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.meshes.agree import (bytes_from_primary, from_payload, from_primary,
@@ -90,7 +91,8 @@ class ResilienceConfig:
     step_timeout_s: float = 120.0
     hang_factor: float = 3.0
     hang_floor_s: float = 10.0
-    device_memory_gb: float = 4.0
+    # None: the devices' own memory where they report it (GPUs), else 4 GB (CPU devices)
+    device_memory_gb: float | None = None
     recompile_s: float = 10.0  # charged for a new mesh until a compile has been measured
     horizon_s: float = 3600.0  # expected seconds to the next failure
     checkpoint_dir: str | None = None
@@ -139,7 +141,8 @@ class ResilienceConfig:
 
     def __post_init__(self) -> None:
         for name in ("step_timeout_s", "hang_floor_s", "device_memory_gb", "horizon_s"):
-            if not getattr(self, name) > 0:
+            if not (getattr(self, name) is None and name == "device_memory_gb") and \
+                    not getattr(self, name) > 0:
                 raise ConfigError(f"ResilienceConfig.{name}={getattr(self, name)!r}: must be > 0")
         if not self.hang_factor > 1:
             raise ConfigError(f"ResilienceConfig.hang_factor={self.hang_factor!r}: must be > 1 "
@@ -833,8 +836,9 @@ class ResilientTrainer:
                              background=self.config.background_compile)
         return PlanningContext(
             self.model, costs or CostParams.for_model(self.model),
-            self.config.device_memory_gb * 2**30, tuple(int(d.id) for d in self.devices),
-            schedule="gpipe", remat=self.train_cfg.recomputes_forward, switch=switch)
+            (self.config.device_memory_gb or devices_memory_gb(self.devices)) * 2**30,
+            tuple(int(d.id) for d in self.devices),
+            schedule="gpipe", remat=self.train_cfg.remat, switch=switch)
 
 
 def _primary_plans(new: Plan, interim: Plan | None) -> tuple[Plan, Plan | None]:

@@ -49,6 +49,7 @@ from resihp_jax.nn import layers  # noqa: E402
 from resihp_jax.models.config import ModelConfig, get_model_config  # noqa: E402
 from resihp_jax.models import Llama  # noqa: E402
 from resihp_jax.perfmodel.costs import CostParams  # noqa: E402
+from resihp_jax.perfmodel.memory import compiled_bytes  # noqa: E402
 from resihp_jax.perfmodel.simulator import simulate_step  # noqa: E402
 from resihp_jax.runtime.run.run_metrics import RunMetrics  # noqa: E402
 from resihp_jax.runtime.trainer.loop import StepRecord  # noqa: E402
@@ -178,9 +179,7 @@ def loop_runner(step: Callable[[Any, int], Any], state: Any, plan: Plan,
 def step_memory(program: StepProgram, state: Any, batch: Any) -> int:
     """Per-device bytes of the compiled step: its arguments, its outputs less those that
     reuse donated arguments, and its temporaries (XLA's memory analysis)."""
-    stats = program.step_fn.lower(state, batch, program.splits()).compile().memory_analysis()
-    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
-               - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    return compiled_bytes(program.step_fn.lower(state, batch, program.splits()).compile())
 
 
 def expected_bubble(plan: Plan, model: ModelConfig) -> tuple[float, float]:

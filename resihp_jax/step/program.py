@@ -29,6 +29,8 @@ from resihp_jax.meshes.branch_collectives import BranchCollective, branch_collec
 from resihp_jax.meshes.mesh import put_global
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.nn import layers
+from resihp_jax.perfmodel.costs import remat_name
+from resihp_jax.perfmodel.memory import compiled_bytes, devices_memory_gb
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.model_parts import fully_manual
 from resihp_jax.step.param_gathers import parameter_gathers, warn_parameter_gathers
@@ -84,6 +86,10 @@ def token_count(segment_ids: jax.Array) -> jax.Array:
     """Trained tokens in a batch of any leading shape (the loss's denominator)."""
     seg_NxS = segment_ids.reshape(-1, segment_ids.shape[-1])
     return jnp.sum(layers.next_token_targets(seg_NxS, seg_NxS)[1])
+
+
+class OverMemoryWarning(UserWarning):
+    """A compiled step asks for more memory than its devices have."""
 
 
 class SelectedGatesWarning(UserWarning):
@@ -247,7 +253,26 @@ class StepProgram:
             warn_parameter_gathers(
                 parameter_gathers(hlo, canonical, self.param_specs),
                 self.plan.tp)
+        self._warn_over_memory(compiled_step)
         return dataclasses.replace(self, step_fn=compiled_step)
+
+    def _warn_over_memory(self, compiled_step: Any) -> None:
+        """Say so, once per plan, where XLA's memory analysis of the compiled step asks for
+        more than its devices have (the memory model that chose the plan and its remat is an
+        estimate): the step would fail at its first allocation, deep in the run."""
+        devices = list(self.mesh.devices.flat)
+        have_gb = devices_memory_gb(devices, default_gb=0.0)
+        try:
+            need_gb = compiled_bytes(compiled_step) / 2**30
+        except Exception:  # noqa: BLE001 - a backend without the analysis
+            return
+        if have_gb and need_gb > have_gb:
+            warnings.warn(OverMemoryWarning(
+                f"plan {self.plan.describe()}: the compiled step needs {need_gb:.3g} GiB a "
+                f"device (XLA's memory analysis), its devices have {have_gb:.3g} GiB; it will "
+                f"likely run out of memory (remat is {remat_name(self.train.remat)!r}: "
+                f"'projections' or 'full' keep less, as do smaller micro-batches or more "
+                f"devices)"), stacklevel=2)
 
     def _without_branches(self, hanging: list[BranchCollective]) -> StepProgram:
         what = "; ".join(sorted({"a " + c.describe() for c in hanging}))

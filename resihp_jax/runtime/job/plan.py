@@ -23,8 +23,14 @@ from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.scheduler import PlanningContext, run_policy
 
 
+# what a relaunch plans devices that report no memory with (CPU devices: a generous figure,
+# as the requested plan already ran there)
+RELAUNCH_DEFAULT_MEMORY_GB = 80.0
+
+
 def plan_for_devices(requested: Plan, model: ModelConfig, device_ids: Sequence[int], *,
-                     slow: Mapping[int, float] | None = None, device_memory_gb: float = 80.0,
+                     slow: Mapping[int, float] | None = None,
+                     device_memory_gb: float = RELAUNCH_DEFAULT_MEMORY_GB,
                      remat: bool = False, policy: str = "resihp") -> tuple[Plan, str]:
     """(plan, why): `requested` on the first of `device_ids`, or the scheduler's pick."""
     ids = [int(d) for d in device_ids]

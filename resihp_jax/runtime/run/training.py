@@ -220,7 +220,9 @@ class TrainingRun:
 
     def _job_plan(self, job: Any) -> Plan:
         """The requested plan on this job's usable devices, or the scheduler's plan for them."""
-        from resihp_jax.runtime.job.plan import cover_processes, plan_for_devices  # noqa: PLC0415
+        from resihp_jax.perfmodel.memory import devices_memory_gb  # noqa: PLC0415
+        from resihp_jax.runtime.job.plan import (  # noqa: PLC0415
+            RELAUNCH_DEFAULT_MEMORY_GB, cover_processes, plan_for_devices)
 
         requested, out = self.requested, self.out
         if job.spec.single:
@@ -236,9 +238,11 @@ class TrainingRun:
                 print(f"job: host {host} is excluded by the health record "
                       f"({job.record.excluded[host].reason})", file=out)
             devices = job.usable_devices()
+        given_gb = getattr(self.resilience, "device_memory_gb", None)
         plan, why = plan_for_devices(requested, self.model, [int(d.id) for d in devices],
-                                     slow=job.slow_devices(),
-                                     remat=self.train_cfg.remat)
+                                     slow=job.slow_devices(), remat=self.train_cfg.remat,
+                                     device_memory_gb=given_gb or devices_memory_gb(
+                                         devices, default_gb=RELAUNCH_DEFAULT_MEMORY_GB))
         if not job.spec.single:
             plan = cover_processes(plan, {int(d.id): d.process_index for d in devices})
         if why != "as requested":

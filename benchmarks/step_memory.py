@@ -9,6 +9,10 @@ in the same run. Every row trains the same first step on the same batch: its los
 printed, and must agree (the policies recompute, they do not change the math). No faults
 are injected.
 
+Then what `remat="auto"` would choose on a GPU: the memory model's bytes per device for the
+llama-1b preset at 1/1/1 under each policy, and the policy chosen for an H100's and an
+H200's usable memory (XLA's default 75% of 80 and 141 GB), with no device needed.
+
 Usage: python benchmarks/step_memory.py [--quick] [--vocab V] [--seq-len S] [--rounds R]
 """
 
@@ -28,6 +32,9 @@ import numpy as np  # noqa: E402
 
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.models.config import get_model_config  # noqa: E402
+from resihp_jax.perfmodel.costs import REMAT_POLICIES  # noqa: E402
+from resihp_jax.perfmodel.memory import memory_bytes_per_device  # noqa: E402
+from resihp_jax.runtime.run.auto_plan import remat_for_memory  # noqa: E402
 from resihp_jax.step.builder import build_step  # noqa: E402
 from resihp_jax.step.config import TrainConfig  # noqa: E402
 from resihp_jax.step.program import abstract_args  # noqa: E402
@@ -74,6 +81,27 @@ def build(remat: str, chunks: int, args: argparse.Namespace):
     return program, program.init_state(0), batch, int(compiled.memory_analysis().temp_size_in_bytes)
 
 
+GPU_MEMORY_GB = {"H100": 0.75 * 80e9 / 2**30, "H200": 0.75 * 141e9 / 2**30}
+
+
+def memory_model_choices() -> dict[str, dict]:
+    """The memory model's GiB per device under each policy for llama-1b at 4 x 2048 and
+    16 x 2048, and the policy `remat="auto"` takes on each GPU."""
+    model = get_model_config("llama-1b")
+    out = {}
+    print(f"\nmemory model, {model.name} at 1/1/1 (GiB a device; what remat='auto' takes)")
+    for rows in (4, 16):
+        plan = Plan.uniform(1, 1, 1, n_layers=model.n_layers, n_microbatches=1,
+                            microbatch_size=rows, seq_len=2048)
+        need = {p: round(float(memory_bytes_per_device(plan, model, remat=p).max()) / 2**30, 1)
+                for p in REMAT_POLICIES}
+        chosen = {gpu: remat_for_memory(model, plan, gb)[0] for gpu, gb in GPU_MEMORY_GB.items()}
+        out[f"{rows}x2048"] = {"gib": need, "auto": chosen}
+        print(f"  {rows:>2} x 2048: " + ", ".join(f"{p} {g}" for p, g in need.items())
+              + "; auto: " + ", ".join(f"{gpu} {c}" for gpu, c in chosen.items()))
+    return out
+
+
 def main() -> None:
     args = parse_args()
     rows = QUICK_ROWS if args.quick else ROWS
@@ -109,9 +137,10 @@ def main() -> None:
               f"{step:>8.4f} {step / base_time:>9.3f} {losses[row]:>10.5f}")
     spread = max(losses.values()) - min(losses.values())
     print(f"\nfirst-step losses agree within {spread:.2e}")
+    choices = memory_model_choices()
     print(json.dumps({"benchmark": "step_memory", "vocab": args.vocab, "seq_len": args.seq_len,
                       "rows": args.rows, "logits_bytes": logits, "loss_spread": spread,
-                      "settings": out}))
+                      "settings": out, "memory_model": choices}))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from resihp_jax.runtime.job.exits import HUNG_EXIT, run_as_job_process
 from resihp_jax.runtime.job.join import join_job
 from resihp_jax.runtime.job.supervisor import (CHECKPOINT_DIR_ENV, LOCAL_COPY_DIR_ENV,
                                               launched_metrics)
+from resihp_jax.perfmodel.costs import REMAT_POLICIES
 from resihp_jax.perfmodel.memory import devices_memory_gb
 from resihp_jax.runtime.run.auto_plan import auto_plan, auto_plan_and_remat, remat_for_memory
 from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig, check_metrics
@@ -101,8 +102,9 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     install()  # the start-up count includes the model's split and facts below
     started = time.time()
     _check_args(steps, plan, optimizer)
-    if remat != REMAT_AUTO:
-        TrainConfig(remat=remat)  # a bad policy is refused before anything is built
+    if not (remat == REMAT_AUTO or isinstance(remat, bool) or remat in REMAT_POLICIES):
+        raise ConfigError(f"remat={remat!r}: valid are {REMAT_AUTO!r} (chosen by the devices' "
+                          f"memory), True, False, {', '.join(map(repr, REMAT_POLICIES))}")
     metrics = metrics if metrics is not None else launched_metrics()
     check_metrics(metrics, profile_steps)
     if resume not in (True, RESUME_FORCE):

@@ -78,3 +78,13 @@ def test_the_devices_own_memory_is_planned_with_and_cpus_get_the_default() -> No
     gpus = [_Device({"bytes_limit": 80 * 2**30}), _Device({"bytes_limit": 70 * 2**30})]
     assert devices_memory_gb(gpus) == 70.0  # the least of them
     assert devices_memory_gb([_Device(None), _Device("raise")], default_gb=4.0) == 4.0
+
+
+def test_a_bad_remat_is_refused_by_fit_naming_every_valid_one() -> None:
+    import optax  # noqa: PLC0415
+
+    import resihp_jax as rh  # noqa: PLC0415
+    from resihp_jax.errors import ConfigError  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match=r"remat='some': valid are 'auto' .*'projections'"):
+        rh.fit(None, [], optimizer=optax.sgd(0.1), plan="auto", steps=1, remat="some")

@@ -84,9 +84,12 @@ def memory_bytes_per_device(plan: Plan, model: ModelFacts, *, schedule: str = "g
     width = dtype_bytes(model.dtype)
     full_layer = tokens * model.layer_activation_elements(plan.tp) * width
     policy = remat_name(remat)
-    saved_per_layer = {"full": tokens * model.d_model * width,
-                       "projections": tokens * model.layer_kept_elements(plan.tp) * width,
-                       }.get(policy, full_layer)
+    if policy == "full":
+        saved_per_layer = tokens * model.d_model * width
+    elif policy == "projections":
+        saved_per_layer = tokens * model.layer_kept_elements(plan.tp) * width
+    else:
+        saved_per_layer = full_layer
     logits = tokens * model.vocab_size / plan.tp * LOGIT_BYTES
     stash_S = np.full(plan.pp, layers * saved_per_layer)
     # chunked logits (past LOGITS_CHUNK_BYTES) are recomputed in the backward, never kept

@@ -34,7 +34,7 @@ from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.models.config import get_model_config  # noqa: E402
 from resihp_jax.perfmodel.costs import REMAT_POLICIES  # noqa: E402
 from resihp_jax.perfmodel.memory import memory_bytes_per_device  # noqa: E402
-from resihp_jax.runtime.run.auto_plan import remat_for_memory  # noqa: E402
+from resihp_jax.perfmodel.memory import remat_for_memory  # noqa: E402
 from resihp_jax.step.builder import build_step  # noqa: E402
 from resihp_jax.step.config import TrainConfig  # noqa: E402
 from resihp_jax.step.program import abstract_args  # noqa: E402

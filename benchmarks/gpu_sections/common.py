@@ -17,7 +17,7 @@ from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.models.config import ModelConfig, get_model_config
 from resihp_jax.perfmodel.memory import devices_memory_gb
-from resihp_jax.runtime.run.auto_plan import remat_for_memory
+from resihp_jax.perfmodel.memory import remat_for_memory
 from resihp_jax.step.config import TrainConfig
 
 # JAX records one event of this name per executable it builds (jax/_src/dispatch.py's

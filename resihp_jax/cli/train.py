@@ -32,7 +32,7 @@ from resihp_jax.cli.train_checks import check_train_args, checkpoint_every, read
 from resihp_jax.errors import CheckpointFallbackWarning, ConfigError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.models.registry import MODELS, GPT2Sizes, check_plan, get_model
-from resihp_jax.perfmodel.costs import REMAT_POLICIES
+from resihp_jax.perfmodel.costs import REMAT_AUTO, REMAT_POLICIES
 from resihp_jax.runtime.job import distributed
 from resihp_jax.runtime.job.devices import devices_to_request, request_host_devices
 from resihp_jax.runtime.job.exits import run_as_job_process
@@ -64,11 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatch-size", type=int, default=2, help="rows per micro-batch")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per row")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    parser.add_argument("--remat", nargs="?", const="full", default="none",
-                        choices=REMAT_POLICIES,
-                        help="what the backward recomputes: none (default), projections (keep "
-                             "the matmuls' and attention's outputs, recompute the rest) or full "
-                             "(each stage's forward; --remat alone)")
+    parser.add_argument("--remat", nargs="?", const="full", default=REMAT_AUTO,
+                        choices=(REMAT_AUTO, *REMAT_POLICIES),
+                        help="what the backward recomputes: auto (default: for each plan the "
+                             "least recomputing policy whose compiled step fits the devices' "
+                             "memory), none, projections (keep the matmuls' and attention's "
+                             "outputs, recompute the rest) or full (each stage's forward; "
+                             "--remat alone)")
     add_metrics_argument(parser, METRICS_HELP + " (a JSON lines file is appended to when "
                          "resuming; default: $RESIHP_METRICS, which resihp launch --metrics sets)")
     parser.add_argument("--profile", default=None, metavar="FIRST:END",

@@ -32,6 +32,10 @@ MASTER_BYTES = 4
 # MaxText's `minimal_with_context`; "full" recomputes each stage's forward. True and False
 # mean "full" and "none"; the cost model charges a recomputed forward for "full" only.
 REMAT_POLICIES = ("none", "projections", "full")
+# "auto": per plan, the least recomputing of REMAT_POLICIES whose step fits the devices'
+# memory (runtime/trainer/remat_choice.py). Planning takes it as "full": a plan is admitted
+# where some policy fits it, and charged the most recomputation it may need.
+REMAT_AUTO = "auto"
 
 # "auto" head chunks (`TrainConfig.loss_chunks`) split a micro-batch's head and loss into
 # token chunks once its float32 logits pass this size: Llama 3's vocabulary (128,256) at
@@ -41,10 +45,10 @@ LOGITS_CHUNK_BYTES = 4 * 2**30
 
 
 def remat_name(remat: bool | str) -> str:
-    """The policy `remat` names (True: "full", False: "none")."""
+    """The policy `remat` names (True: "full", False: "none"; REMAT_AUTO plans as "full")."""
     if isinstance(remat, bool):
         return "full" if remat else "none"
-    return remat
+    return "full" if remat == REMAT_AUTO else remat
 
 
 def recomputes_forward(remat: bool | str) -> bool:

@@ -15,8 +15,8 @@ import numpy as np
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.perfmodel.costs import (LOGITS_CHUNK_BYTES, MASTER_BYTES, dtype_bytes,
-                                        remat_name)
+from resihp_jax.perfmodel.costs import (LOGITS_CHUNK_BYTES, MASTER_BYTES, REMAT_POLICIES,
+                                        dtype_bytes, remat_name)
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.perfmodel.simulator import check_schedule
 from resihp_jax.perfmodel.work import stage_param_counts
@@ -114,3 +114,17 @@ def fits_memory(plan: Plan, model: ModelFacts, device_memory_bytes: float, **kw:
     if not device_memory_bytes > 0:
         raise ConfigError(f"device_memory_bytes={device_memory_bytes!r}: must be > 0")
     return bool(memory_bytes_per_device(plan, model, **kw).max() <= device_memory_bytes)
+
+
+def remat_for_memory(model: ModelFacts, plan: Plan, device_memory_gb: float) -> tuple[str, str]:
+    """(policy, why): `remat="auto"` for `plan`: the first of REMAT_POLICIES (the least
+    recomputed first) under which the memory model fits the plan on its devices; "full" if
+    none does (the step then finds out)."""
+    limit = device_memory_gb * 2**30
+    for policy in REMAT_POLICIES:
+        need = float(memory_bytes_per_device(plan, model, remat=policy).max())
+        if need <= limit:
+            return policy, (f"{need / 2**30:.3g} of {device_memory_gb:.3g} GiB a device: the "
+                            f"least recomputing policy that fits")
+    return "full", (f"no policy fits {device_memory_gb:.3g} GiB a device by the memory model "
+                    f"({need / 2**30:.3g} GiB with full recomputation)")

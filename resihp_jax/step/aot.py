@@ -15,10 +15,12 @@ from resihp_jax.step.program import (StepProgram, abstract_args, canonical_state
 
 
 def compile_program(program: StepProgram) -> StepProgram:
-    """The same program with its step and layout moves compiled now (not at first call)."""
+    """The same program with its step (unless compiled already) and layout moves compiled
+    now (not at first call)."""
     state, batch, splits = abstract_args(program)
     rep, plan = program.replicated, program.plan
-    program = program.adopt_compiled(program.step_fn.lower(state, batch, splits).compile())
+    if hasattr(program.step_fn, "lower"):  # a jitted function, not yet an executable
+        program = program.adopt_compiled(program.step_fn.lower(state, batch, splits).compile())
     positions = jax.ShapeDtypeStruct((plan.n_layers,), jnp.int32, sharding=rep)
     to_canonical = program.to_canonical_fn.lower(state, positions).compile()
     canonical = placed_shapes(canonical_state_shapes(state, plan.n_layers),

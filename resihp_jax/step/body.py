@@ -26,7 +26,7 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import TIMED_SLOT
 from resihp_jax.nn import layers
 from resihp_jax.nn.layers import CONTEXT, next_token_targets
-from resihp_jax.perfmodel.costs import LOGITS_CHUNK_BYTES, remat_name
+from resihp_jax.perfmodel.costs import LOGITS_CHUNK_BYTES, REMAT_AUTO, remat_name
 from resihp_jax.step.instrument import Instrument
 from resihp_jax.step.pipeline import (ALL_AXES, STEP_AXES, accumulated_loss_sum, gated,
                                        run_ticks)
@@ -80,6 +80,10 @@ def head_chunks(setting: int | str, rows: int, seq: int, vocab: int) -> int:
 
 def rematted(fn: Callable[..., Any], remat: bool | str) -> Callable[..., Any]:
     """`fn` under `remat`'s policy (step/config.py REMAT_POLICIES)."""
+    if remat == REMAT_AUTO:  # the trainer builds each plan's step with the policy it chose
+        raise ConfigError("remat='auto' is chosen per plan by the trainer (rh.fit, resihp "
+                          "train); a step built directly takes a policy: 'none', "
+                          "'projections' or 'full'")
     name = remat_name(remat)
     if name == "none":
         return fn

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import optax
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.perfmodel.costs import REMAT_POLICIES, recomputes_forward, remat_name
+from resihp_jax.perfmodel.costs import (REMAT_AUTO, REMAT_POLICIES, recomputes_forward,
+                                        remat_name)
 from resihp_jax.attention.kernels import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 
 
@@ -22,7 +23,9 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.95
     grad_clip: float = 1.0
-    # what the backward keeps and recomputes: REMAT_POLICIES (perfmodel/costs.py), or a bool
+    # what the backward keeps and recomputes: REMAT_POLICIES (perfmodel/costs.py), a bool, or
+    # "auto" (per plan, the least recomputing policy whose compiled step fits the devices'
+    # memory: the trainer resolves it, runtime/trainer/remat_choice.py)
     remat: bool | str = False
     layer_slots: int | None = None  # layer slots per stage; None: even share + headroom
     microbatch_slots: int | None = None  # micro-batch slots per DP group; None: likewise
@@ -54,7 +57,8 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.attention={self.attention!r}: valid are "
                               f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
         if not isinstance(self.remat, (bool, str)) or remat_name(self.remat) not in REMAT_POLICIES:
-            raise ConfigError(f"TrainConfig.remat={self.remat!r}: valid are True, False, "
+            raise ConfigError(f"TrainConfig.remat={self.remat!r}: valid are {REMAT_AUTO!r} "
+                              f"(chosen by the devices' memory), True, False, "
                               f"{', '.join(map(repr, REMAT_POLICIES))}")
         if self.loss_chunks != "auto" and (isinstance(self.loss_chunks, bool) or
                                            not isinstance(self.loss_chunks, int) or

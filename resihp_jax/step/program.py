@@ -228,7 +228,8 @@ class StepProgram:
         return jax.jit(init, out_shardings=self.state_shardings)(
             params, self.stage_index())
 
-    def adopt_compiled(self, compiled_step: Any) -> StepProgram:
+    def adopt_compiled(self, compiled_step: Any, *, warn_over_memory: bool = True
+                       ) -> StepProgram:
         """Check the compiled step before it ever runs, and return the program to run:
         - a step whose pipeline branches hold a collective that some devices never reach
           (it would hang: meshes/branch_collectives.py) is replaced by the same program
@@ -239,7 +240,10 @@ class StepProgram:
           documents is refused before the first step);
         - each tp-sharded parameter the compiled step gathers whole is named
           (ParameterGatherWarning): sharding propagation's fallback for code it cannot
-          split."""
+          split;
+        - a step that asks for more memory than its devices have is named
+          (OverMemoryWarning), unless `warn_over_memory` is False (its caller steps up the
+          remat policy instead: runtime/trainer/remat_choice.py)."""
         hlo = compiled_step.as_text() if self.plan.tp > 1 else ""  # (once: a large text)
         if self.plan.tp > 1:
             hanging = branch_collectives(hlo, self.plan.tp)
@@ -253,7 +257,8 @@ class StepProgram:
             warn_parameter_gathers(
                 parameter_gathers(hlo, canonical, self.param_specs),
                 self.plan.tp)
-        self._warn_over_memory(compiled_step)
+        if warn_over_memory:
+            self._warn_over_memory(compiled_step)
         return dataclasses.replace(self, step_fn=compiled_step)
 
     def _warn_over_memory(self, compiled_step: Any) -> None:

@@ -39,7 +39,7 @@ def test_a_bad_remat_is_refused_by_name() -> None:
     assert TrainConfig(remat=True).recomputes_forward
     assert not TrainConfig(remat="projections").recomputes_forward
     for bad in ("some", 1, None):
-        with pytest.raises(ConfigError, match=r"TrainConfig.remat=.*valid are True, False"):
+        with pytest.raises(ConfigError, match=r"remat=.*valid are .auto. .*True, False"):
             TrainConfig(remat=bad)
 
 
@@ -51,4 +51,5 @@ def test_the_cli_offers_the_same_policies() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     action = next(a for a in parser._actions if "--remat" in a.option_strings)
-    assert tuple(action.choices) == REMAT_POLICIES and action.const == "full"
+    assert tuple(action.choices) == ("auto", *REMAT_POLICIES) and action.const == "full"
+    assert action.default == "auto"

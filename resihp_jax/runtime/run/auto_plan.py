@@ -16,7 +16,6 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.perfmodel.costs import REMAT_POLICIES
 from resihp_jax.perfmodel.facts import ModelFacts
-from resihp_jax.perfmodel.memory import memory_bytes_per_device
 from resihp_jax.scheduler import PlanningContext, search_plans
 
 MAX_MICROBATCH_SIZES = 6  # the divisors of the rows tried as micro-batch sizes, smallest first
@@ -48,20 +47,6 @@ def auto_plan(model: ModelFacts, device_ids: Sequence[int], rows: int, seq_len: 
                         f"of {rows} x {seq_len}) fits {len(ids)} device(s) of "
                         f"{device_memory_gb:g} GB; give a Plan, or more devices")
     return best[1], best[0]
-
-
-def remat_for_memory(model: ModelFacts, plan: Plan, device_memory_gb: float) -> tuple[str, str]:
-    """(policy, why): `remat="auto"` for `plan`: the first of REMAT_POLICIES (the least
-    recomputed first) under which the memory model fits the plan on its devices; "full" if
-    none does (the step then finds out)."""
-    limit = device_memory_gb * 2**30
-    for policy in REMAT_POLICIES:
-        need = float(memory_bytes_per_device(plan, model, remat=policy).max())
-        if need <= limit:
-            return policy, (f"{need / 2**30:.1f} of {device_memory_gb:.1f} GiB a device: the "
-                            f"least recomputing policy that fits")
-    return "full", (f"no policy fits {device_memory_gb:.1f} GiB a device by the memory model "
-                    f"({need / 2**30:.1f} GiB with full recomputation)")
 
 
 def auto_plan_and_remat(model: ModelFacts, device_ids: Sequence[int], rows: int, seq_len: int,

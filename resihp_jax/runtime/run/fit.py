@@ -26,9 +26,9 @@ from resihp_jax.runtime.job.exits import HUNG_EXIT, run_as_job_process
 from resihp_jax.runtime.job.join import join_job
 from resihp_jax.runtime.job.supervisor import (CHECKPOINT_DIR_ENV, LOCAL_COPY_DIR_ENV,
                                               launched_metrics)
-from resihp_jax.perfmodel.costs import REMAT_POLICIES
+from resihp_jax.perfmodel.costs import REMAT_AUTO
 from resihp_jax.perfmodel.memory import devices_memory_gb
-from resihp_jax.runtime.run.auto_plan import auto_plan, auto_plan_and_remat, remat_for_memory
+from resihp_jax.runtime.run.auto_plan import auto_plan, auto_plan_and_remat
 from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig, check_metrics
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.run.programs import read_facts, model_programs
@@ -39,8 +39,6 @@ from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig
 from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.facts import MeasuredFacts
 from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES)
-
-REMAT_AUTO = "auto"  # rh.fit's remat chosen by the devices' memory
 
 
 @dataclass(frozen=True)
@@ -95,16 +93,15 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
         prints one line naming what differed.
     remat: what the backward recomputes: False or "none" (nothing), "projections" (keeps the
         matmuls' outputs and the attention output a model names "context", recomputes the
-        rest), True or "full" (each stage's whole forward); "auto" (default): the first of
-        those three under which the plan fits the devices' memory by the memory model (the
-        devices' own, or `resilience.device_memory_gb`), said once.
+        rest), True or "full" (each stage's whole forward); "auto" (default): for each plan,
+        the first of those three whose compiled step fits the devices' memory (the devices'
+        own, or `resilience.device_memory_gb`): the memory model's pick, stepped up while
+        XLA's memory analysis of the compiled step says it does not fit; said once.
     """
     install()  # the start-up count includes the model's split and facts below
     started = time.time()
     _check_args(steps, plan, optimizer)
-    if not (remat == REMAT_AUTO or isinstance(remat, bool) or remat in REMAT_POLICIES):
-        raise ConfigError(f"remat={remat!r}: valid are {REMAT_AUTO!r} (chosen by the devices' "
-                          f"memory), True, False, {', '.join(map(repr, REMAT_POLICIES))}")
+    train = TrainConfig(remat=remat)  # checks remat, naming every valid value
     metrics = metrics if metrics is not None else launched_metrics()
     check_metrics(metrics, profile_steps)
     if resume not in (True, RESUME_FORCE):
@@ -130,8 +127,9 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     parts = programs.parts
     facts = read_facts(programs, _seq_len(plan, data), attention_cost)
     resilience = resilience or ResilienceConfig(compile_cache_dir=None)
-    plan, train = _plan_and_remat(facts, plan, remat, data, devices or jax.devices(),
-                                  resilience.device_memory_gb)
+    if isinstance(plan, str):  # "auto", checked above
+        plan = _auto_plan(facts, remat, data, devices or jax.devices(),
+                          resilience.device_memory_gb)
 
     config = RunConfig(
         metrics=metrics, profile_steps=profile_steps,
@@ -180,28 +178,17 @@ def _show_progress(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
 
 
-def _plan_and_remat(facts: MeasuredFacts, plan: Plan | str, remat: bool | str, data: Any,
-                    devices: Sequence[jax.Device], memory_gb: float | None
-                    ) -> tuple[Plan, TrainConfig]:
-    """The plan (`"auto"`: the scheduler's) and the step's settings, `remat="auto"` resolved
-    by the devices' memory (said once, by process 0)."""
+def _auto_plan(facts: MeasuredFacts, remat: bool | str, data: Any,
+               devices: Sequence[jax.Device], memory_gb: float | None) -> Plan:
+    """The scheduler's plan for the devices' memory (the given figure, else their own); with
+    `remat="auto"` the fastest under the least recomputing policy that admits one (the
+    trainer then compiles each plan's step under the least recomputing policy it fits)."""
     memory_gb = memory_gb or devices_memory_gb(devices)
     ids = [d.id for d in devices]
-    why = None
-    if isinstance(plan, str):  # "auto", checked above
-        rows, seq_len = _batch_shape(data)
-        if remat == REMAT_AUTO:
-            plan, remat = auto_plan_and_remat(facts, ids, rows, seq_len,
-                                              device_memory_gb=memory_gb)
-            why = f"the least recomputing policy a plan fits {memory_gb:.1f} GiB a device with"
-        else:
-            plan, _ = auto_plan(facts, ids, rows, seq_len, device_memory_gb=memory_gb,
-                                remat=remat)
-    elif remat == REMAT_AUTO:
-        remat, why = remat_for_memory(facts, plan, memory_gb)
-    if why is not None and jax.process_index() == 0:
-        print(f"remat: {remat} ({why})", flush=True)
-    return plan, TrainConfig(remat=remat)
+    rows, seq_len = _batch_shape(data)
+    if remat == REMAT_AUTO:
+        return auto_plan_and_remat(facts, ids, rows, seq_len, device_memory_gb=memory_gb)[0]
+    return auto_plan(facts, ids, rows, seq_len, device_memory_gb=memory_gb, remat=remat)[0]
 
 
 def _check_args(steps: int, plan: Any, optimizer: Any) -> None:

@@ -83,6 +83,7 @@ class ProcessRun:
         self.trainer = ResilientTrainer(model, train_cfg, plan, devices, data, config,
                                         on_long_work=self._long_work, programs=programs)
         self.trainer.warm_up()
+        self._say_remat(None)
         if self.trainer.checkpointer is not None:  # a resume forced on purpose
             self.trainer.checkpointer.force_identity = self.config.resume == RESUME_FORCE
         if self.trainer.checkpointer is not None and job.primary:  # the cadence it chose
@@ -223,6 +224,15 @@ class ProcessRun:
         if self.snapshots is not None:
             keep_completed(self.snapshots, self.trainer)
 
+    def _say_remat(self, before: Any) -> None:
+        """What `remat="auto"` chose for the current plan's mesh and why, where it differs
+        from its choice for the plan `before` (None: the first plan)."""
+        chosen = self.trainer.remat_chosen
+        now = chosen.get(self.trainer.plan.mesh_key())
+        was = chosen.get(before.mesh_key()) if before is not None else None
+        if now is not None and self.job.primary and (was is None or was[0] != now[0]):
+            print(f"remat: {now[0]} ({now[1]})", file=self.out, flush=True)
+
     def _replanned(self, replan: Replan) -> None:
         verdict = replan.verdict
         if verdict.kind in ("compute", "link") and self.config.checkpoint_dir is not None:
@@ -235,6 +245,7 @@ class ProcessRun:
         print(f"step {replan.step}: {what}; re-planned to {replan.new_plan.describe()} "
               f"({replan.kind}: plan {replan.plan_s:.2f} s, compile {replan.compile_s:.2f} s, "
               f"move {replan.move_s:.2f} s)", file=self.out, flush=True)
+        self._say_remat(replan.old_plan)
         self._beat(replan.step, self.ladder.startup_s)  # the next step may compile
 
 

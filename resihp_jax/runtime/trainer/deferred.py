@@ -21,11 +21,12 @@ from resihp_jax.step.program import abstract_args
 from resihp_jax.step.program import StepProgram, canonical_state_shapes
 
 
-def compile_step(program: StepProgram) -> StepProgram:
+def compile_step(program: StepProgram, warn_over_memory: bool = True) -> StepProgram:
     """`program` with its step compiled now; its layout moves compile when first used (or in
-    the background, `compile_layouts`)."""
+    the background, `compile_layouts`). `warn_over_memory`: see StepProgram.adopt_compiled."""
     state, batch, splits = abstract_args(program)
-    return program.adopt_compiled(program.step_fn.lower(state, batch, splits).compile())
+    return program.adopt_compiled(program.step_fn.lower(state, batch, splits).compile(),
+                                  warn_over_memory=warn_over_memory)
 
 
 MOVES = ("to_canonical_fn", "to_stage_fn", "restage_fn")

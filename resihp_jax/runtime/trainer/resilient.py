@@ -42,7 +42,8 @@ from resihp_jax.errors import (ConfigError, HostsLeftOut, JobStepFailed, PlanErr
                                ResihpError, StepHung)
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.perfmodel.memory import devices_memory_gb
+from resihp_jax.perfmodel.costs import REMAT_AUTO
+from resihp_jax.perfmodel.memory import compiled_bytes, devices_memory_gb, remat_for_memory
 from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.meshes.agree import (bytes_from_primary, from_payload, from_primary,
@@ -58,6 +59,7 @@ from resihp_jax.runtime.trainer.unwatched import Unwatched
 from resihp_jax.step.instrument import FaultHook
 from resihp_jax.runtime.trainer.loop import StepRecord, device_batch, diverged
 from resihp_jax.runtime.trainer.precompile import Precompiler
+from resihp_jax.runtime.trainer.remat_choice import within_memory
 from resihp_jax.step.staging import HostStaging
 from resihp_jax.step.warmup import warm_up
 from resihp_jax.runtime.recovery.run_identity import identity_of
@@ -262,6 +264,8 @@ class ResilientTrainer:
                               "ResilienceConfig(stage_timing=True)")
         timed = self.config.stage_timing and not untimed
         self._untimed_wanted = bool(wanted)
+        # remat="auto": each mesh's policy and why (written by whichever thread compiles it)
+        self.remat_chosen: dict[tuple, tuple[str, str]] = {}
         # the step alone: the layout moves and every background compile wait for the first
         # step (`start_background`), so nothing competes with it for the host's cores
         self._install(self._compiled(self.plan, timed=timed, layouts=False), self.plan,
@@ -326,12 +330,34 @@ class ResilientTrainer:
         # unless a fault hook injects through them
         instrument = (self._instrument if timed and (plan.n_devices > 1
                                                      or self.fault_hook is not None) else None)
-        if self.programs is not None:
-            program = self.programs(train_cfg, plan, self.devices, instrument)
+
+        def build(cfg: TrainConfig) -> StepProgram:
+            if self.programs is not None:
+                return self.programs(cfg, plan, self.devices, instrument)
+            return build_step(self.model, cfg, plan, self.devices, instrument=instrument)
+
+        if train_cfg.remat == REMAT_AUTO:
+            program = self._within_memory(plan, train_cfg, build)
         else:
-            program = build_step(self.model, train_cfg, plan, self.devices,
-                                 instrument=instrument)
-        return compile_program(program) if layouts else compile_step(program)
+            program = compile_step(build(train_cfg))
+        return compile_program(program) if layouts else program
+
+    def _within_memory(self, plan: Plan, train_cfg: TrainConfig,
+                       build: Callable[[TrainConfig], StepProgram]) -> StepProgram:
+        """`plan`'s step compiled under `remat="auto"`'s policy for it (remat_choice.py): the
+        memory model's choice, stepped up while XLA says the compiled step does not fit."""
+        ids = set(plan.device_ids)
+        devices = [d for d in self.devices if int(d.id) in ids] or list(self.devices)
+        given = self.config.device_memory_gb
+        first = remat_for_memory(self.model, plan, given or devices_memory_gb(devices))
+        known_gb = given or devices_memory_gb(devices, default_gb=0.0)
+        program, policy, why = within_memory(
+            lambda policy, last: compile_step(build(train_cfg.replace(remat=policy)),
+                                              warn_over_memory=last),
+            first, known_gb * 2**30 if known_gb else None,
+            lambda program: compiled_bytes(program.step_fn))
+        self.remat_chosen[plan.mesh_key()] = (policy, why)  # any thread: one key, one write
+        return program
 
     def start_background(self) -> None:
         """Start what the first step does not need, in the background thread: the current

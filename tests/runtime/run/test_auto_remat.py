@@ -8,8 +8,9 @@ from resihp_jax.errors import PlanError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.perfmodel.costs import REMAT_POLICIES
-from resihp_jax.perfmodel.memory import devices_memory_gb, memory_bytes_per_device
-from resihp_jax.runtime.run.auto_plan import auto_plan, auto_plan_and_remat, remat_for_memory
+from resihp_jax.perfmodel.memory import (devices_memory_gb, memory_bytes_per_device,
+                                         remat_for_memory)
+from resihp_jax.runtime.run.auto_plan import auto_plan, auto_plan_and_remat
 
 MODEL = get_model_config("llama-1b")
 PLAN = Plan.uniform(1, 1, 1, n_layers=MODEL.n_layers, n_microbatches=1, microbatch_size=16,

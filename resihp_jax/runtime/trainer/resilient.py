@@ -864,7 +864,8 @@ class ResilientTrainer:
             self.model, costs or CostParams.for_model(self.model),
             (self.config.device_memory_gb or devices_memory_gb(self.devices)) * 2**30,
             tuple(int(d.id) for d in self.devices),
-            schedule="gpipe", remat=self.train_cfg.remat, switch=switch)
+            # remat="auto": the running step's policy, as its cost and memory were measured
+            schedule="gpipe", remat=self.program.train.remat, switch=switch)
 
 
 def _primary_plans(new: Plan, interim: Plan | None) -> tuple[Plan, Plan | None]:

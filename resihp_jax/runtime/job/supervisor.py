@@ -635,7 +635,11 @@ class Supervisor:
             # the others exit 75 naming the failure, not 74 as for a preemption (host_snapshot)
             self._peer_lost_file().write_text(f"{failure.kind}: {failure.detail}\n")
             now = time.time()
-            frozen = {h for h, b in beats.items() if now - b.time > self.config.stale_s}
+            # frozen: a hang's evidence is a stale heartbeat; after any other failure a stale
+            # one may only be a survivor starved of CPU while it writes its copy (a loaded
+            # host), so only a process that is stopped loses its grace period
+            frozen = {h for h, b in beats.items() if now - b.time > self.config.stale_s and
+                      (failure.kind == "hung" or h in procs and _stopped(procs[h].pid))}
             if failure.kind == "hung" and failure.host is not None:
                 frozen.add(failure.host)
             for host, proc in running:
@@ -661,6 +665,16 @@ def _finished_by_all(beats: dict[str, heartbeat.Beat], procs: dict[str, subproce
     process reports the step could catch a slower peer inside that step's collectives, and
     the step would be lost with it."""
     return min((beats[h].step if h in beats else start_step for h in procs), default=start_step)
+
+
+def _stopped(pid: int, proc: Path = Path("/proc")) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP: state T in /proc/PID/stat); False where it
+    cannot be read (no /proc, or the process is gone)."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:][:1] in ("T", "t")
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -480,3 +480,33 @@ def test_a_save_steps_deadline_holds_the_save_too() -> None:
     assert run._next_deadline() == 10.0 + 7.0
     run.trainer.checkpointer = None
     assert run._next_deadline() == 10.0
+
+
+def test_only_a_stopped_process_is_taken_for_frozen(tmp_path: Path) -> None:
+    """After a failure a survivor whose heartbeat is late (starved of CPU on a loaded host)
+    keeps its grace period to write its copy; a stopped one (SIGSTOP) is killed at once."""
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from resihp_jax.runtime.job.supervisor import _stopped  # noqa: PLC0415
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    try:
+        assert not _stopped(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        os.waitpid(proc.pid, os.WUNTRACED)  # returns once it has stopped
+        assert _stopped(proc.pid)
+        os.kill(proc.pid, signal.SIGCONT)
+        os.waitpid(proc.pid, os.WCONTINUED)
+        assert not _stopped(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not _stopped(proc.pid)  # gone
+    # the state follows the command's name, which may hold ") T" itself
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "stat").write_text("7 (odd) T name) S 1 7 7 0")
+    assert not _stopped(7, proc=tmp_path) and not _stopped(8, proc=tmp_path)

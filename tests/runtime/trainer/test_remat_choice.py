@@ -3,7 +3,6 @@ bytes do not fit (runtime/trainer/remat_choice.py), with the compile injected.""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from resihp_jax.perfmodel.costs import REMAT_POLICIES
@@ -66,8 +65,8 @@ def test_without_a_known_memory_the_first_pick_stands_compiled_once() -> None:
 def test_the_trainer_compiles_the_policy_whose_step_fits_the_given_memory() -> None:
     """A trainer with remat="auto" and a device memory just under what the step asks for
     with nothing recomputed: the memory model's pick (none) is stepped up to the first
-    policy whose compiled step, measured here the same way, fits; or full, where none does
-    (XLA:CPU keeps nearly as much under every policy)."""
+    policy whose compiled step, measured here the same way, fits (XLA:CPU keeps nearly as
+    much under every policy, but a little less under projections)."""
     import jax  # noqa: PLC0415
 
     from resihp_jax.data import BatchIterator  # noqa: PLC0415
@@ -83,26 +82,28 @@ def test_the_trainer_compiles_the_policy_whose_step_fits_the_given_memory() -> N
 
     model = get_model_config("tiny").replace(vocab_size=256)
     devices = jax.devices()[:1]
-    plan = Plan.uniform(1, 1, 1, n_layers=model.n_layers, n_microbatches=1, microbatch_size=2,
-                        seq_len=256, device_ids=(int(devices[0].id),))
+    plan = Plan.uniform(1, 1, 1, n_layers=model.n_layers, n_microbatches=1, microbatch_size=1,
+                        seq_len=128, device_ids=(int(devices[0].id),))
     train = TrainConfig(remat="auto", loss_chunks=1, microbatch_slots=1)
-    need = {policy: compiled_bytes(compile_step(build_step(
-        model, train.replace(remat=policy), plan, devices)).step_fn)
-        for policy in REMAT_POLICIES}
-    below = [need[p] for p in REMAT_POLICIES[1:] if need[p] < need["none"]]
-    limit = (max(below) + need["none"]) / 2 if below else need["none"] * 0.999
+
+    def need(policy: str) -> int:  # what XLA says the step asks for under `policy`
+        return compiled_bytes(compile_step(build_step(
+            model, train.replace(remat=policy), plan, devices)).step_fn)
+
+    none, projections = need("none"), need("projections")
+    if projections < none:  # just under none's: projections fits
+        limit, expected = (none + projections) / 2, "projections"
+    else:  # just under none's, which the others may not undercut: full, fitting or not
+        limit, expected = none * 0.999, "full"
     assert float(memory_bytes_per_device(plan, model, remat="none").max()) <= limit  # none first
-    expected = next((p for p in REMAT_POLICIES if need[p] <= limit), "full")
-    data = BatchIterator("synthetic:lognormal", n_microbatches=1, microbatch_size=2,
-                         seq_len=256, seed=0)
+    data = BatchIterator("synthetic:lognormal", n_microbatches=1, microbatch_size=1,
+                         seq_len=128, seed=0)
     trainer = ResilientTrainer(model, train, plan, devices, data, ResilienceConfig(
         device_memory_gb=limit / GIB, precompile=0, compile_cache_dir=None))
     try:
         assert trainer.program.train.remat == expected
         policy, why = trainer.remat_chosen[plan.mesh_key()]
-        assert policy == expected and f"none needs {need['none'] / GIB:.3g} GiB" in why
-        records = list(trainer.run(1))
-        assert np.isfinite(records[0].loss)
+        assert policy == expected and f"none needs {none / GIB:.3g} GiB" in why
     finally:
         trainer.close()
 

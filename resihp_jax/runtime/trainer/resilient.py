@@ -43,11 +43,12 @@ from resihp_jax.errors import (ConfigError, HostsLeftOut, JobStepFailed, PlanErr
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel.costs import REMAT_AUTO
-from resihp_jax.perfmodel.memory import compiled_bytes, devices_memory_gb, remat_for_memory
+from resihp_jax.perfmodel.memory import (DEFAULT_DEVICE_MEMORY_GB, compiled_bytes,
+                                         devices_memory_gb, remat_for_memory)
 from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.meshes.agree import (bytes_from_primary, from_payload, from_primary,
-                                     multi_process, primary_payload)
+                                     max_over_processes, multi_process, primary_payload)
 from resihp_jax.runtime.recovery.cadence import MAX_INTERVAL_S, check_interval
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, deadline_beside_write
 from resihp_jax.runtime.trainer.compile_cache import default_cache_dir, enable_compilation_cache
@@ -264,8 +265,11 @@ class ResilientTrainer:
                               "ResilienceConfig(stage_timing=True)")
         timed = self.config.stage_timing and not untimed
         self._untimed_wanted = bool(wanted)
-        # remat="auto": each mesh's policy and why (written by whichever thread compiles it)
+        # remat="auto": each mesh's policy and why (written by whichever thread compiles it),
+        # and the memory of a device every process fits its steps into, agreed now
         self.remat_chosen: dict[tuple, tuple[str, str]] = {}
+        self._memory_gb = self._agreed_memory_gb() if self.train_cfg.remat == REMAT_AUTO \
+            else None
         # the step alone: the layout moves and every background compile wait for the first
         # step (`start_background`), so nothing competes with it for the host's cores
         self._install(self._compiled(self.plan, timed=timed, layouts=False), self.plan,
@@ -314,6 +318,15 @@ class ResilientTrainer:
     def _identity(self) -> dict[str, Any]:
         return identity_of(self.programs, self.model, self.train_cfg, self.data.state())
 
+    def _agreed_memory_gb(self) -> float:
+        """GiB a device has for a step: `config.device_memory_gb`, else the least this
+        process's devices report (0: none does, as CPU devices); in a job the least over its
+        processes, so that each chooses the same policy for a plan (one collective, here,
+        where every process builds its first program)."""
+        own = self.config.device_memory_gb or devices_memory_gb(
+            [d for d in self.devices if d.process_index == jax.process_index()], default_gb=0.0)
+        return float(-max_over_processes(np.array([-own]))[0])
+
     # ---- programs ------------------------------------------------------------------------
     def _compiled(self, plan: Plan, timed: bool | None = None,
                   layouts: bool = True) -> StepProgram:
@@ -346,11 +359,8 @@ class ResilientTrainer:
                        build: Callable[[TrainConfig], StepProgram]) -> StepProgram:
         """`plan`'s step compiled under `remat="auto"`'s policy for it (remat_choice.py): the
         memory model's choice, stepped up while XLA says the compiled step does not fit."""
-        ids = set(plan.device_ids)
-        devices = [d for d in self.devices if int(d.id) in ids] or list(self.devices)
-        given = self.config.device_memory_gb
-        first = remat_for_memory(self.model, plan, given or devices_memory_gb(devices))
-        known_gb = given or devices_memory_gb(devices, default_gb=0.0)
+        known_gb = self._memory_gb or 0.0
+        first = remat_for_memory(self.model, plan, known_gb or DEFAULT_DEVICE_MEMORY_GB)
         program, policy, why = within_memory(
             lambda policy, last: compile_step(build(train_cfg.replace(remat=policy)),
                                               warn_over_memory=last),

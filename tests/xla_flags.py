@@ -5,9 +5,9 @@ compile is XLA:CPU's backend optimization, which buys nothing at those sizes. At
 fresh clone's `.ci/run` took 16 min against 26 (1,893 s of test time against 3,096; the zoo
 127 s against 237: docs/MEASURED.md, "the test suite"). The programs, their HLO and every
 check stay the same; only the machine code is less optimized. LLVM's expensive passes off
-and XLA:CPU's older loop emitters in place of its fusion emitters cut a tiny step's compile
-from 5.5 to 3.1 s; the zoo and the equivalence plans together took 213 s against 278 (351 s
-of CPU against 507; docs/MEASURED.md, "the test suite"). The benchmarks never import this:
+and XLA:CPU's older loop emitters in place of its fusion emitters as well: the zoo and the
+equivalence plans together took 213 s against 278 (351 s of CPU against 507;
+docs/MEASURED.md, "the test suite"). The benchmarks never import this:
 they time what users run.
 """
 

@@ -30,17 +30,12 @@ def within_memory(build: Callable[[str, bool], Program], first: tuple[str, str],
                                                  "report no memory to check the step against")
     policies = REMAT_POLICIES[REMAT_POLICIES.index(first[0]):]
     over: list[str] = []  # the policies tried whose step did not fit, and what they asked
-    for policy in policies[:-1]:
-        program = build(policy, False)
+    for policy in policies:
+        program = build(policy, policy == policies[-1])
         need = need_bytes(program)
         if need <= limit_bytes:
             return program, policy, _fits(need, limit_bytes, over)
         over.append(f"{policy} needs {need / 2**30:.3g} GiB")
-    program = build(policies[-1], True)
-    need = need_bytes(program)
-    if need <= limit_bytes:
-        return program, policies[-1], _fits(need, limit_bytes, over)
-    over.append(f"{policies[-1]} needs {need / 2**30:.3g} GiB")
     return program, policies[-1], (f"no policy's compiled step fits {limit_bytes / 2**30:.3g} "
                                    f"GiB a device: {'; '.join(over)}")
 

@@ -265,11 +265,10 @@ class ResilientTrainer:
                               "ResilienceConfig(stage_timing=True)")
         timed = self.config.stage_timing and not untimed
         self._untimed_wanted = bool(wanted)
-        # remat="auto": each mesh's policy and why (written by whichever thread compiles it),
-        # and the memory of a device every process fits its steps into, agreed now
+        # remat="auto": each mesh's policy and why (written by whichever thread compiles it)
         self.remat_chosen: dict[tuple, tuple[str, str]] = {}
-        self._memory_gb = self._agreed_memory_gb() if self.train_cfg.remat == REMAT_AUTO \
-            else None
+        # the memory of a device every process fits its steps and plans into, agreed now
+        self._memory_gb = self._agreed_memory_gb()
         # the step alone: the layout moves and every background compile wait for the first
         # step (`start_background`), so nothing competes with it for the host's cores
         self._install(self._compiled(self.plan, timed=timed, layouts=False), self.plan,
@@ -321,8 +320,8 @@ class ResilientTrainer:
     def _agreed_memory_gb(self) -> float:
         """GiB a device has for a step: `config.device_memory_gb`, else the least this
         process's devices report (0: none does, as CPU devices); in a job the least over its
-        processes, so that each chooses the same policy for a plan (one collective, here,
-        where every process builds its first program)."""
+        processes, so that each picks the same remat policy and plans for a figure (one
+        collective, here, where every process builds its first program)."""
         own = self.config.device_memory_gb or devices_memory_gb(
             [d for d in self.devices if d.process_index == jax.process_index()], default_gb=0.0)
         return float(-max_over_processes(np.array([-own]))[0])
@@ -359,12 +358,11 @@ class ResilientTrainer:
                        build: Callable[[TrainConfig], StepProgram]) -> StepProgram:
         """`plan`'s step compiled under `remat="auto"`'s policy for it (remat_choice.py): the
         memory model's choice, stepped up while XLA says the compiled step does not fit."""
-        known_gb = self._memory_gb or 0.0
-        first = remat_for_memory(self.model, plan, known_gb or DEFAULT_DEVICE_MEMORY_GB)
+        first = remat_for_memory(self.model, plan, self._memory_gb or DEFAULT_DEVICE_MEMORY_GB)
         program, policy, why = within_memory(
             lambda policy, last: compile_step(build(train_cfg.replace(remat=policy)),
                                               warn_over_memory=last),
-            first, known_gb * 2**30 if known_gb else None,
+            first, self._memory_gb * 2**30 if self._memory_gb else None,
             lambda program: compiled_bytes(program.step_fn))
         self.remat_chosen[plan.mesh_key()] = (policy, why)  # any thread: one key, one write
         return program
@@ -872,7 +870,7 @@ class ResilientTrainer:
                              background=self.config.background_compile)
         return PlanningContext(
             self.model, costs or CostParams.for_model(self.model),
-            (self.config.device_memory_gb or devices_memory_gb(self.devices)) * 2**30,
+            (self._memory_gb or DEFAULT_DEVICE_MEMORY_GB) * 2**30,
             tuple(int(d.id) for d in self.devices),
             # remat="auto": the running step's policy, as its cost and memory were measured
             schedule="gpipe", remat=self.program.train.remat, switch=switch)

@@ -196,9 +196,7 @@ def _check_args(steps: int, plan: Any, optimizer: Any) -> None:
         raise ConfigError(f"plan={plan!r}: give an rh.Plan (e.g. rh.Plan.uniform(dp, pp, tp, "
                           "n_layers=..., n_microbatches=..., microbatch_size=..., seq_len=...)) "
                           "or 'auto'")
-    if isinstance(plan, str):
-        return
-    if not isinstance(plan, Plan):
+    if not isinstance(plan, (Plan, str)):
         raise ConfigError(f"plan: expected an rh.Plan, got {type(plan).__name__}")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ConfigError(f"steps={steps!r}: must be an integer >= 1")

@@ -172,6 +172,9 @@ def test_a_dimension_tp_does_not_divide_is_named() -> None:
     (dict(plan="best"), "plan='best': give an rh.Plan"),
     (dict(steps=0), "steps=0: must be an integer >= 1"),
     (dict(optimizer="sgd"), "expected an optax GradientTransformation"),
+    # plan="auto" reads the data first: the other arguments are checked all the same
+    (dict(plan="auto", steps=0), "steps=0: must be an integer >= 1"),
+    (dict(plan="auto", optimizer="sgd"), "expected an optax GradientTransformation"),
     (dict(axis_rules=[("mlp", "model")]), r"'mlp' -> 'model': valid mesh axes"),
     (dict(checkpoint_dir="a", resilience=rh.ResilienceConfig(checkpoint_dir="b")),
      "give it once"),

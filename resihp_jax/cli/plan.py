@@ -17,6 +17,7 @@ from resihp_jax.meshes.plan import Plan
 from resihp_jax.models.config import ModelConfig
 from resihp_jax.models.registry import planned_model
 from resihp_jax.perfmodel import CostParams, Health
+from resihp_jax.perfmodel.costs import REMAT_POLICIES
 from resihp_jax.scheduler.context import PlanningContext, SwitchCosts
 from resihp_jax.perfmodel.health_spec import build_health, parse_dead, parse_slowdowns
 from resihp_jax.scheduler.policies import BASELINES, OURS, Outcome, compare
@@ -45,8 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seq-len", type=int, default=4096, help="tokens per row (default 4096)")
     add("--schedule", default="gpipe", choices=("gpipe", "1f1b"),
         help="pipeline schedule (default gpipe, what the train step runs)")
-    add("--remat", action=argparse.BooleanOptionalAction, default=True,
-        help="rematerialize layer activations (default on)")
+    # the policies of `resihp train --remat` but "auto", which picks by the compiled step's
+    # memory: a plan is admitted here as under "full", the least memory's policy
+    add("--remat", nargs="?", const="full", default="full", choices=REMAT_POLICIES,
+        help="what the backward recomputes: none, projections or full (default, and "
+             "--remat alone)")
+    add("--no-remat", dest="remat", action="store_const", const="none",
+        help="the same as --remat none")
     add("--device-tflops", type=float, default=300.0, help="peak TFLOP/s per device")
     add("--mfu", type=float, default=0.5, help="achieved fraction of peak FLOP/s")
     add("--recompile-s", type=float, default=SwitchCosts.recompile_s,

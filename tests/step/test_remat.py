@@ -53,3 +53,16 @@ def test_the_cli_offers_the_same_policies() -> None:
     action = next(a for a in parser._actions if "--remat" in a.option_strings)
     assert tuple(action.choices) == ("auto", *REMAT_POLICIES) and action.const == "full"
     assert action.default == "auto"
+
+
+def test_resihp_plan_plans_under_the_named_policy() -> None:
+    import argparse  # noqa: PLC0415
+
+    from resihp_jax.cli.plan import add_arguments, build_inputs  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    remat_of = lambda *flags: build_inputs(  # noqa: E731
+        parser.parse_args(["--plan", "tp=1,dp=1,pp=2", "--model", "tiny", *flags]))[2].remat
+    assert [remat_of(), remat_of("--remat"), remat_of("--no-remat"),
+            remat_of("--remat", "projections")] == ["full", "full", "none", "projections"]

@@ -2,8 +2,8 @@
 
 Real train steps of the `tiny` model on 8 fake CPU devices (synthetic lognormal documents):
 the cost model is fitted the way our detector fits it (`OnlineCostModel` on the step times of
-healthy steps of the starting plan; per-stage times are not fitted, as the detector's
-`fit_stage_times` default has it), then asked for the step time of each exact batch
+healthy steps of the starting plan; per-stage times are not fitted, as the detector does
+not fit them), then asked for the step time of each exact batch
 under (a) the starting plan, (b) the plan our scheduler picks when a device is dead (a new
 mesh the model never saw), (c) the starting plan with one device injected 3x slower
 (`FaultInjector`, the sleep detection.py uses), (d) the re-plan again after its first 4
@@ -64,8 +64,8 @@ def timed_steps(plan: Any, cfg: Any, injector: Any, n: int, seed: int) -> list[A
 
 
 def fit_as_detector(cfg: Any, observations: list[Any]) -> Any:
-    """An OnlineCostModel fitted on these steps' step times, as the detector fits it (its
-    `fit_stage_times` default leaves per-stage times out)."""
+    """An OnlineCostModel fitted on these steps' step times, as the detector fits it
+    (per-stage times left out)."""
     from resihp_jax.perfmodel import OnlineCostModel
 
     model = OnlineCostModel(cfg, window=max(128, len(observations)))

@@ -73,10 +73,10 @@ after the warm-up, and every CHECK_PERIOD steps after that, the probes check eve
 (`Detector.checks`, not alarms): where the host's own swings hide a slow host's share of
 the step, they are what finds it.
 
-Stage times are not fitted as cost-model rows by default (`fit_stage_times`): on shared
-host cores one micro-batch's forward mostly measures what the other devices run at the same
-moment (an 18% robust sigma, against 2.3% for whole steps), and as rows they drowned the
-step rows the predictor is judged on (MAPE 5.4% vs 2.4%).
+Stage times are not fitted as cost-model rows: on shared host cores one micro-batch's
+forward mostly measures what the other devices run at the same moment (an 18% robust sigma,
+against 2.3% for whole steps), and as rows they drowned the step rows the predictor is
+judged on (MAPE 5.4% vs 2.4%).
 """
 
 from __future__ import annotations
@@ -144,12 +144,10 @@ REFIT_LAG = 2
 class ResiHPDetector(Detector):
     name = "resihp"
 
-    def __init__(self, model: ModelFacts | None = None, *,
-                 cost_model: OnlineCostModel | None = None, warmup: int = WARMUP_STEPS,
+    def __init__(self, model: ModelFacts | None = None, *, warmup: int = WARMUP_STEPS,
                  slack: float = 2.0, decision: float = 4.0, drift: float = 0.2,
                  min_noise: float = 0.002, k: float = 3.0, level_min_excess: float = 0.05,
-                 use_stage_times: bool = True, stage_min_excess: float = 0.08, stage_k: float = 4.0,
-                 fit_stage_times: bool = False, **kwargs: Any) -> None:
+                 stage_min_excess: float = 0.08, stage_k: float = 4.0, **kwargs: Any) -> None:
         super().__init__(model=model, **kwargs)
         if not (slack >= 0 and decision > 0 and min_noise > 0 and stage_k > 0):
             raise ConfigError(f"resihp: slack={slack!r} must be >= 0, decision={decision!r}, "
@@ -159,13 +157,11 @@ class ResiHPDetector(Detector):
         # devices really run in parallel the fit leaves them at 0): left to the cost model's
         # own choice they came in only after ~90 steps of 8 fake devices on 2 cores, and the
         # pipeline-only fit before that erred 1.4x the machine's noise floor (0.95x with them).
-        self.cost = cost_model if cost_model is not None else OnlineCostModel(
-            model, window=128, refit_every=16, mode="contention", max_refit_every=64,
-            refit_lag=REFIT_LAG)
+        self.cost = OnlineCostModel(model, window=128, refit_every=16, mode="contention",
+                                    max_refit_every=64, refit_lag=REFIT_LAG)
         self.warmup, self.slack, self.decision = warmup, slack, decision
         self.drift, self.min_noise, self.k = drift, min_noise, k
-        self.level_min_excess, self.use_stage_times = level_min_excess, use_stage_times
-        self.fit_stage_times = fit_stage_times
+        self.level_min_excess = level_min_excess
         self.scale = 1.0  # machine-wide drift of healthy steps against the model
         self._learned = 0
         self.cusum = 0.0  # accumulated excess beyond the slack, in noise sigmas
@@ -503,7 +499,7 @@ class ResiHPDetector(Detector):
         """log(stage busy / expected) minus its median and its healthy baseline, [dp, pp]."""
         times = obs.stage_times_s
         self._level = 0.0
-        if not self.use_stage_times or times is None or not np.all(np.asarray(times) > 0):
+        if times is None or not np.all(np.asarray(times) > 0):
             return None
         p = self.cost.params
         data = group_data(obs.plan, obs.mb_tokens, obs.mb_sum_l2)
@@ -545,9 +541,7 @@ class ResiHPDetector(Detector):
         self._stage_seen += 1
 
     def _learn(self, obs: StepObservation) -> None:
-        stages = obs.stage_times_s if self.fit_stage_times else None
-        self.cost.observe(obs.plan, obs.mb_tokens, obs.mb_sum_l2, obs.step_time_s / self.scale,
-                          stages)
+        self.cost.observe(obs.plan, obs.mb_tokens, obs.mb_sum_l2, obs.step_time_s / self.scale)
         self._learned += 1
 
 

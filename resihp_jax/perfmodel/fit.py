@@ -56,8 +56,6 @@ class _Obs:
     sum_l2_N: np.ndarray
     mb_slots: int | None
     step_time_s: float
-    stage_x: np.ndarray | None  # [dp * pp, 6] timed-forward features, with...
-    stage_y: np.ndarray | None  # ... the observed timed forwards
     total_x: np.ndarray
     path_x: np.ndarray = field(default_factory=lambda: np.zeros(N_PATH))
     path_version: int = -1
@@ -132,14 +130,8 @@ class OnlineCostModel:
     def uses_contention(self) -> bool:
         return self._uses_contention
 
-    def observations_of(self, plan: Plan) -> int:
-        """Steps in the window run under this plan's mesh and splits (trust a prediction for
-        a plan never seen only as far as its features were identifiable elsewhere)."""
-        return sum(o.plan == plan for o in self._obs)
-
     def observe(self, plan: Plan, mb_tokens: np.ndarray | None, mb_sum_l2: np.ndarray | None,
-                step_time_s: float, stage_times_s: np.ndarray | None = None, *,
-                mb_slots: int | None = None) -> None:
+                step_time_s: float, *, mb_slots: int | None = None) -> None:
         """Record one healthy step; refits every `refit_every` steps once `min_steps` seen."""
         try:
             step_s = float(step_time_s)
@@ -149,8 +141,7 @@ class OnlineCostModel:
             raise ConfigError(f"step_time_s={step_time_s!r}: must be a finite time > 0")
         data = group_data(plan, mb_tokens, mb_sum_l2, mb_slots)
         tok_N, l2_N = _global(data.tokens_GxM, data), _global(data.sum_l2_GxM, data)
-        stage_x, stage_y = self._stage_rows(plan, data, stage_times_s)
-        self._obs.append(_Obs(plan, tok_N, l2_N, mb_slots, step_s, stage_x, stage_y,
+        self._obs.append(_Obs(plan, tok_N, l2_N, mb_slots, step_s,
                               features.total_units(plan, tok_N, l2_N)))
         self._since_fit += 1
         self._seen += 1
@@ -324,21 +315,6 @@ class OnlineCostModel:
                                              self.bwd_ratio, self.remat, self.schedule)
             obs.path_version = version
 
-    def _stage_rows(self, plan: Plan, data: GroupData, stage_times_s: object
-                    ) -> tuple[np.ndarray | None, np.ndarray | None]:
-        if stage_times_s is None:
-            return None, None
-        times = np.asarray(stage_times_s, dtype=np.float64)
-        if times.shape == (plan.pp,) and plan.dp == 1:
-            times = times[None, :]
-        if times.shape != (plan.dp, plan.pp):
-            raise ConfigError(f"stage_times_s has shape {times.shape}; (dp, pp) = "
-                              f"({plan.dp}, {plan.pp}) is needed")
-        if not (np.isfinite(times).all() and (times > 0).all()):
-            raise ConfigError(f"stage_times_s={times.tolist()}: must be finite and > 0")
-        x = features.stage_units(plan, data)
-        return x, times.reshape(-1)
-
 
 def _key(values: np.ndarray | None) -> tuple | None:
     """A hashable form of a per-micro-batch array (None stays None)."""
@@ -359,15 +335,10 @@ def _relative_move(x_NxF: np.ndarray, y_N: np.ndarray, old: np.ndarray, new: np.
 
 
 def _design(window: list[_Obs], with_total: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The fit's rows (each step's path features, and its stage rows if any) and times."""
-    n_total = len(features.TOTAL_FEATURES) if with_total else 0
+    """The fit's rows (each step's path features) and times."""
     rows, ys = [], []
     for obs in window:
         extra = obs.total_x if with_total else np.zeros(0)
         rows.append(np.concatenate([obs.path_x, extra]))
         ys.append(obs.step_time_s)
-        if obs.stage_x is not None:
-            rows.extend(np.concatenate([obs.stage_x, np.zeros((len(obs.stage_x), n_total))],
-                                       axis=1))
-            ys.extend(obs.stage_y)  # type: ignore[arg-type]
     return np.asarray(rows), np.asarray(ys)

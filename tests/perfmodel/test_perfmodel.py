@@ -462,19 +462,11 @@ def test_fit_detects_contention_of_shared_cores() -> None:
     assert slow == pytest.approx(2.0 * fit.predict(one, tok, l2) - 0.05, rel=0.03)
 
 
-def test_fit_stage_times_and_bad_inputs() -> None:
+def test_observe_bad_inputs() -> None:
     plan = FIT_PLANS[0]
     fit = OnlineCostModel(MODEL8, min_steps=4)
-    rng = np.random.default_rng(4)
-    for _ in range(12):
-        tok, l2 = random_batch(plan, rng)
-        sim = simulate_step(plan, MODEL8, TRUE, mb_tokens=tok, mb_sum_l2=l2)
-        fit.observe(plan, tok, l2, sim.step_time_s, stage_times_s=sim.timed_fwd_s)
-    assert fit.params.alpha == pytest.approx(TRUE.alpha, rel=0.05)
     with pytest.raises(ConfigError, match="step_time_s=nan"):
         fit.observe(plan, None, None, math.nan)
-    with pytest.raises(ConfigError, match="stage_times_s has shape"):
-        fit.observe(plan, None, None, 1.0, stage_times_s=np.ones(3))
     with pytest.raises(ConfigError, match="mb_tokens has shape"):
         fit.observe(plan, np.ones(2), None, 1.0)
 

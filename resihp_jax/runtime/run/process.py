@@ -37,19 +37,6 @@ from resihp_jax.runtime.run.record_sink import RecordSink
 from resihp_jax.runtime.run.run_metrics import optimizer_learning_rate
 
 
-def _excluding_left_out(events: Iterator[Any], job: Any,
-                        checkpoint_dir: str | None) -> Iterator[Any]:
-    """`events`; when a re-plan leaves slow processes out, their hosts go into the health
-    record as excluded before the error ends this process."""
-    try:
-        yield from events
-    except HostsLeftOut as out:
-        if checkpoint_dir is not None:
-            job.record_exclusion(out.processes, f"slow: {out.reason}", out.step,
-                                 checkpoint_dir)
-        raise
-
-
 class ProcessRun:
     def __init__(self, config: RunConfig, copies: str | None, job: Any, model: Any,
                  train_cfg: Any, plan: Plan, data: Any, ladder: Ladder,
@@ -187,8 +174,7 @@ class ProcessRun:
         trainer = self.trainer
         try:
             events = self.trainer.run(self.config.steps, seed=self.config.seed)
-            events = _excluding_left_out(events, self.job, self.config.checkpoint_dir)
-            for event in _keeping_completed(events, self._keep_completed):
+            for event in self._on_error(events):
                 if isinstance(event, Replan):
                     self._replanned(event)
                     if sink.metrics is not None:
@@ -217,12 +203,24 @@ class ProcessRun:
             return lambda step, _: train_cfg.learning_rate_at(step)
         return optimizer_learning_rate
 
-    def _keep_completed(self) -> None:
-        """The step finished on the devices but never yielded (a peer died during the
-        collectives that follow it: this process stopped a step behind peers that got
-        further) is kept too, so the copies of that step are whole."""
-        if self.snapshots is not None:
-            keep_completed(self.snapshots, self.trainer)
+    def _on_error(self, events: Iterator[Any]) -> Iterator[Any]:
+        """`events`. When a re-plan leaves slow processes out, their hosts go into the health
+        record as excluded before the error ends this process. On any error (or a close),
+        even one from that record, the step finished on the devices but never yielded (a
+        peer died during the collectives that follow it: this process stopped a step behind
+        peers that got further) is kept too, so the copies of that step are whole."""
+        try:
+            try:
+                yield from events
+            except HostsLeftOut as out:
+                if self.config.checkpoint_dir is not None:
+                    self.job.record_exclusion(out.processes, f"slow: {out.reason}", out.step,
+                                              self.config.checkpoint_dir)
+                raise
+        except BaseException:
+            if self.snapshots is not None:
+                keep_completed(self.snapshots, self.trainer)
+            raise
 
     def _say_remat(self, before: Any) -> None:
         """What `remat="auto"` chose for the current plan's mesh and why, where it differs
@@ -247,16 +245,6 @@ class ProcessRun:
               f"move {replan.move_s:.2f} s)", file=self.out, flush=True)
         self._say_remat(replan.old_plan)
         self._beat(replan.step, self.ladder.startup_s)  # the next step may compile
-
-
-
-def _keeping_completed(events: Iterator[Any], keep: Callable[[], None]) -> Iterator[Any]:
-    """`events`, calling `keep` before an error from them goes on."""
-    try:
-        yield from events
-    except BaseException:
-        keep()
-        raise
 
 
 def keep_completed(snapshots: Any, trainer: Any) -> bool:

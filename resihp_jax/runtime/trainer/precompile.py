@@ -14,7 +14,6 @@ after each prepared program (e.g. to reserve the host memory a move onto its mes
 from __future__ import annotations
 
 import threading
-import time
 import warnings
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Callable, Iterable
@@ -36,7 +35,6 @@ class Precompiler:
         self._proposals: list[Future[None]] = []
         self._extras: list[Future[None]] = []  # staging and run_later work
         self._lock = threading.Lock()
-        self.compile_s: list[float] = []  # wall time of each background compile
 
     def prepare(self, plans: Iterable[Plan]) -> None:
         """Queue the programs of `plans` not already prepared (or being prepared), then
@@ -44,7 +42,7 @@ class Precompiler:
         with self._lock:
             for plan in plans:
                 if plan.mesh_key() not in self._futures:
-                    self._futures[plan.mesh_key()] = self._pool.submit(self._timed_build, plan)
+                    self._futures[plan.mesh_key()] = self._pool.submit(self._build, plan)
                 if self._stage is not None:
                     self._extras = [f for f in self._extras if not f.done()] + [
                         self._pool.submit(self._staged, self._futures[plan.mesh_key()])]
@@ -143,9 +141,3 @@ class Precompiler:
         except Exception as err:  # noqa: BLE001 - staging only saves time
             warnings.warn(f"preparing {future.result().plan.describe()} beyond its program "
                           f"failed ({err!r}); a switch to it does that work then", stacklevel=1)
-
-    def _timed_build(self, plan: Plan) -> StepProgram:
-        start = time.perf_counter()
-        program = self._build(plan)
-        self.compile_s.append(time.perf_counter() - start)
-        return program

@@ -17,7 +17,7 @@ import queue
 import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.metrics.destinations import Destination, metrics_directory, parse_destinations
@@ -74,10 +74,6 @@ class Metrics:
         if entry.kind == "step":
             self._follow_gains(entry)
         self.loop_s += time.perf_counter() - t0
-
-    def put_all(self, entries: Sequence[MetricsEntry]) -> None:
-        for entry in entries:
-            self.put(entry)
 
     def between_steps(self, done: int) -> None:
         """After step `done` (and before the first, with the step the run starts from):

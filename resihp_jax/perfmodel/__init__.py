@@ -5,7 +5,7 @@ from resihp_jax.perfmodel.costs import CostParams
 from resihp_jax.perfmodel.fit import OnlineCostModel
 from resihp_jax.perfmodel.health import Health
 from resihp_jax.perfmodel.memory import fits_memory, memory_bytes_per_device
-from resihp_jax.perfmodel.simulator import SCHEDULES, StepSim, simulate_step, tokens_per_second
+from resihp_jax.perfmodel.simulator import SCHEDULES, StepSim, simulate_step
 
 __all__ = [
     "SCHEDULES",
@@ -16,5 +16,4 @@ __all__ = [
     "fits_memory",
     "memory_bytes_per_device",
     "simulate_step",
-    "tokens_per_second",
 ]

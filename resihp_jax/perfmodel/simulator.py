@@ -79,18 +79,6 @@ def simulate_step(plan: Plan, model: ModelFacts, costs: CostParams, *,
                    work.dp_allreduce_s, int(rep_U[slow_u]), work.timed_fwd_GxS[inverse_G])
 
 
-def tokens_per_second(plan: Plan, model: ModelFacts, costs: CostParams, *,
-                      health: Health | None = None, schedule: str = "gpipe",
-                      mb_tokens: np.ndarray | None = None, mb_sum_l2: np.ndarray | None = None,
-                      remat: bool = False, mb_slots: int | None = None) -> float:
-    """Trained tokens per second; every row one seq_len document unless lengths are given."""
-    sim = simulate_step(plan, model, costs, mb_tokens=mb_tokens, mb_sum_l2=mb_sum_l2,
-                        health=health, schedule=schedule, remat=remat, mb_slots=mb_slots,
-                        trace=False)
-    tokens = plan.tokens_per_step if mb_tokens is None else float(np.sum(mb_tokens))
-    return tokens / sim.step_time_s
-
-
 def _distinct_groups(data: GroupData, factors: Factors) -> tuple[np.ndarray, np.ndarray]:
     """Representative group of each distinct group, and each group's representative slot."""
     n_groups = len(data.counts_G)

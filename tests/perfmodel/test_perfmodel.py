@@ -22,7 +22,6 @@ from resihp_jax.perfmodel import (
     fits_memory,
     memory_bytes_per_device,
     simulate_step,
-    tokens_per_second,
 )
 from resihp_jax.perfmodel.costs import LOGITS_CHUNK_BYTES, REMAT_POLICIES
 from resihp_jax.perfmodel.features import path_units
@@ -73,8 +72,7 @@ def test_for_model_is_gpu_like() -> None:
     plan = Plan.uniform(4, 16, 4, n_layers=80, n_microbatches=64, microbatch_size=1,
                         seq_len=4096)
     sim = simulate_step(plan, LLAMA, costs)
-    tps = tokens_per_second(plan, LLAMA, costs)
-    assert tps == pytest.approx(plan.tokens_per_step / sim.step_time_s)
+    tps = plan.tokens_per_step / sim.step_time_s
     per_gpu = tps / plan.n_devices
     assert 100 < per_gpu < 1000  # ~6 * 70e9 FLOPs per token at 150 TFLOP/s, minus bubbles
 

@@ -26,10 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError:
-            continue  # subcommand not built yet in this checkout
+        module = importlib.import_module(module_name)
         module.add_arguments(sub)
         sub.set_defaults(_module=module)
     return parser
@@ -38,8 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not hasattr(args, "_module"):
-        parser.error(f"subcommand {args.command!r} is not available in this installation")
     try:
         return int(args._module.run(args) or 0)
     except ResihpError as err:

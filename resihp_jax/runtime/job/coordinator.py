@@ -26,7 +26,9 @@ import sys
 import threading
 from typing import Any
 
-HUNG_EXIT = 75  # EX_TEMPFAIL: the job may be retried (a process that lost a peer)
+from resihp_jax.runtime.recovery.preemption import PEER_LOST_EXIT
+
+HUNG_EXIT = PEER_LOST_EXIT  # 75, EX_TEMPFAIL: the job may be retried (a process that lost a peer)
 
 
 PROBE_TIMEOUT_S = 2.0  # a host that is gone does not refuse: it stays silent this long

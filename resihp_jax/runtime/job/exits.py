@@ -15,7 +15,7 @@ the job (`resihp launch`, examples/slurm/*.sbatch, a Kubernetes policy):
 - 75 (HUNG_EXIT, EX_TEMPFAIL): a step failed (a peer died) or passed its deadline (a peer or
   a device hangs), or process 0 died and took the job's coordination service with it (one
   line names it, coordinator.py), or `resihp launch` ends the job after another process
-  failed (its SIGTERM comes with the failure named: host_snapshot.PEER_LOST_ENV): restart,
+  failed (its SIGTERM comes with the failure named: preemption.PEER_LOST_ENV): restart,
   counted; the process that exits 75 is not the one to blame.
 - 76/77 (HostsLeftOut): a re-plan leaves a slow host out (76 on that host, 77 on the
   others); the health record excludes it: restart without it.
@@ -30,20 +30,16 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any, Callable
 
 from resihp_jax.errors import HostsLeftOut, JobStepFailed, Preempted, ResihpError
 from resihp_jax.runtime.job.coordinator import leaving, lost_line
 from resihp_jax.runtime.job.coordinator import HUNG_EXIT
+# what host_snapshot.py exits with on SIGTERM, and where resihp launch names the failure that
+# ends a job before its SIGTERM (from a JAX-free module: this one imports no JAX)
+from resihp_jax.runtime.recovery.preemption import PEER_LOST_ENV, PREEMPTED_EXIT, peer_lost
 
 USER_ERROR = 2
-# what host_snapshot.py exits with on SIGTERM (it sits below this layer and holds its own
-# copy, JAX-free imports here: a test keeps the two equal)
-PREEMPTED_EXIT = 74
-# where resihp launch names the failure that ends a job before its SIGTERM (host_snapshot.py
-# reads it and holds its own copy of the name, as of PREEMPTED_EXIT: a test keeps them equal)
-PEER_LOST_ENV = "RESIHP_PEER_LOST_FILE"
 # how long a process whose collective broke waits for the launcher to name the failure: its
 # poll (0.05 s by default) and a busy machine's delay, well inside the grace period it gives
 VERDICT_WAIT_S = 5.0
@@ -74,21 +70,13 @@ def launcher_verdict(wait_s: float = VERDICT_WAIT_S, poll_s: float = 0.05,
     try:
         deadline = clock() + wait_s
         while True:
-            text = _read(Path(path))
+            text = peer_lost(environ)
             if text or woken.is_set() or clock() >= deadline:
                 return f"the job is ending: {text}" if text else None
             woken.wait(poll_s)
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
-
-
-def _read(path: Path) -> str:
-    try:
-        lines = path.read_text().strip().splitlines()
-    except OSError:
-        return ""
-    return lines[0] if lines else ""
 
 
 def run_as_job_process(body: Callable[[], Any], prog: str) -> int:

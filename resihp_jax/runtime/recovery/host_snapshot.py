@@ -47,21 +47,12 @@ import numpy as np
 
 from resihp_jax.meshes import layout
 from resihp_jax.runtime.recovery.copy_writers import writers
+from resihp_jax.runtime.recovery.preemption import PEER_LOST_EXIT, PREEMPTED_EXIT, peer_lost
 
 SUBDIR = "survivors"
 MODES = ("keep", "host")
 MANIFEST = "manifest.json"
 VERSION = 1
-# SIGTERM: the scheduler preempts the job, or a failure ends it (srun, resihp launch). Its
-# own code, so a job script tells a preemption from a failure; job/exits.py lists every
-# code (PREEMPTED_EXIT there is this one)
-PREEMPTED_EXIT = 74
-# A launcher that ends the job after another process failed (resihp launch) names the failure
-# in the file this variable points to before its SIGTERM: the process then exits 75 (a peer
-# was lost: restart, counted, not this process's fault; HUNG_EXIT in job/coordinator.py) with one
-# line naming the lost peer, where a preemption's SIGTERM exits PREEMPTED_EXIT.
-PEER_LOST_ENV = "RESIHP_PEER_LOST_FILE"
-PEER_LOST_EXIT = 75
 _PROG = ["resihp"]  # how this process names itself in its messages (see set_prog)
 
 # `auto` keeps the states on the devices when the step's footprint (the memory model's,
@@ -269,18 +260,6 @@ class HostSnapshots:
         if self._terminate is not None:
             self._terminate.close()
             self._terminate = None
-
-
-def peer_lost(environ: Mapping[str, str] | None = None) -> str | None:
-    """The launcher's line naming the failure that ends the job (PEER_LOST_ENV), if any."""
-    path = (os.environ if environ is None else environ).get(PEER_LOST_ENV)
-    if not path:
-        return None
-    try:
-        text = Path(path).read_text().strip()
-    except OSError:  # no file: no failure named (a preemption, or the launcher's end)
-        return None
-    return text.splitlines()[0] if text else None
 
 
 _ACTIVE: list[HostSnapshots] = []  # the copies the exit paths of this process write out

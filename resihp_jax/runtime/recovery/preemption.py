@@ -7,13 +7,40 @@ last checkpoint, up to the 'auto' cadence's ceiling. Here SIGTERM only marks the
 checkpointer: the step under way finishes, its `save` is forced and written to the end, and
 the checkpointer raises `Preempted` (the process then exits PREEMPTED_EXIT, 74). The handler
 runs in the main thread between bytecodes, also while it waits for a step's thread.
+
+Here too, JAX-free and below both, the codes a job's SIGTERM ends a process with and the
+launcher's file naming a failure: host_snapshot.py exits with them, job/exits.py lists them.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
+
+# SIGTERM: the scheduler preempts the job, or a failure ends it (srun, resihp launch). Its
+# own code, so a job script tells a preemption from a failure (job/exits.py lists every code)
+PREEMPTED_EXIT = 74
+# A launcher that ends the job after another process failed (resihp launch) names the failure
+# in the file this variable points to before its SIGTERM: the process then exits 75 (a peer
+# was lost: restart, counted, not this process's fault; HUNG_EXIT in job/coordinator.py) with
+# one line naming the lost peer, where a preemption's SIGTERM exits PREEMPTED_EXIT.
+PEER_LOST_ENV = "RESIHP_PEER_LOST_FILE"
+PEER_LOST_EXIT = 75
+
+
+def peer_lost(environ: Mapping[str, str] | None = None) -> str | None:
+    """The launcher's line naming the failure that ends the job (PEER_LOST_ENV), if any."""
+    path = (os.environ if environ is None else environ).get(PEER_LOST_ENV)
+    if not path:
+        return None
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:  # no file: no failure named (a preemption, or the launcher's end)
+        return None
+    return text.splitlines()[0] if text else None
 
 
 class SaveOnSigterm:

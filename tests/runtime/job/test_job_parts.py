@@ -240,7 +240,7 @@ def test_sigterm_exits_with_its_own_code_and_names_the_process(tmp_path: Path,
     from resihp_jax.runtime.job import exits
     from resihp_jax.runtime.recovery import host_snapshot
 
-    assert exits.PREEMPTED_EXIT == host_snapshot.PREEMPTED_EXIT != HUNG_EXIT
+    assert exits.PREEMPTED_EXIT != HUNG_EXIT
     assert exits.EXIT_CODES[exits.PREEMPTED_EXIT].startswith("preempted")
     codes: list[int] = []
     try:
@@ -258,17 +258,14 @@ def test_sigterm_after_a_named_failure_exits_75_naming_it(tmp_path: Path, monkey
                                                           capsys) -> None:
     """resihp launch names the failure that ends the job before its SIGTERM: the others exit
     75 (a peer was lost: not their fault, a restart) with one line naming it, not 74."""
+    from resihp_jax.runtime.job.exits import PEER_LOST_ENV, PREEMPTED_EXIT
     from resihp_jax.runtime.recovery import host_snapshot
 
-    from resihp_jax.runtime.job import exits
-
-    assert host_snapshot.PEER_LOST_EXIT == HUNG_EXIT
-    assert host_snapshot.PEER_LOST_ENV == exits.PEER_LOST_ENV
     named = tmp_path / "peer_lost"
-    monkeypatch.setenv(host_snapshot.PEER_LOST_ENV, str(named))
+    monkeypatch.setenv(PEER_LOST_ENV, str(named))
     codes: list[int] = []
     host_snapshot.HostSnapshots(tmp_path, "p1")._on_sigterm(codes.append)
-    assert codes == [host_snapshot.PREEMPTED_EXIT]  # no file: nothing named, a preemption
+    assert codes == [PREEMPTED_EXIT]  # no file: nothing named, a preemption
     named.write_text("died: process p0 exited with signal SIGKILL\n")
     host_snapshot.HostSnapshots(tmp_path, "p1")._on_sigterm(codes.append)
     assert codes[-1] == HUNG_EXIT

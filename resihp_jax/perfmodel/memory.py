@@ -49,13 +49,12 @@ def compiled_bytes(compiled: Any) -> int:
     return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
                - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
 
-def static_bytes_S(plan: Plan, model: ModelFacts, layer_slots: int | None,
-                   optimizer_bytes_per_param: float | None) -> np.ndarray:
-    """[S] parameters + gradients + optimizer state per device of each stage, all float32,
-    plus the step's copy of the layer and head weights in a narrower compute dtype."""
-    opt = 2.0 * MASTER_BYTES if optimizer_bytes_per_param is None else optimizer_bytes_per_param
+def static_bytes_S(plan: Plan, model: ModelFacts, layer_slots: int | None) -> np.ndarray:
+    """[S] parameters + gradients + optimizer state (Adam's two moments) per device of each
+    stage, all float32, plus the step's copy of the layer and head weights in a narrower
+    compute dtype."""
     params_S = stage_param_counts(plan, model, layer_slots)
-    static_S = params_S * (2.0 * MASTER_BYTES + opt)
+    static_S = params_S * (4.0 * MASTER_BYTES)
     width = dtype_bytes(model.dtype)
     if width < MASTER_BYTES:  # the embedding gathers float32 rows: no copy of its table
         copied_S = params_S - np.eye(plan.pp)[0] * model.first_stage_param_count()
@@ -73,10 +72,9 @@ def _slots(name: str, value: int | None, minimum: int) -> int:
 
 def memory_bytes_per_device(plan: Plan, model: ModelFacts, *, schedule: str = "gpipe",
                             remat: bool | str = False, layer_slots: int | None = None,
-                            mb_slots: int | None = None,
-                            optimizer_bytes_per_param: float | None = None) -> np.ndarray:
-    """[dp, pp, tp] bytes per device. Optimizer state defaults to Adam's two float32
-    moments; activations are in the model's compute dtype."""
+                            mb_slots: int | None = None) -> np.ndarray:
+    """[dp, pp, tp] bytes per device. Optimizer state is Adam's two float32 moments;
+    activations are in the model's compute dtype."""
     check_schedule(schedule)
     layers = _slots("layer_slots", layer_slots, max(plan.layers_per_stage))
     slots = _slots("mb_slots", mb_slots, max(plan.microbatches_per_group))
@@ -101,8 +99,7 @@ def memory_bytes_per_device(plan: Plan, model: ModelFacts, *, schedule: str = "g
     working_S = np.full(plan.pp, full_layer)
     # logits (one chunk of them) and their gradient during the last backward
     working_S[-1] += 2 * min(logits, LOGITS_CHUNK_BYTES)
-    total_S = (static_bytes_S(plan, model, layers, optimizer_bytes_per_param)
-               + in_flight_S * stash_S + working_S)
+    total_S = static_bytes_S(plan, model, layers) + in_flight_S * stash_S + working_S
     if schedule == "gpipe":
         total_S = np.full(plan.pp, total_S.max())
     return np.broadcast_to(total_S[None, :, None], (plan.dp, plan.pp, plan.tp)).copy()

@@ -306,12 +306,10 @@ def _check_axes(axes: tuple[str, ...], instrument: Instrument | None,
 def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
                            n_microbatches: jax.Array, knob: jax.Array | None, *,
                            parts: ModelParts, remat: bool | str, compute_dtype: str | None,
-                           axes: tuple[str, ...],
-                           instrument: Instrument | None = None,
-                           select: bool = False, own: Any = None,
-                           step: jax.Array | None = None,
-                           first_microbatch: jax.Array | int = 0,
-                           vocab_tp: int = 1, loss_chunks: int | str = "auto") -> jax.Array:
+                           axes: tuple[str, ...], instrument: Instrument | None,
+                           select: bool, own: Any, step: jax.Array | None,
+                           first_microbatch: jax.Array, vocab_tp: int,
+                           loss_chunks: int | str) -> jax.Array:
     """A one-stage plan: gradient accumulation over micro-batches, with no tick schedule
     and no layer gates (pipeline.py: `accumulated_loss_sum`). `remat` recomputes each
     block in its backward. The `instrument`'s markers bracket each micro-batch's blocks,
@@ -352,7 +350,7 @@ def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
     # so do the step and the group's first micro-batch (a model's random draws)
     draw = (jnp.zeros((), jnp.int32) if step is None else jnp.asarray(step, jnp.int32),
             jnp.asarray(first_microbatch, jnp.int32))
-    own_masters = None if own is None else (own["shell"], own["blocks"])
+    own_masters = (own["shell"], own["blocks"])
     # a loss whole over 'tp' (vocab_tp > 1) is summed over dp and pp only
     loss_axes = STEP_AXES if vocab_tp > 1 else axes
     loss = accumulated_loss_sum(slot_loss,

@@ -108,8 +108,7 @@ def build_model_step(parts: ModelParts, optimizer: optax.GradientTransformation,
     batch_sharding = NamedSharding(mesh, P("dp"))
     loss_sum = _sharded_loss_sum(parts, plan, mesh, specs.params, train, compute_dtype,
                                  instrument, gates)
-    step_fn, grads_fn = step_functions(loss_sum, optimizer, shardings, mesh, train.donate_state,
-                                       takes_step=True)
+    step_fn, grads_fn = step_functions(loss_sum, optimizer, shardings, mesh, train.donate_state)
     canonical = jax.eval_shape(layout.to_canonical_layout, shapes,
                                jax.ShapeDtypeStruct((parts.n_layers,), jnp.int32))
     named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree,  # noqa: E731

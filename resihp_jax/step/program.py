@@ -313,21 +313,21 @@ class StepProgram:
         return jax.jit(lambda p: p, out_shardings=target)(params)
 
 
-def step_functions(loss_sum: Callable[[Any, Batch, Splits], jax.Array],
+def step_functions(loss_sum: Callable[[Any, Batch, Splits, jax.Array], jax.Array],
                    optimizer: optax.GradientTransformation, shardings: TrainState,
-                   mesh: jax.sharding.Mesh, donate: bool, takes_step: bool = False,
-                   ) -> tuple[Callable, Callable]:
-    """(train step, loss-and-gradients) jitted around `loss_sum` (the batch's summed token
-    losses): the loss is its token-weighted mean over the global batch, the update the
-    optimizer's, the same for every plan and every model. `takes_step`: `loss_sum` takes
-    the state's step too, `(params, batch, splits, step)` (loss-and-gradients passes 0)."""
+                   mesh: jax.sharding.Mesh, donate: bool) -> tuple[Callable, Callable]:
+    """(train step, loss-and-gradients) jitted around `loss_sum(params, batch, splits, step)`
+    (the batch's summed token losses; loss-and-gradients passes step 0): the loss is its
+    token-weighted mean over the global batch, the update the optimizer's, the same for
+    every plan and every model."""
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P("dp"))
 
     def loss_and_grads(params: Any, batch: Batch, splits: Splits, step: Any = 0):
         count = jnp.maximum(token_count(batch.segment_ids), 1.0)
-        args = (batch, splits, jnp.asarray(step, jnp.int32)) if takes_step else (batch, splits)
-        loss, grads = jax.value_and_grad(lambda p: loss_sum(p, *args) / count)(params)
+        step = jnp.asarray(step, jnp.int32)
+        loss, grads = jax.value_and_grad(
+            lambda p: loss_sum(p, batch, splits, step) / count)(params)
         return loss, grads, count
 
     def train_step(state: TrainState, batch: Batch, splits: Splits):

@@ -323,8 +323,8 @@ def test_logits_past_the_chunk_size_are_planned_one_chunk_at_a_time() -> None:
     assert 16 * 2048 * model.vocab_size * 4 > LOGITS_CHUNK_BYTES
     grown = (memory_bytes_per_device(plan, wider).max()
              - memory_bytes_per_device(plan, model).max())
-    params = (static_bytes_S(plan, wider, None, None).max()
-              - static_bytes_S(plan, model, None, None).max())
+    params = (static_bytes_S(plan, wider, None).max()
+              - static_bytes_S(plan, model, None).max())
     assert grown == pytest.approx(params)
 
 # ---- bad inputs ---------------------------------------------------------------------------

@@ -100,8 +100,8 @@ def test_memory_model_keeps_float32_state_under_bf16_compute() -> None:
                         seq_len=4096)
     f32, bf16 = (get_model_config("llama2-7b", dtype=d) for d in ("float32", "bfloat16"))
     params_S = stage_param_counts(plan, f32) / plan.tp
-    np.testing.assert_allclose(static_bytes_S(plan, f32, None, None), 16 * params_S)
-    copy_S = static_bytes_S(plan, bf16, None, None) - static_bytes_S(plan, f32, None, None)
+    np.testing.assert_allclose(static_bytes_S(plan, f32, None), 16 * params_S)
+    copy_S = static_bytes_S(plan, bf16, None) - static_bytes_S(plan, f32, None)
     embed = bf16.vocab_size * bf16.d_model / plan.tp
     np.testing.assert_allclose(copy_S, 2 * (params_S - np.array([embed, 0.0])))
     assert (memory_bytes_per_device(plan, bf16) < memory_bytes_per_device(plan, f32)).all()

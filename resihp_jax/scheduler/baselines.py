@@ -23,7 +23,7 @@ import numpy as np
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel import Health, fits_memory
 from resihp_jax.scheduler.candidates import Layout, build_plan, layer_options, rank_splits
-from resihp_jax.scheduler.context import PlanningContext, Proposal, faulty_in, keep_current
+from resihp_jax.scheduler.context import PlanningContext, Proposal, faulty_in, keeps_current
 from resihp_jax.scheduler.memory_caps import layer_cap, microbatch_cap
 from resihp_jax.scheduler.placement import base_grid, place
 from resihp_jax.scheduler.scoring import refine_microbatches, step_time_s
@@ -53,10 +53,8 @@ def _group_flags(plan: Plan, health: Health) -> tuple[np.ndarray, np.ndarray]:
     return dead_G, slow_G
 
 
+@keeps_current
 def replica_drop(current: Plan, health: Health, ctx: PlanningContext) -> Proposal:
-    kept = keep_current(current, health, ctx)
-    if kept is not None:
-        return kept
     dead_G, slow_G = _group_flags(current, health)
     options = []
     for drop_G in {tuple(dead_G), tuple(dead_G | slow_G)}:
@@ -74,10 +72,8 @@ def replica_drop(current: Plan, health: Health, ctx: PlanningContext) -> Proposa
                     "with their own micro-batches (smaller global batch)", 0.0, False)
 
 
+@keeps_current
 def greyhound(current: Plan, health: Health, ctx: PlanningContext) -> Proposal:
-    kept = keep_current(current, health, ctx)
-    if kept is not None:
-        return kept
     dead_G, _ = _group_flags(current, health)
     n_keep = int((~dead_G).sum())
     if n_keep == 0:
@@ -92,10 +88,8 @@ def greyhound(current: Plan, health: Health, ctx: PlanningContext) -> Proposal:
     return Proposal(plan, "rebalanced micro-batches by each DP group's simulated speed")
 
 
+@keeps_current
 def oobleck(current: Plan, health: Health, ctx: PlanningContext) -> Proposal:
-    kept = keep_current(current, health, ctx)
-    if kept is not None:
-        return kept
     alive = [d for d in ctx.pool if health.alive(d)]
     healthy = [d for d in alive if not faulty_in([d], health)]
     best: tuple[float, Plan] | None = None
@@ -127,10 +121,8 @@ def _uniform_meshes(current: Plan, usable: tuple[int, ...], ctx: PlanningContext
     return out
 
 
+@keeps_current
 def malleus(current: Plan, health: Health, ctx: PlanningContext) -> Proposal:
-    kept = keep_current(current, health, ctx)
-    if kept is not None:
-        return kept
     pool, limits = device_pool(current, health, ctx), memory_limits(current, ctx)
     pp, tp, n_mb = current.pp, current.tp, current.n_microbatches
     dp_max = min(pool.n_usable // (pp * tp), n_mb)

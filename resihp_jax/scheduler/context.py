@@ -3,6 +3,7 @@ costs) and what it returns (the next plan, or none: the job cannot run, and why)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -108,9 +109,12 @@ def faulty_in(devices: Iterable[int], health: Health) -> bool:
                for d in devices)
 
 
-def keep_current(current: Plan, health: Health, ctx: PlanningContext) -> Proposal | None:
-    """The current plan when none of its devices is faulty (faulty spares do not matter)."""
-    del ctx  # same signature as the policies, so each can start with this check
-    if faulty_in(current.device_ids, health):
-        return None
-    return Proposal(current, "no faults on the plan's devices: kept the current plan")
+def keeps_current(policy: Policy) -> Policy:
+    """`policy` behind the check every policy starts with: the current plan is kept when none
+    of its devices is faulty (faulty spares do not matter)."""
+    @functools.wraps(policy)
+    def checked(current: Plan, health: Health, ctx: PlanningContext) -> Proposal:
+        if faulty_in(current.device_ids, health):
+            return policy(current, health, ctx)
+        return Proposal(current, "no faults on the plan's devices: kept the current plan")
+    return checked

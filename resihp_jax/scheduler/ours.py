@@ -8,7 +8,7 @@ from collections.abc import Callable
 from resihp_jax.errors import PlanError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.perfmodel import Health, memory_bytes_per_device
-from resihp_jax.scheduler.context import PlanningContext, Proposal, keep_current
+from resihp_jax.scheduler.context import PlanningContext, Proposal, keeps_current
 from resihp_jax.scheduler.memory_caps import MemoryLimits, fits
 from resihp_jax.scheduler.scoring import step_time_s
 from resihp_jax.scheduler.search import memory_limits, search_plans
@@ -17,11 +17,9 @@ from resihp_jax.scheduler.switching import (Option, choose, switch_seconds,
                                             with_background_compiles)
 
 
+@keeps_current
 def resihp(current: Plan, health: Health, ctx: PlanningContext) -> Proposal:
     """Our next plan for `health`: the option training the most steps before the next failure."""
-    kept = keep_current(current, health, ctx)
-    if kept is not None:
-        return kept
     n_alive = sum(1 for d in ctx.pool if health.alive(d))
     if n_alive == 0:
         raise PlanError(f"no alive devices: all {len(ctx.pool)} devices of the pool are dead")

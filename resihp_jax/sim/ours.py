@@ -242,7 +242,7 @@ class Ours(SimPolicy):
         cost = cm.cost(option.pp, option.tp)
         slow_K = np.sort(np.asarray(slow, dtype=np.float64))[::-1]
         step = rebalanced_step_s(cost, cm.n_microbatches, dp, slow_K, self.unknown_gate(unusable))
-        return cm.tokens_per_step / step / cm.ref_tokens_per_s
+        return self._of_ref(step)
 
     def _mitigated(self, device: int, info: tuple[float, int], pp: int, cap: int) -> float:
         seen = self.slowdown(device, info)

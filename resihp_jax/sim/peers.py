@@ -81,21 +81,11 @@ class CheckpointRestart(SimPolicy):
         self.known.pop(device, None)
         return self.restart_stall_s(replace_at_s - now_s)
 
-    def overhead_factor(self) -> float:
-        keep = 1.0 - CHECKPOINT_BLOCK_S / self.interval_s()
-        fig = self.figures
-        if fig is not None:
-            keep /= 1.0 + fig.false_alarms_per_step * self.probe_s() / self.cm.ref_step_s
-        return keep
-
     def rate(self) -> float:
         cost = self.cm.cost(*self.cm.base)
         step = uniform_step_s(cost, self.cm.n_microbatches, self.cm.base_dp,
                               self.unknown_gate(frozenset()))
         return self._of_ref(step) * self.overhead_factor()
-
-    def _of_ref(self, step_s: float) -> float:
-        return self.cm.tokens_per_step / step_s / self.cm.ref_tokens_per_s
 
 
 class Greyhound(CheckpointRestart):
@@ -216,7 +206,7 @@ class Oobleck(_InProcessReconfig):
             return 0.0
         step = pipelines_step_s([p for p in pipes if p[1] > 0], cm.n_microbatches,
                                 cm.cost(pp, tp).fixed_s, self.unknown_gate(frozenset()))
-        return cm.tokens_per_step / step / cm.ref_tokens_per_s * self.overhead_factor()
+        return self._of_ref(step) * self.overhead_factor()
 
 
 class ReCycle(_InProcessReconfig):
@@ -239,4 +229,4 @@ class ReCycle(_InProcessReconfig):
             added = max(added, math.ceil(math.ceil(per_group) * k / (dp - k)) - (pp - 1))
         ticks = math.ceil(per_group) + pp - 1 + max(added, 0.0)
         step = cost.tick_s * ticks * self.unknown_gate(frozenset()) + cost.fixed_s
-        return cm.tokens_per_step / step / cm.ref_tokens_per_s * self.overhead_factor()
+        return self._of_ref(step) * self.overhead_factor()

@@ -89,13 +89,21 @@ class SimPolicy:
     def figures(self) -> DetectorFigures | None:
         return None if self.detector is None else DETECTORS[self.detector]
 
+    def interval_s(self) -> float:
+        """Seconds between periodic checkpoints."""
+        return PEER_CHECKPOINT_INTERVAL_S
+
     def overhead_factor(self) -> float:
         """Throughput kept after false-alarm probes and periodic checkpoints."""
-        keep = 1.0 - CHECKPOINT_BLOCK_S / PEER_CHECKPOINT_INTERVAL_S
+        keep = 1.0 - CHECKPOINT_BLOCK_S / self.interval_s()
         fig = self.figures
         if fig is not None:
             keep /= 1.0 + fig.false_alarms_per_step * self.probe_s() / self.cm.ref_step_s
         return keep
+
+    def _of_ref(self, step_s: float) -> float:
+        """A step of `step_s` as a share of the reference plan's healthy throughput."""
+        return self.cm.tokens_per_step / step_s / self.cm.ref_tokens_per_s
 
     def probe_s(self) -> float:
         return PROBE_RUNS * self.cm.cost(*self.cm.base).tick_s

@@ -286,6 +286,23 @@ def remove_copies(checkpoint_dir: str | Path) -> None:
     shutil.rmtree(Path(checkpoint_dir).absolute() / SUBDIR, ignore_errors=True)
 
 
+def step_of(step_dir: Path) -> int:
+    """The step a copy's `step<N>` directory holds; -1 for a name that is none."""
+    try:
+        return int(step_dir.name[len("step"):])
+    except ValueError:
+        return -1
+
+
+def remove_steps(root: Path, before: int | None = None) -> None:
+    """Remove the `step<N>` directories under `root` (the shared copies' or a node's local
+    ones): all, or those of steps before `before`."""
+    for step_dir in root.glob("step*"):
+        step = step_of(step_dir)
+        if step >= 0 and (before is None or step < before):
+            shutil.rmtree(step_dir, ignore_errors=True)
+
+
 def _copy_into(spare: _Copy | None, key: str, box: Box, host: np.ndarray) -> np.ndarray:
     """`host` copied into the spare copy's buffer for the same shard, or a new buffer."""
     old = spare.leaves.get(key) if spare is not None and spare.leaves else None

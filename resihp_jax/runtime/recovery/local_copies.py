@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resihp_jax.meshes import layout
-from resihp_jax.runtime.recovery.host_snapshot import leaf_key, shard_box
+from resihp_jax.runtime.recovery.host_snapshot import leaf_key, remove_steps, shard_box
 
 PUBLISHED = "published"  # in a shared copy directory: the node's files are there too
 _CLAIM = ".publishing"  # in a local copy directory: one process of the node publishes it
@@ -213,12 +213,6 @@ def remove_local(root: Path, older_than: int | None = None) -> None:
     """This node's local copies of the run: all, or those of steps before `older_than`."""
     if not root.is_dir():
         return
-    for step_dir in root.glob("step*"):
-        try:
-            step = int(step_dir.name[len("step"):])
-        except ValueError:
-            continue
-        if older_than is None or step < older_than:
-            shutil.rmtree(step_dir, ignore_errors=True)
+    remove_steps(root, before=older_than)
     if older_than is None:
         shutil.rmtree(root, ignore_errors=True)

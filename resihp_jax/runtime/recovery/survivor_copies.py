@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -25,7 +24,7 @@ import numpy as np
 from resihp_jax.errors import CheckpointError
 from resihp_jax.meshes.rules import is_layer_leaf
 from resihp_jax.runtime.recovery.host_snapshot import (MANIFEST, SUBDIR, VERSION, Box, leaf_key,
-                                              shard_box)
+                                              remove_steps, shard_box, step_of)
 from resihp_jax.runtime.recovery.local_copies import PUBLISHED
 
 
@@ -70,8 +69,8 @@ def find(checkpoint_dir: str | Path,
     (local_copies.publish); `step`: that step only. `check` is shown the run identity each
     copy recorded, and where, and raises to refuse it (Checkpointer.check_identity)."""
     root = Path(checkpoint_dir) / SUBDIR
-    for step_dir in sorted(root.glob("step*"), key=_step_of, reverse=True):
-        if step is not None and _step_of(step_dir) != step:
+    for step_dir in sorted(root.glob("step*"), key=step_of, reverse=True):
+        if step is not None and step_of(step_dir) != step:
             continue
         try:
             entries = sorted(step_dir.iterdir())
@@ -90,13 +89,6 @@ def find(checkpoint_dir: str | Path,
             by_plan.setdefault(key, []).append((manifest, directory))
         combined = [_combine(step_dir, group) for group in by_plan.values()]
         yield from sorted(combined, key=lambda c: not c.complete)
-
-
-def _step_of(path: Path) -> int:
-    try:
-        return int(path.name[len("step"):])
-    except ValueError:
-        return -1
 
 
 def _read(path: Path) -> tuple[dict[str, Any], Path] | None:
@@ -231,6 +223,4 @@ def _layer_fetch(reader: _LeafReader, copies: SurvivorCopies, shape: tuple[int, 
 
 def remove_older_than(checkpoint_dir: str | Path, step: int) -> None:
     """Drop copies a newer checkpoint or newer copies supersede (process 0 only calls it)."""
-    for step_dir in (Path(checkpoint_dir) / SUBDIR).glob("step*"):
-        if 0 <= _step_of(step_dir) < step:
-            shutil.rmtree(step_dir, ignore_errors=True)
+    remove_steps(Path(checkpoint_dir) / SUBDIR, before=step)

@@ -131,29 +131,28 @@ def device_shared_memory(device: Any) -> int:
 CompileFn = Callable[[KernelConfig, int], None]
 
 
-def compile_kernel(config: KernelConfig, block: int, *, interpret: bool = False) -> None:
-    """Compile the kernels' forward and backward ahead of time on a small input at `block`;
-    raises what the compiler raises."""
+def _compile_probe(attend: Callable[..., jax.Array], config: KernelConfig, block: int
+                   ) -> None:
+    """Compile `attend(q, k, v, seg)`'s forward and backward ahead of time on a small input
+    (rows of PROBE_BLOCKS blocks); raises what JAX or the compiler raises."""
     s = PROBE_BLOCKS * block
     q = jax.ShapeDtypeStruct((1, s, config.group, config.head_dim), config.dtype)
     kv = jax.ShapeDtypeStruct((1, s, 1, config.head_dim), config.dtype)
     seg = jax.ShapeDtypeStruct((1, s), jnp.int32)
-    attend = functools.partial(flash.flash_attention, block_q=block, block_k=block,
-                               interpret=interpret)
     grads = jax.grad(lambda *a: attend(*a).astype(jnp.float32).sum(), (0, 1, 2))
     jax.jit(grads).lower(q, kv, kv, seg).compile()
+
+
+def compile_kernel(config: KernelConfig, block: int, *, interpret: bool = False) -> None:
+    """Compile the kernels' forward and backward ahead of time on a small input at `block`."""
+    _compile_probe(functools.partial(flash.flash_attention, block_q=block, block_k=block,
+                                     interpret=interpret), config, block)
 
 
 def compile_cudnn(config: KernelConfig, block: int) -> None:
-    """Compile cuDNN's packed attention's forward and backward ahead of time on a small input
-    (rows of PROBE_BLOCKS blocks); raises what JAX or cuDNN raises."""
-    s = PROBE_BLOCKS * block
-    q = jax.ShapeDtypeStruct((1, s, config.group, config.head_dim), config.dtype)
-    kv = jax.ShapeDtypeStruct((1, s, 1, config.head_dim), config.dtype)
-    seg = jax.ShapeDtypeStruct((1, s), jnp.int32)
-    attend = functools.partial(cudnn.packed_attention, max_documents=cudnn.MAX_DOCUMENTS)
-    grads = jax.grad(lambda *a: attend(*a).astype(jnp.float32).sum(), (0, 1, 2))
-    jax.jit(grads).lower(q, kv, kv, seg).compile()
+    """Compile cuDNN's packed attention's forward and backward ahead of time."""
+    _compile_probe(functools.partial(cudnn.packed_attention, max_documents=cudnn.MAX_DOCUMENTS),
+                   config, block)
 
 
 @dataclasses.dataclass(frozen=True)

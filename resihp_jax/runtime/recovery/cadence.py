@@ -31,15 +31,21 @@ MAX_INTERVAL_S = 30 * 60.0  # at most this much training lost to a fail-stop by 
 # is what every later interval is computed from)
 FIRST_SAVE_S = 60.0
 STEP_GAPS = 50  # the step time is the median gap over this many recent steps
+# what 'auto' and an integer mean as a checkpoint interval (check_interval's message)
+INTERVAL_MEANS = ("an interval in seconds from a save's measured cost",
+                  "a save every that many steps")
 
 
-def check_interval(interval: object, where: str) -> int | str:
-    """`interval` if it is 'auto' or an integer >= 1; else ConfigError naming `where`."""
+def check_interval(interval: object, where: str,
+                   means: tuple[str, str] = INTERVAL_MEANS) -> int | str:
+    """`interval` if it is 'auto' or an integer >= 1; else ConfigError naming `where` and
+    what 'auto' and an integer `means` there (a checkpoint interval's by default; the stage
+    timing's 1 step in K is checked here too)."""
     if interval == AUTO:
         return AUTO
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-        raise ConfigError(f"{where}={interval!r}: give 'auto' (an interval in seconds from a "
-                          "save's measured cost) or an integer number of steps >= 1")
+        raise ConfigError(f"{where}={interval!r}: give 'auto' ({means[0]}) or an integer "
+                          f">= 1 ({means[1]})")
     return interval
 
 

@@ -67,7 +67,7 @@ from resihp_jax.runtime.recovery.run_identity import identity_of
 from resihp_jax.runtime.trainer.host_cpu import CpuMeter
 from resihp_jax.runtime.trainer.judging import Judging
 from resihp_jax.runtime.trainer.overhead import OVERHEAD_BUDGET, Overhead, run_overhead
-from resihp_jax.runtime.trainer.sampling import TimingSampler, check_every
+from resihp_jax.runtime.trainer.sampling import EVERY_MEANS, TimingSampler
 from resihp_jax.runtime.trainer.timing import StageTimer, StepTiming, timed_step
 from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
 from resihp_jax.scheduler.scoring import step_time_s
@@ -164,7 +164,8 @@ class ResilienceConfig:
             raise ConfigError(f"ResilienceConfig: recompile_s={self.recompile_s!r} must be >= 0 "
                               f"and precompile={self.precompile!r} >= 0")
         check_interval(self.checkpoint_interval, "ResilienceConfig.checkpoint_interval")
-        check_every(self.stage_timing_every, "ResilienceConfig.stage_timing_every")
+        check_interval(self.stage_timing_every, "ResilienceConfig.stage_timing_every",
+                       EVERY_MEANS)
         if self.mtbf_s is not None and not self.mtbf_s > 0:
             raise ConfigError(f"ResilienceConfig.mtbf_s={self.mtbf_s!r}: must be > 0 seconds "
                               "or None (50,000 GPU-hours over the job's devices)")

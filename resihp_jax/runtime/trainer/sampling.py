@@ -27,24 +27,16 @@ from collections import deque
 
 import numpy as np
 
-from resihp_jax.errors import ConfigError
+from resihp_jax.runtime.recovery.cadence import AUTO, check_interval
 
-AUTO = "auto"
 TIMING_SHARE = 0.25  # of ResilienceConfig.overhead_budget: stage timing's part of it
 MAX_EVERY = 64  # stage baselines stay fresh with one timed step in this many at least
 FIRST_EVERY = 4  # until both kinds of steps were measured
+# what 'auto' and an integer K mean (check_interval's message)
+EVERY_MEANS = ("1 step in K, K from the measured cost and the overhead budget",
+               "1 step in K; 1: every step")
 WINDOW = 32  # recent step times of each kind the cost is measured over
 MIN_SEEN = 4  # of each kind before the cost is trusted
-
-
-def check_every(every: int | str, name: str) -> None:
-    """ConfigError unless `every` is 'auto' or an integer >= 1."""
-    if every == AUTO:
-        return
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ConfigError(f"{name}={every!r}: must be 'auto' (1 step in K, K from the "
-                          "measured cost and the overhead budget) or an integer >= 1 "
-                          "(1: every step)")
 
 
 def choose_every(timed_s: np.ndarray, untimed_s: np.ndarray, host_s: float,
@@ -64,7 +56,7 @@ class TimingSampler:
     from the steps it is told of (`observe`)."""
 
     def __init__(self, every: int | str = AUTO, budget: float = 0.02) -> None:
-        check_every(every, "stage_timing_every")
+        check_interval(every, "stage_timing_every", EVERY_MEANS)
         self.auto = every == AUTO
         self.every = FIRST_EVERY if self.auto else int(every)
         self.share = TIMING_SHARE * budget

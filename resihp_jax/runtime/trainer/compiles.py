@@ -23,7 +23,6 @@ BACKGROUND_PREFIX = "resihp-aot"  # names of the Precompiler's threads
 
 _lock = threading.Lock()
 _compiles: Counter[int] = Counter()  # thread ident -> executables built
-_compile_s: Counter[int] = Counter()  # thread ident -> seconds spent building them
 _hits: Counter[int] = Counter()  # thread ident -> persistent-cache hits
 # (wall clock at the end, seconds) of each executable built outside the background compiler
 _foreground: list[tuple[float, float]] = []
@@ -38,7 +37,6 @@ def _on_duration(event: str, duration_s: float, **_: object) -> None:
         background = threading.current_thread().name.startswith(BACKGROUND_PREFIX)
         with _lock:
             _compiles[threading.get_ident()] += 1
-            _compile_s[threading.get_ident()] += duration_s
             (_background if background else _foreground).append((time.time(), duration_s))
 
 
@@ -89,13 +87,12 @@ def background_since(start: float) -> list[tuple[float, float]]:
 class CompileCount:
     """Executables built by one thread inside a `counting()` block (filled in on exit)."""
     compiles: int = 0
-    compile_s: float = 0.0
     cache_hits: int = 0
 
 
-def _snapshot(ident: int) -> tuple[int, float, int]:
+def _snapshot(ident: int) -> tuple[int, int]:
     with _lock:
-        return _compiles[ident], _compile_s[ident], _hits[ident]
+        return _compiles[ident], _hits[ident]
 
 
 @contextlib.contextmanager
@@ -109,9 +106,7 @@ def counting() -> Iterator[CompileCount]:
         yield out
     finally:
         after = _snapshot(ident)
-        out.compiles, out.compile_s, out.cache_hits = (after[0] - before[0],
-                                                       after[1] - before[1],
-                                                       after[2] - before[2])
+        out.compiles, out.cache_hits = after[0] - before[0], after[1] - before[1]
 
 
 def foreground_hits_since(start: float) -> int:

@@ -68,14 +68,6 @@ class GPT2Sizes:
                 f"d={self.d_model}, {self.n_heads} heads, {self.n_layers} blocks, through "
                 "rh.fit's path)")
 
-    def check_plan(self, plan: Any, name: str) -> None:
-        """Refuse tp > 1, naming `name` (a flag or a field) and what is valid."""
-        if plan.tp != 1:
-            raise ConfigError(
-                f"{name}: tp={plan.tp} with model {self.name!r}: it trains on plans with "
-                f"tp=1 (where stage timing and injected slowdowns reach it); give tp=1, e.g. "
-                f"{GPT2_PLAN} or dp=2,pp=4,tp=1")
-
 
 Entry = Union[ModelConfig, GPT2Sizes]
 MODELS: Mapping[str, Entry] = {**PRESETS,
@@ -106,9 +98,13 @@ def planned_model(name: str, flag: str = "--model", **overrides: Any) -> ModelCo
 
 
 def check_plan(entry: Entry, plan: Any, name: str) -> None:
-    """Refuse a plan the model cannot train on, naming `name`; then the plan's own checks."""
-    if isinstance(entry, GPT2Sizes):
-        entry.check_plan(plan, name)
+    """Refuse a plan the model cannot train on, naming `name` (a flag or a field) and what is
+    valid: a GPT2Sizes trains at tp = 1 only (a Llama has its own tensor parallelism)."""
+    if isinstance(entry, GPT2Sizes) and plan.tp != 1:
+        raise ConfigError(
+            f"{name}: tp={plan.tp} with model {entry.name!r}: it trains on plans with "
+            f"tp=1 (where stage timing and injected slowdowns reach it); give tp=1, e.g. "
+            f"{GPT2_PLAN} or dp=2,pp=4,tp=1")
 
 
 def factory(entry: Entry, seq_len: int) -> Callable[[Any], Any]:

@@ -171,7 +171,7 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     canonical = fetched["params"]
     return FitResult(parts.assemble(canonical["shell"], canonical["blocks"]),
                      {r.step: r.loss for r in records}, list(trainer.replans), records, facts,
-                     trainer.plan, plan, getattr(training.active, "overhead", None))
+                     trainer.plan, plan, training.active.overhead)
 
 
 def _show_progress(progress: bool | None) -> bool:

@@ -68,8 +68,8 @@ class TrainingRun:
         except (ResihpError, JobStepFailed):
             raise
         except BaseException as err:
-            # a peer that died while this process joined, planned or waited as a standby
-            # (an all-gather of hosts or plans broke): a step failure too, not a crash
+            # a peer that died during a step, or while this process joined, planned or waited
+            # as a standby (an all-gather of hosts or plans broke): a step failure, not a crash
             failed = peer_failure(err)
             if failed is not None:
                 raise failed from err
@@ -103,23 +103,20 @@ class TrainingRun:
             records = run.run()
         except ResihpError:
             raise  # refused input or a diverged run: a relaunch would not do better from a copy
-        except BaseException as err:
+        except BaseException:
             from resihp_jax.runtime.recovery.host_snapshot import dump_active  # noqa: PLC0415
 
             # a peer died (a collective failed) or this process must stop: the relaunch
             # rebuilds the last completed step from the copies the processes left write now
+            # (`TrainingRun.run` then names a failed collective a step failure)
             dump_active("training stopped by an error")
-            failed = peer_failure(err)
-            if failed is not None:
-                raise failed from err
             raise
         finally:
             run.close()  # waits for the final checkpoint
         if records:
             print(report(records), file=self.out)
-            overhead = getattr(run, "overhead", None)
-            if overhead is not None and job.primary:
-                print(overhead.describe(), file=self.out)
+            if run.overhead is not None and job.primary:
+                print(run.overhead.describe(), file=self.out)
             if job.primary and self.config.checkpoint_dir is not None:
                 from resihp_jax.runtime.recovery.host_snapshot import remove_copies  # noqa: PLC0415
 
@@ -200,9 +197,6 @@ class TrainingRun:
               "compiling it", file=self.out, flush=True)
         run.close()
         return self._build(job, new_plan)
-
-    def _say(self, line: str) -> None:
-        print(line, file=self.out, flush=True)
 
     def _describe(self, job: Any, plan: Plan, copies: str | None) -> None:
         model, out = self.model, self.out

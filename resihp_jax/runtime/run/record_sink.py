@@ -18,9 +18,8 @@ class RecordSink:
     bar, and the first step's time among the start-up phases."""
 
     def __init__(self, config: RunConfig, start: int, primary: bool,
-                 phases: dict[str, float], start_record: dict | None = None,
-                 compiles_from: float | None = None,
-                 out: TextIO | None = None, *, model: Any = None,
+                 phases: dict[str, float], start_record: dict | None,
+                 compiles_from: float | None, out: TextIO, *, model: Any = None,
                  learning_rate: Any = None) -> None:
         """`start_record`: the record of step `start` if known (the survivors' copies carry
         it), written when a JSON lines file lacks it. `compiles_from`: when the start-up's
@@ -40,7 +39,7 @@ class RecordSink:
                         if config.metrics and primary else None)
 
     def _say(self, line: str) -> None:
-        print(line, file=self.out or sys.stdout, flush=True)
+        print(line, file=self.out, flush=True)
 
     def add(self, record: StepRecord, **observed: Any) -> None:
         """`observed`: what the metrics add to the record (RunMetrics.step's keywords)."""
@@ -64,8 +63,6 @@ class RecordSink:
         built, seconds = foreground_since(self.compiles_from)
         loaded = min(foreground_hits_since(self.compiles_from), built)
         self.phases.update(compiles=float(built), compiles_s=seconds, cache_loads=float(loaded))
-        if self.out is None:
-            return
         if loaded:
             print(f"start-up: {built - loaded} executable(s) compiled and {loaded} loaded from "
                   f"the compile cache ({seconds:.2f} s) on the way to the first step",

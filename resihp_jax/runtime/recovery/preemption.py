@@ -51,10 +51,6 @@ class SaveOnSigterm:
         if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGTERM, lambda *_: checkpointer.preempt())
 
-    @property
-    def installed(self) -> bool:
-        return self._old is not None
-
     def close(self) -> None:
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)

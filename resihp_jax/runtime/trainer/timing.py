@@ -32,18 +32,14 @@ class StepTiming:
     fwd_DxPxT: np.ndarray  # each device's timed forward (0: not timed)
     host_cpu: HostCpu | None = None  # this process's and its host's CPU use meanwhile
 
-    def gathered(self) -> StepTiming:
-        """This step as the whole job saw it: each process times only its own devices, and
-        the step took as long as its slowest process waited for it. The host CPU is each
-        field's maximum over the processes that measured it (the most others' cores: a load
-        on any one host slows the whole step); with several processes no one host's cores
-        run every device (`HostCpu.every_device`)."""
-        return self.gathered_with(())[0]
-
     def gathered_with(self, values: Sequence[float]) -> tuple[StepTiming, np.ndarray]:
-        """`gathered`, and each of `values`' maximum over the processes, in the same
-        all-gather (a step's other agreement rides along instead of a collective of its own).
-        """
+        """This step as the whole job saw it, and each of `values`' maximum over the
+        processes, in the same all-gather (a step's other agreement rides along instead of a
+        collective of its own). Each process times only its own devices, and the step took
+        as long as its slowest process waited for it. The host CPU is each field's maximum
+        over the processes that measured it (the most others' cores: a load on any one host
+        slows the whole step); with several processes no one host's cores run every device
+        (`HostCpu.every_device`)."""
         from resihp_jax.meshes.agree import max_over_processes  # noqa: PLC0415
 
         cpu = self.host_cpu

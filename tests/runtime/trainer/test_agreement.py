@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
 
     # each process timed only its own devices (the other's entries are 0)
     fwd = np.zeros((1, 2, 1)); fwd[0, pid, 0] = 0.5 + pid
-    timing = StepTiming(1.0 + pid, fwd).gathered()
+    timing = StepTiming(1.0 + pid, fwd).gathered_with(())[0]
     # process 1 reaches a different verdict and plan than process 0
     mine = Verdict(7, (2048,), "compute", 3.0, 0.9, "resihp") if pid == 0 else None
     verdict = _agreed(mine)

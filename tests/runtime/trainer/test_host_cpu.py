@@ -80,8 +80,8 @@ def test_a_steps_timing_keeps_its_host_cpu_through_the_gather() -> None:
     from resihp_jax.runtime.trainer.timing import StepTiming
 
     fwd = np.arange(8.0).reshape(2, 2, 2)
-    gathered = StepTiming(1.5, fwd, HostCpu(1.25, 0.5, 4)).gathered()
+    gathered = StepTiming(1.5, fwd, HostCpu(1.25, 0.5, 4)).gathered_with(())[0]
     assert gathered.step_time_s == 1.5 and np.array_equal(gathered.fwd_DxPxT, fwd)
     assert fields(gathered.host_cpu) == (1.25, 0.5, 4)
     assert gathered.host_cpu.every_device  # one process: its host's cores run every device
-    assert StepTiming(1.5, fwd).gathered().host_cpu is None
+    assert StepTiming(1.5, fwd).gathered_with(())[0].host_cpu is None

@@ -20,7 +20,6 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -37,7 +36,7 @@ from resihp_jax.step.config import TrainConfig
 from resihp_jax.step.instrument import Instrument
 from resihp_jax.step.pipeline import ALL_AXES, STEP_AXES
 from resihp_jax.step.program import (KNOB_SPEC, Batch, Splits, StepProgram, TrainState,
-                                   step_functions)
+                                   canonical_state_shapes, fresh_state, step_functions)
 from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
                                          check_divisible, fully_manual, mesh_specs,
                                          split_model)
@@ -99,20 +98,17 @@ def build_model_step(parts: ModelParts, optimizer: optax.GradientTransformation,
     layer_slots = layout.layer_slots_for(plan, train.layer_slots)
     mb_slots = layout.microbatch_slots_for(plan, train.microbatch_slots)
     index_PxL = layout.stage_index(plan.layers_per_stage, layer_slots)  # numpy, no compile
-    shapes = jax.eval_shape(
-        lambda p: _fresh_state(optimizer, layout.to_stage_layout(p, index_PxL)), example_params)
+    shapes = jax.eval_shape(lambda p: fresh_state(optimizer, p, index_PxL), example_params)
     specs = _state_specs(optimizer, shapes, param_specs(parts, axis_rules, stage_layout=True))
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                             is_leaf=lambda x: isinstance(x, P))
+    named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree,  # noqa: E731
+                                      is_leaf=lambda x: isinstance(x, P))
+    shardings = named(specs)
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P("dp"))
     loss_sum = _sharded_loss_sum(parts, plan, mesh, specs.params, train, compute_dtype,
                                  instrument, gates)
     step_fn, grads_fn = step_functions(loss_sum, optimizer, shardings, mesh, train.donate_state)
-    canonical = jax.eval_shape(layout.to_canonical_layout, shapes,
-                               jax.ShapeDtypeStruct((parts.n_layers,), jnp.int32))
-    named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree,  # noqa: E731
-                                      is_leaf=lambda x: isinstance(x, P))
+    canonical = canonical_state_shapes(shapes, parts.n_layers)
     # outside the step the layers are spread over dp x pp (meshes/rules.py spread_spec)
     canonical_sh = named(_state_specs(optimizer, canonical, _spread(
         parts, canonical_specs, example_params, dict(mesh.shape), lead=1)))
@@ -208,16 +204,15 @@ def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
     # the kernel named (or "auto"'s pick) for this platform and shape, refused where it
     # cannot run and checked against the dense reference before the first step
     kernel = step_attention(train.attention, model, plan.seq_len, devices[0])
-    make = functools.partial(_llama, model, kernel)
+
+    def make(rngs: Any) -> Llama:
+        return Llama(model, rngs=rngs, attention=kernel)
+
     parts, shell, blocks = split_model(abstract_model(make, 0))
     params = {"shell": shell, "blocks": blocks}
     program = build_model_step(parts, train.optimizer(), plan, devices, params, train=train,
                               instrument=instrument)
     return dataclasses.replace(program, initial_params=initializer(program, make, params))
-
-
-def _llama(config: ModelConfig, attention: str, rngs: Any) -> Llama:
-    return Llama(config, rngs=rngs, attention=attention)
 
 
 def initializer(program: StepProgram, model: Any,
@@ -237,8 +232,3 @@ def initializer(program: StepProgram, model: Any,
         return jax.jit(build, out_shardings=program.canonical_shardings.params)()
 
     return initial
-
-
-def _fresh_state(optimizer: optax.GradientTransformation, params: Any) -> TrainState:
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-

@@ -220,13 +220,8 @@ class StepProgram:
             if self.initial_params is None:
                 raise ValueError("this program has no initial parameters: pass them")
             params = self.initial_params(seed)
-
-        def init(params: Any, index_PxL: jax.Array) -> TrainState:
-            staged = layout.to_stage_layout(params, index_PxL)
-            return TrainState(jnp.zeros((), jnp.int32), staged, self.optimizer.init(staged))
-
-        return jax.jit(init, out_shardings=self.state_shardings)(
-            params, self.stage_index())
+        return jax.jit(functools.partial(fresh_state, self.optimizer),
+                       out_shardings=self.state_shardings)(params, self.stage_index())
 
     def adopt_compiled(self, compiled_step: Any, *, warn_over_memory: bool = True
                        ) -> StepProgram:
@@ -345,6 +340,13 @@ def step_functions(loss_sum: Callable[[Any, Batch, Splits, jax.Array], jax.Array
                        in_shardings=(shardings.params, batch_shardings, split_shardings),
                        out_shardings=(replicated, shardings.params))
     return step_fn, grads_fn
+
+
+def fresh_state(optimizer: optax.GradientTransformation, params: Any,
+                index_PxL: Any) -> TrainState:
+    """The state at step 0 of canonical `params`, in the stage layout of `index_PxL`."""
+    staged = layout.to_stage_layout(params, index_PxL)
+    return TrainState(jnp.zeros((), jnp.int32), staged, optimizer.init(staged))
 
 
 def canonical_state_shapes(stage_shapes: TrainState, n_layers: int) -> TrainState:

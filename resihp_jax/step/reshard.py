@@ -31,7 +31,7 @@ from resihp_jax.meshes import layout
 from resihp_jax.meshes.rules import is_layer_leaf
 from resihp_jax.step.staging import HostStaging
 from resihp_jax.step.state_io import restore_args, save_args, state_handler
-from resihp_jax.step.program import StepProgram, TrainState
+from resihp_jax.step.program import StepProgram, TrainState, placed_shapes
 
 
 def to_canonical(state: TrainState, program: StepProgram) -> TrainState:
@@ -142,8 +142,7 @@ def move_via_orbax(state: TrainState, src: StepProgram, dst: StepProgram,
     path = Path(directory).absolute() / f"step{int(jax.device_get(state.step))}"
     with ocp.Checkpointer(state_handler()) as checkpointer:
         checkpointer.save(path, args=save_args(canonical), force=True)
-        target = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                              canonical, dst.canonical_shardings)
+        target = placed_shapes(canonical, dst.canonical_shardings)
         restored = checkpointer.restore(path, args=restore_args(target))
     return dst.to_stage_fn(restored, dst.stage_index_array())
 

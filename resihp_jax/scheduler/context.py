@@ -9,10 +9,8 @@ from dataclasses import dataclass, field
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.perfmodel import CostParams, Health
+from resihp_jax.perfmodel import SCHEDULES, CostParams, Health
 from resihp_jax.perfmodel.facts import ModelFacts
-
-SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)

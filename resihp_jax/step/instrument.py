@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from resihp_jax.meshes.mesh import AXES
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -110,7 +112,7 @@ class Instrument:
 
     def coords(self, knob: jax.Array, busy: jax.Array, tick: jax.Array,
                timed: jax.Array | bool = True) -> Coords:
-        axes = tuple(jax.lax.axis_index(a) for a in ("dp", "pp", "tp"))
+        axes = tuple(jax.lax.axis_index(a) for a in AXES)
         return Coords(*axes, jax.lax.stop_gradient(knob), busy, tick, jnp.asarray(timed))
 
 

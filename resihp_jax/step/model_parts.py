@@ -20,13 +20,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from resihp_jax.errors import ConfigError
+from resihp_jax.meshes.mesh import AXES
 
 # Megatron-style tensor parallelism by default: these logical names go on 'tp', every other
 # name on no mesh axis. A user passes their own pairs as `axis_rules` (nnx.logical_axis_rules
 # format: (logical name, mesh axis or None)).
 DEFAULT_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("vocab", "tp"), ("mlp", "tp"), ("heads", "tp"), ("kv", "tp"))
-MESH_AXES = ("dp", "pp", "tp")
 TENSOR_PARALLEL = ("auto", "manual")  # a model's `tensor_parallel` (ModelParts says what)
 
 
@@ -235,9 +235,9 @@ def mesh_specs(logical: Any, rules: Sequence[tuple[str, str | None]]) -> Any:
     """Logical PartitionSpecs -> mesh-axis PartitionSpecs under `rules`."""
     table = dict(rules)
     for name, axis in table.items():
-        if axis is not None and axis not in MESH_AXES:
+        if axis is not None and axis not in AXES:
             raise ConfigError(f"axis_rules: {name!r} -> {axis!r}: valid mesh axes are "
-                              f"{', '.join(MESH_AXES)} or None")
+                              f"{', '.join(AXES)} or None")
 
     def one(spec: P) -> P:
         return P(*(table.get(n) if isinstance(n, str) else None for n in spec))

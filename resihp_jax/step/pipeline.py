@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from resihp_jax import vma
+from resihp_jax.meshes.mesh import AXES as ALL_AXES
 
 STEP_AXES = ("dp", "pp")  # activations differ across these; 'tp' devices hold equal copies
-ALL_AXES = ("dp", "pp", "tp")
 
 
 def _when(active: jax.Array, compute: Callable[[], Any], like: Any,

@@ -91,6 +91,15 @@ def wait_for_go(path: Path, process_id: int, poll_s: float = POLL_S) -> tuple[Go
         time.sleep(poll_s)
 
 
+def signal_group(pid: int, sig: int) -> None:
+    """Send `sig` to the process group `pid` leads (each launched process leads its own), if
+    it is still there."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 @dataclass
 class Standby:
     """The supervisor's handle on a standby: its processes (by process id), its own
@@ -146,10 +155,7 @@ class Standby:
         """End it: it holds nothing of the job's (no state read, no heartbeat written)."""
         for proc in self.procs:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                signal_group(proc.pid, signal.SIGKILL)
         for proc in self.procs:
             proc.wait()
         self.service.shutdown()

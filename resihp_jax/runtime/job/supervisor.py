@@ -405,9 +405,9 @@ class Supervisor:
             print(f"launch: step {step}: {fault.kind} process {host}"
                   + (f" x{fault.factor:g}" if fault.kind == "slow" else ""), file=self.out)
             if fault.kind == "kill":
-                _signal_group(pid, signal.SIGKILL)
+                standby.signal_group(pid, signal.SIGKILL)
             elif fault.kind == "hang":
-                _signal_group(pid, signal.SIGSTOP)
+                standby.signal_group(pid, signal.SIGSTOP)
             else:
                 self._throttles[fault] = Throttle(pid, fault.factor)
 
@@ -458,8 +458,7 @@ class Supervisor:
 
     def _relaunched(self, step: int) -> None:
         """The relaunched incarnation trained its first step: write the relaunch."""
-        if self.metrics is None or not self.summary.restarts or \
-                self._first_progress_at is None:
+        if self.metrics is None or not self.summary.restarts:
             return
         failure = self.summary.failures[-1]
         cause = f"{failure.kind} {failure.host}" if failure.host else failure.kind
@@ -525,7 +524,6 @@ class Supervisor:
     def _run(self) -> Summary:
         cfg = self.config
         hosts = [f"p{i}" for i in range(cfg.procs)]
-        detected_at: float | None = None
         lost_from: int | None = None  # the job's step when the last failure was seen
         while True:
             record = self._record = health_record.load(cfg.checkpoint_dir)
@@ -544,12 +542,10 @@ class Supervisor:
                 self.summary.steps_lost += self._steps_lost
             self._first_progress_at: float | None = None
             failure, step, beats = self._watch(procs, beat_dir, first)
+            detected_at = self.clock() if failure is not None else None
+            self._end(procs, failure, beats)
             if failure is not None:
-                detected_at = self.clock()
-                self._end(procs, failure, beats)
                 failure.end_s = self.clock() - detected_at
-            else:
-                self._end(procs, None, beats)
             self._record_incarnation(beats)
             if self.summary.restarts and self._first_progress_at is not None:
                 self.summary.recovery_s.append(self._first_progress_at - self._last_detected)
@@ -643,13 +639,13 @@ class Supervisor:
             if failure.kind == "hung" and failure.host is not None:
                 frozen.add(failure.host)
             for host, proc in running:
-                _signal_group(proc.pid, signal.SIGKILL if host in frozen else signal.SIGTERM)
+                standby.signal_group(proc.pid, signal.SIGKILL if host in frozen else signal.SIGTERM)
             deadline = self.clock() + self.config.grace_s
             while self.clock() < deadline and any(p.poll() is None for _, p in running):
                 time.sleep(self.config.poll_s)
         for _, proc in running:
             if proc.poll() is None:
-                _signal_group(proc.pid, signal.SIGKILL)  # also ends a stopped process
+                standby.signal_group(proc.pid, signal.SIGKILL)  # also ends a stopped process
         for proc in procs.values():
             proc.wait()
         self._peer_lost_file().unlink(missing_ok=True)  # the next incarnation starts clean
@@ -675,13 +671,6 @@ def _stopped(pid: int, proc: Path = Path("/proc")) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(")") + 2:][:1] in ("T", "t")
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _exit_text(code: int) -> str:

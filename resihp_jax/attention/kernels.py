@@ -99,13 +99,10 @@ def _vma(*xs) -> frozenset:
     return frozenset().union(*(vma.varying_axes(x) for x in xs))
 
 
-def _to_varying(x, axes: frozenset):
-    """Make x vary over `axes` so scan carries and cond branches agree inside shard_map."""
-    return vma.vary(x, axes)
-
-
 def _full(shape, value: float, dtype, axes: frozenset):
-    return _to_varying(jnp.full(shape, value, dtype), axes)
+    """A constant varying over `axes`, so scan carries and cond branches agree inside
+    shard_map."""
+    return vma.vary(jnp.full(shape, value, dtype), axes)
 
 
 # ----------------------------------------------------------------------------- block math
@@ -371,7 +368,7 @@ def segment_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
     # Inside shard_map, give all inputs the same varying axes up front: the kernel's carries
     # and branches then agree, and autodiff of the pcast sums dk/dv over replicated kv heads.
     axes = _vma(*args)
-    return _sparse(*(_to_varying(x, axes) for x in args), block_size)
+    return _sparse(*vma.vary(args, axes), block_size)
 
 
 def dense_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,

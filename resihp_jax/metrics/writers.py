@@ -16,9 +16,10 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.metrics.destinations import Destination
 from resihp_jax.metrics.entry import MetricsEntry
 
-TEXT_TAGS = {"plan": "plan", "verdict": "events/verdict", "replan": "events/replan",
-             "gain": "events/gain", "relaunch": "events/relaunch",
-             "checkpoint": "events/checkpoint"}
+
+def text_tag(kind: str) -> str:
+    """Where an entry's text goes: the plan as `plan`, an event as `events/<kind>`."""
+    return "plan" if kind == "plan" else f"events/{kind}"
 
 
 class TensorBoardWriter:
@@ -34,8 +35,7 @@ class TensorBoardWriter:
         for tag, value in entry.scalars.items():
             self.writer.add_scalar(tag, value, entry.step)
         if entry.text:
-            self.writer.add_text(TEXT_TAGS.get(entry.kind, f"events/{entry.kind}"),
-                                 entry.text, entry.step)
+            self.writer.add_text(text_tag(entry.kind), entry.text, entry.step)
 
     def close(self) -> None:
         self.writer.close()
@@ -67,7 +67,7 @@ class WandbWriter:
     def write(self, entry: MetricsEntry) -> None:
         data: dict[str, Any] = dict(entry.scalars)
         if entry.text:
-            data[TEXT_TAGS.get(entry.kind, f"events/{entry.kind}")] = entry.text
+            data[text_tag(entry.kind)] = entry.text
         if data:
             self.run.log(data, step=entry.step)
 

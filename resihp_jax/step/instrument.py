@@ -32,8 +32,6 @@ from jax.experimental import io_callback
 from resihp_jax.meshes.mesh import AXES
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from resihp_jax.meshes.plan import Plan
 
 FWD_START, FWD_END, BWD_START, BWD_END = 0, 1, 2, 3

@@ -134,7 +134,64 @@ def _check_seed(seed: Any) -> int:
     return int(seed)
 
 
-class BatchIterator:
+class _ResumableBatches:
+    """What both batch iterators share: the batch shape, iteration, the count of batches
+    served, and a state (the identity of the data and the position of the next batch) that
+    `restore` continues from. A subclass says how its data is named and positioned."""
+
+    seed: int | None
+
+    def __init__(self, n_microbatches: int, microbatch_size: int, seq_len: int) -> None:
+        self.n_microbatches = _check_positive("n_microbatches", n_microbatches)
+        self.microbatch_size = _check_positive("microbatch_size", microbatch_size)
+        self.seq_len = _check_positive("seq_len", seq_len)
+        self._batches = 0
+
+    def next_batch(self) -> GlobalBatch:
+        raise NotImplementedError
+
+    def _source(self) -> tuple[str, str]:
+        """(the source's spec, its fingerprint): what the data is."""
+        raise NotImplementedError
+
+    def _position(self) -> Cursor:
+        """Where the next batch starts."""
+        raise NotImplementedError
+
+    def _seek(self, cursor: Cursor) -> None:
+        """Make the next batch start at `cursor` (one of this data's, checked)."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[GlobalBatch]:
+        return self
+
+    def __next__(self) -> GlobalBatch:
+        return self.next_batch()
+
+    def _identity(self) -> dict[str, Any]:
+        spec, fingerprint = self._source()
+        return {"source": spec, "seed": self.seed, "n_microbatches": self.n_microbatches,
+                "microbatch_size": self.microbatch_size, "seq_len": self.seq_len,
+                "fingerprint": fingerprint}
+
+    def state(self) -> dict[str, Any]:
+        """JSON-serializable position of the next batch (not the data itself)."""
+        at = self._position()
+        return {"version": STATE_VERSION, **self._identity(), "epoch": at.epoch,
+                "index": at.index, "offset": at.offset, "batches": self._batches}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continue exactly where `state` left off; ConfigError if it belongs to other data."""
+        self._seek(_check_state(state, self._identity()))
+        self._batches = int(state["batches"])
+
+    @property
+    def batches_served(self) -> int:
+        """Global batches produced since the start of training (carried across restores)."""
+        return self._batches
+
+
+class BatchIterator(_ResumableBatches):
     """Endless, deterministic, resumable stream of GlobalBatch values."""
 
     def __init__(
@@ -147,13 +204,10 @@ class BatchIterator:
         seed: int,
         state: Mapping[str, Any] | None = None,
     ) -> None:
-        self.n_microbatches = _check_positive("n_microbatches", n_microbatches)
-        self.microbatch_size = _check_positive("microbatch_size", microbatch_size)
-        self.seq_len = _check_positive("seq_len", seq_len)
+        super().__init__(n_microbatches, microbatch_size, seq_len)
         self.seed = _check_seed(seed)
         self.source = _as_source(source_spec, self.seed, self.seq_len)
         self._stream = DocumentStream(self.source)
-        self._batches = 0
         if state is not None:
             self.restore(state)
 
@@ -175,39 +229,15 @@ class BatchIterator:
         return GlobalBatch.from_layout(lengths, self.n_microbatches, seq_len, read_microbatch,
                                        pieces_crc(rows))
 
-    def __iter__(self) -> Iterator[GlobalBatch]:
-        return self
+    def _source(self) -> tuple[str, str]:
+        return self.source.spec, self.source.fingerprint()
 
-    def __next__(self) -> GlobalBatch:
-        return self.next_batch()
+    def _position(self) -> Cursor:
+        return self._stream.cursor
 
-    def _identity(self) -> dict[str, Any]:
-        return {
-            "source": self.source.spec,
-            "seed": self.seed,
-            "n_microbatches": self.n_microbatches,
-            "microbatch_size": self.microbatch_size,
-            "seq_len": self.seq_len,
-            "fingerprint": self.source.fingerprint(),
-        }
-
-    def state(self) -> dict[str, Any]:
-        """JSON-serializable position of the next batch (not the data itself)."""
-        cursor = self._stream.cursor
-        position = {"epoch": cursor.epoch, "index": cursor.index, "offset": cursor.offset}
-        return {"version": STATE_VERSION, **self._identity(), **position, "batches": self._batches}
-
-    def restore(self, state: Mapping[str, Any]) -> None:
-        """Continue exactly where `state` left off; ConfigError if it belongs to other data."""
-        cursor = _check_state(state, self._identity())
+    def _seek(self, cursor: Cursor) -> None:
         self._stream.check_cursor(cursor)
         self._stream = DocumentStream(self.source, cursor)
-        self._batches = int(state["batches"])
-
-    @property
-    def batches_served(self) -> int:
-        """Global batches produced since the start of training (carried across restores)."""
-        return self._batches
 
 
 class PieceReader:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from resihp_jax.data.iterator import STATE_VERSION, _check_positive, _check_state
+from resihp_jax.data.iterator import Cursor, _ResumableBatches
 from resihp_jax.data.packing import GlobalBatch, PackedRows
 from resihp_jax.errors import ConfigError
 
@@ -195,7 +195,7 @@ def _reader(data: Any) -> _SequenceReader | _FunctionReader:
                       f"an iterator of them, got {type(data).__name__}")
 
 
-class PackedBatchIterator:
+class PackedBatchIterator(_ResumableBatches):
     """Endless, resumable stream of GlobalBatch values from the user's packed batches (the
     surface of BatchIterator: next_batch, state, restore, batches_served)."""
 
@@ -203,12 +203,9 @@ class PackedBatchIterator:
 
     def __init__(self, data: Any, *, n_microbatches: int, microbatch_size: int,
                  seq_len: int, state: Mapping[str, Any] | None = None) -> None:
-        self.n_microbatches = _check_positive("n_microbatches", n_microbatches)
-        self.microbatch_size = _check_positive("microbatch_size", microbatch_size)
-        self.seq_len = _check_positive("seq_len", seq_len)
+        super().__init__(n_microbatches, microbatch_size, seq_len)
         self._reader = _reader(data)
         self._at: Position = (0, 0)
-        self._batches = 0
         self._fingerprint: str | None = None
         if state is not None:
             self.restore(state)
@@ -228,12 +225,6 @@ class PackedBatchIterator:
         self._batches += 1
         return GlobalBatch.from_rows(rows, self.n_microbatches)
 
-    def __iter__(self) -> Iterator[GlobalBatch]:
-        return self
-
-    def __next__(self) -> GlobalBatch:
-        return self.next_batch()
-
     def fingerprint(self) -> str:
         """Batches per epoch (or 'stream') and a CRC of the first batch, read once."""
         if self._fingerprint is None:
@@ -244,30 +235,17 @@ class PackedBatchIterator:
             self._fingerprint = f"{self._reader.per_epoch or 'stream'}:{crc:08x}"
         return self._fingerprint
 
-    def _identity(self) -> dict[str, Any]:
-        return {"source": SOURCE, "seed": self.seed, "n_microbatches": self.n_microbatches,
-                "microbatch_size": self.microbatch_size, "seq_len": self.seq_len,
-                "fingerprint": self.fingerprint()}
+    def _source(self) -> tuple[str, str]:
+        return SOURCE, self.fingerprint()
 
-    def state(self) -> dict[str, Any]:
-        """JSON-serializable position of the next batch (not the data itself)."""
-        epoch, index = self._at
-        return {"version": STATE_VERSION, **self._identity(), "epoch": epoch, "index": index,
-                "offset": 0, "batches": self._batches}
+    def _position(self) -> Cursor:
+        return Cursor(*self._at)
 
-    def restore(self, state: Mapping[str, Any]) -> None:
-        """Continue exactly where `state` left off; ConfigError if it belongs to other data."""
-        cursor = _check_state(state, self._identity())
+    def _seek(self, cursor: Cursor) -> None:
         if cursor.offset != 0:
             raise ConfigError(f"data state offset={cursor.offset} must be 0 for packed batches")
         self._reader.seek((cursor.epoch, cursor.index))
         self._at = (cursor.epoch, cursor.index)
-        self._batches = int(state["batches"])
-
-    @property
-    def batches_served(self) -> int:
-        """Global batches produced since the start of training (carried across restores)."""
-        return self._batches
 
 
 def packed_batches(data: Sequence[PackedBatch] | Callable[[], Iterator[PackedBatch]], *,

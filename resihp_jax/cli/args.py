@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from resihp_jax.errors import ConfigError, PlanError
+from resihp_jax.models.registry import Entry, get_model
 
 _MESH_RE = re.compile(r"^\s*(dp|pp|tp)\s*=\s*(\d+)\s*$")
 
@@ -28,6 +29,11 @@ def parse_mesh(text: str) -> dict[str, int]:
         seen.add(axis)
         out[axis] = value
     return out
+
+
+def model_from_args(args: argparse.Namespace) -> Entry:
+    """The registry's model `--model` (a Llama preset, or gpt2), in `--dtype` if given."""
+    return get_model(args.model, "--model", **({"dtype": args.dtype} if args.dtype else {}))
 
 
 def parse_int_list(text: str, what: str) -> tuple[int, ...]:

@@ -16,14 +16,15 @@ from typing import TextIO
 
 from resihp_jax.cli.args import (add_compile_cache_arguments, add_metrics_argument,
                                  check_output_dir, check_output_file,
-                                 compile_cache_dir, parse_int_list, parse_mesh)
+                                 compile_cache_dir, model_from_args, parse_int_list,
+                                 parse_mesh)
 from resihp_jax.demo import app
 from resihp_jax.demo.config import DemoConfig, check_at_least, check_plot_name, check_two_files
 from resihp_jax.demo.plot import PLOT_SUFFIXES
 from resihp_jax.demo.scenario import parse_kill, parse_slow
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.models.registry import GPT2_PLAN, MODELS, Entry, check_plan, get_model, states_facts
+from resihp_jax.models.registry import GPT2_PLAN, MODELS, Entry, check_plan, states_facts
 
 LLAMA_PLAN = "dp=2,pp=2,tp=2"  # a preset's (rh.models.Llama's) starting mesh
 
@@ -100,7 +101,7 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
     plot = None if args.plot.strip().lower() == "none" else args.plot
     jsonl, dashboards = _metrics(args.metrics)
     _check_outputs(args, plot, jsonl)
-    model = demo_model(args.model, args.dtype)
+    model = model_from_args(args)
     plan = demo_plan(args, model)
     n_devices = plan.n_devices if args.devices is None else args.devices
     if n_devices < plan.n_devices:
@@ -149,11 +150,6 @@ def _check_outputs(args: argparse.Namespace, plot: str | None, metrics: str | No
         # the trainer would restore a stop from whatever newest step it finds there
         raise ConfigError(f"--checkpoint-dir={args.checkpoint_dir!r} is not empty; the demo "
                           "starts from scratch: give a new or empty directory")
-
-
-def demo_model(name: str, dtype: str | None) -> Entry:
-    """The registry's model `name` (a Llama preset, or gpt2), in `dtype` if given."""
-    return get_model(name, "--model", **({"dtype": dtype} if dtype else {}))
 
 
 def plan_text(args: argparse.Namespace) -> str:

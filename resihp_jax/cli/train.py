@@ -26,12 +26,12 @@ import warnings
 from typing import Any, Mapping, TextIO
 
 from resihp_jax.cli.args import (METRICS_HELP, add_compile_cache_arguments,
-                                 add_metrics_argument, compile_cache_dir, parse_int_list,
-                                 parse_mesh)
+                                 add_metrics_argument, compile_cache_dir, model_from_args,
+                                 parse_int_list, parse_mesh)
 from resihp_jax.cli.train_checks import check_train_args, checkpoint_every, read_metrics_args
 from resihp_jax.errors import CheckpointFallbackWarning, ConfigError
 from resihp_jax.meshes.plan import Plan
-from resihp_jax.models.registry import MODELS, GPT2Sizes, check_plan, get_model
+from resihp_jax.models.registry import MODELS, GPT2Sizes, check_plan
 from resihp_jax.perfmodel.costs import REMAT_AUTO, REMAT_POLICIES
 from resihp_jax.runtime.job import distributed
 from resihp_jax.runtime.job.devices import devices_to_request, request_host_devices
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     check_train_args(args)
     spec = job_spec_from_args(args)
     config = run_config_from_args(args, compile_cache_dir(args))
-    model = get_model(args.model, "--model", **({"dtype": args.dtype} if args.dtype else {}))
+    model = model_from_args(args)
     plan = plan_from_args(args, model.n_layers)  # the requested plan
     check_plan(model, plan, f"--plan {args.plan}")
     if spec.single:

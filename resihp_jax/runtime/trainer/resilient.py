@@ -282,7 +282,8 @@ class ResilientTrainer:
         # (one process: copied to host beside the next steps; a job: before `save` returns)
         self.checkpointer = (Checkpointer(
             self.config.checkpoint_dir, interval=self.config.checkpoint_interval,
-            asynchronous=True, identity=self._identity(),
+            asynchronous=True,
+            identity=identity_of(self.programs, self.model, self.train_cfg, self.data.state()),
             local_copy_dir=self.config.local_copy_dir, mtbf_s=self.config.mtbf_s,
             max_interval_s=self.config.max_checkpoint_interval_s,
             budget=self.config.overhead_budget)
@@ -314,9 +315,6 @@ class ResilientTrainer:
         # out beside that step: its judgement comes a step later
         self.last_prediction_s: float | None = None
         self._last_l2_M = np.zeros(0)  # the newest step's attention work per micro-batch
-
-    def _identity(self) -> dict[str, Any]:
-        return identity_of(self.programs, self.model, self.train_cfg, self.data.state())
 
     def _agreed_memory_gb(self) -> float:
         """GiB a device has for a step: `config.device_memory_gb`, else the least this
@@ -415,8 +413,7 @@ class ResilientTrainer:
             return False
         if not self.precompiler.has(self.plan):  # cancelled for a switch's program: again
             self.precompiler.prepare([self.plan])
-        ready = self.plan.mesh_key() in self.precompiler.ready()
-        return bool(from_primary(ready or None)) if multi_process() else ready
+        return _primary_says(self.plan.mesh_key() in self.precompiler.ready())
 
     def _untimed_start(self) -> bool:
         """An untimed start lasts: the current program is untimed, and a timed one is wanted."""
@@ -701,15 +698,19 @@ class ResilientTrainer:
                                self._last_timing.host_cpu)
 
     # ---- reacting to a verdict -------------------------------------------------------------
+    def _untimed_hint(self) -> str:
+        """Why a failed step named no device, where the cause is that it ran untimed ('' where
+        it ran timed): said both by a hang and by a re-plan that cannot avoid the failure."""
+        return ("; it ran without stage timing, which names a device that hangs "
+                "(ResilienceConfig(stage_timing_every=1) times every step)"
+                if not self._step_timed and self._instrumented() else "")
+
     def _hung_line(self, failed: StepFailed) -> str:
         """What a one-process run says when a step hung without naming a device."""
-        untimed = (" (it ran without stage timing, which names a device that hangs: "
-                   "ResilienceConfig(stage_timing_every=1) times every step)"
-                   if not self._step_timed and self._instrumented() else "")
         return (f"step {failed.verdict.step} of plan {self.plan.describe()} hung: "
-                f"{failed.cause} and no device named{untimed}. A collective inside the "
-                "model's program that some devices never reach, or a device that stopped, "
-                "holds the step's devices, so this process cannot go on")
+                f"{failed.cause} and no device named{self._untimed_hint()}. A collective "
+                "inside the model's program that some devices never reach, or a device that "
+                "stopped, holds the step's devices, so this process cannot go on")
 
     def react(self, verdict: Verdict, data_before: dict[str, Any] | None = None,
               cause: str = "") -> Replan:
@@ -718,11 +719,8 @@ class ResilientTrainer:
         PlanError when a step failed and no plan avoids the cause (re-running it would
         fail the same way forever)."""
         if verdict.kind == "stopped" and not verdict.devices:
-            untimed = ("; it ran without stage timing, which names a device that hangs "
-                       "(ResilienceConfig(stage_timing_every=1) times every step)"
-                       if not self._step_timed and self._instrumented() else "")
             raise PlanError(f"step {verdict.step} failed without naming a device, so no plan "
-                            f"can avoid it: {cause or 'no cause given'}{untimed}")
+                            f"can avoid it: {cause or 'no cause given'}{self._untimed_hint()}")
         start = self.clock()
         self._pending = None  # this verdict's plan supersedes one still compiling
         self.health = _updated_health(self.health, verdict)
@@ -782,8 +780,7 @@ class ResilientTrainer:
         """A switch waits and its program is ready (on process 0, which decides for all)."""
         if self._pending is None:
             return False
-        ready = self._pending[0].mesh_key() in self.precompiler.ready()
-        return bool(from_primary(ready or None)) if multi_process() else ready
+        return _primary_says(self._pending[0].mesh_key() in self.precompiler.ready())
 
     def _finish_pending(self) -> Replan:
         """Switch to the plan whose program compiled in the background."""
@@ -891,6 +888,12 @@ def _processes_left_out(devices: Sequence[jax.Device], plan: Plan) -> tuple[int,
     every = {d.process_index for d in devices}
     kept = {d.process_index for d in devices if int(d.id) in used}
     return tuple(sorted(every - kept))
+
+
+def _primary_says(ready: bool) -> bool:
+    """Process 0's `ready` on every process (it decides for all: every process must run the
+    same program in a step)."""
+    return bool(from_primary(ready or None)) if multi_process() else ready
 
 
 def _agreed(verdict: Verdict | None) -> Verdict | None:

@@ -194,9 +194,7 @@ def publish(step_dir: Path, manifests: list[tuple[dict[str, Any], Path]]) -> int
             continue
         try:
             os.close(os.open(local / _CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            continue  # another process of this node publishes it
-        except OSError:
+        except OSError:  # FileExistsError: another process of this node publishes it
             continue
         try:
             for leaf in manifest["leaves"].values():

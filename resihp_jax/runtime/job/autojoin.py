@@ -71,15 +71,13 @@ def join_if_launched(environ: Mapping[str, str] = os.environ,
     orig_argv = getattr(sys, "orig_argv", argv) if orig_argv is None else orig_argv
     prog = (Path(argv[0]).name if argv and argv[0] not in ("", "-c", "-m") else "") \
         or "import resihp_jax"
-    found: list[JobSpec | None] = []
     try:
-        found.append(launched_job(environ, argv, orig_argv))
+        spec = launched_job(environ, argv, orig_argv)
     except ResihpError as err:  # a bad variable: the one line `rh.fit` would give
         from resihp_jax.runtime.job.exits import USER_ERROR  # noqa: PLC0415
 
         print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
         os._exit(USER_ERROR)
-    spec = found[0]
     if spec is None:
         return False
     from resihp_jax.runtime.job.deadline import Ladder  # noqa: PLC0415

@@ -87,9 +87,7 @@ def join(spec: JobSpec, ladder: Ladder, checkpoint_dir: str | Path | None) -> Jo
     """Join the job (jax.distributed for several processes) and read its health record."""
     initialize(spec, ladder.init_timeout_s, ladder.heartbeat_timeout_s)
     check_platform()
-    record = (health_record.load(checkpoint_dir) if checkpoint_dir is not None
-              else health_record.HealthRecord())
-    return Job(spec, _all_hosts(spec.host_id), record)
+    return Job(spec, _all_hosts(spec.host_id), health_record.load(checkpoint_dir))
 
 
 def check_platform(environ: Mapping[str, str] = os.environ) -> None:

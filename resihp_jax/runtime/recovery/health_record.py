@@ -61,8 +61,11 @@ def path_in(directory: str | Path) -> Path:
     return Path(directory) / FILENAME
 
 
-def load(directory: str | Path) -> HealthRecord:
-    """The record in `directory` (an empty one if there is none yet)."""
+def load(directory: str | Path | None) -> HealthRecord:
+    """The record in `directory` (an empty one if there is none yet, or no directory: a run
+    without checkpoints keeps no record)."""
+    if directory is None:
+        return HealthRecord()
     path = path_in(directory)
     if not path.exists():
         return HealthRecord()

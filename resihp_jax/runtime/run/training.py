@@ -177,10 +177,8 @@ class TrainingRun:
         # the critical path starts with the word: a standby that came late compiled on it
         self._compiles_from = go.written
         t0 = time.perf_counter()
-        directory = self.config.checkpoint_dir
         spec = dataclasses.replace(job.spec, host_id=go.hosts[job.process_index])
-        job = Job(spec, go.hosts, health_record.load(directory) if directory is not None
-                  else health_record.HealthRecord())
+        job = Job(spec, go.hosts, health_record.load(self.config.checkpoint_dir))
         self.spec = spec
         when = "before" if waited >= 0 else "after"
         print(f"standby: incarnation {go.incarnation}: this process is host {spec.host_id} "

@@ -12,10 +12,20 @@ import jax
 import numpy as np
 import pytest
 
+from resihp_jax.attention import check as attention_check
 from resihp_jax.attention import fit as flash_fit
+from resihp_jax.attention import kernels
 from resihp_jax.attention.cudnn import (document_attention, document_spans, documents_per_row,
                                         masked_attention, packed_attention)
 from resihp_jax.attention.kernels import dense_attention, segment_attention
+
+
+@pytest.fixture(autouse=True)
+def own_traced_kernels(monkeypatch):
+    """The cuDNN kernels these tests trace on CPU (for export, or to see the fallback) stay
+    out of the process's record, which a later test's start-up check would re-check here."""
+    monkeypatch.setattr(kernels, "TRACED_KERNELS", set())
+    monkeypatch.setattr(attention_check, "TRACED_KERNELS", kernels.TRACED_KERNELS)
 
 
 def spans_from_runs(seg_S: np.ndarray) -> list[tuple[int, int]]:

@@ -5,7 +5,8 @@ optimizer state in both), and prints each step's loss side by side with their di
 then the median step time of each (steps after the first two; on CPU bf16 matmuls are
 emulated, so only accelerator timings say anything about speed). Defaults: `tiny` on a
 dp=2,pp=2,tp=2 plan of 8 fake CPU devices.
-Usage: python benchmarks/bf16_vs_float32.py [--model tiny] [--plan 2,2,2] [--steps 8]
+No fault is injected: both runs are healthy.
+Usage: python benchmarks/bf16_vs_float32.py [--quick] [--model tiny] [--plan 2,2,2] [--steps 8]
        [--microbatches 8] [--microbatch-size 2] [--seq-len 64] [--n-layers N]
        [--attn-block N] [--seed 0]
 """
@@ -56,7 +57,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="model preset (default: tiny)")
     parser.add_argument("--plan", default="2,2,2", help="dp,pp,tp (default: 2,2,2)")
-    parser.add_argument("--steps", type=int, default=8, help="train steps (default: 8)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="train steps (default: 8; 4 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 steps a run (the first two compile, two are timed)")
     parser.add_argument("--microbatches", type=int, default=8, help="global micro-batches")
     parser.add_argument("--microbatch-size", type=int, default=2, help="rows per micro-batch")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per row")
@@ -65,6 +69,10 @@ def main() -> None:
                         help="override the attention block size")
     parser.add_argument("--seed", type=int, default=0, help="weights and data seed")
     args = parser.parse_args()
+    if args.steps is None:
+        args.steps = 4 if args.quick else 8
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: must be >= 1")
     dp, pp, tp = (int(x) for x in args.plan.split(","))
     overrides = {k: v for k, v in (("n_layers", args.n_layers), ("attn_block", args.attn_block))
                  if v is not None}
@@ -75,7 +83,7 @@ def main() -> None:
     f32, bf16 = runs["float32"][0], runs["bfloat16"][0]
     rel = np.abs(bf16 - f32) / np.abs(f32)
     print(f"{args.model} ({base.param_count() / 1e6:.1f}M params), plan {dp}/{pp}/{tp}, "
-          f"{jax.devices()[0].platform}")
+          f"{jax.devices()[0].platform}; faults: none")
     print(f"{'step':>4} {'float32':>10} {'bfloat16':>10} {'bf16-f32':>10} {'rel':>9}")
     for i, (a, b) in enumerate(zip(f32, bf16, strict=True)):
         print(f"{i:>4} {a:>10.5f} {b:>10.5f} {b - a:>+10.5f} {rel[i]:>9.2e}")

@@ -1,6 +1,7 @@
 """Chaos: a multi-process job under a seeded random sequence of real faults, every loss checked.
 
-A job of 4 processes x 2 fake CPU devices (gloo, loopback) trains `small` on the corpus under
+A job of 4 processes x 2 fake CPU devices (gloo, loopback) trains `small` (`tiny` in the quick
+run) on the corpus under
 `resihp launch`'s supervisor. Faults come from outside the processes, at job steps drawn from
 `--seed`:
 - kill: SIGKILL to a process (the coordinator, rank 0, at least once);
@@ -11,7 +12,7 @@ A job of 4 processes x 2 fake CPU devices (gloo, loopback) trains `small` on the
   recovery).
 In the full run excluded hosts come back (repaired) 5 steps after their exclusion: the
 supervisor restarts the job to take them in (a planned restart, listed as "readmit"). The
-quick run (5 faults, 3 of them fail-stops) readmits none.
+quick run (5 faults, 3 of them fail-stops, `tiny`, within five minutes) readmits none.
 Every fail-stop is recovered from the survivors' copies of the last completed step when
 every shard still has one, else from the periodic checkpoint (the table says which).
 
@@ -103,16 +104,16 @@ def schedule(seed: int, n_faults: int, readmit: int | None, start: int = 4,
     return faults, step + 3
 
 
-def _train_args(steps: int, seed: int) -> list[str]:
-    return ["--model", "small", "--data", "corpus", "--steps", str(steps), "--seed", str(seed),
+def _train_args(steps: int, seed: int, model: str) -> list[str]:
+    return ["--model", model, "--data", "corpus", "--steps", str(steps), "--seed", str(seed),
             "--no-progress"]
 
 
-def reference(root: Path, steps: int, seed: int, copies: str,
+def reference(root: Path, steps: int, seed: int, copies: str, model: str,
               plan: str = "dp=2,pp=2,tp=2") -> list[dict]:
     """The uninterrupted run in one process, with survivor copies `copies`."""
     name = f"reference-{copies}-{plan.replace(',', '_').replace('=', '')}"
-    train = [*_train_args(steps, seed), "--plan", plan, "--checkpoint-dir", str(root / name),
+    train = [*_train_args(steps, seed, model), "--plan", plan, "--checkpoint-dir", str(root / name),
              "--checkpoint-every", "1000", "--survivor-copies", copies]
     return run_train(train, root / f"{name}.jsonl",
                      env={"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
@@ -124,9 +125,10 @@ def steady_s(records: list[dict], first_steps: set[int] = frozenset({1})) -> flo
                              if r["step"] not in first_steps)
 
 
-def chaos(root: Path, faults: list[Fault], steps: int, seed: int, readmit: int | None) -> dict:
+def chaos(root: Path, faults: list[Fault], steps: int, seed: int, readmit: int | None,
+          model: str) -> dict:
     metrics = root / "job.jsonl"
-    train = (*_train_args(steps, seed), "--metrics", str(metrics), "--checkpoint-every",
+    train = (*_train_args(steps, seed, model), "--metrics", str(metrics), "--checkpoint-every",
              str(CHECKPOINT_EVERY), "--hang-floor-s", "5")
     config = LaunchConfig(PROCS, PER_PROC, root / "job", train, tuple(faults),
                           max_restarts=2 * len(faults) + 2, readmit_after_steps=readmit,
@@ -176,10 +178,10 @@ def _row(cells: list[object], widths: list[int]) -> str:
 
 
 def report(faults: list[Fault], run: dict, ref: list[dict], control: list[dict],
-           overhead: dict, seed: int, readmit: int | None) -> dict:
+           overhead: dict, seed: int, readmit: int | None, model: str) -> dict:
     summary = run["summary"]
     back = "never" if readmit is None else f"{readmit} steps after exclusion"
-    print(f"{PROCS} processes x {PER_PROC} fake CPU devices (gloo), model small on the corpus, "
+    print(f"{PROCS} processes x {PER_PROC} fake CPU devices (gloo), model {model} on the corpus, "
           f"seed {seed}; checkpoint every {CHECKPOINT_EVERY} steps; hosts readmitted: {back}\n")
     print("faults scheduled (rank = position among the processes running at that step):")
     for fault in faults:
@@ -239,7 +241,7 @@ def report(faults: list[Fault], run: dict, ref: list[dict], control: list[dict],
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="5 faults instead of 20 (about 5 minutes)")
+                        help="5 faults instead of 20, and the tiny model (within 5 minutes)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the fault sequence and of the run (default 0)")
     parser.add_argument("--workdir", default=None,
@@ -250,20 +252,22 @@ def main() -> int:
         parser.error(f"--workdir={args.workdir!r} exists; give a new directory")
     readmit = None if args.quick else READMIT_AFTER
     faults, steps = schedule(args.seed, 5 if args.quick else 20, readmit)
+    model = "tiny" if args.quick else "small"
     with tempfile.TemporaryDirectory(prefix="resihp-chaos-") as tmp:
         root = Path(args.workdir or tmp)
         root.mkdir(parents=True, exist_ok=True)
-        ref = reference(root, steps, args.seed, "keep")
-        control = reference(root, steps, args.seed, "off", CONTROL_PLAN)
+        ref = reference(root, steps, args.seed, "keep", model)
+        control = reference(root, steps, args.seed, "off", model, CONTROL_PLAN)
         overhead_steps = min(steps, 12)
         overhead = {"keep": steady_s(ref),
-                    "off": steady_s(reference(root, overhead_steps, args.seed, "off"))}
+                    "off": steady_s(reference(root, overhead_steps, args.seed, "off", model))}
         if not args.quick:
-            overhead["host"] = steady_s(reference(root, overhead_steps, args.seed, "host"))
-        run = chaos(root, faults, steps, args.seed, readmit)
+            overhead["host"] = steady_s(reference(root, overhead_steps, args.seed, "host",
+                                                           model))
+        run = chaos(root, faults, steps, args.seed, readmit, model)
         if run["error"] is not None:
             print(run["log"], file=sys.stderr)
-        result = report(faults, run, ref, control, overhead, args.seed, readmit)
+        result = report(faults, run, ref, control, overhead, args.seed, readmit, model)
     print(json.dumps(result))
     return 0 if result["survived"] and result["losses_match"] else 1
 

@@ -1,6 +1,7 @@
-"""`benchmarks/gpu_suite.py --quick` runs every section on CPU to real numbers (the same code
-a GPU run takes, at tiny sizes, the Pallas kernel interpreted), and refuses a bad flag value
-in one line.
+"""`benchmarks/gpu_suite.py --quick --budget-s 100000` runs every section on CPU to real
+numbers (the same code a GPU run takes, at tiny sizes, the Pallas kernel interpreted; `--quick`
+alone stops starting sections after 80 s, to end within two minutes), and refuses a bad flag
+value in one line.
 
 The quick run takes three CPU minutes, most of the default run's budget: its tests are marked
 slow. The benchmark is what they check (it runs on every GPU and in the slow README-benchmark

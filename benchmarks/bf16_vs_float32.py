@@ -5,7 +5,10 @@ optimizer state in both), and prints each step's loss side by side with their di
 then the median step time of each (steps after the first two; on CPU bf16 matmuls are
 emulated, so only accelerator timings say anything about speed). Defaults: `tiny` on a
 dp=2,pp=2,tp=2 plan of 8 fake CPU devices.
-No fault is injected: both runs are healthy.
+No fault is injected: both runs are healthy. Exits 1 if a loss of either run is not finite
+(invariant `losses_finite`); how far bf16 drifts from float32 over steps is reported, not
+judged (training amplifies it; one step's bf16 tolerance on every mesh is
+benchmarks/bf16_meshes.py).
 Usage: python benchmarks/bf16_vs_float32.py [--quick] [--model tiny] [--plan 2,2,2] [--steps 8]
        [--microbatches 8] [--microbatch-size 2] [--seq-len 64] [--n-layers N]
        [--attn-block N] [--seed 0]
@@ -19,11 +22,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.invariants import verdict  # noqa: E402
 from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.models.config import ModelConfig, get_model_config  # noqa: E402
@@ -53,7 +61,7 @@ def train(model: ModelConfig, plan: Plan, args: argparse.Namespace
     return np.asarray(losses), np.asarray(times)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="model preset (default: tiny)")
     parser.add_argument("--plan", default="2,2,2", help="dp,pp,tp (default: 2,2,2)")
@@ -92,12 +100,18 @@ def main() -> None:
     print(f"median step: float32 {step_s['float32'] * 1e3:.1f} ms, bfloat16 "
           f"{step_s['bfloat16'] * 1e3:.1f} ms, ratio f32/bf16 "
           f"{step_s['float32'] / step_s['bfloat16']:.2f}")
+    ok = np.isfinite(bf16) & np.isfinite(f32)
+    finite = bool(ok.all())
     print(json.dumps({"model": args.model, "plan": [dp, pp, tp],
                       "platform": jax.devices()[0].platform,
                       "loss_float32": f32.round(5).tolist(),
                       "loss_bfloat16": bf16.round(5).tolist(), "max_rel_diff": float(rel.max()),
-                      "all_finite": bool(np.isfinite(bf16).all()), "median_step_s": step_s}))
+                      "all_finite": bool(np.isfinite(bf16).all()), "median_step_s": step_s,
+                      "invariants": {"losses_finite": finite}}))
+    return verdict({"losses_finite": finite},
+                   {"losses_finite": f"steps {np.flatnonzero(~ok).tolist()} not finite"},
+                   "bf16_vs_float32.py")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from resihp_jax.errors import ConfigError  # noqa: E402
 from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor  # noqa: E402
+from benchmarks.invariants import batches_match, every_step_once, step_gaps, verdict  # noqa: E402
 from train_subprocess import read_records, run_train  # noqa: E402
 
 PROCS, PER_PROC = 4, 2
@@ -163,13 +164,35 @@ def compare(records: list[dict], ref: list[dict], control: list[dict]) -> dict:
     skipped = sum(1 for r in ref if by_step.get(r["step"], {}).get("batch_crc")
                   != r["batch_crc"])
     repeated = sum(max(0, run_crc.count(c) - ref_crc.count(c)) for c in set(run_crc))
-    every_step_once = [r["step"] for r in records] == [r["step"] for r in ref]
+    once = every_step_once([r["step"] for r in records], len(ref))
     max_diff, plan_drift = max_rel_diff(records, ref), max_rel_diff(control, ref)
     tolerance = max(LOSS_RTOL, 2 * plan_drift)
-    return {"losses_match": every_step_once and not skipped and max_diff <= tolerance,
+    return {"losses_match": once and not skipped and max_diff <= tolerance,
             "max_loss_rel_diff": max_diff, "plan_drift": plan_drift, "tolerance": tolerance,
             "batches_skipped": skipped, "batches_repeated": repeated,
-            "every_step_once": every_step_once}
+            "every_step_once": once, "step_gaps": step_gaps([r["step"] for r in records],
+                                                             len(ref)),
+            "batches_match": batches_match(run_crc, ref_crc)}
+
+
+def invariants(scheduled: int, injected: int, completed: bool, check: dict
+               ) -> tuple[dict[str, bool], dict[str, str]]:
+    """What the chaos run must show on any machine: every scheduled fault injected and the
+    job through all of them to its last step, every step trained once on the reference's
+    batch, every loss within the tolerance. (Steps lost are a target: a kill whose shards
+    have no survivor's copy resumes from the checkpoint.)"""
+    held = {"faults_fired": injected == scheduled, "faults_survived": completed,
+            "every_step_once": check["every_step_once"],
+            "batches_match": check["batches_match"],
+            "losses_equal": check["max_loss_rel_diff"] <= check["tolerance"]}
+    why = {"faults_fired": f"{injected} of {scheduled} scheduled faults injected",
+           "faults_survived": "the job did not complete its steps",
+           "every_step_once": check["step_gaps"],
+           "batches_match": f"{check['batches_skipped']} skipped, "
+                            f"{check['batches_repeated']} repeated",
+           "losses_equal": f"max relative difference {check['max_loss_rel_diff']:.2e} > "
+                           f"{check['tolerance']:.2e}"}
+    return held, why
 
 
 def _row(cells: list[object], widths: list[int]) -> str:
@@ -213,7 +236,9 @@ def report(faults: list[Fault], run: dict, ref: list[dict], control: list[dict],
     goodput = useful / run["wall_s"]
     slow_faults = sum(1 for f in faults if f.kind == "slow")
     injected = len(summary.injected)
-    survived = injected if summary.final_step == len(ref) and run["error"] is None else 0
+    completed = summary.final_step == len(ref) and run["error"] is None
+    survived = injected if completed else 0
+    held, why = invariants(len(faults), injected, completed, check)
     print(f"\nfaults injected {injected} ({slow_faults} slowdowns), job "
           f"{'completed' if survived else 'FAILED: ' + str(run['error'])}; restarts "
           f"{summary.restarts}; steps lost {lost_total}; wall {run['wall_s']:.0f} s")
@@ -235,7 +260,8 @@ def report(faults: list[Fault], run: dict, ref: list[dict], control: list[dict],
             "batches_repeated": check["batches_repeated"], "goodput": round(goodput, 3),
             "restarts": summary.restarts, "sources": summary.sources[1:],
             "healthy_overhead": round(keep_cost, 4),
-            "healthy_step_s": {k: round(v, 4) for k, v in overhead.items()}}
+            "healthy_step_s": {k: round(v, 4) for k, v in overhead.items()},
+            "invariants": held, "broken": {k: why[k] for k, v in held.items() if not v}}
 
 
 def main() -> int:
@@ -268,8 +294,9 @@ def main() -> int:
         if run["error"] is not None:
             print(run["log"], file=sys.stderr)
         result = report(faults, run, ref, control, overhead, args.seed, readmit, model)
+    broken = result.pop("broken")
     print(json.dumps(result))
-    return 0 if result["survived"] and result["losses_match"] else 1
+    return verdict(result["invariants"], broken, "chaos.py")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from resihp_jax.sim.policy import Live  # noqa: E402
 from resihp_jax.sim.report import table  # noqa: E402
 from resihp_jax.sim.study import StudyConfig, run_study, summary  # noqa: E402
 from resihp_jax.sim.traces import SCENARIOS, get_scenario  # noqa: E402
+from benchmarks.invariants import verdict  # noqa: E402
 
 SCALES = (256, 1024, 16_384, 100_000)
 QUICK_SCALES = (256,)  # a week at 16,384 GPUs takes 29 s a seed on 2 cores, 100,000 41 s
@@ -196,6 +197,22 @@ def targets(scales: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
             "ours_100k_llama3_ge_0.90": None if ours_100k is None else ours_100k >= 0.90}
 
 
+def invariants(scales: dict[str, dict[str, dict[str, Any]]]
+               ) -> tuple[dict[str, bool], dict[str, str]]:
+    """What every simulated week must show whatever the seeds: every policy ran in every
+    cell, and every goodput is a fraction of the time (finite, in [0, 1]). (Which policy is
+    highest, and by how much, are targets.)"""
+    missing = [f"{n}/{sc}: {sorted(set(POLICIES) - set(cells))}" for n, per in scales.items()
+               for sc, cells in per.items() if not set(POLICIES) <= set(cells)]
+    bad = [f"{n}/{sc}/{p}: {c['goodput']}" for n, per in scales.items()
+           for sc, cells in per.items() for p, c in cells.items()
+           if not (isinstance(c["goodput"], (int, float)) and 0.0 <= c["goodput"] <= 1.0)]
+    held = {"every_policy_in_every_cell": bool(scales) and not missing,
+            "goodput_in_0_1": not bad}
+    return held, {"every_policy_in_every_cell": "; ".join(missing) or "no cell ran",
+                  "goodput_in_0_1": "; ".join(bad[:5])}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -248,10 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     for line in goals["ours_not_highest"]:
         print(f"  not highest: {line}")
     print(f"benchmark wall time {time.perf_counter() - start:.1f} s")
+    held, why = invariants(scales)
     print(json.dumps({"scales": scales, "targets": goals, "model_check": checks,
                       "step_time_check": steptime, "stall_breakdown": breakdown,
-                      "ours_losses": losses}))
-    return 0
+                      "ours_losses": losses, "invariants": held}))
+    return verdict(held, why, "cluster.py")
 
 
 if __name__ == "__main__":

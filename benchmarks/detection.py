@@ -79,6 +79,9 @@ from resihp_jax.step.facts import model_facts  # noqa: E402
 from resihp_jax.step.model_parts import DEFAULT_AXIS_RULES, split_model  # noqa: E402
 from resihp_jax.step.builder import build_model_step  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `benchmarks`
+from benchmarks.invariants import verdict  # noqa: E402
+
 NAMES = ("resihp", "greyhound", "mad")
 FACTORS = (1.2, 1.5, 2.0, 5.0)
 MODEL = "tiny"
@@ -119,6 +122,7 @@ class Trial:
     slowdown: float  # step-level: median observed/predicted after the onset over before it
     delay: int | None  # steps from the onset to the verdict (None: none)
     right: bool  # the verdict named the slowed device alone
+    fired: bool = True  # the factor was on the device on every faulty step, on none before
 
     @property
     def caught(self) -> bool:
@@ -166,6 +170,7 @@ class Run:
         self.reference = self.data.next_batch()  # the batch the floor is timed on
         self.step = 0
         self.last_layout: tuple = ()
+        self.last_factor = 1.0  # the largest slowdown factor the last step ran with
 
     def probe(self, step: int):  # noqa: ANN201
         return self.prober.run(self.injector.knobs(step))
@@ -181,7 +186,9 @@ class Run:
 
     def run_step(self) -> StepObservation:
         batch = self.data.next_batch()
-        timing = self._timed(batch, self.injector.knobs(self.step))
+        knobs = self.injector.knobs(self.step)
+        self.last_factor = float(knobs.max())
+        timing = self._timed(batch, knobs)
         tokens, attn = features(batch.segment_ids_MxBxS, self.attn_block)
         obs = StepObservation(self.step, self.plan, tokens, attn,
                               timing.step_time_s, timing.stage_DxP, timing.host_cpu)
@@ -351,6 +358,7 @@ def fault_trial(run: Run, plan_index: int, live: dict, factor: float, rng: np.ra
     run.injector.slow(device, factor, onset)
     found: dict[str, tuple[int, tuple[int, ...]]] = {}
     before, after = [], []  # observed / healthy prediction of each step
+    factors: tuple[list[float], list[float]] = ([], [])  # the factor each step ran with
     cores: tuple[list[float], list[float]] = ([], [])  # this process's cores, before / after
     if load is not None:
         load.on()
@@ -360,6 +368,7 @@ def fault_trial(run: Run, plan_index: int, live: dict, factor: float, rng: np.ra
             before.append(obs.step_time_s / live["resihp"].cost.predict(
                 obs.plan, obs.mb_tokens, obs.mb_sum_l2))
             _add_cores(cores[0], obs)
+            factors[0].append(run.last_factor)
             _healthy(live, obs, tallies, load is not None)
         detectors = _copies(live)
         while run.step < onset + max_after and (len(found) < len(detectors) or
@@ -368,6 +377,7 @@ def fault_trial(run: Run, plan_index: int, live: dict, factor: float, rng: np.ra
             after.append(obs.step_time_s / live["resihp"].cost.predict(
                 obs.plan, obs.mb_tokens, obs.mb_sum_l2))
             _add_cores(cores[1], obs)
+            factors[1].append(run.last_factor)
             for name, det in detectors.items():
                 verdict = None if name in found else det.observe(obs)
                 if verdict is not None:
@@ -377,16 +387,56 @@ def fault_trial(run: Run, plan_index: int, live: dict, factor: float, rng: np.ra
             load.off()
     run.injector.clear()
     slowdown = float(np.exp(np.median(np.log(after)) - np.median(np.log(before))))
+    fired = fault_fired(factors[0], factors[1], factor)
     for name in detectors:
         delay, named = found.get(name, (None, ()))
         tallies[name].trials.append(Trial(plan_index, factor, slowdown, delay,
-                                          named == (device,)))
+                                          named == (device,), fired))
     # a slow device leaves cores idle: this process's cores fall as its step lengthens (where
     # they do not, the cores ran slower: what ours takes as the machine's own swing)
     held = f", our cores {np.median(cores[1]) / np.median(cores[0]):.2f}x" \
         if cores[0] and cores[1] else ""
     return f"  {factor}x on device {device} from step {onset} (step {slowdown:.2f}x{held}): " + \
         ", ".join(f"{n}={_said(tallies[n].trials[-1], found.get(n))}" for n in detectors)
+
+
+def fault_fired(before: list[float], after: list[float], factor: float) -> bool:
+    """The trial's fault was real: no step before its onset ran slowed, and each of at
+    least MIN_AFTER steps from the onset ran with its factor."""
+    return (all(f == 1.0 for f in before) and len(after) >= MIN_AFTER
+            and all(abs(f - factor) <= 1e-6 * factor for f in after))
+
+
+def invariants(measured: dict[str, Measured], schedule: Schedule
+               ) -> tuple[dict[str, bool], dict[str, str]]:
+    """What every run must show on any machine: every fault trial ran, for every detector,
+    with its fault really on the device (and on no step before its onset); every detector
+    judged the same healthy steps; every plan's noise floor was sampled. (False alarms,
+    MAPE, what was caught and the cost are targets.)"""
+    trials = [t for m in measured.values() for tallies in (m.tallies, m.load_tallies)
+              for tally in tallies.values() for t in tally.trials]
+    want = {m.model: (len(m.plans) * len(FACTORS) * schedule.trials,
+                      len(m.plans) * len(schedule.load_factors) * schedule.load_trials)
+            for m in measured.values()}
+    counts = {m.model: ({n: len(m.tallies[n].trials) for n in NAMES},
+                        {n: len(m.load_tallies[n].trials) for n in NAMES})
+              for m in measured.values()}
+    seen = {m.model: {n: m.tallies[n].healthy_steps for n in NAMES} for m in measured.values()}
+    held = {"faults_fired": bool(trials) and all(t.fired for t in trials),
+            "trials_complete": all(set(c[0].values()) == {want[k][0]} and
+                                   set(c[1].values()) == {want[k][1]}
+                                   for k, c in counts.items()),
+            "healthy_steps_equal": all(len(set(v.values())) == 1 and min(v.values()) > 0
+                                       for v in seen.values()),
+            "floor_sampled": all(len(m.floors) == len(m.plans) and min(m.samples) >= 2
+                                 and all(np.isfinite(m.floors)) for m in measured.values())}
+    why = {"faults_fired": f"{sum(not t.fired for t in trials)} of {len(trials)} trials ran "
+                           "without their fault on every faulty step (or with it before)",
+           "trials_complete": f"trials per detector (healthy, loaded) {counts}, want {want}",
+           "healthy_steps_equal": f"healthy steps per detector {seen}",
+           "floor_sampled": ", ".join(f"{m.model}: {m.samples} samples"
+                                      for m in measured.values())}
+    return held, why
 
 
 def _add_cores(into: list[float], obs: StepObservation) -> None:
@@ -561,7 +611,7 @@ def record_fixture(path: str, data: str, seed: int, n_steps: int = RECORD_STEPS)
           f"MAPE {100 * np.mean(errors):.1f}%, {det.alarms} alarm(s)")
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--data", default=None, help="data source spec (default: "
@@ -588,7 +638,7 @@ def main() -> None:
         parser.error("--record records the Llama preset's fixture: leave --model out")
     if args.record:
         record_fixture(args.record, data, args.seed, args.record_steps)
-        return
+        return 0
     t_start = time.perf_counter()
     rng = np.random.default_rng(args.seed)
     models = ["builtin"] if args.model == "builtin" else ["builtin", args.model]
@@ -658,6 +708,7 @@ def main() -> None:
                    "caught": {n: tallies[n].trials[i].caught for n in NAMES}}
                   for i, t in enumerate(tallies["resihp"].trials)]
     shorts, samples = builtin.shorts, builtin.samples
+    held, why = invariants(measured, schedule)
     print(json.dumps({
         "noise_floor_pct": round(100 * floor, 2),
         "noise_floor_pct_per_plan": [round(100 * f, 2) for f in floors],
@@ -673,7 +724,9 @@ def main() -> None:
         "targets": targets,
         "trials": trial_rows,
         "host_load": loaded,
-        "models": headlines}))
+        "models": headlines,
+        "invariants": held}))
+    return verdict(held, why, "detection.py")
 
 
 def _met(target: bool | None) -> str:
@@ -827,4 +880,4 @@ def print_side_by_side(headlines: dict[str, dict]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -32,6 +32,7 @@ import time  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 from benchmarks.gpu_sections import SECTIONS, section_runner  # noqa: E402
+from benchmarks.invariants import verdict  # noqa: E402
 
 BUDGET_S = 450.0  # the H100 plan's last section starts at 405 s (gpu_sections/__init__.py)
 QUICK_BUDGET_S = 80.0  # on 2 CPU cores: kernels to speed (~75 s), then stop
@@ -179,7 +180,26 @@ def run_sections(names: list[str], quick: bool, budget_s: float, seed: int,
             "skipped": skipped, "total_s": round(time.perf_counter() - start, 2)}
 
 
-def main(argv: list[str] | None = None) -> None:
+def invariants(outcome: dict[str, Any]) -> tuple[dict[str, bool], dict[str, str]]:
+    """What a suite run must show on any device: no section failed; every kernel row that
+    ran matched the float32 reference (errors within tolerance, no padding output, nothing
+    leaking across documents); the slow-writer run held its own invariants
+    (benchmarks/resilience_price.py). A section the budget skipped breaks none of them (the
+    JSON line lists it under "skipped")."""
+    sections = outcome["sections"]
+    rows = [r for r in (sections.get("kernels") or {}).get("rows", []) if "error" not in r]
+    price = (sections.get("resilience_price") or {}).get("headline", {}).get("invariants", {})
+    held = {"sections_ran": not outcome["errors"],
+            "kernels_ok": all(r.get("ok") for r in rows),
+            "slow_writer": all(price.values())}
+    why = {"sections_ran": "; ".join(f"{k}: {v}" for k, v in outcome["errors"].items()),
+           "kernels_ok": ", ".join(str(r.get("case")) for r in rows if not r.get("ok"))
+           + ": errors against the float32 reference over tolerance, or padding or leaks",
+           "slow_writer": ", ".join(k for k, v in price.items() if not v)}
+    return held, why
+
+
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = environment()
     print(f"gpu_suite: {env['device']} ({env['platform']}), jax {env['jax']}, flax "
@@ -190,9 +210,12 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text(line + "\n")
         return line
 
-    print(write(run_sections(args.sections, args.quick, args.budget_s, args.seed,
-                             partial=write, kernel_cases=args.kernel_cases)))
+    outcome = run_sections(args.sections, args.quick, args.budget_s, args.seed,
+                           partial=write, kernel_cases=args.kernel_cases)
+    held, why = invariants(outcome)
+    print(write({**outcome, "invariants": held}))
+    return verdict(held, why, "gpu_suite.py")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

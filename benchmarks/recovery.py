@@ -58,15 +58,44 @@ from resihp_jax.runtime.trainer.loop import StepRecord  # noqa: E402
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer  # noqa: E402
 from resihp_jax.scheduler import run_policy  # noqa: E402
 from resihp_jax.step.config import TrainConfig  # noqa: E402
+from benchmarks.invariants import every_step_once, step_gaps, verdict  # noqa: E402
 
 TARGETS = {"split_only": 0.5, "mesh_warm": 2.0}
 # what a switch may add beyond the first step on the new plan, in steady steps (issue 26)
 OVERHEAD_TARGET = 0.1
 
 
+TRAINED: list[int] = []  # every step the trainer recorded, in order (the invariant's record)
+
+
 def _steps(trainer: ResilientTrainer, n: int) -> list[StepRecord]:
     stop = (0 if trainer.state is None else int(trainer.state.step)) + n
-    return [r for r in trainer.run(stop) if isinstance(r, StepRecord)]
+    records = [r for r in trainer.run(stop) if isinstance(r, StepRecord)]
+    TRAINED.extend(r.step for r in records)
+    return records
+
+
+def invariants(rows: list[dict], trained: list[int]) -> tuple[dict[str, bool], dict[str, str]]:
+    """What every run must show on any machine: each switch took the path its row names (a
+    new split, a mesh prepared ahead, a mesh compiled on the spot), the first two built no
+    executable on the training thread (the split reuses the program, the prepared mesh's was
+    compiled ahead), the dead devices left the plan, and the trainer trained every step once
+    across the switches. (Seconds and overhead ratios are targets.)"""
+    by = {r["case"]: r for r in rows}
+    dead = {"mesh_warm": {5}, "mesh_cold": {2, 5}}
+    still = {c: sorted(dead[c] & set(by[c]["device_ids"])) for c in dead}
+    held = {"switch_kinds": all(r["kind"] == r["case"] for r in rows),
+            "compiles_0_split_only": by["split_only"]["compiles"] == 0,
+            "compiles_0_mesh_warm": by["mesh_warm"]["compiles"] == 0,
+            "dead_devices_left": not any(still.values()),
+            "every_step_once": every_step_once(trained)}
+    why = {"switch_kinds": ", ".join(f"{r['case']} switched as {r['kind']}" for r in rows
+                                     if r["kind"] != r["case"]),
+           "compiles_0_split_only": f"{by['split_only']['compiles']} compiles",
+           "compiles_0_mesh_warm": f"{by['mesh_warm']['compiles']} compiles",
+           "dead_devices_left": ", ".join(f"{c} still on {d}" for c, d in still.items() if d),
+           "every_step_once": step_gaps(trained, max(trained, default=0))}
+    return held, why
 
 
 def _verdict(step: int, device: int, kind: str, slowdown: float) -> Verdict:
@@ -97,6 +126,7 @@ def _row(trainer: ResilientTrainer, name: str, verdict: Verdict, steady_steps: i
     # the detector), as the recovery's own first step is counted
     iteration = statistics.median(walls)
     return dict(case=name, kind=kind, plan=trainer.plan.describe(),
+                device_ids=list(trainer.plan.device_ids),
                 scheduler_picked=picked.describe(), plan_s=timings[0], compile_s=timings[1],
                 move_s=timings[2], step_s=first.step_time_s, recovery_s=total,
                 compiles=count.compiles, steady_step_s=steady, steady_iteration_s=iteration,
@@ -147,7 +177,7 @@ def _table(rows: list[dict]) -> None:
         print(f"  {r['case']}: now on {r['plan']} (scheduler picked {r['scheduler_picked']})")
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter rows and fewer steps")
     parser.add_argument("--model", default="small", choices=("small", "tiny"))
@@ -219,6 +249,7 @@ def main() -> None:
               f"{ratio:.3f}x "
               f"-> {'met' if ratio <= OVERHEAD_TARGET else 'MISSED'}")
     print(f"benchmark wall time {time.perf_counter() - wall:.0f} s")
+    held, why = invariants(rows, TRAINED)
     print(json.dumps({
         "recovery_s": {c: round(by[c]["recovery_s"], 3) for c in by},
         "compiles": {c: by[c]["compiles"] for c in ("split_only", "mesh_warm", "mesh_cold")},
@@ -229,8 +260,10 @@ def main() -> None:
                                                              "step_s")} for c in by},
         "checkpoint_overhead": round(ckpt["overhead"], 4),
         "warm_prepared": args.warm_prepared,
-        "model": model.name, "tokens_per_step": microbatches * microbatch_size * seq_len}))
+        "model": model.name, "tokens_per_step": microbatches * microbatch_size * seq_len,
+        "invariants": held}))
+    return verdict(held, why, "recovery.py")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

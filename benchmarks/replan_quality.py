@@ -44,6 +44,7 @@ from resihp_jax.scheduler.exhaustive import exhaustive_best  # noqa: E402
 from resihp_jax.scheduler.policies import BASELINES, OURS, compare, run_policy  # noqa: E402
 from resihp_jax.scheduler.scoring import step_time_s  # noqa: E402
 from resihp_jax.scheduler.search import clear_caches, search_plans  # noqa: E402
+from benchmarks.invariants import verdict  # noqa: E402
 
 SCENARIOS = ("slow1.5x", "slow2x", "slow5x", "dead", "two_slow", "dead+slow")
 
@@ -130,6 +131,8 @@ def run_cluster(cluster: Cluster, seeds: int) -> dict[str, dict[str, Any]]:
         row["ours_strict"] = row[OURS] * strict_factor
         row["plan_s"] = max(o[OURS].planning_time_s for o in per_seed)
         row["ours_plan"] = per_seed[0][OURS].plan.describe().split(" layers")[0]
+        row["dead_planned"] = sorted({d for o, h in zip(per_seed, healths)
+                                      for d in set(o[OURS].plan.device_ids) & set(h.dead)})
         if cluster.exhaustive:
             optimum = exhaustive_best(plan, healths[0], ctx)
             row["optimum"] = frac[OURS][0] * per_seed[0][OURS].step_time_s \
@@ -194,6 +197,20 @@ def _cell(row: dict[str, Any]) -> dict[str, float]:
     return cell
 
 
+def invariants(results: dict[str, dict[str, dict[str, Any]]]
+               ) -> tuple[dict[str, bool], dict[str, str]]:
+    """What every re-plan must show on any machine: ours never plans onto a dead device, and
+    never beats the exhaustive optimum where one was enumerated (it would mean the
+    enumeration missed a plan). (Fractions of the bound and margins are targets.)"""
+    dead = [f"{c}/{s}: {r['dead_planned']}" for c, rows in results.items()
+            for s, r in rows.items() if r["dead_planned"]]
+    above = [f"{c}/{s}: {r['of_optimum']:.4f}" for c, rows in results.items()
+             for s, r in rows.items() if "of_optimum" in r and r["of_optimum"] > 1 + 1e-9]
+    held = {"no_dead_device_planned": not dead, "ours_not_above_optimum": not above}
+    return held, {"no_dead_device_planned": "; ".join(dead),
+                  "ours_not_above_optimum": "; ".join(above) + " (optimum step / ours)"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fixed fault positions (< 2 min)")
@@ -214,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nplanning time (cold, worst of {repeats}): 1,024 devices {times['1024']:.3f} s "
           f"(target <= 1 s); 16,384 devices {times['16384']:.3f} s (target <= 10 s)")
     print(f"benchmark wall time {time.perf_counter() - start:.1f} s")
-    print(json.dumps(headline(results, times)))
-    return 0
+    held, why = invariants(results)
+    print(json.dumps({**headline(results, times), "invariants": held}))
+    return verdict(held, why, "replan_quality.py")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,8 @@ from resihp_jax.runtime.trainer.compiles import (  # noqa: E402
     BACKGROUND_PREFIX, background_since)
 from resihp_jax.runtime.trainer.resilient import DETECTOR_OFF  # noqa: E402
 from resihp_jax.step.config import TrainConfig  # noqa: E402
+from benchmarks.invariants import (batches_match, every_step_once, losses_equal,  # noqa: E402
+                                 step_gaps, verdict)
 
 SKIP_STEPS = 2  # the compiling step and the first warm one
 JOBS = (1, 1024)  # devices in the jobs whose default cadence is reported
@@ -246,12 +248,32 @@ def slow_writer(bench: Bench, step_s: float, off: Any) -> dict[str, Any]:
         result = bench.fit_saving(1)
     ckpt = result.overhead.checkpoint
     steps = [r.step for r in result.records]
-    once = steps == list(range(1, bench.steps + 1)) and \
-        [r.batch_crc for r in result.records] == [r.batch_crc for r in off.records]
     return {"write_s": seconds, "saves": ckpt["saves"], "put_off": ckpt["put_off"],
-            "waits_on_previous_save": ckpt["waits_on_previous_save"], "steps_once": once,
-            "losses_equal": [r.loss for r in result.records] == [r.loss for r in off.records],
+            "waits_on_previous_save": ckpt["waits_on_previous_save"],
+            "steps_once": every_step_once(steps, bench.steps),
+            "step_gaps": step_gaps(steps, bench.steps),
+            "batches_match": batches_match([r.batch_crc for r in result.records],
+                                           [r.batch_crc for r in off.records]),
+            # the same process, device and batches: equal to the bit
+            "losses_equal": losses_equal([r.loss for r in result.records],
+                                         [r.loss for r in off.records], 0.0),
             "on_off_ratio": wall_rate(result.records) / wall_rate(off.records)}
+
+
+def invariants(slow: dict[str, Any]) -> tuple[dict[str, bool], dict[str, str]]:
+    """What the slow-writer run must show on any machine: the fault took effect (saves put
+    off behind a held write), no save waited for a previous write, every step trained once
+    on the all-off run's batches, to its losses. (Rates and seconds are targets.)"""
+    held = {"slow_writer_fired": slow["put_off"] > 0,
+            "waits_on_previous_save_0": slow["waits_on_previous_save"] == 0,
+            "every_step_once": slow["steps_once"], "batches_match": slow["batches_match"],
+            "losses_equal": slow["losses_equal"]}
+    why = {"slow_writer_fired": f"{slow['saves']} saves, none put off behind a held write",
+           "waits_on_previous_save_0": f"{slow['waits_on_previous_save']} waits",
+           "every_step_once": slow["step_gaps"],
+           "batches_match": "a step's batch differs from the all-off run's",
+           "losses_equal": "a loss differs from the all-off run's"}
+    return held, why
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -327,7 +349,8 @@ def headline(out: dict[str, Any]) -> dict[str, Any]:
             "default_cadence_on_off": {n: round(c["on_off"], 4)
                                        for n, c in out["default_cadence"].items()},
             "worst_case_on_off": round(out["worst_case"]["on_off_ratio"], 4),
-            "steps_once": slow["steps_once"], "losses_equal": slow["losses_equal"]}
+            "steps_once": slow["steps_once"], "losses_equal": slow["losses_equal"],
+            "invariants": invariants(slow)[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     report(out, f"{model.name} on one {device.platform} device, {args.rows} x {args.seq_len} "
                 f"rows, {steps} steps per run, {rounds} round(s)")
     print(json.dumps(headline(out)))
-    return 0
+    return verdict(*invariants(out["slow_writer"]), "resilience_price.py")
 
 
 if __name__ == "__main__":

@@ -41,9 +41,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor  # noqa: E402
+from benchmarks.invariants import every_step_once, max_rel_diff, step_gaps, verdict  # noqa: E402
 
 SLOW_PROCESS = 2
 DEVICES_PER_PROC = 2
+LOSS_RTOL = 1e-4  # the slowed job's losses against the uninterrupted job's, step by step
 # the user's script: python script.py LOG --steps N. Every process appends one JSON line per
 # step to LOG.p<process index>; process 0 also each probe the detector ran (benchmark
 # instrumentation: the library does not report its cleared suspicions to a script)
@@ -184,8 +186,9 @@ def one_factor(root: Path, script: Path, factor: float, onset: int, steps: int,
     order = first[min(first)]["plan"]["device_ids"] if first else []  # process order
     named = None if found is None else sorted(
         {order.index(d) // DEVICES_PER_PROC for d in found["devices"] if d in order})
+    trained = [r["step"] for r in by_host.get("p0", [])]  # in the order p0 logged them
     losses = [first[s]["loss"] for s in sorted(first)]
-    want = [ref[s] for s in sorted(first)]
+    want = [ref.get(s, float("nan")) for s in range(1, steps + 1)]
     slow_rows = {r["step"]: r for r in by_host.get(f"p{SLOW_PROCESS}", [])}
     verdict_step = found["step"] if found else steps
     # "after": from 3 steps past the verdict (the re-plan, a relaunch included, behind it);
@@ -200,8 +203,10 @@ def one_factor(root: Path, script: Path, factor: float, onset: int, steps: int,
         "false_alarms": false_alarms, "probes": len(probes),
         "restarts": sup.summary.restarts, "plans": sup.summary.plans,
         "failures": [f"{f.kind}: {f.detail}" for f in sup.summary.failures],
-        "steps_once": sorted(first) == list(range(1, steps + 1)),
-        "max_loss_rel_err": float(max(abs(a - b) / abs(b) for a, b in zip(losses, want))),
+        "fault_fired": bool(sup.summary.injected),
+        "steps_once": every_step_once(trained, steps),
+        "step_gaps": step_gaps(trained, steps),
+        "max_loss_rel_err": max_rel_diff(losses, want),
         "tok_s_before": rate(list(first.values()), 4, injected),
         "tok_s_during": rate(list(first.values()), injected, verdict_step),
         "tok_s_after": after_from and rate(list(first.values()), after_from, steps),
@@ -223,7 +228,28 @@ def _fmt(x: object, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec) if isinstance(x, float) else str(x)
 
 
-def main() -> None:
+def invariants(rows: list[dict], ref: dict[int, float], steps: int
+               ) -> tuple[dict[str, bool], dict[str, str]]:
+    """What every run must show on any machine: the uninterrupted job trained every step,
+    each factor's slowdown was injected, and its job trained every step once with the
+    uninterrupted job's losses. (Steps to the verdict, the host named and tokens/s are
+    targets.)"""
+    held = {"reference_complete": sorted(ref) == list(range(1, steps + 1)),
+            "faults_fired": all(r["fault_fired"] for r in rows),
+            "every_step_once": all(r["steps_once"] for r in rows),
+            "losses_equal": all(r["max_loss_rel_err"] <= LOSS_RTOL for r in rows)}
+    why = {"reference_complete": f"the uninterrupted job trained {len(ref)} of {steps} steps",
+           "faults_fired": ", ".join(f"{r['factor']:g}x" for r in rows if not r["fault_fired"])
+           + ": the slowdown was never injected",
+           "every_step_once": "; ".join(f"{r['factor']:g}x: {r['step_gaps']}" for r in rows
+                                        if not r["steps_once"]),
+           "losses_equal": ", ".join(f"{r['factor']:g}x {r['max_loss_rel_err']:.2e}"
+                                     for r in rows if not r["max_loss_rel_err"] <= LOSS_RTOL)
+           + f" (tolerance {LOSS_RTOL:.0e})"}
+    return held, why
+
+
+def main() -> int:
     cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_argument("--quick", action="store_true", help="12 steps after the onset")
     cli.add_argument("--factors", default="3,1.5",
@@ -259,18 +285,22 @@ def main() -> None:
             f"{_fmt(r['step_s_before'])} -> {_fmt(r['step_s_during'])}",
             _fmt(r["tok_s_before"], ".0f"), _fmt(r["tok_s_during"], ".0f"),
             _fmt(r["tok_s_after"], ".0f"), _fmt(ratio), str(r["restarts"]),
-            "equal" if r["steps_once"] and r["max_loss_rel_err"] < 1e-4 else
+            "equal" if r["steps_once"] and r["max_loss_rel_err"] <= LOSS_RTOL else
             f"DIFFER ({r['max_loss_rel_err']:.1e})"]))
         for failure in r["failures"]:
             print(f"  {r['factor']:g}x: {failure}")
         for held in r["throttle"]:  # what the injected slowdown really did to p2
             print(f"  {r['factor']:g}x: {held['fault']}: p2 busy {held['busy_s']:.1f} s, "
                   f"held stopped {held['stopped_s']:.1f} s ({held['mode']})")
+    held, why = invariants(rows, ref, steps)
+    for r in rows:
+        r.pop("step_gaps")
     print(json.dumps({"benchmark": "user_slow", "quick": args.quick, "steps": steps,
                       "load_start": round(load0, 1), "wall_s": round(time.time() - started, 1),
-                      "rows": rows}, default=lambda x: round(x, 4) if isinstance(x, float)
-                     else str(x)))
+                      "rows": rows, "invariants": held},
+                     default=lambda x: round(x, 4) if isinstance(x, float) else str(x)))
+    return verdict(held, why, "user_slow.py")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

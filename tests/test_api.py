@@ -6,11 +6,13 @@ release with a DeprecationWarning, and nothing of it starting JAX."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import os
 import re
 import subprocess
 import sys
+import time
 import types
 import warnings
 from pathlib import Path
@@ -138,22 +140,77 @@ def _real_parameters(obj: object) -> list[inspect.Parameter]:
     return params
 
 
-def _check_signature(qualified: str, obj: object, documented: str) -> None:
-    real = {p.name: p for p in _real_parameters(obj)}
-    shown = [p for p in _split_params(documented) if p not in ("*", "/")]
-    names = [p.split("=", 1)[0].lstrip("*") for p in shown]
-    assert names == list(real), f"docs/api.md: {qualified}({documented}) but it takes {list(real)}"
-    for part in shown:
-        if "=" not in part:
-            continue
-        name, default = part.split("=", 1)
-        actual = real[name.lstrip("*")].default
+def _expected_parts(params: list[inspect.Parameter]) -> list[tuple[str, str | None]]:
+    """The parameter list as docs/api.md writes it: (name with its `*` or `**`, or a bare
+    `/` or `*` marker; None, or the real default) in order."""
+    parts: list[tuple[str, str | None]] = []
+    kinds = [p.kind for p in params]
+    for i, p in enumerate(params):
+        if p.kind is p.KEYWORD_ONLY and p.VAR_POSITIONAL not in kinds[:i] and \
+                (i == 0 or kinds[i - 1] is not p.KEYWORD_ONLY):
+            parts.append(("*", None))
+        star = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
+        parts.append((star + p.name, None if p.default is p.empty else p.default))
+        if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params)
+                                            or kinds[i + 1] is not p.POSITIONAL_ONLY):
+            parts.append(("/", None))
+    return parts
+
+
+def _default_of(obj: object, name: str, actual: object) -> object:
+    """What the default of `name` is: a dataclass field's factory makes it anew."""
+    if actual is not dataclasses.MISSING and type(actual).__name__ == "_HAS_DEFAULT_FACTORY_CLASS":
+        return {f.name: f for f in dataclasses.fields(obj)}[name].default_factory()
+    return actual
+
+
+def _same_default(written: str, actual: object, namespace: dict) -> bool:
+    """docs/api.md's default `written` (a literal, or an expression over the names of the
+    object's module: a constant, a call, a function) is the real one."""
+    try:
+        value = ast.literal_eval(written)
+    except (ValueError, SyntaxError):
         try:
-            value = ast.literal_eval(default)
-        except (ValueError, SyntaxError):
-            continue  # a default named (a constant, a call), not written out
-        if type(actual) in (int, float, str, bool, type(None), tuple):  # not a factory
-            assert value == actual, f"docs/api.md: {qualified}: {part}, code: {actual!r}"
+            value = eval(written, dict(namespace))  # noqa: S307 - the project's own docs
+        except NameError as err:
+            raise AssertionError(f"docs/api.md gives the default {written}, which "
+                                 f"{namespace.get('__name__')} does not define") from err
+        return value is actual or (not callable(actual) and value == actual)
+    return type(value) is type(actual) and value == actual
+
+
+def _check_signature(qualified: str, obj: object, documented: str) -> None:
+    """docs/api.md's parameter list of `obj` is its real one: every name in order, the `*`
+    and `/` markers where they are, and every default (literal or named) equal to the code's."""
+    params = _real_parameters(obj)
+    expected = _expected_parts(params)
+    shown = _split_params(documented)
+    names = [part.split("=", 1)[0] for part in shown]
+    assert names == [name for name, _ in expected], \
+        f"docs/api.md: {qualified}({documented}) but it takes " \
+        f"{[name for name, _ in expected]}"
+    module = sys.modules[getattr(obj, "__module__", None) or "builtins"]
+    namespace = {**vars(module), **getattr(obj, "__globals__", {})}
+    for part, (name, _), param in zip(shown, expected, _parts_params(params, expected)):
+        if param is None:
+            continue  # a marker
+        if param.default is param.empty:
+            assert "=" not in part, f"docs/api.md: {qualified}: {part}, code: no default"
+            continue
+        assert "=" in part, f"docs/api.md: {qualified}: {part}, code: default " \
+            f"{param.default!r}"
+        actual = _default_of(obj, param.name, param.default)
+        written = part.split("=", 1)[1]
+        assert _same_default(written, actual, namespace), \
+            f"docs/api.md: {qualified}: {part}, code: {name}={actual!r}"
+
+
+def _parts_params(params: list[inspect.Parameter], expected: list[tuple[str, str | None]]
+                  ) -> list[inspect.Parameter | None]:
+    """`expected`'s parameter at each place (None at a marker)."""
+    by_name = {p.name: p for p in params}
+    return [by_name.get(name.lstrip("*")) if name not in ("*", "/") else None
+            for name, _ in expected]
 
 
 def test_docs_api_documents_every_public_name_with_its_signature() -> None:
@@ -172,11 +229,45 @@ def test_docs_api_documents_every_public_name_with_its_signature() -> None:
             raise AssertionError(f"docs/api.md gives {qualified} without its signature")
 
 
+def _doc_of_fit() -> str:
+    params = _documented()["rh.fit"]
+    assert params is not None
+    return params
+
+
 def test_the_signature_check_sees_a_wrong_signature() -> None:
+    fit = _doc_of_fit()
+    _check_signature("rh.fit", rh.fit, fit)  # as documented
     with pytest.raises(AssertionError, match="it takes"):
         _check_signature("rh.fit", rh.fit, "model, data")
+    with pytest.raises(AssertionError, match="it takes"):  # the keyword-only marker dropped
+        _check_signature("rh.fit", rh.fit, fit.replace("data, *, ", "data, "))
+    with pytest.raises(AssertionError, match="it takes"):  # a marker too many
+        _check_signature("rh.fit", rh.fit, fit.replace("model, data", "model, /, data"))
     with pytest.raises(AssertionError, match="seed=1"):
         _check_signature("rh.engine.build_step", lambda seed=0: None, "seed=1")
+    with pytest.raises(AssertionError, match="seed=0"):  # 0 is not 0.0
+        _check_signature("rh.engine.build_step", lambda seed=0.0: None, "seed=0")
+    with pytest.raises(AssertionError, match="code: no default"):
+        _check_signature("rh.engine.build_step", lambda seed: None, "seed=0")
+    with pytest.raises(AssertionError, match="code: default 0"):
+        _check_signature("rh.engine.build_step", lambda seed=0: None, "seed")
+    # named defaults are held too: a constant, a call, a function
+    wrong_rules = fit.replace("axis_rules=DEFAULT_AXIS_RULES", "axis_rules=()")
+    with pytest.raises(AssertionError, match="axis_rules=\\(\\)"):
+        _check_signature("rh.fit", rh.fit, wrong_rules)
+    with pytest.raises(AssertionError, match="NO_SUCH_RULES, which .* does not define"):
+        _check_signature("rh.fit", rh.fit, fit.replace("DEFAULT_AXIS_RULES", "NO_SUCH_RULES"))
+    config = _documented()["rh.ResilienceConfig"]
+    assert config is not None and "compile_cache_dir=default_cache_dir()" in config
+    with pytest.raises(AssertionError, match="compile_cache_dir=None"):
+        _check_signature("rh.ResilienceConfig", rh.ResilienceConfig,
+                         config.replace("=default_cache_dir()", "=None"))
+    with pytest.raises(AssertionError, match="clock=time"):
+        _check_signature("rh.engine.Checkpointer", lambda clock=time.monotonic: None,
+                         "clock=time.time")
+    _check_signature("rh.engine.Checkpointer", lambda clock=time.monotonic: None,
+                     "clock=time.monotonic")
 
 
 def test_docs_api_lists_every_moved_name() -> None:

@@ -56,14 +56,59 @@ def test_offsets_and_lengths_are_the_rows_documents_then_minus_one():
     assert np.asarray(documents_per_row(jax.numpy.asarray(seg))).tolist() == [4, 2, 8]
 
 
-def test_bad_bound_and_platform_without_cudnn_are_refused():
+ON_GPU = jax.devices()[0].platform == "gpu"
+
+
+def test_a_bad_bound_is_refused():
+    with pytest.raises(ValueError, match="max_documents=0: must be >= 1"):
+        document_spans(jax.numpy.ones((1, 8), np.int32), 0)
+
+
+@pytest.mark.skipif(ON_GPU, reason="a GPU has cuDNN: its numbers are checked below instead")
+def test_without_a_gpu_both_kernels_are_refused_as_cudnn_not_detected():
+    """The refusal the fallback (attention/fit.py) reads and names in its warning."""
     seg = jax.numpy.ones((1, 8), np.int32)
-    with pytest.raises(ValueError, match="max_documents=0"):
-        document_spans(seg, 0)
     q = jax.numpy.zeros((1, 8, 2, 64), jax.numpy.bfloat16)
-    if jax.default_backend() != "gpu":  # the caller falls back on any exception
-        with pytest.raises(Exception):  # noqa: B017,PT011 - whatever JAX raises off GPUs
-            jax.jit(lambda *a: packed_attention(*a, max_documents=1))(q, q, q, seg)
+    for kernel in (functools.partial(packed_attention, max_documents=1), masked_attention):
+        with pytest.raises(RuntimeError, match=r"(?m)\AcuDNN is not detected\.$"):
+            jax.jit(kernel)(q, q, q, seg)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN's kernels run on a GPU only: here there is "
+                    f"{jax.devices()[0].platform}")
+def test_on_a_gpu_both_kernels_are_the_float32_reference_within_bf16_rounding():
+    """cuDNN's packed layout and its masked kernel, forward and backward, against the
+    float32 reference on the same bf16-rounded inputs: each error relative to the
+    reference's largest value, within 3e-2 (bf16 keeps 8 bits: 4e-3 an element)."""
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (2, 128, 4, 64)).astype(jax.numpy.bfloat16)
+    k, v = (jax.random.normal(key, (2, 128, 2, 64)).astype(jax.numpy.bfloat16)
+            for key in keys[1:])
+    seg = np.zeros((2, 128), np.int32)
+    seg[0] = np.repeat([1, 2, 3], [40, 1, 87])  # a one-token document
+    seg[1, :100] = np.repeat([4, 9], [64, 36])  # padding at the end
+    seg = jax.numpy.asarray(seg)
+
+    def reference(q_, k_, v_, seg_):
+        return dense_attention(*(x.astype(np.float32) for x in (q_, k_, v_)), seg_)
+
+    def out_and_grads(kernel):
+        def loss(*qkv):
+            return jax.numpy.sum(kernel(*qkv, seg).astype(np.float32) ** 2)
+        out = jax.jit(kernel)(q, k, v, seg)
+        grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+        return [np.asarray(x, np.float32) for x in (out, *grads)]
+
+    want = out_and_grads(reference)
+    assert np.all(want[0][np.asarray(seg) == 0] == 0)
+    for name, kernel in (("packed", functools.partial(packed_attention, max_documents=3)),
+                         ("masked", masked_attention)):
+        got = out_and_grads(kernel)
+        assert np.all(got[0][np.asarray(seg) == 0] == 0), name  # padding exactly 0
+        for what, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            assert np.all(np.isfinite(g)), (name, what)
+            error = float(np.max(np.abs(g - w)) / np.max(np.abs(w)))
+            assert error <= 3e-2, f"cuDNN {name} {what}: error {error:.2e} of the largest value"
 
 
 def qkv_seg(seed: int = 0):

@@ -30,6 +30,7 @@ from resihp_jax.perfmodel.costs import REMAT_AUTO
 from resihp_jax.perfmodel.memory import devices_memory_gb
 from resihp_jax.runtime.run.auto_plan import auto_plan, auto_plan_and_remat
 from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig, check_metrics
+from resihp_jax.runtime.recovery.checkpoint_dir import steps_on_disk
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.run.programs import read_facts, model_programs
 from resihp_jax.runtime.trainer.compiles import install
@@ -90,7 +91,9 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     resume: with a checkpoint directory, True continues from its newest state, refusing one
         another run wrote (a changed model class or parameter shapes, optimizer, data or
         batch shape: CheckpointError naming what changed); 'force' continues even then, and
-        prints one line naming what differed.
+        prints one line naming what differed; False starts from step 0, refusing a
+        checkpoint directory that already holds checkpoints (as `resihp train` without
+        --resume does) and a job's process (a relaunched one must continue).
     remat: what the backward recomputes: False or "none" (nothing), "projections" (keeps the
         matmuls' outputs and the attention output a model names "context", recomputes the
         rest), True or "full" (each stage's whole forward); "auto" (default): for each plan,
@@ -104,10 +107,11 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     train = TrainConfig(remat=remat)  # checks remat, naming every valid value
     metrics = metrics if metrics is not None else launched_metrics()
     check_metrics(metrics, profile_steps)
-    if resume not in (True, RESUME_FORCE):
+    if not (isinstance(resume, bool) or resume == RESUME_FORCE):
         raise ConfigError(f"resume={resume!r}: valid are True (continue from checkpoint_dir's "
-                          f"newest state of this same run) and {RESUME_FORCE!r} (continue "
-                          "even from another run's)")
+                          "newest state of this same run), False (start from step 0; "
+                          f"checkpoint_dir must hold no checkpoint) and {RESUME_FORCE!r} "
+                          "(continue even from another run's)")
     if compute_dtype not in (None, "float32", "bfloat16"):
         raise ConfigError(f"compute_dtype={compute_dtype!r}: valid are None, 'float32', "
                           "'bfloat16'")
@@ -119,7 +123,17 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     spec = job_spec()
     if not spec.single:  # a job's process: the job's directory unless one is given
         checkpoint_dir = checkpoint_dir or os.environ.get(CHECKPOINT_DIR_ENV)
+        if resume is False:
+            raise ConfigError(f"resume=False in a job ({spec.describe()}): a process the "
+                              "job relaunches after a failure must continue from its "
+                              "checkpoints; leave resume=True (a new job on an empty "
+                              "checkpoint directory starts from step 0)")
         join_job(checkpoint_dir)  # before anything below starts JAX
+    if resume is False and checkpoint_dir is not None and steps_on_disk(checkpoint_dir):
+        raise ConfigError(f"resume=False but checkpoint_dir={checkpoint_dir!r} already holds "
+                          f"checkpoints (steps {', '.join(map(str, steps_on_disk(checkpoint_dir)))}"
+                          "); pass resume=True to continue that run, or give an empty "
+                          "directory")
     local_copy_dir = ((resilience.local_copy_dir if resilience is not None else None)
                       or os.environ.get(LOCAL_COPY_DIR_ENV)) if checkpoint_dir else None
     programs = model_programs(model, optimizer, seed, axis_rules=axis_rules,

@@ -18,11 +18,10 @@ from resihp_jax.errors import CheckpointError
 from resihp_jax.meshes.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
-from resihp_jax.runtime.recovery.convert import (_BLOCK_PATHS, _SHELL_PATHS, convert_checkpoint,
-                                                 path_names)
+from resihp_jax.runtime.recovery.convert import convert_checkpoint
 from resihp_jax.runtime.recovery.run_identity import run_identity
-from resihp_jax.runtime.trainer.loop import run_step
 from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.program import TrainState
 from resihp_jax.step.reshard import to_canonical
 from resihp_jax.step.state_io import save_args, state_handler
 from tests.helpers import step_program
@@ -32,29 +31,63 @@ M, B, S = 2, 2, 64
 ROOT = Path(__file__).resolve().parents[3]
 TOOL = ROOT / "tools" / "convert_decoder_checkpoint.py"
 
+# The retired decoder's parameters as its checkpoints held them (resihp_jax/model/decoder.py
+# before 800acd8: Embed.table, DecoderLayers' stacked weights, Head.norm and Head.w), each with
+# its shape and the path rh.models.Llama's canonical state holds it at. Written out here, not
+# read off the converter's tables, so a wrong mapping there (wk to wv: the same shape on tiny)
+# fails below.
+_N, _D, _H, _G, _K, _F, _V = (CFG.n_layers, CFG.d_model, CFG.n_heads, CFG.n_kv_heads,
+                              CFG.head_dim, CFG.d_ff, CFG.vocab_size)
+RETIRED_LAYOUT: list[tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]] = [
+    (("embed", "table"), (_V, _D), ("shell", "table")),
+    (("layers", "attn_norm"), (_N, _D), ("blocks", "attn_norm", "scale")),
+    (("layers", "wq"), (_N, _D, _H, _K), ("blocks", "wq")),
+    (("layers", "wk"), (_N, _D, _G, _K), ("blocks", "wk")),
+    (("layers", "wv"), (_N, _D, _G, _K), ("blocks", "wv")),
+    (("layers", "wo"), (_N, _H, _K, _D), ("blocks", "wo")),
+    (("layers", "mlp_norm"), (_N, _D), ("blocks", "mlp_norm", "scale")),
+    (("layers", "w_gate"), (_N, _D, _F), ("blocks", "w_gate")),
+    (("layers", "w_up"), (_N, _D, _F), ("blocks", "w_up")),
+    (("layers", "w_down"), (_N, _F, _D), ("blocks", "w_down")),
+    (("head", "norm"), (_D,), ("shell", "final_norm", "scale")),
+    (("head", "w"), (_D, _V), ("shell", "lm_head")),
+]
 
-def _decoder_path(names: tuple[str, ...]) -> tuple[str, ...]:
-    """The built-in decoder's path of the one step's leaf at `names` (the converter's
-    inverse, written from the decoder's side: how its checkpoints were laid out)."""
-    old_of = {new: old for old, new in _SHELL_PATHS.items()}
-    old_of.update({("blocks", *path): ("layers", name) for name, path in _BLOCK_PATHS.items()})
-    for i in range(len(names)):
-        for length in (3, 2):
-            if names[i:i + length] in old_of:
-                return names[:i] + old_of[names[i:i + length]] + names[i + length:]
-    return names
+
+def _names(path: tuple) -> tuple[str, ...]:
+    """A key path as plain names (dict keys, named tuple fields, sequence indices)."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def _as_decoder_tree(canonical) -> dict:
-    """The canonical state as nested dicts in the decoder's layout, as its saves held it."""
+def _old_name(new: tuple[str, ...]) -> tuple[str, ...]:
+    """The retired layout's path of the leaf at `new` (a parameter, or an optimizer statistic
+    of one: the parameter's path ends it), by RETIRED_LAYOUT alone."""
+    for old, _, new_param in RETIRED_LAYOUT:
+        if new[-len(new_param):] == new_param:
+            return new[:-len(new_param)] + old
+    return new  # the step, Adam's count
+
+
+def _nested(params: dict[tuple[str, ...], np.ndarray]) -> dict:
     tree: dict = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(canonical)[0]:
-        *parents, last = _decoder_path(path_names(path))
+    for (*parents, last), leaf in params.items():
         node = tree
         for key in parents:
             node = node.setdefault(key, {})
         node[last] = leaf
     return tree
+
+
+def _decoder_state() -> TrainState:
+    """A decoder's state at step 3 in the retired layout, a distinct value in every element
+    of every leaf (parameters and the optimizer's statistics alike): a leaf restored at
+    another leaf's place cannot match."""
+    params = _nested({old: np.zeros(shape, np.float32) for old, shape, _ in RETIRED_LAYOUT})
+    state = TrainState(np.int32(3), params, TrainConfig().optimizer().init(params))
+    leaves, treedef = jax.tree.flatten(tuple(state[1:]))
+    distinct = [np.asarray(1000 * (i + 1) + np.arange(np.size(leaf)).reshape(np.shape(leaf)),
+                           np.asarray(leaf).dtype) for i, leaf in enumerate(leaves)]
+    return TrainState(state.step, *jax.tree.unflatten(treedef, distinct))
 
 
 @pytest.fixture(scope="module")
@@ -64,28 +97,26 @@ def decoder_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     program = step_program(CFG, TrainConfig(), plan)
     data = BatchIterator("synthetic:bimodal", n_microbatches=M, microbatch_size=B, seq_len=S,
                          seed=0)
-    state = program.init_state(0)
     for _ in range(3):
-        state, _ = run_step(program, state, data.next_batch())
-    canonical = jax.device_get(to_canonical(state, program))
+        data.next_batch()
+    old = _decoder_state()
     identity = run_identity(CFG, TrainConfig(), data.state())
     retired = {k: v for k, v in identity.items() if k != "state_layout"}
     meta = {"step": 3, "data_state": data.state(), "plan": plan.to_dict(), "model": CFG.name,
             "identity": retired}
     root = tmp_path_factory.mktemp("decoder") / "old"
     handlers = {"state": state_handler(), "meta": ocp.JsonCheckpointHandler()}
-    tree = jax.device_put(_as_decoder_tree(canonical), jax.devices()[0])
+    tree = jax.device_put(old, jax.devices()[0])
     with ocp.CheckpointManager(root.absolute(), item_handlers=handlers) as manager:
         manager.save(3, args=ocp.args.Composite(state=save_args(tree),
                                                 meta=ocp.args.JsonSave(meta)))
         manager.wait_until_finished()
-    return root, program, canonical, identity, data.state()
+    return root, program, old, identity, data.state()
 
 
 def test_the_tool_converts_and_the_one_step_restores_every_value(
         decoder_checkpoint, tmp_path: Path) -> None:
-    root, program, canonical, identity, data_state = decoder_checkpoint
-    assert "embed" in _as_decoder_tree(canonical)["params"]  # it really is the old layout
+    root, program, old, identity, data_state = decoder_checkpoint
     with pytest.raises(CheckpointError, match="convert it first with `python tools/convert"):
         Checkpointer(root, identity=identity).restore(program)
     new = tmp_path / "new"
@@ -95,10 +126,20 @@ def test_the_tool_converts_and_the_one_step_restores_every_value(
     assert f"converted checkpoint step 3 in {root} (tiny" in done.stdout
     restored = Checkpointer(new, identity=identity).restore(program)
     assert restored.step == 3 and restored.data_state == data_state
-    again = jax.device_get(to_canonical(restored.state, program))
-    for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(canonical)[0],
-                                 jax.tree.leaves(again)):
-        np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
+    written = {_names(p): np.asarray(leaf)
+               for p, leaf in jax.tree_util.tree_flatten_with_path(old)[0]}
+    got = {_names(p): np.asarray(leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(
+        jax.device_get(to_canonical(restored.state, program)))[0]}
+    # every new leaf is the retired leaf RETIRED_LAYOUT names for it, and every retired leaf
+    # has its place: the 12 parameters, each with Adam's mu and nu; the step and the counts
+    assert sorted(map(_old_name, got)) == sorted(written)
+    renamed = [path for path in got if _old_name(path) != path]
+    assert len(renamed) == 3 * len(RETIRED_LAYOUT)
+    for path, leaf in got.items():
+        want = written[_old_name(path)]
+        assert leaf.shape == want.shape, path
+        np.testing.assert_array_equal(leaf, want, err_msg=f"{'/'.join(path)} is not the "
+                                      f"retired {'/'.join(_old_name(path))}")
 
 
 def test_what_cannot_be_converted_is_one_line_and_nothing_is_written(

@@ -8,7 +8,9 @@ synchronously to a fresh directory twice with each handler: the first save under
 (what a run pays at its first checkpoint and after every re-plan) and the next one. Each
 save is timed and the executables built during it counted. Plans are measured one after the
 other in one process, so the first save of each is the first under its shardings for both
-handlers. No faults are injected: this measures what every save costs.
+handlers. No faults are injected: this measures what every save costs. Exits 1 if our
+handler built an executable during any save (invariant `ours_compiles_0`: each shard is
+written as it lies, no slice compiled); seconds and ratios are reported, not judged.
 
 Usage: python benchmarks/checkpoint_save.py [--quick] [--model small|tiny]
 """
@@ -32,6 +34,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.invariants import verdict  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.models.config import get_model_config  # noqa: E402
 from resihp_jax.runtime.trainer import compiles  # noqa: E402
@@ -104,6 +107,10 @@ def main() -> int:
               f"{r['next_ratio']:>6.1f}x")
     print("\nratio: orbax's default handler's seconds over ours, in the same run; 1st: the "
           "first save under the plan's shardings, next: the save after it")
+    built = {r["plan"]: (r["ours"]["first_compiles"], r["ours"]["next_compiles"])
+             for r in rows if r["ours"]["first_compiles"] or r["ours"]["next_compiles"]}
+    held = {"ours_compiles_0": not built}
+    why = {"ours_compiles_0": f"executables built by our saves (first, next): {built}"}
     print(json.dumps({"model": model, "plans": {r["plan"]: {
         "first_s": {"ours": round(r["ours"]["first_s"], 3),
                     "orbax_default": round(r["orbax_default"]["first_s"], 3)},
@@ -112,8 +119,8 @@ def main() -> int:
         "next_s": {"ours": round(r["ours"]["next_s"], 3),
                    "orbax_default": round(r["orbax_default"]["next_s"], 3)},
         "first_ratio": round(r["first_ratio"], 2), "next_ratio": round(r["next_ratio"], 2)}
-        for r in rows}}))
-    return 0
+        for r in rows}, "invariants": held}))
+    return verdict(held, why, "checkpoint_save.py")
 
 
 if __name__ == "__main__":

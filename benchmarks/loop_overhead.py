@@ -32,9 +32,13 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.invariants import verdict  # noqa: E402
 from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.meshes.plan import Plan  # noqa: E402
 from resihp_jax.models.config import get_model_config  # noqa: E402
@@ -90,7 +94,7 @@ def loop(adapt: bool, steps: int) -> tuple[list[float], list[float], int]:
     return ends, [r.loss for r in records], later[0] if later else len(ends)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 round of 40 steps")
     parser.add_argument("--steps", type=int, default=None, help="steps a run (default 120)")
@@ -141,10 +145,11 @@ def main() -> None:
         "adapt_vs_bare": round(statistics.median(rates["adapt"]) / base, 3),
         "settled_unwatched_vs_bare": settled_ratio("unwatched"),
         "settled_adapt_vs_bare": settled_ratio("adapt"),
-        "same_losses": same}))
-    if not same:
-        sys.exit("the rows trained different losses: the comparison does not hold")
+        "same_losses": same, "invariants": {"same_losses": same}}))
+    return verdict({"same_losses": same},
+                   {"same_losses": "the rows trained different losses: the comparison does not "
+                                   "hold"}, "loop_overhead.py")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,7 +14,9 @@ step, the executables built on the training thread and how many came from the ca
 - load untimed: a warm cache, the default: the untimed step loads; the stage-timed one
   compiles in the background and takes over at a later step boundary.
 The two warm rows alternate, `--rounds` times each. No fault is injected: what a relaunch
-does before its first step does not depend on why the job stopped.
+does before its first step does not depend on why the job stopped. Exits 1 if a warm untimed
+start built an executable that did not come from the cache (`load_built_from_cache`) or the
+starts' first losses differ (`same_loss`); seconds are reported, not judged.
 
 Usage: python benchmarks/untimed_start.py [--quick] [--model tiny|small] [--rounds N]
 """
@@ -30,6 +32,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.invariants import verdict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = r"""
@@ -79,7 +85,7 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds instead of 5")
     parser.add_argument("--model", default="tiny", choices=("tiny", "small"))
@@ -113,6 +119,11 @@ def main() -> None:
           f"untimed one {load_s:.3f} s: {compile_s / load_s:.1f}x faster; first step loss "
           f"the same in every start: {len(losses) == 1}")
     print(f"benchmark wall time {time.perf_counter() - wall:.0f} s")
+    held = {"load_built_from_cache": all(r["hits"] == r["built"] for r in rows["load untimed"]),
+            "same_loss": len(losses) == 1}
+    why = {"load_built_from_cache": "warm untimed starts (built, from cache): "
+                                    f"{[(r['built'], r['hits']) for r in rows['load untimed']]}",
+           "same_loss": f"first losses {sorted(losses)}"}
     print(json.dumps({
         "model": args.model, "rounds": rounds,
         "compile_timed_s": round(compile_s, 3), "load_untimed_s": round(load_s, 3),
@@ -120,9 +131,9 @@ def main() -> None:
         "speedup": round(compile_s / load_s, 2),
         "first_step_s": {k: round(statistics.median(r["first_step_s"] for r in v), 3)
                          for k, v in rows.items()},
-        "load_built_from_cache": all(r["hits"] == r["built"] for r in rows["load untimed"]),
-        "same_loss": len(losses) == 1}))
+        **held, "invariants": held}))
+    return verdict(held, why, "untimed_start.py")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

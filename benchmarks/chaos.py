@@ -30,6 +30,11 @@ its state) and, in the full run, with host copies: the median time of a step plu
 beside the default ("keep": the step does not donate, the previous state stays on the
 devices).
 
+Exits 1, naming each on stderr, if an invariant breaks (the JSON line's "invariants"): a
+scheduled fault not injected, the job not completing its steps, a step not trained exactly
+once or not on the reference's batch, a loss beyond the tolerance. Steps lost (a kill whose
+shards no survivor holds resumes from the checkpoint), goodput and overhead are targets.
+
 Usage: python benchmarks/chaos.py [--quick] [--seed S]
 """
 

@@ -33,6 +33,10 @@ under plans with tp == 1, where the user's step takes the same Instrument: the s
 faults, the same detectors fed the same way, each model's figures against its own floor,
 side by side (`--quick --model gpt2`: one plan per model, no host-load rows and no
 Instrument cost: the Llama preset's own `--quick` run has those).
+Exits 1, naming each on stderr, if an invariant breaks (the JSON line's "invariants"): a trial
+whose factor was not on its device on every faulty step (or was before its onset), a trial
+missing for a detector, detectors fed different healthy steps, a plan's floor unsampled.
+False alarms, MAPE, what was caught and the cost are targets ("targets"): never the exit.
 Usage: python benchmarks/detection.py [--quick] [--data SOURCE] [--seed S] [--model NAME]
        python benchmarks/detection.py --record tests/detector/healthy_run.json
 (--record: a short healthy run with its batch layouts and floor, the replay test's fixture.)

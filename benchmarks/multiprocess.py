@@ -34,6 +34,11 @@ FACTOR costs the job far less than FACTOR here (the table gives the measured cos
 fail-slow rows run without a standby (its compile would share the cores with the steps
 whose rate they measure).
 
+Exits 1, naming each on stderr, if an invariant of the fail-stop rows breaks (the JSON line's
+"invariants"): a fault that never fired, a step not trained exactly once, a step lost, a
+loss off the uninterrupted run's by more than LOSS_RTOL, or an executable built on a
+relaunch the warm standby served. Seconds and rates are targets: table and JSON only.
+
 Usage: python benchmarks/multiprocess.py [--quick] [--model tiny|small]
 """
 

@@ -26,6 +26,11 @@ What a switch adds beyond the step is set by the state's size (the move is memor
 network-bound), the step by the batch: `overhead_ratio` (in steady steps; target <= 0.1)
 therefore depends on the tokens per step, which `--seq-len` and `--microbatch-size` set.
 
+Exits 1, naming each on stderr, if an invariant breaks (the JSON line's "invariants"): a
+switch not taking its row's path, an executable built on the training thread by the split or
+the prepared mesh, a stopped device still in the plan, a step not trained exactly once.
+Seconds and overhead ratios are targets: table and JSON only.
+
 Usage: python benchmarks/recovery.py [--quick] [--model small|tiny] [--seed S]
            [--seq-len N] [--microbatch-size B] [--no-warm-prepared]
 """

@@ -22,6 +22,8 @@ step 2, so everything between steps counts):
   due after every step: the library counts the saves that waited for a previous write (0 is
   the claim), and every step must train once, on the same batches and to the same losses as
   the all-off run. A process killed mid-write is tests/runtime/recovery/test_save_crash.py.
+  These are the invariants (the JSON line's "invariants"; the slow writer must have put saves
+  off): one broken exits 1, named on stderr. Rates and seconds are reported, not judged.
 
 Usage: python benchmarks/resilience_price.py [--quick] [--model tiny|small] [--rows R]
        [--seq-len S] [--steps N] [--rounds K] [--seed S]

@@ -23,6 +23,11 @@ tokens/s of wall time before the onset, from the onset to the verdict and after 
 the uninterrupted run. One JSON line ends it. The machine's load average is printed with it:
 on 2 shared cores every figure moves with it.
 
+Exits 1, naming each on stderr, if an invariant breaks (the JSON line's "invariants"): the
+uninterrupted job short of its steps, a slowdown never injected, a step not trained exactly
+once (p0's log, every incarnation), a loss off the uninterrupted job's by more than
+LOSS_RTOL. Steps to the verdict, the host named and tokens/s are targets.
+
 Usage: python benchmarks/user_slow.py [--quick] [--factors 3,1.5] [--onset 13]
 """
 

@@ -104,11 +104,33 @@ def test_fit_on_one_device_compiles_at_most_five_before_its_first_step(
 
 def test_every_resilience_feature_can_be_turned_off() -> None:
     """What a benchmark times against rh.fit's defaults: no detector, no stage timing, no
-    background compiles (no checkpoints, hence no survivors' copies: checkpoint_dir=None)."""
+    background compiles (no checkpoints, hence no survivors' copies: checkpoint_dir=None).
+    Each is seen off in the run itself, on two devices, where each has work to do: no probe
+    run and no stage-timed step, no second spent on probes or checkpoints, no executable
+    built off the loop's thread and none of its threads left, the compile cache untouched."""
     off = rh.ResilienceConfig(detector="off", stage_timing=False, precompile=0,
                               background_compile=False, untimed_start=False,
                               compile_cache_dir=None, checkpoint_dir=None)
-    assert (off.detector, off.stage_timing, off.background_compile) == ("off", False, False)
+    _listen()
+    cache_before = jax.config.jax_compilation_cache_dir
+    plan = rh.Plan.uniform(2, 1, 1, n_layers=4, n_microbatches=4, microbatch_size=2,
+                           seq_len=32)
+    start = time.time()
+    result = rh.fit(make_gpt2(), _packed(), optimizer=optax.sgd(0.1), plan=plan, steps=3,
+                    progress=False, devices=jax.devices()[:2], resilience=off)
+    end = time.time()
+    assert sorted(result.losses) == [1, 2, 3]
+    overhead = result.overhead
+    assert overhead is not None
+    assert overhead.counts == {"probe_runs": 0, "stage_timed_steps": 0}
+    # (the "timing" seconds also hold each step's CPU-counter reads, taken with timing off)
+    assert {part: overhead.seconds[part] for part in ("probes", "checkpoints")} == \
+        {"probes": 0.0, "checkpoints": 0.0}
+    assert overhead.checkpoint == {}  # no checkpointer at all
+    background = [t for t in _built(start, end) if t.startswith(BACKGROUND_PREFIX)]
+    assert background == [], background
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(BACKGROUND_PREFIX)]
+    assert jax.config.jax_compilation_cache_dir == cache_before
     with pytest.raises(rh.ConfigError, match="detector='none': valid are .*'off'"):
         rh.ResilienceConfig(detector="none")
     with pytest.raises(rh.ConfigError, match="stage_timing='no': must be True or False"):

@@ -259,32 +259,25 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere() -> None:
 
 
 # ---- one real run --------------------------------------------------------------------------
-def test_demo_detects_replans_and_writes_its_figure(tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture) -> None:
+def test_demo_plans_around_a_stop_and_writes_its_figure(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """The real run with the built-in model: the stop is planned around at its own step, no
+    step lost or repeated, the summary and the figure written, exit 0. Detecting a slowdown
+    is not held here: on two loaded cores a 4x slowdown of one of 8 fake devices moved the
+    step time by 1.46x, under the detector's 1.5x (benchmarks/detection.py holds detection);
+    an injected slowdown of device 5 after this stop would have no effect (the plan after it
+    leaves device 5 out), so none is injected."""
     plot, metrics = tmp_path / "demo.png", tmp_path / "m.jsonl"
-    rc = main(["demo", "--steps", "33", "--kill", "2@25", "--slow", "5=4.0@29",
+    rc = main(["demo", "--steps", "33", "--kill", "2@25", "--slow", "none",
                "--seq-len", "64", "--microbatch-size", "1", "--microbatches", "2,2",
                "--data", "synthetic:lognormal", "--no-progress", "--plot", str(plot),
                "--metrics", str(metrics)])
     out = capsys.readouterr().out
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     faults = {r["fault"]: r for r in rows if r.get("event") == "fault"}
+    assert list(faults) == ["fail-stop of device 2 at step 25"]
     stop = faults["fail-stop of device 2 at step 25"]
     assert (stop["status"], stop["delay_steps"], stop["steps_lost"]) == ("detected", 0, 0)
-    slow = faults["4x slowdown of device 5 from step 29"]
-    assert rc == (1 if slow["status"] == "missed" else 0)
-    assert ("WARNING" in out) == (slow["status"] == "missed")
+    assert rc == 0 and "WARNING" not in out
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 34))
     assert "== summary ==" in out and plot.read_bytes()[:4] == b"\x89PNG"
-
-
-def test_a_stop_no_plan_can_fix_ends_with_a_clear_error() -> None:
-    from resihp_jax.errors import PlanError
-    from resihp_jax.demo.loop import _refuse_stuck
-
-    with pytest.raises(PlanError, match="failed without naming a device"):
-        _refuse_stuck([_replan(0, 1, "stopped", (), A, A)])
-    stuck = [_replan(9, 10, "stopped", (2,), A, A)]
-    _refuse_stuck(stuck)  # once: the trainer may still find a way
-    with pytest.raises(PlanError, match="no plan without them"):
-        _refuse_stuck(stuck * 2)

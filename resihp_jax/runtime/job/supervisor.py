@@ -24,8 +24,10 @@ by host across relaunches, so a survivor stays on its GPUs) and no standby (it w
 memory beside the job before its go); elsewhere fake CPU devices.
 
 Faults for testing (`Fault`): kill (SIGKILL), hang (SIGSTOP), slow (a CPU quota from
-outside, see `Throttle`), each once every process has finished a given step. Time is
-injected (`clock`).
+outside, see `Throttle`), each once every process has finished a given step. The processes
+wait after that step at its fault gate (heartbeat.py) until the supervisor has injected its
+faults, so a fault lands on the step asked, never on a later one the job reached before a
+poll saw the step. Time is injected (`clock`).
 """
 
 from __future__ import annotations
@@ -259,6 +261,8 @@ class Supervisor:
         # the job's coordination service lives here, not in process 0: JAX aborts every
         # process when the service goes away, which would cost the survivors' copies
         service = distributed.start_service(f"127.0.0.1:{port}", len(hosts))
+        if cfg.faults:
+            extra_env = {heartbeat.GATES_ENV: str(self._gates_dir()), **(extra_env or {})}
         env = dict(os.environ, **{heartbeat.ENV_VAR: str(beat_dir),
                                   distributed.EXTERNAL_SERVICE_ENV: "1",
                                   PEER_LOST_ENV: str(self._peer_lost_file())},
@@ -360,6 +364,30 @@ class Supervisor:
             return False
         return self._standby is None or not self._standby.ready()
 
+    def _gates_dir(self) -> Path:
+        """The fault gates the processes wait at (heartbeat.py), one per fault's step."""
+        return self.config.checkpoint_dir / "fault_gates"
+
+    def _close_gates(self) -> None:
+        gates = self._gates_dir()
+        shutil.rmtree(gates, ignore_errors=True)
+        if self.config.faults:
+            gates.mkdir(parents=True)
+            for fault in self.config.faults:
+                heartbeat.gate_path(gates, fault.step).touch()
+
+    def _open_gates(self, procs: dict[str, subprocess.Popen], step: int) -> bool:
+        """Open the gates of steps up to `step` whose faults are injected (or can no longer
+        be: their host is not in the job); whether the job waits at the gate of `step`."""
+        live, waiting = list(procs), set()
+        for fault in self.config.faults:
+            if fault not in self._fired and fault.host_in(live) in procs:
+                waiting.add(fault.step)
+        for fault in self.config.faults:
+            if fault.step <= step and fault.step not in waiting:
+                heartbeat.gate_path(self._gates_dir(), fault.step).unlink(missing_ok=True)
+        return step in waiting
+
     def _peer_lost_file(self) -> Path:
         """Where `_end` names a failure for the processes it then ends (PEER_LOST_ENV)."""
         return self.config.checkpoint_dir / "peer_lost"
@@ -443,7 +471,12 @@ class Supervisor:
                 return failure, step, beats
             if len(exited) == len(procs):
                 return None, step, beats
-            self._inject(procs, _finished_by_all(beats, procs, start_step))
+            finished = _finished_by_all(beats, procs, start_step)
+            self._inject(procs, finished)
+            if self._open_gates(procs, finished):
+                # every process waits at the step's gate for a fault held back (a standby
+                # not ready yet): the job is not stalled, it is held
+                advanced_at = self.clock()
             if started and self._readmission_due(step):
                 return Failure("readmit", None, step, None, "excluded host(s) repaired: "
                                "restarting to take them in"), step, beats
@@ -513,6 +546,7 @@ class Supervisor:
         if destinations:
             self.metrics = Metrics(destinations, name="launch", signal_profile=False,
                                    say=lambda line: print(line, file=self.out, flush=True))
+        self._close_gates()
         try:
             return self._run()
         finally:
@@ -520,6 +554,7 @@ class Supervisor:
                 self.metrics.close()
             self._drop_standby()
             shutil.rmtree(self.config.checkpoint_dir / "standby", ignore_errors=True)
+            shutil.rmtree(self._gates_dir(), ignore_errors=True)
 
     def _run(self) -> Summary:
         cfg = self.config

@@ -2,7 +2,9 @@
 service; when it dies, JAX aborts the others (134) and a cluster script blames every node.
 Here the others exit 75 (a step failure: not theirs to blame) with one line naming process 0,
 write their copies of the last step, and the relaunch resumes from them with no step lost or
-repeated. Checked on srun-style tasks (SLURM's variables only, as tests/runtime/job/
+repeated: every step once, on the uninterrupted run's batch, with its loss. The kill lands
+after the step the test chooses: every task waits there until process 0 is dead (the
+script's --hold-at). Checked on srun-style tasks (SLURM's variables only, as tests/runtime/job/
 test_launched.py starts them)."""
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 from resihp_jax.runtime.job import coordinator
 from resihp_jax.runtime.job.exits import HUNG_EXIT
-from tests.runtime.job.test_launch_script import SCRIPT
+from tests.runtime.job.test_launch_script import SCRIPT, assert_as_uninterrupted, \
+    reference_records
 from tests.runtime.job.test_launched import _free_slurm_job_id
 from tests.xla_flags import xla_flags
 
@@ -51,30 +54,37 @@ def _task_env(root: Path, job: str, task: int) -> dict[str, str]:
 
 
 def _run(root: Path, job: str, run: int, kill_after: int | None = None) -> list[int]:
-    """One srun of the job's tasks (the user's script); with `kill_after`, task 0 is killed
-    (SIGKILL) once it has logged that step. Each task's stderr goes to errRUN-TASK."""
-    script, log = root / "my_train.py", root / "log.jsonl"
+    """One srun of the job's tasks (the user's script); with `kill_after`, every task waits
+    once it has trained that step (--hold-at) and task 0 is killed (SIGKILL) there; the
+    others go on once it is dead. Each task's stderr goes to errRUN-TASK."""
+    script, log, hold = root / "my_train.py", root / "log.jsonl", root / f"hold{run}"
+    hold.mkdir()
+    held = [] if kill_after is None else ["--hold-at", str(kill_after), "--hold-dir", str(hold)]
     tasks = [subprocess.Popen(
-        [sys.executable, str(script), str(log), "--steps", str(STEPS), "--sleep-s", "0.3"],
+        [sys.executable, str(script), str(log), "--steps", str(STEPS), *held],
         stdout=subprocess.DEVNULL, stderr=(root / f"err{run}-{i}").open("w"),
         env=_task_env(root, job, i)) for i in range(TASKS)]
-    while kill_after is not None and tasks[0].poll() is None:
-        if len(_steps(log)) >= kill_after:
-            tasks[0].send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.05)
+    if kill_after is not None:
+        at = [hold / f"at-{kill_after}-p{i}" for i in range(TASKS)]
+        deadline = time.monotonic() + 600  # only against hanging forever
+        while not all(path.exists() for path in at):
+            assert all(t.poll() is None for t in tasks), [t.poll() for t in tasks]
+            assert time.monotonic() < deadline, f"the tasks never reached step {kill_after}"
+            time.sleep(0.05)
+        tasks[0].send_signal(signal.SIGKILL)
+        tasks[0].wait(timeout=600)
+        (hold / f"go-{kill_after}").touch()
     return [task.wait(timeout=600) for task in tasks]
 
 
-def _steps(log: Path) -> list[int]:
-    if not log.exists():
-        return []
-    return [json.loads(line)["step"] for line in log.read_text().splitlines() if line]
+def _records(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line]
 
 
 def test_the_survivors_of_a_dead_process_0_exit_75_naming_it_and_lose_no_step(
         tmp_path: Path) -> None:
     (tmp_path / "my_train.py").write_text(SCRIPT)
+    reference = reference_records(tmp_path / "my_train.py", STEPS)
     job = str(_free_slurm_job_id())
     codes = _run(tmp_path, job, 0, kill_after=KILL_AFTER)
     assert codes[0] == -signal.SIGKILL
@@ -84,8 +94,10 @@ def test_the_survivors_of_a_dead_process_0_exit_75_naming_it_and_lose_no_step(
         named = [line for line in err.splitlines() if "process 0 is gone" in line]
         assert len(named) == 1 and named[0].startswith("rh.fit: process 0 is gone: ") \
             and named[0].endswith("exiting with 75 so the job restarts"), err[-3000:]
-        assert "Traceback" not in err and "copy of step 2" in err, err[-3000:]
+        assert "Traceback" not in err and f"copy of step {KILL_AFTER}" in err, err[-3000:]
+    # killed after step 2, before step 3 was drawn: the log holds the first two steps
+    assert [r["step"] for r in _records(tmp_path / "log.jsonl")] == [1, 2]
 
     # the relaunch (srun again, the same command) continues from the survivors' copies
     assert _run(tmp_path, job, 1) == [0] * TASKS
-    assert _steps(tmp_path / "log.jsonl") == list(range(1, STEPS + 1))  # every step once
+    assert_as_uninterrupted(_records(tmp_path / "log.jsonl"), reference)

@@ -2,7 +2,9 @@
 (imports, its own NNX model built, then rh.fit: no line about the job, `import resihp_jax`
 joins it), runs as a job of 4 processes x 2 fake devices; a killed process 0 and a hung
 process are survived, the job relaunches on the survivors and the script's own log holds
-every step once, with the losses of the uninterrupted run."""
+every step once, on the batches and with the losses of the uninterrupted run. Each fault
+lands on the step it names: the processes wait after that step at its fault gate until the
+launcher has injected the fault (supervisor.py), whatever the host's load."""
 
 from __future__ import annotations
 
@@ -25,8 +27,12 @@ STEPS = 6
 # incarnation compiles) must finish within it
 STEP_TIMEOUT_S = 10
 # a user's script: python my_train.py LOG [--steps N] [--step-timeout-s S] [--sleep-s X]
+# [--hold-at STEP --hold-dir DIR]; its log holds each step's loss and batch (batch_crc).
+# --hold-at: once STEP is trained (and kept for the survivors' copies), every process
+# writes DIR/at-STEP-pRANK and waits until DIR/go-STEP exists, so that a test run without
+# the launcher can act on that very step (tests/runtime/job/test_coordinator.py)
 SCRIPT = textwrap.dedent('''
-    import argparse, json, time
+    import argparse, json, os, time
     import jax, numpy as np, optax
     from flax import nnx
     import resihp_jax as rh
@@ -35,7 +41,9 @@ SCRIPT = textwrap.dedent('''
     cli.add_argument("log")
     cli.add_argument("--steps", type=int, default=6)
     cli.add_argument("--step-timeout-s", type=float, default=120.0)
-    cli.add_argument("--sleep-s", type=float, default=0.0)  # after each step: time to inject
+    cli.add_argument("--sleep-s", type=float, default=0.0)  # after each step
+    cli.add_argument("--hold-at", type=int, default=None)
+    cli.add_argument("--hold-dir", default=None)
     args = cli.parse_args()
 
     class Block(nnx.Module):
@@ -69,8 +77,15 @@ SCRIPT = textwrap.dedent('''
     def log(record):
         if jax.process_index() == 0:
             with open(args.log, "a") as f:
-                f.write(json.dumps({"step": record.step, "loss": record.loss}) + "\\n")
+                f.write(json.dumps({"step": record.step, "loss": record.loss,
+                                    "batch_crc": record.batch_crc}) + "\\n")
         time.sleep(args.sleep_s)
+        if record.step == args.hold_at:
+            at = os.path.join(args.hold_dir, f"at-{record.step}-p{jax.process_index()}")
+            open(at, "w").close()
+            go, until = os.path.join(args.hold_dir, f"go-{record.step}"), time.time() + 600
+            while not os.path.exists(go) and time.time() < until:
+                time.sleep(0.01)
 
     resilience = rh.ResilienceConfig(step_timeout_s=args.step_timeout_s, compile_cache_dir=None)
     rh.fit(model, rh.data.from_documents(docs), optimizer=optax.adam(3e-3), plan=plan,
@@ -82,8 +97,9 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def reference_losses(script: Path, steps: int) -> list[float]:
-    """The script's losses uninterrupted, in one process on 8 devices."""
+def reference_records(script: Path, steps: int) -> list[dict]:
+    """The script's log uninterrupted, in one process on 8 devices: each step's loss and
+    batch_crc."""
     log = script.with_name(f"reference-{steps}.jsonl")
     env = child_env(8)
     for name in ("RESIHP_NUM_PROCESSES", "SLURM_JOB_ID"):  # alone, not in a job of ours
@@ -92,15 +108,31 @@ def reference_losses(script: Path, steps: int) -> list[float]:
                           env=env, capture_output=True, text=True, timeout=600,
                           cwd=script.parent)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [r["loss"] for r in _records(log)]
+    records = _records(log)
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), records
+    return records
+
+
+def reference_losses(script: Path, steps: int) -> list[float]:
+    """The script's losses uninterrupted, in one process on 8 devices."""
+    return [r["loss"] for r in reference_records(script, steps)]
+
+
+def assert_as_uninterrupted(records: list[dict], reference: list[dict]) -> None:
+    """Every step once, each on the uninterrupted run's batch, with its loss: no batch
+    skipped or trained twice across the relaunches."""
+    assert [r["step"] for r in records] == [r["step"] for r in reference], records
+    assert [r["batch_crc"] for r in records] == [r["batch_crc"] for r in reference], records
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in reference],
+                               rtol=2e-5)
 
 
 @pytest.fixture(scope="module")
-def script(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
-    """The script, and its losses uninterrupted in one process on 8 devices."""
+def script(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """The script, and its log uninterrupted in one process on 8 devices."""
     path = tmp_path_factory.mktemp("script") / "my_train.py"
     path.write_text(SCRIPT)
-    return path, reference_losses(path, STEPS)
+    return path, reference_records(path, STEPS)
 
 
 def test_a_users_script_survives_a_killed_process_0_and_a_hang(script, tmp_path: Path,
@@ -115,19 +147,21 @@ def test_a_users_script_survives_a_killed_process_0_and_a_hang(script, tmp_path:
                  "--hang", "2@4", "--max-restarts", "2", "--checkpoint-dir",
                  str(tmp_path / "job"), "--", "python", str(path), str(log), "--steps",
                  str(STEPS), "--step-timeout-s", str(STEP_TIMEOUT_S)])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert code == 0, out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["restarts"] == 2 and summary["steps_lost"] == 0, summary
+    # each fault on the step it names, each relaunch from the survivors' copies of that step
+    injected = [line for line in err.splitlines() if re.match(r"launch: step \d+: ", line)]
+    assert injected == ["launch: step 2: kill process p0", "launch: step 4: hang process p2"], err
     assert summary["final_step"] == STEPS and summary["sources"][1:] == [
         "survivors@2", "survivors@4"]
     # both relaunches were the warm standby's (3 processes, then 2), started beside the job
     assert summary["relaunched_by"] == ["standby", "standby"]
     assert "failure 1: died, process p0 exited with signal SIGKILL" in out
     assert "failure 2: hung, no progress for" in out and "frozen: ['p2']" in out
-    records = _records(log)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # every step once
-    np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-5)
+    assert_as_uninterrupted(_records(log), reference)
+    assert not (tmp_path / "job" / "fault_gates").exists()  # the launcher's, gone with it
     # done: the final checkpoint holds the last step, the survivors' copies are gone
     assert not (tmp_path / "job" / "survivors").exists()
     logs = "".join(p.read_text() for p in (tmp_path / "job" / "logs").glob("*.log"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -154,8 +155,8 @@ def run_sbatch(tmp_path: Path, srun_rc: int | str = 0, failures_before: int = 0,
            if task_codes is None else task_codes}
     for name in ("RESIHP_EXPECT_PLATFORM", "FAKE_VENV_ACTIVE", "SLURM_RESTART_COUNT"):
         env.pop(name, None)
-    if srun_sleeps:
-        env["FAKE_SRUN_SLEEP"] = "30"
+    if srun_sleeps:  # until the test ends it (_running_sbatch kills it on its way out)
+        env["FAKE_SRUN_SLEEP"] = "3600"
     env.update(env_extra or {})
     proc = subprocess.Popen(["bash", str(script), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT)
@@ -353,7 +354,7 @@ def test_sbatch_stops_waiting_for_a_lost_nodes_tasks(tmp_path: Path, silent: str
     answering, the script stops srun, counts the task lost and relaunches on the spare
     beside the dead step (`srun --overlap`)."""
     proc, _ = run_sbatch(tmp_path, "1 0", task_codes="75 -|0 0",
-                         env_extra={"FAKE_SILENT_NODES": silent, "FAKE_SRUN_SLEEP": "30 0"})
+                         env_extra={"FAKE_SILENT_NODES": silent, "FAKE_SRUN_SLEEP": "3600 0"})
     try:
         if silent:
             out = proc.communicate(timeout=30)[0]
@@ -408,6 +409,21 @@ def _running_sbatch(tmp_path: Path, **kw: Any) -> Iterator[tuple[subprocess.Pope
             pass
 
 
+def _output_until(proc: subprocess.Popen, text: str, timeout_s: float = 30) -> str:
+    """The script's output as it comes, up to the line that holds `text` (read from the
+    pipe itself: what follows stays there for `proc.stdout.read()`)."""
+    fd, seen = proc.stdout.fileno(), b""
+    deadline = time.monotonic() + timeout_s  # only against waiting forever
+    while text.encode() not in seen.rpartition(b"\n")[0] + b"\n":
+        left = deadline - time.monotonic()
+        assert left > 0, f"never said {text!r}: {seen.decode()}"
+        if select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 65536)
+            assert chunk, f"ended before saying {text!r}: {seen.decode()}"
+            seen += chunk
+    return seen.decode()
+
+
 def _signal_running_sbatch(tmp_path: Path, signum: int, script: Path = SBATCH,
                            task_codes: str | None = None,
                            env_extra: dict[str, str] | None = None) -> str:
@@ -415,11 +431,13 @@ def _signal_running_sbatch(tmp_path: Path, signum: int, script: Path = SBATCH,
     with _running_sbatch(tmp_path, script=script, task_codes=task_codes,
                          env_extra=env_extra) as (proc, pid_file):
         proc.send_signal(signum)
-        if signum == signal.SIGTERM:  # srun's tasks end (they were signalled too)
-            time.sleep(0.2)
+        said = ""
+        if signum == signal.SIGTERM:  # srun's tasks end (they were signalled too), once
+            # the script took its SIGTERM (a srun that ended first would be a failure)
+            said = _output_until(proc, "SIGTERM: preempted")
             os.kill(int(pid_file.read_text()), signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, proc.stdout.read()
-        return proc.stdout.read()
+        assert proc.wait(timeout=30) == 0, said + proc.stdout.read()
+        return said + proc.stdout.read()
 
 
 @needs_bash

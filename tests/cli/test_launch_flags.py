@@ -93,7 +93,7 @@ def test_a_job_past_its_max_restarts_gives_up_in_one_line_and_keeps_its_last_ste
     err = capsys.readouterr().err
     assert code == 2, err[-3000:]
     errors = [line for line in err.splitlines() if "error" in line]
-    assert errors == ["resihp launch: error: the job failed 1 times (--max-restarts=0); "
+    assert errors == ["resihp launch: error: the job failed once (--max-restarts=0); "
                       "last: process p1 exited with signal SIGKILL"], err[-3000:]
     assert "Traceback" not in err
     # the step the job had completed when p1 died: it is kept, and nothing after it trained

@@ -627,8 +627,9 @@ class Supervisor:
         health_record.save(record, cfg.checkpoint_dir)
         summary.restarts += 1
         if summary.restarts > cfg.max_restarts:
-            raise ConfigError(f"the job failed {summary.restarts} times (--max-restarts="
-                              f"{cfg.max_restarts}); last: {failure.detail}")
+            times = "once" if summary.restarts == 1 else f"{summary.restarts} times"
+            raise ConfigError(f"the job failed {times} (--max-restarts={cfg.max_restarts}); "
+                              f"last: {failure.detail}")
         self._incarnation += 1
 
     def _readmission_due(self, step: int) -> bool:

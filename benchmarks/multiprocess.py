@@ -23,9 +23,10 @@ step after the relaunch into: ending the others (they write their copies of the 
 completed step on SIGTERM), start (fresh: new processes to the start of `resihp train`;
 standby: the go file seen), JAX initialization, plan, compile, restore and the first step;
 "compiles" counts the executables built on that path. With the standby a fault waits until
-the standby is ready, as a failure in a long job finds it; the standby's own preparation
-(done while the job ran) is listed apart, with what it cost the running job: its first
-step and step times against the run without a standby. Steps lost are steps completed
+the standby is ready, as a failure in a long job finds it (the job holds after the fault's
+step until then: every fault lands on its step, heartbeat.py's fault gates); the standby's
+own preparation (done while the job ran) is listed apart, with what it cost the running job:
+its first step and step times against the run without a standby. Steps lost are steps completed
 before the fault but after the restored state (run again with the same batches): 0 when the
 survivors' copies are complete, as with dp=2 here; every run's losses are checked against
 the uninterrupted run (1 process x 8 devices, the same steps). This machine has 2

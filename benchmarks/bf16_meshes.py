@@ -33,37 +33,18 @@ import jax  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.invariants import verdict  # noqa: E402
-from resihp_jax.meshes import layout  # noqa: E402
-from resihp_jax.models.config import get_model_config  # noqa: E402
-from resihp_jax.step.builder import build_step  # noqa: E402
-from resihp_jax.step.config import TrainConfig  # noqa: E402
-from tests.helpers import (canonical_grads, llama_params, make_batches,  # noqa: E402
-                           max_relative_error, reference_loss_and_grads)
+from tests.helpers import (llama_params, make_batches,  # noqa: E402
+                           reference_loss_and_grads)
 from tests.step.test_train_equivalence import (B, BF16_GRAD_TOL, BF16_LOSS_RTOL,  # noqa: E402
-                                               CFG, PLANS, M, S, _same_mesh_groups)
+                                               CFG, M, S, _same_mesh_groups, bf16_errors)
 
 
 def mesh_rows(names: tuple[str, ...], batch, ref_loss: float, ref_grads) -> list[dict]:
     """One row per plan of a mesh group: its bf16 loss and gradients against float32."""
-    plans = [PLANS[n] for n in names]
-    train = TrainConfig(layer_slots=max(max(p.layers_per_stage) for p in plans),
-                        microbatch_slots=max(max(p.microbatches_per_group) for p in plans))
     t0 = time.perf_counter()
-    program = build_step(get_model_config("tiny", dtype="bfloat16"), train, plans[0],
-                         jax.devices())
-    masters = llama_params(CFG, 0)  # float32, as the reference's
-    rows = []
-    for name, plan in zip(names, plans):
-        replanned = program.with_plan(plan)  # same compiled program, new splits
-        params = jax.device_put(layout.to_stage_layout(masters, replanned.stage_index()),
-                                replanned.state_shardings.params)
-        loss, grads = replanned.loss_and_grads(
-            params, replanned.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
-                                          batch.positions_MxBxS))
-        rows.append({"plan": name, "mesh": names[0], "loss": float(loss),
-                     "loss_rel_diff": abs(float(loss) - ref_loss) / abs(ref_loss),
-                     "grad_rel_err": float(max_relative_error(canonical_grads(replanned, grads),
-                                                              ref_grads))})
+    rows = [{"plan": name, "mesh": names[0], "loss": loss,
+             "loss_rel_diff": abs(loss - ref_loss) / abs(ref_loss), "grad_rel_err": grad_err}
+            for name, loss, grad_err in bf16_errors(names, (batch, ref_loss, ref_grads))]
     rows[0]["seconds"] = time.perf_counter() - t0  # the compile and every plan's step
     return rows
 

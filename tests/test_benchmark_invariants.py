@@ -242,3 +242,60 @@ def test_bf16_meshes_fails_on_a_plan_outside_the_bf16_tolerance_or_not_run() -> 
     assert code == 1 and "losses_within_bf16_tolerance broken: uneven layers 1,3 nan" in err
     assert "grads_within_bf16_tolerance broken: 1/1/1 3.00e-02" in err
     assert not bf16.invariants(rows[:2], groups)[0]["every_mesh_ran"]
+
+
+def test_slurm_faults_fails_on_a_fault_not_fired_a_job_not_done_a_step_or_a_batch(
+        capsys) -> None:
+    from benchmarks import slurm_faults
+
+    ref = _chaos_records(8)
+
+    def runs(**faulted: object) -> list[slurm_faults.Run]:
+        done = {"job": "7", "state": "COMPLETED", "exit_code": "0:0"}
+        return [slurm_faults.Run("uninterrupted", records=_chaos_records(8), **done),
+                slurm_faults.Run("faulted", **{"records": _chaos_records(8),
+                                               "faults": {"kill": True}, **done, **faulted})]
+
+    held, _ = slurm_faults.invariants(runs(), ref)
+    assert set(held) == {"faults_fired", "job_finished", "every_step_once", "losses_equal",
+                         "batches_match"} and all(held.values())
+    dropped = [r for r in _chaos_records(8) if r["step"] != 5]  # a relaunch skipped step 5
+    code, err = _verdict(*slurm_faults.invariants(runs(records=dropped), ref))
+    assert code == 1 and "every_step_once broken: faulted: missing [5]" in err
+    assert "losses_equal broken: faulted inf" in err and "batches_match broken" in err
+    repeated = _chaos_records(8)
+    repeated[5]["batch_crc"] = repeated[4]["batch_crc"]  # step 6 trained step 5's batch
+    held, why = slurm_faults.invariants(runs(records=repeated), ref)
+    assert [k for k, v in held.items() if not v] == ["batches_match"], held
+    assert why["batches_match"].startswith("faulted: steps [6] on another batch")
+    off = _chaos_records(8)
+    off[2]["loss"] *= 1 + 1e-4  # above the tests' 2e-5
+    assert not slurm_faults.invariants(runs(records=off), ref)[0]["losses_equal"]
+    code, err = _verdict(*slurm_faults.invariants(runs(faults={"kill": True,
+                                                               "preempt": False}), ref))
+    assert err == "bench.py: invariant faults_fired broken: faulted: preempt never fired\n"
+    assert not slurm_faults.invariants(runs(faults={}), ref)[0]["faults_fired"]
+    code, err = _verdict(*slurm_faults.invariants(
+        runs(state="FAILED", exit_code="1:0", trouble="waiting for step 2"), ref))
+    assert err == ("bench.py: invariant job_finished broken: faulted: job 7 FAILED, exit 1:0 "
+                   "(waiting for step 2)\n")
+    unlogged = [{"step": r["step"], "loss": r["loss"]} for r in ref]  # no batch_crc logged
+    assert "batches_match" not in slurm_faults.invariants(runs(), unlogged)[0]
+    # the seconds: the kill to the relaunch's first step against the fresh start
+    plain = slurm_faults.Run("uninterrupted", submitted=0.0, started=1.0, ended=20.0,
+                             arrived={1: 11.0, 2: 12.0, 3: 13.5})
+    faulted = slurm_faults.Run("faulted", submitted=100.0, ended=135.0,
+                               arrived={1: 111.0, 2: 112.0, 3: 130.0}, marks={"kill": 112.5})
+    t = slurm_faults.timings(plain, faulted)
+    assert (t["fresh_start_s"], t["step_s"], t["kill_to_next_step_s"]) == (10.0, 1.25, 17.5)
+    assert (t["relaunch_ratio"], t["job_ratio"]) == (1.75, 1.75)
+    for argv, said in ((["--kill-at", "6", "--quick"], "--kill-at 6: must be a step from 1 to 5"),
+                       (["--task", "4"], "--task 4: must be a task from 0 to 3"),
+                       (["--steps", "4"], "--preempt: needs --steps above --kill-at + 2"),
+                       (["--bogus"], "unrecognized arguments: --bogus")):
+        with pytest.raises(SystemExit) as exited:
+            slurm_faults.parse_args(argv)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and len(err.splitlines()) == 1 and said in err, err
+    assert slurm_faults.parse_args(["--quick"]).preempt is False
+    assert slurm_faults.parse_args(["--quick", "--preempt"]).preempt is True

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NAMED = sorted(set(re.findall(r"`python (benchmarks/\w+\.py)", (ROOT / "README.md").read_text())))
 # each README benchmark's invariants, as its final JSON line names them (all must be true)
 INVARIANTS = {
+    "benchmarks/bf16_meshes.py": ("every_mesh_ran", "losses_within_bf16_tolerance",
+                                  "grads_within_bf16_tolerance"),
     "benchmarks/chaos.py": ("faults_fired", "faults_survived", "every_step_once",
                             "batches_match", "losses_equal"),
     "benchmarks/cluster.py": ("every_policy_in_every_cell", "goodput_in_0_1"),

@@ -14,7 +14,7 @@ from resihp_jax.cli.args import check_output_dir, metrics_destinations, parse_pr
 from resihp_jax.errors import ConfigError
 from resihp_jax.metrics.destinations import parse_destinations
 from resihp_jax.runtime.recovery.cadence import AUTO
-from resihp_jax.runtime.recovery.checkpoint_dir import steps_on_disk
+from resihp_jax.runtime.recovery.checkpoint_dir import refuse_held
 
 
 def check_train_args(args: argparse.Namespace) -> None:
@@ -35,12 +35,9 @@ def check_train_args(args: argparse.Namespace) -> None:
     read_metrics_args(args)
     if args.checkpoint_dir is None:
         return
-    steps = steps_on_disk(args.checkpoint_dir)
-    if steps and not args.resume:
-        raise ConfigError(
-            f"--checkpoint-dir={args.checkpoint_dir!r} already holds checkpoints (steps "
-            f"{', '.join(map(str, steps))}); pass --resume to continue that run, or choose an "
-            "empty directory")
+    if not args.resume:
+        refuse_held(args.checkpoint_dir, f"--checkpoint-dir={args.checkpoint_dir!r}",
+                    "pass --resume")
     check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
 
 

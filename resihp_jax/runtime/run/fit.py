@@ -30,7 +30,7 @@ from resihp_jax.perfmodel.costs import REMAT_AUTO
 from resihp_jax.perfmodel.memory import devices_memory_gb
 from resihp_jax.runtime.run.auto_plan import auto_plan, auto_plan_and_remat
 from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig, check_metrics
-from resihp_jax.runtime.recovery.checkpoint_dir import steps_on_disk
+from resihp_jax.runtime.recovery.checkpoint_dir import refuse_held
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.run.programs import read_facts, model_programs
 from resihp_jax.runtime.trainer.compiles import install
@@ -129,11 +129,9 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
                               "checkpoints; leave resume=True (a new job on an empty "
                               "checkpoint directory starts from step 0)")
         join_job(checkpoint_dir)  # before anything below starts JAX
-    if resume is False and checkpoint_dir is not None and steps_on_disk(checkpoint_dir):
-        raise ConfigError(f"resume=False but checkpoint_dir={checkpoint_dir!r} already holds "
-                          f"checkpoints (steps {', '.join(map(str, steps_on_disk(checkpoint_dir)))}"
-                          "); pass resume=True to continue that run, or give an empty "
-                          "directory")
+    if resume is False and checkpoint_dir is not None:
+        refuse_held(checkpoint_dir, f"resume=False but checkpoint_dir={checkpoint_dir!r}",
+                    "pass resume=True")
     local_copy_dir = ((resilience.local_copy_dir if resilience is not None else None)
                       or os.environ.get(LOCAL_COPY_DIR_ENV)) if checkpoint_dir else None
     programs = model_programs(model, optimizer, seed, axis_rules=axis_rules,

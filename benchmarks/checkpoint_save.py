@@ -35,10 +35,10 @@ import orbax.checkpoint as ocp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.invariants import verdict  # noqa: E402
-from resihp_jax.meshes.plan import Plan  # noqa: E402
+from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import get_model_config  # noqa: E402
 from resihp_jax.runtime.trainer import compiles  # noqa: E402
-from resihp_jax.step.config import TrainConfig  # noqa: E402
+from resihp_jax.step.config import StepConfig  # noqa: E402
 from resihp_jax.step.reshard import state_bytes, to_canonical  # noqa: E402
 from resihp_jax.step.state_io import save_args, state_handler  # noqa: E402
 from resihp_jax.step.builder import build_step  # noqa: E402
@@ -68,7 +68,7 @@ def measure(model_name: str, plan_name: str, root: Path) -> dict:
     dp, pp, tp = (int(x) for x in plan_name.split("/"))
     plan = Plan.uniform(dp, pp, tp, n_layers=cfg.n_layers, n_microbatches=4,
                         microbatch_size=1, seq_len=64)
-    program = build_step(cfg, TrainConfig(), plan, jax.devices())
+    program = build_step(cfg, StepConfig(), plan, jax.devices())
     canonical = jax.block_until_ready(to_canonical(program.init_state(0), program))
     handlers = {"ours": (state_handler, save_args),
                 "orbax_default": (ocp.StandardCheckpointHandler, ocp.args.StandardSave)}

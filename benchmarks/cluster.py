@@ -5,7 +5,7 @@ Faults are simulated (`resihp_jax.sim`): Poisson fail-stops (Llama 3's per-GPU r
 every 30 minutes), fail-slow episodes (1.1-5x compute, 10 min; network, 24 min), hot-spare
 replacement after 10 minutes on average. Each policy is a whole system (detection and its
 false alarms, mitigation, recovery); every number it uses is in its module docstring
-(`sim/ours.py`, `sim/peers.py`, `sim/measured.py`, `sim/traces.py`). Goodput is trained
+(`sim/resihp.py`, `sim/peers.py`, `sim/measured.py`, `sim/traces.py`). Goodput is trained
 tokens over (the best healthy plan's rate x wall time). Also: the simulator's rates for ours
 against the real scheduler's plans at 256 GPUs (single faults), and its step-time predictions
 against real runs on 8 fake CPU devices.
@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from resihp_jax.perfmodel import Health  # noqa: E402
 from resihp_jax.scheduler.policies import run_policy  # noqa: E402
 from resihp_jax.sim.cluster import get_cluster  # noqa: E402
-from resihp_jax.sim.engine import OURS, POLICIES  # noqa: E402
-from resihp_jax.sim.ours import OursHeteroTP  # noqa: E402
+from resihp_jax.sim.events import OURS, POLICIES  # noqa: E402
+from resihp_jax.sim.resihp import OursHeteroTP  # noqa: E402
 from resihp_jax.sim.plot import save_plot  # noqa: E402
 from resihp_jax.sim.policy import Live  # noqa: E402
 from resihp_jax.sim.report import table  # noqa: E402
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_steptime:
         from cluster_steptime import step_time_check
 
-        from resihp_jax.detector.ours import WARMUP_STEPS
+        from resihp_jax.detector.resihp import WARMUP_STEPS
 
         # --quick fits the cost model on half the detector's warm-up steps
         steptime = (step_time_check(WARMUP_STEPS // 2, 4) if args.quick

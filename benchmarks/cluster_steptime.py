@@ -27,14 +27,14 @@ def _runner(plan: Any, cfg: Any, injector: Any, seed: int) -> Any:
 
     from resihp_jax.step.instrument import chain_hosts
     from resihp_jax.runtime.trainer.timing import StageTimer
-    from resihp_jax.step.config import TrainConfig
+    from resihp_jax.step.config import StepConfig
     from resihp_jax.step.instrument import Instrument
     from resihp_jax.step.builder import build_step
 
     devices = [d for d in jax.devices() if d.id in plan.device_ids]
     devices = sorted(devices, key=lambda d: plan.device_ids.index(d.id))
     timer = StageTimer((plan.dp, plan.pp, plan.tp))
-    program = build_step(cfg, TrainConfig(), plan, devices,
+    program = build_step(cfg, StepConfig(), plan, devices,
                          Instrument(chain_hosts(injector, timer)))
     return program, timer, program.init_state(seed)
 
@@ -44,7 +44,7 @@ def timed_steps(plan: Any, cfg: Any, injector: Any, n: int, seed: int) -> list[A
     from resihp_jax.data import BatchIterator
     from resihp_jax.detector import StepObservation
     from resihp_jax.detector.attention_work import mb_block_pair_l2
-    from resihp_jax.runtime.trainer.loop import device_batch
+    from resihp_jax.runtime.trainer.records import device_batch
     from resihp_jax.runtime.trainer.timing import timed_step
 
     program, timer, state = _runner(plan, cfg, injector, seed)
@@ -77,12 +77,12 @@ def fit_as_detector(cfg: Any, observations: list[Any]) -> Any:
 
 def step_time_check(fit_steps: int, test_steps: int, seed: int = 0) -> list[dict[str, Any]]:
     """Rows of (case, plan, measured ms, predicted ms, error)."""
-    from resihp_jax.meshes.plan import Plan
+    from resihp_jax.plan import Plan
     from resihp_jax.models.config import get_model_config
     from resihp_jax.perfmodel import Health
     from resihp_jax.faults.injector import FaultInjector
     from resihp_jax.scheduler.context import PlanningContext
-    from resihp_jax.scheduler.ours import resihp
+    from resihp_jax.scheduler.resihp import resihp
 
     cfg = get_model_config("tiny")
     start = Plan.uniform(2, 2, 2, n_layers=cfg.n_layers, n_microbatches=4, microbatch_size=1,

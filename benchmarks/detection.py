@@ -67,16 +67,16 @@ from flax import nnx  # noqa: E402
 from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.detector import Prober, StepObservation, make_detector  # noqa: E402
 from resihp_jax.detector.attention_work import mb_block_pair_l2  # noqa: E402
-from resihp_jax.detector.ours import WARMUP_STEPS  # noqa: E402
-from resihp_jax.meshes.plan import Plan  # noqa: E402
+from resihp_jax.detector.resihp import WARMUP_STEPS  # noqa: E402
+from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import get_model_config  # noqa: E402
 from resihp_jax.faults.injector import FaultInjector  # noqa: E402
 from resihp_jax.step.instrument import chain_hosts  # noqa: E402
 from resihp_jax.sim.measured import SMALL_STEP_EXCESS  # noqa: E402
-from resihp_jax.runtime.trainer.loop import device_batch  # noqa: E402
+from resihp_jax.runtime.trainer.records import device_batch  # noqa: E402
 from resihp_jax.runtime.trainer.host_cpu import CpuMeter  # noqa: E402
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step  # noqa: E402
-from resihp_jax.step.config import TrainConfig  # noqa: E402
+from resihp_jax.step.config import StepConfig  # noqa: E402
 from resihp_jax.step.instrument import Instrument  # noqa: E402
 from resihp_jax.step.builder import build_step  # noqa: E402
 from resihp_jax.step.facts import model_facts  # noqa: E402
@@ -162,7 +162,7 @@ class Run:
         instrument = Instrument(chain_hosts(self.injector, self.timer))
         if model == "builtin":
             self.facts, self.attn_block = self.cfg, self.cfg.attn_block
-            self.program = build_step(self.cfg, TrainConfig(), self.plan, jax.devices(),
+            self.program = build_step(self.cfg, StepConfig(), self.plan, jax.devices(),
                                       instrument)
             self.state = self.program.init_state(seed)
         else:
@@ -458,8 +458,8 @@ def instrument_overhead(run: Run, seed: int, steps: int) -> tuple[float, float]:
     """Median step time with the timing host on, against a program without the Instrument and
     one whose Instrument host does nothing (the io_callbacks alone), on the same batches.
     Returns (total overhead %, share of it due to our host functions %)."""
-    plain = build_step(run.cfg, TrainConfig(), run.plan, jax.devices())
-    noop = build_step(run.cfg, TrainConfig(), run.plan, jax.devices(),
+    plain = build_step(run.cfg, StepConfig(), run.plan, jax.devices())
+    noop = build_step(run.cfg, StepConfig(), run.plan, jax.devices(),
                       Instrument(lambda *a: None))
     programs = [(run.program, run.state, run.timer), (plain, plain.init_state(seed), None),
                 (noop, noop.init_state(seed), None)]

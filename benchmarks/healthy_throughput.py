@@ -43,7 +43,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # no
 
 from resihp_jax import vma  # noqa: E402
 from resihp_jax.data import BatchIterator, GlobalBatch  # noqa: E402
-from resihp_jax.meshes.plan import Plan  # noqa: E402
+from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.metrics import Metrics  # noqa: E402
 from resihp_jax.nn import layers  # noqa: E402
 from resihp_jax.models.config import ModelConfig, get_model_config  # noqa: E402
@@ -52,8 +52,8 @@ from resihp_jax.perfmodel.costs import CostParams  # noqa: E402
 from resihp_jax.perfmodel.memory import compiled_bytes  # noqa: E402
 from resihp_jax.perfmodel.simulator import simulate_step  # noqa: E402
 from resihp_jax.runtime.run.run_metrics import RunMetrics  # noqa: E402
-from resihp_jax.runtime.trainer.loop import StepRecord  # noqa: E402
-from resihp_jax.step.config import TrainConfig  # noqa: E402
+from resihp_jax.runtime.trainer.records import StepRecord  # noqa: E402
+from resihp_jax.step.config import StepConfig  # noqa: E402
 from resihp_jax.step.program import StepProgram  # noqa: E402
 from resihp_jax.step.builder import build_step  # noqa: E402
 from resihp_jax.step.model_parts import split_model  # noqa: E402
@@ -83,7 +83,7 @@ def name_of(dp: int, pp: int, tp: int) -> str:
     return f"{dp}/{pp}/{tp}"
 
 
-def plain_runner(model: ModelConfig, train: TrainConfig, devices: list[jax.Device],
+def plain_runner(model: ModelConfig, train: StepConfig, devices: list[jax.Device],
                  batches: list[GlobalBatch], seed: int, gspmd: bool) -> Runner:
     """Plain DP: replicated params, rows sharded over 8 devices, same loss/optimizer/metrics.
 
@@ -140,7 +140,7 @@ def plain_runner(model: ModelConfig, train: TrainConfig, devices: list[jax.Devic
     return Runner(lambda s, i: step_fn(s, *flat[i]), state)
 
 
-def plan_runner(plan: Plan, model: ModelConfig, train: TrainConfig,
+def plan_runner(plan: Plan, model: ModelConfig, train: StepConfig,
                 batches: list[GlobalBatch], seed: int) -> tuple[Runner, StepProgram, int]:
     """(runner, program, per-device bytes of its compiled step) of our step for `plan`."""
     program = build_step(model, train, plan, jax.devices())
@@ -277,7 +277,7 @@ def main() -> None:
     model = get_model_config(args.model or ("tiny" if args.quick else "small"))
     seq_len, mb_size, n_mb = (64, 2, 16) if args.quick else (128, 1, 16)
     warmup, rounds = (2, 7) if args.quick else (2, 7)
-    train = TrainConfig()
+    train = StepConfig()
     devices = jax.devices()
     if len(devices) != 8:
         raise SystemExit(f"need 8 devices, found {len(devices)} (XLA_FLAGS set too late?)")

@@ -42,13 +42,13 @@ import numpy as np  # noqa: E402
 
 from benchmarks.invariants import verdict  # noqa: E402
 from resihp_jax.data import BatchIterator  # noqa: E402
-from resihp_jax.meshes.plan import Plan  # noqa: E402
+from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import PRESETS, get_model_config  # noqa: E402
 from resihp_jax.runtime.recovery import local_copies, survivor_copies  # noqa: E402
 from resihp_jax.runtime.recovery.checkpoint import canonical_target  # noqa: E402
-from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots  # noqa: E402
-from resihp_jax.runtime.trainer.loop import run_step  # noqa: E402
-from resihp_jax.step.config import TrainConfig  # noqa: E402
+from resihp_jax.runtime.recovery.host_copies import HostCopies  # noqa: E402
+from resihp_jax.runtime.trainer.records import run_step  # noqa: E402
+from resihp_jax.step.config import StepConfig  # noqa: E402
 from resihp_jax.step.builder import build_step  # noqa: E402
 
 PER = 2  # devices per posing process; one process per node
@@ -58,7 +58,7 @@ LOST = 0  # the node whose process is lost
 def _trained(model: str, seq_len: int) -> tuple:
     plan = Plan.uniform(2, 2, 2, n_layers=get_model_config(model).n_layers, n_microbatches=4,
                         microbatch_size=2, seq_len=seq_len)
-    program = build_step(get_model_config(model), TrainConfig(), plan, jax.devices())
+    program = build_step(get_model_config(model), StepConfig(), plan, jax.devices())
     data = BatchIterator("synthetic:lognormal", n_microbatches=4, microbatch_size=2,
                          seq_len=seq_len, seed=0)
     state, _ = run_step(program, program.init_state(0), data.next_batch())
@@ -72,7 +72,7 @@ def _write(ckpt_dir: Path, local: Path | None, program, state, data) -> tuple[fl
     for process in range(8 // PER):
         if process == LOST:
             continue
-        kept = HostSnapshots(ckpt_dir, f"p{process}", mode="host",
+        kept = HostCopies(ckpt_dir, f"p{process}", mode="host",
                              devices=range(PER * process, PER * (process + 1)),
                              owner_of=lambda d: d.id // PER,
                              local_root=None if local is None else local / f"node{process}")

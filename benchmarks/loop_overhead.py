@@ -40,14 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.invariants import verdict  # noqa: E402
 from resihp_jax.data import BatchIterator  # noqa: E402
-from resihp_jax.meshes.plan import Plan  # noqa: E402
+from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import get_model_config  # noqa: E402
 from resihp_jax.runtime.run.config import RunConfig  # noqa: E402
 from resihp_jax.runtime.run.training import TrainingRun  # noqa: E402
 from resihp_jax.runtime.trainer.compiles import background_since  # noqa: E402
-from resihp_jax.runtime.trainer.loop import run_step  # noqa: E402
+from resihp_jax.runtime.trainer.records import run_step  # noqa: E402
 from resihp_jax.step.builder import build_step  # noqa: E402
-from resihp_jax.step.config import TrainConfig  # noqa: E402
+from resihp_jax.step.config import StepConfig  # noqa: E402
 
 MODEL, SEQ_LEN, SEED = "tiny", 128, 0
 ROWS = ("bare", "unwatched", "adapt")
@@ -58,9 +58,9 @@ def _plan() -> Plan:
                         microbatch_size=2, seq_len=SEQ_LEN)
 
 
-def _train_cfg(plan: Plan) -> TrainConfig:
+def _train_cfg(plan: Plan) -> StepConfig:
     # what TrainingRun trains with on this plan (no survivors' copies kept: state donated)
-    return TrainConfig().replace(microbatch_slots=max(plan.microbatches_per_group))
+    return StepConfig().replace(microbatch_slots=max(plan.microbatches_per_group))
 
 
 def _rate(ends_s: list[float], tokens: int, first: int = 0) -> float:
@@ -86,7 +86,7 @@ def loop(adapt: bool, steps: int) -> tuple[list[float], list[float], int]:
     last background compile)."""
     started = time.time()
     config = RunConfig(steps=steps, seed=SEED, progress=False, adapt=adapt)
-    records = TrainingRun(get_model_config(MODEL), TrainConfig(), _plan(), config,
+    records = TrainingRun(get_model_config(MODEL), StepConfig(), _plan(), config,
                           out=io.StringIO()).run()
     ends = [r.end_unix_s for r in records]
     built = [end for end, _ in background_since(started)]

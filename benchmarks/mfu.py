@@ -1,7 +1,7 @@
 """Model FLOPs utilization: our train step against a plain-JAX peer, in the same run.
 
 Ours: `build_step` for the plan (default dp=pp=tp=1): `rh.models.Llama` through the one step
-builder, `rh.fit`'s; attention as `TrainConfig.attention` selects it (`--attention`; auto:
+builder, `rh.fit`'s; attention as `StepConfig.attention` selects it (`--attention`; auto:
 cuDNN's packed layout on GPUs, the block-sparse scan on CPU). The peer: the same model's
 math on its own parameters, weights, batches and AdamW update as one `jax.jit` function
 (no pipeline, no resilience, parameters replicated and rows split over the same devices),
@@ -39,13 +39,13 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from resihp_jax.data import BatchIterator, GlobalBatch  # noqa: E402
-from resihp_jax.meshes.plan import Plan  # noqa: E402
+from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.nn import layers  # noqa: E402
 from resihp_jax.models import Llama  # noqa: E402
 from resihp_jax.step.model_parts import split_model  # noqa: E402
 from resihp_jax.attention.check import step_attention  # noqa: E402
 from resihp_jax.models.config import ModelConfig, get_model_config  # noqa: E402
-from resihp_jax.step.config import TrainConfig  # noqa: E402
+from resihp_jax.step.config import StepConfig  # noqa: E402
 from resihp_jax.step.builder import build_step  # noqa: E402
 
 # Dense bf16 tensor peak per device, FLOP/s, by a substring of `device.device_kind` (first
@@ -144,7 +144,7 @@ def llama_params(model: ModelConfig, seed: int) -> dict[str, Any]:
     return {"shell": shell, "blocks": blocks}
 
 
-def peer_runner(model: ModelConfig, train: TrainConfig, devices: list[jax.Device],
+def peer_runner(model: ModelConfig, train: StepConfig, devices: list[jax.Device],
                 batch: GlobalBatch, seed: int, implementation: str) -> Runner:
     mesh = Mesh(np.asarray(devices), ("dp",))
     replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
@@ -173,7 +173,7 @@ def peer_runner(model: ModelConfig, train: TrainConfig, devices: list[jax.Device
     return Runner(lambda s: step(s, *flat), state, lambda s: step.lower(s, *flat))
 
 
-def best_peer(model: ModelConfig, train: TrainConfig, devices: list[jax.Device],
+def best_peer(model: ModelConfig, train: StepConfig, devices: list[jax.Device],
               batch: GlobalBatch, seed: int) -> tuple[str, Runner]:
     """cuDNN where it compiles for this model and device (GPUs, bf16/fp16), else XLA."""
     for implementation in ("cudnn", "xla"):
@@ -191,7 +191,7 @@ def best_peer(model: ModelConfig, train: TrainConfig, devices: list[jax.Device],
 # ----------------------------------------------------------------------------- ours
 
 
-def our_runner(model: ModelConfig, train: TrainConfig, plan: Plan, devices: list[jax.Device],
+def our_runner(model: ModelConfig, train: StepConfig, plan: Plan, devices: list[jax.Device],
                batch: GlobalBatch, seed: int) -> tuple[Runner, str]:
     program = build_step(model, train.replace(microbatch_slots=max(plan.microbatches_per_group)),
                          plan, devices)
@@ -261,7 +261,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--microbatch-size", type=int, default=None)
     parser.add_argument("--microbatches", type=int, default=1)
-    parser.add_argument("--attention", default="auto", help="TrainConfig.attention for ours")
+    parser.add_argument("--attention", default="auto", help="StepConfig.attention for ours")
     parser.add_argument("--dtype", default=None, help="compute dtype (default: the preset's)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="peak dense TFLOP/s per device (default: from the device table)")
@@ -279,7 +279,7 @@ def main() -> None:
     plan = Plan.uniform(dp, pp, tp, n_layers=model.n_layers, n_microbatches=args.microbatches,
                         microbatch_size=mb_size, seq_len=seq_len,
                         device_ids=tuple(int(d.id) for d in devices))
-    train = TrainConfig(attention=args.attention)
+    train = StepConfig(attention=args.attention)
     batch = BatchIterator("synthetic:lognormal", n_microbatches=args.microbatches,
                           microbatch_size=mb_size, seq_len=seq_len, seed=args.seed).next_batch()
     flops, tokens = model_flops(model, batch.segment_ids_MxBxS.reshape(-1, seq_len))

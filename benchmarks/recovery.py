@@ -55,14 +55,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.detector import Verdict  # noqa: E402
-from resihp_jax.meshes.plan import Plan  # noqa: E402
+from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import get_model_config  # noqa: E402
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer  # noqa: E402
 from resihp_jax.runtime.trainer.compiles import counting  # noqa: E402
-from resihp_jax.runtime.trainer.loop import StepRecord  # noqa: E402
+from resihp_jax.runtime.trainer.records import StepRecord  # noqa: E402
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer  # noqa: E402
 from resihp_jax.scheduler import run_policy  # noqa: E402
-from resihp_jax.step.config import TrainConfig  # noqa: E402
+from resihp_jax.step.config import StepConfig  # noqa: E402
 from benchmarks.invariants import every_step_once, step_gaps, verdict  # noqa: E402
 
 TARGETS = {"split_only": 0.5, "mesh_warm": 2.0}
@@ -212,7 +212,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as cache:  # empty: the cold row compiles for real
         config = ResilienceConfig(precompile=0, compile_cache_dir=cache,
                                   warm_prepared=args.warm_prepared)
-        trainer = ResilientTrainer(model, TrainConfig(), plan, jax.devices(), data, config)
+        trainer = ResilientTrainer(model, StepConfig(), plan, jax.devices(), data, config)
         _steps(trainer, 2)
         # the faults come once the start-up's background compiles (the layout moves) are
         # done: a switch before then would wait for them, and time them, not the switch

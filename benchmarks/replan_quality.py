@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from resihp_jax.meshes.plan import Plan  # noqa: E402
+from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import ModelConfig, get_model_config  # noqa: E402
 from resihp_jax.perfmodel import CostParams, Health  # noqa: E402
 from resihp_jax.scheduler.context import PlanningContext  # noqa: E402

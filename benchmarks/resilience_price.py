@@ -50,14 +50,14 @@ import jax  # noqa: E402
 import resihp_jax as rh  # noqa: E402
 from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.faults.slow_writer import slow_writes  # noqa: E402
-from resihp_jax.meshes.plan import Plan  # noqa: E402
+from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import ModelConfig, get_model_config  # noqa: E402
 from resihp_jax.runtime.recovery.cadence import choose_interval, job_mtbf_s  # noqa: E402
 from resihp_jax.runtime.trainer import resilient  # noqa: E402
 from resihp_jax.runtime.trainer.compiles import (  # noqa: E402
     BACKGROUND_PREFIX, background_since)
 from resihp_jax.runtime.trainer.resilient import DETECTOR_OFF  # noqa: E402
-from resihp_jax.step.config import TrainConfig  # noqa: E402
+from resihp_jax.step.config import StepConfig  # noqa: E402
 from benchmarks.invariants import (batches_match, every_step_once, losses_equal,  # noqa: E402
                                  step_gaps, verdict)
 
@@ -119,7 +119,7 @@ class Bench:
     def fit(self, config: rh.ResilienceConfig) -> Any:
         config = dataclasses.replace(config, compile_cache_dir=self.cache_dir)
         result = rh.fit(lambda rngs: rh.models.Llama(self.model, rngs=rngs), self.data,
-                        optimizer=TrainConfig().optimizer(), plan=self.plan, steps=self.steps,
+                        optimizer=StepConfig().optimizer(), plan=self.plan, steps=self.steps,
                         seed=self.seed, devices=[self.device], progress=False,
                         resilience=config)
         drain_background()

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster_steptime import fit_as_detector, timed_steps  # noqa: E402
-from resihp_jax.detector.ours import WARMUP_STEPS  # noqa: E402
-from resihp_jax.meshes.plan import Plan  # noqa: E402
+from resihp_jax.detector.resihp import WARMUP_STEPS  # noqa: E402
+from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import get_model_config  # noqa: E402
 from resihp_jax.perfmodel import OnlineCostModel  # noqa: E402
 from resihp_jax.faults.injector import FaultInjector  # noqa: E402

@@ -42,12 +42,12 @@ CHILD = r"""
 import json, sys, time
 import jax
 from resihp_jax.data import BatchIterator
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.trainer.compiles import counting
-from resihp_jax.runtime.trainer.loop import StepRecord
+from resihp_jax.runtime.trainer.records import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 
 cache, model, untimed = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 cfg = get_model_config(model)
@@ -58,7 +58,7 @@ data = BatchIterator("synthetic:lognormal", n_microbatches=4, microbatch_size=2,
 config = ResilienceConfig(precompile=0, compile_cache_dir=cache, untimed_start=untimed)
 t0 = time.perf_counter()
 with counting() as built:
-    trainer = ResilientTrainer(cfg, TrainConfig(), plan, jax.devices(), data, config)
+    trainer = ResilientTrainer(cfg, StepConfig(), plan, jax.devices(), data, config)
 t1 = time.perf_counter()
 record = next(r for r in trainer.run(1) if isinstance(r, StepRecord))
 t2 = time.perf_counter()

@@ -25,9 +25,9 @@ _EXPORTS: dict[str, str] = {
     # training your own model
     "fit": "resihp_jax.runtime.run.fit",
     "FitResult": "resihp_jax.runtime.run.fit",
-    "StepRecord": "resihp_jax.runtime.trainer.loop",
+    "StepRecord": "resihp_jax.runtime.trainer.records",
     "Replan": "resihp_jax.runtime.trainer.resilient",
-    "Plan": "resihp_jax.meshes.plan",
+    "Plan": "resihp_jax.plan",
     "PackedBatch": "resihp_jax.data.prepacked",
     "ResilienceConfig": "resihp_jax.runtime.trainer.resilient",
     # devices and the job
@@ -51,7 +51,7 @@ _SUBMODULES = {"data": "resihp_jax.data", "nn": "resihp_jax.nn", "models": "resi
 # names that left the top level for rh.engine: resolvable for one release, with a warning
 _MOVED_TO_ENGINE = frozenset({
     "BatchIterator", "Checkpointer", "Health", "JobSpec", "ModelConfig", "ResilientTrainer",
-    "RunConfig", "TrainConfig", "TrainingRun", "build_step", "get_model_config", "job_spec",
+    "RunConfig", "StepConfig", "TrainingRun", "build_step", "get_model_config", "job_spec",
     "make_detector", "move_state", "run_policy",
 })
 
@@ -88,11 +88,11 @@ if TYPE_CHECKING:
         ResihpError,
         TrainingDiverged,
     )
-    from resihp_jax.meshes.plan import Plan
+    from resihp_jax.plan import Plan
     from resihp_jax.runtime.job.devices import devices, use_cpu_devices
     from resihp_jax.runtime.job.join import join_job
     from resihp_jax.runtime.run.fit import FitResult, fit
-    from resihp_jax.runtime.trainer.loop import StepRecord
+    from resihp_jax.runtime.trainer.records import StepRecord
     from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig
 
 

@@ -4,7 +4,7 @@ The step program (`build_step`, `move_state`), the run `resihp train` performs
 (`TrainingRun`, `RunConfig`, `JobSpec`, `job_spec`), the resilient loop (`ResilientTrainer`,
 `Checkpointer`), detectors and scheduler policies on their own (`make_detector`, `Health`,
 `run_policy`) and the configs and data of `rh.models.Llama`'s step (`ModelConfig`,
-`get_model_config`, `TrainConfig`, `BatchIterator`). A script that trains its own model
+`get_model_config`, `StepConfig`, `BatchIterator`). A script that trains its own model
 needs none of them: it calls `rh.fit`. Like the package, this module imports nothing until a
 name is used, so importing it starts no JAX backend.
 """
@@ -19,7 +19,7 @@ _EXPORTS: dict[str, str] = {
     # the step of rh.models.Llama, built from its configs
     "ModelConfig": "resihp_jax.models.config",
     "get_model_config": "resihp_jax.models.config",
-    "TrainConfig": "resihp_jax.step.config",
+    "StepConfig": "resihp_jax.step.config",
     "BatchIterator": "resihp_jax.data.iterator",
     "build_step": "resihp_jax.step.builder",
     "move_state": "resihp_jax.step.reshard",
@@ -46,7 +46,7 @@ __all__ = [
     "ModelConfig",
     "ResilientTrainer",
     "RunConfig",
-    "TrainConfig",
+    "StepConfig",
     "TrainingRun",
     "build_step",
     "get_model_config",
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from resihp_jax.runtime.run.training import TrainingRun
     from resihp_jax.runtime.trainer.resilient import ResilientTrainer
     from resihp_jax.scheduler.policies import run_policy
-    from resihp_jax.step.config import TrainConfig
+    from resihp_jax.step.config import StepConfig
     from resihp_jax.step.reshard import move_state
     from resihp_jax.step.builder import build_step
 

@@ -12,10 +12,10 @@ import numpy as np
 
 from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.meshes import layout
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.nn import layers
 from resihp_jax.models.config import ModelConfig
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.program import StepProgram
 from resihp_jax.step.builder import build_step
 from tests.xla_flags import child_env
@@ -46,7 +46,7 @@ def run_processes(script: str, n: int, devices: int, *args: str,
 
 
 @functools.lru_cache(maxsize=16)
-def step_program(cfg: ModelConfig, train: TrainConfig, plan: Plan) -> StepProgram:
+def step_program(cfg: ModelConfig, train: StepConfig, plan: Plan) -> StepProgram:
     """`build_step` on all devices, built (and compiled) once per test session for each
     model, train config and plan: a program is immutable, every test starts its own state."""
     return build_step(cfg, train, plan, jax.devices())

@@ -32,7 +32,7 @@ STORY = {"fit", "FitResult", "Plan", "PackedBatch", "ResilienceConfig", "StepRec
 # the building blocks for one's own loop
 ENGINE = {"build_step", "move_state", "TrainingRun", "RunConfig", "ResilientTrainer",
           "Checkpointer", "make_detector", "run_policy", "Health", "ModelConfig",
-          "get_model_config", "TrainConfig", "BatchIterator", "JobSpec", "job_spec"}
+          "get_model_config", "StepConfig", "BatchIterator", "JobSpec", "job_spec"}
 NAMESPACES = {"rh": rh, "rh.engine": engine, "rh.data": rh.data, "rh.nn": rh.nn,
               "rh.models": rh.models}
 

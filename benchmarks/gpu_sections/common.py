@@ -14,11 +14,11 @@ import numpy as np
 
 from benchmarks import mfu
 from resihp_jax.data import BatchIterator, GlobalBatch
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import ModelConfig, get_model_config
 from resihp_jax.perfmodel.memory import devices_memory_gb
 from resihp_jax.perfmodel.memory import remat_for_memory
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 
 # JAX records one event of this name per executable it builds (jax/_src/dispatch.py's
 # BACKEND_COMPILE_EVENT; the suite reads the installed version's constant when it has one).
@@ -227,12 +227,12 @@ class Suite:
         kinds: dict[str, str] = {}
 
         def build_ours() -> mfu.Runner:
-            runner, kinds["ours"] = mfu.our_runner(model, TrainConfig(remat=remat), plan,
+            runner, kinds["ours"] = mfu.our_runner(model, StepConfig(remat=remat), plan,
                                                    devices, batch, self.seed)
             return runner
 
         def build_peer() -> mfu.Runner:
-            kinds["peer"], runner = mfu.best_peer(model, TrainConfig(), devices, batch,
+            kinds["peer"], runner = mfu.best_peer(model, StepConfig(), devices, batch,
                                                   self.seed)
             return runner
 

@@ -17,7 +17,7 @@ from benchmarks.gpu_sections.common import Suite, print_table
 from benchmarks.gpu_sections.user_path import QUIET, batches
 from resihp_jax.attention.check import select_kernel
 from resihp_jax.models.config import ModelConfig, get_model_config
-from resihp_jax.attention.fit import KernelFallbackWarning
+from resihp_jax.attention.block_sizes import KernelFallbackWarning
 
 
 def sizes(quick: bool) -> tuple[ModelConfig, int, int, int]:

@@ -21,12 +21,12 @@ from flax import nnx
 from benchmarks import mfu
 from benchmarks.gpu_sections.common import Suite, print_table
 from resihp_jax.data import BatchIterator, GlobalBatch
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.registry import GPT2Sizes, factory
 from resihp_jax.nn.layers import next_token_targets
 from resihp_jax.runtime.run.programs import model_programs
 from resihp_jax.step.body import token_nll_sum
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 
 LEARNING_RATE = 3e-4
 
@@ -45,7 +45,7 @@ def our_runner(entry: GPT2Sizes, plan: Plan, device: jax.Device, batch: GlobalBa
     compute = None if entry.dtype == "float32" else entry.dtype
     programs = model_programs(factory(entry, plan.seq_len), optax.adamw(LEARNING_RATE), seed,
                               axis_rules=entry.axis_rules, compute_dtype=compute)
-    program = programs(TrainConfig(microbatch_slots=1), plan, [device])
+    program = programs(StepConfig(microbatch_slots=1), plan, [device])
     sharded = program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
                                   batch.positions_MxBxS)
     return mfu.Runner(lambda s: program.step(s, sharded), program.init_state(seed),

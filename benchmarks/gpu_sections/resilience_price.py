@@ -19,11 +19,11 @@ from typing import Any
 
 from benchmarks import resilience_price as price
 from benchmarks.gpu_sections.common import Suite, print_table
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import ModelConfig, get_model_config
 from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.run.training import TrainingRun
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 
 
 def sizes(quick: bool) -> tuple[ModelConfig, int, int, int, int]:
@@ -42,7 +42,7 @@ def train_rates(suite: Suite, model: ModelConfig, rows: int, seq: int,
     # plain: `resihp train` without --adapt, the same loop with nothing watched
     for name, adapt in (("--adapt", True), ("plain", False)):
         config = RunConfig(steps=steps, seed=suite.seed, progress=False, adapt=adapt)
-        records = TrainingRun(model, TrainConfig(), plan, config, out=io.StringIO(),
+        records = TrainingRun(model, StepConfig(), plan, config, out=io.StringIO(),
                               devices=[suite.device]).run()
         price.drain_background()
         rates[name] = price.wall_rate(records)

@@ -20,8 +20,8 @@ import numpy as np
 import resihp_jax as rh
 from benchmarks.gpu_sections.common import (COMPILE_EVENT, PHASE_EVENTS, Suite, compiles_so_far,
                                             phases_since, phases_so_far, print_table)
-from resihp_jax.meshes.plan import Plan
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.plan import Plan
+from resihp_jax.step.config import StepConfig
 
 
 def packed(batch: Any) -> list[rh.PackedBatch]:
@@ -57,7 +57,7 @@ def fit_cold(suite: Suite, batch: Any) -> dict[str, Any]:
     start = time.perf_counter()
     rh.fit(lambda rngs: rh.models.Llama(model_cfg, rngs=rngs),
            packed(batch) * steady_steps(suite.quick),
-           optimizer=TrainConfig().optimizer(), plan=plan, steps=steady_steps(suite.quick),
+           optimizer=StepConfig().optimizer(), plan=plan, steps=steady_steps(suite.quick),
            seed=suite.seed,
            devices=[suite.device], progress=False, on_step=on_step)
     n1, s1 = compiles_so_far()

@@ -24,7 +24,7 @@ from jax import lax
 
 from resihp_jax import vma
 from resihp_jax.errors import ConfigError
-from resihp_jax.attention import cudnn, fit as flash_fit, flash, tokamax
+from resihp_jax.attention import cudnn, block_sizes as flash_fit, flash, tokamax
 
 _F32 = jnp.float32
 # Finite stand-in for -inf: exp(_MASKED - _MASKED) stays finite, so rows with no key yet
@@ -351,7 +351,7 @@ def segment_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
                         k_BxSxGxK.shape[2], np.dtype(q_BxSxHxK.dtype).name))
     if kind in ("pallas", "cudnn"):
         # cuDNN where it compiles, blocks that fit the GPU's shared memory (<= block_size),
-        # or the block-sparse scan: probed once per configuration (attention/fit.py).
+        # or the block-sparse scan: probed once per configuration (attention/block_sizes.py).
         h, d, g = q_BxSxHxK.shape[2], q_BxSxHxK.shape[3], k_BxSxGxK.shape[2]
         choice = flash_fit.choose(flash_fit.config_for(jax.default_backend(), q_BxSxHxK.dtype,
                                                        d, h, g, block_size,

@@ -13,7 +13,7 @@ from resihp_jax.errors import Preempted, ResihpError
 # Modules are imported lazily so `resihp plan` never pays for importing JAX.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("resihp_jax.cli.train", "train a model on fake or real devices"),
-    "plan": ("resihp_jax.cli.plan", "choose the next Plan for a health map"),
+    "plan": ("resihp_jax.cli.next_plan", "choose the next Plan for a health map"),
     "demo": ("resihp_jax.cli.demo", "a resilient run with an injected fault, end to end"),
     "launch": ("resihp_jax.cli.launch", "run a training job as N local processes, "
                "relaunched on the survivors when one dies or hangs"),

@@ -23,7 +23,7 @@ from resihp_jax.demo.config import DemoConfig, check_at_least, check_plot_name, 
 from resihp_jax.demo.plot import PLOT_SUFFIXES
 from resihp_jax.demo.scenario import parse_kill, parse_slow
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.registry import GPT2_PLAN, MODELS, Entry, check_plan, states_facts
 
 LLAMA_PLAN = "dp=2,pp=2,tp=2"  # a preset's (rh.models.Llama's) starting mesh

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from resihp_jax.sim.engine import POLICIES
+from resihp_jax.sim.events import POLICIES
 from resihp_jax.sim.traces import SCENARIOS
 
 

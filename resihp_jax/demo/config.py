@@ -17,7 +17,7 @@ from resihp_jax.demo.plot import PLOT_SUFFIXES
 from resihp_jax.demo.scenario import Fault, KillSpec, SlowSpec, check_fault_range
 from resihp_jax.models.registry import Entry, check_plan
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.metrics.destinations import parse_destinations
 
 

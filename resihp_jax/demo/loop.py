@@ -42,11 +42,11 @@ def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO, 
     builder (step/model_parts.py: a preset's Llama or a user's model, both on the user's path)."""
     from resihp_jax.runtime.job.devices import select_devices
     from resihp_jax.runtime.trainer.resilient import ResilientTrainer
-    from resihp_jax.step.config import TrainConfig
+    from resihp_jax.step.config import StepConfig
 
     devices = select_devices(config.n_devices)
     injector = _injector(config)
-    trainer = ResilientTrainer(model or config.model, TrainConfig(), config.plan, devices, data,
+    trainer = ResilientTrainer(model or config.model, StepConfig(), config.plan, devices, data,
                                _resilience(config), fault_hook=injector, programs=programs)
     faults = "; ".join(f.describe() for f in config.faults) or "none (a healthy run)"
     print(f"resihp demo: {model_label(config.model)} on {config.n_devices} "
@@ -107,9 +107,9 @@ def _dashboards(config: DemoConfig, model: Any, progress: Progress) -> RunMetric
         return None
     from resihp_jax.metrics import Metrics
     from resihp_jax.runtime.run.run_metrics import RunMetrics
-    from resihp_jax.step.config import TrainConfig
+    from resihp_jax.step.config import StepConfig
 
-    train_cfg = TrainConfig()  # the demo's optimizer (its schedule)
+    train_cfg = StepConfig()  # the demo's optimizer (its schedule)
     return RunMetrics(Metrics(config.dashboards, name="demo", say=progress.event), model,
                       lambda step, _: train_cfg.learning_rate_at(step))
 

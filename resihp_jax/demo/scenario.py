@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from resihp_jax.errors import ConfigError, PlanError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 
 if TYPE_CHECKING:
     from resihp_jax.perfmodel.facts import ModelFacts
@@ -104,7 +104,7 @@ def check_fault_range(slow: SlowSpec | None, kill: KillSpec | None, *, steps: in
 
 @dataclass(frozen=True)
 class DetectorTiming:
-    """When the detector can find a slowdown (detector/ours.py and base.py say why): it learns
+    """When the detector can find a slowdown (detector/resihp.py and base.py say why): it learns
     healthy step times over steps 1..warmup, so a slowdown from inside them never stands out
     in the steps; its probes check every device `check_after` steps after the warm-up and
     every `check_period` steps after that. A device a check names is confirmed
@@ -119,10 +119,10 @@ class DetectorTiming:
     def from_detector(cls) -> DetectorTiming:
         """The detector's own values (importing it imports JAX: call it once the host's
         devices are requested)."""
-        from resihp_jax.detector import base, ours  # noqa: PLC0415
+        from resihp_jax.detector import base, resihp  # noqa: PLC0415
 
-        return cls(warmup=ours.WARMUP_STEPS, check_after=ours.CHECK_AFTER,
-                   check_period=ours.CHECK_PERIOD,
+        return cls(warmup=resihp.WARMUP_STEPS, check_after=resihp.CHECK_AFTER,
+                   check_period=resihp.CHECK_PERIOD,
                    confirm_steps=base.CHECK_EVERY * (base.CHECK_RUNS - 1),
                    min_slowdown=base.CHECK_MIN_SLOWDOWN)
 

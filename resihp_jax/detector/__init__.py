@@ -5,7 +5,7 @@ under the same interface, selectable by name."""
 from resihp_jax.detector.base import DETECTORS, Detector, make_detector
 from resihp_jax.detector.baselines import GreyhoundDetector, MadDetector
 from resihp_jax.detector.failstop import StepFailed, devices_in_error, run_guarded
-from resihp_jax.detector.ours import ResiHPDetector
+from resihp_jax.detector.resihp import ResiHPDetector
 from resihp_jax.detector.probes import Localization, ProbeResult, Prober, localize
 from resihp_jax.detector.verdict import KINDS, HostCpu, StepObservation, Verdict
 

@@ -16,7 +16,7 @@ from resihp_jax.detector.verdict import StepObservation, Verdict
 import numpy as np
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel.costs import CostParams
 from resihp_jax.perfmodel.facts import ModelFacts
 

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.meshes.mesh import AXES, make_mesh, put_global
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.step.instrument import FWD_END, FWD_START, Coords, Instrument, RegionTimer
 
 LINK_TICK = 1 << 20  # ticks at or above this mark transfer rounds

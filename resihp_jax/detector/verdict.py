@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 
 KINDS = ("compute", "link", "stopped")
 

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.step.instrument import BWD_END, BWD_START, FWD_END, FWD_START, RegionTimer
 
 _STARTS = (FWD_START, BWD_START)

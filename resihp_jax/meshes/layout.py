@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from resihp_jax.errors import PlanError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.meshes.rules import is_layer_leaf
 
 

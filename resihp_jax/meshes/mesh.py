@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from resihp_jax.errors import PlanError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 
 AXES = ("dp", "pp", "tp")
 

@@ -18,7 +18,7 @@ Params = Mapping[str, jax.Array]
 
 
 # the name a model gives its attention output (`jax.ad_checkpoint.checkpoint_name(o, CONTEXT)`)
-# for `TrainConfig(remat="projections")` to keep it rather than recompute the attention
+# for `StepConfig(remat="projections")` to keep it rather than recompute the attention
 CONTEXT = "context"
 
 

@@ -25,7 +25,7 @@ _NON_NEGATIVE = ("c", "alpha", "beta", "head_alpha", "embed_alpha", "tick_overhe
 # dtype (`ModelFacts.dtype`, which sets activations and the per-step weight copy).
 MASTER_BYTES = 4
 
-# What a step keeps for its backward pass (`TrainConfig.remat`): "none" keeps every
+# What a step keeps for its backward pass (`StepConfig.remat`): "none" keeps every
 # activation; "projections" keeps the matmuls' outputs (dots without batch dimensions: the
 # q/k/v, output and MLP projections) and the activation a model names "context" (its
 # attention output), and recomputes the rest (norms, activations, the attention kernel):
@@ -37,7 +37,7 @@ REMAT_POLICIES = ("none", "projections", "full")
 # where some policy fits it, and charged the most recomputation it may need.
 REMAT_AUTO = "auto"
 
-# "auto" head chunks (`TrainConfig.loss_chunks`) split a micro-batch's head and loss into
+# "auto" head chunks (`StepConfig.loss_chunks`) split a micro-batch's head and loss into
 # token chunks once its float32 logits pass this size: Llama 3's vocabulary (128,256) at
 # 4 x 2048 tokens (4.2 GB) stays whole, at 16 x 2048 (16.8 GB) it runs in 4 chunks; the
 # llama-1b preset's (32,000) stays whole at 16 x 2048 (4.2 GB).

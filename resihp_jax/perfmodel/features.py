@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel.simulator import StepSim
-from resihp_jax.meshes.plan import TIMED_SLOT
+from resihp_jax.plan import TIMED_SLOT
 from resihp_jax.perfmodel.costs import recomputes_forward
 from resihp_jax.perfmodel.work import GroupData
 

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel.costs import (LOGITS_CHUNK_BYTES, MASTER_BYTES, REMAT_POLICIES,
                                         dtype_bytes, remat_name)
 from resihp_jax.perfmodel.facts import ModelFacts

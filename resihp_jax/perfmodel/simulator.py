@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from resihp_jax.errors import ConfigError, PlanError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel import gpipe, onef1b
 from resihp_jax.perfmodel.costs import CostParams
 from resihp_jax.perfmodel.facts import ModelFacts

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from resihp_jax.errors import ConfigError, PlanError
-from resihp_jax.meshes.plan import TIMED_SLOT, Plan
+from resihp_jax.plan import TIMED_SLOT, Plan
 from resihp_jax.perfmodel.costs import MASTER_BYTES, CostParams, dtype_bytes, recomputes_forward
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.perfmodel.health import Health

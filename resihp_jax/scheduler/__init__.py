@@ -5,7 +5,7 @@ Pure numpy on top of the performance model; nothing here imports JAX.
 
 from resihp_jax.scheduler.context import PlanningContext, Policy, Proposal, SwitchCosts
 from resihp_jax.perfmodel.health_spec import build_health, parse_dead, parse_slowdowns
-from resihp_jax.scheduler.ours import resihp
+from resihp_jax.scheduler.resihp import resihp
 from resihp_jax.scheduler.policies import (
     BASELINES,
     OURS,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel import Health, fits_memory
 from resihp_jax.scheduler.candidates import Layout, build_plan, layer_options, rank_splits
 from resihp_jax.scheduler.context import PlanningContext, Proposal, faulty_in, keeps_current

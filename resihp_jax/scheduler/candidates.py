@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from resihp_jax.errors import PlanError
-from resihp_jax.meshes.plan import Plan, even_split
+from resihp_jax.plan import Plan, even_split
 from resihp_jax.scheduler.placement import DevicePool, base_grid, place, to_stage
 from resihp_jax.scheduler.shapes import Shape
 from resihp_jax.scheduler.splits import min_max_split

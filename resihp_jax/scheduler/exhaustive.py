@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from resihp_jax.errors import PlanError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel import Health
 from resihp_jax.scheduler.context import PlanningContext
 from resihp_jax.scheduler.memory_caps import MemoryLimits, fits

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 
 Grid = np.ndarray  # [dp, pp, tp] device ids
 PLACEMENTS = ("keep", "pack_dp", "pack_stage")

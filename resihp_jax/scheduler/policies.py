@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel import Health
 from resihp_jax.scheduler import baselines
 from resihp_jax.scheduler.context import PlanningContext, Policy
-from resihp_jax.scheduler.ours import resihp
+from resihp_jax.scheduler.resihp import resihp
 from resihp_jax.scheduler.scoring import step_time_s
 
 OURS = "resihp"

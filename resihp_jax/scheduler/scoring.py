@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from resihp_jax.errors import PlanError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel import Health, StepSim, simulate_step
 from resihp_jax.scheduler.context import PlanningContext
 from resihp_jax.scheduler.stagecost import split_microbatches

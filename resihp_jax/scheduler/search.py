@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel import Health
 from resihp_jax.scheduler import candidates, memory_caps, stagecost
 from resihp_jax.scheduler.candidates import (

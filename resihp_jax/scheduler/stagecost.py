@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel import CostParams, Health, simulate_step
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.scheduler.splits import min_max_split

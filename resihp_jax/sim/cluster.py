@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.registry import planned_model
 from resihp_jax.perfmodel import CostParams, Health, fits_memory
 from resihp_jax.perfmodel.facts import ModelFacts

@@ -102,7 +102,7 @@ class RestartCosts:
       max(`deadline_floor_s` 10 s, `deadline_factor` 3 x the predicted step)). Share of hangs,
       `hang_share`: the Llama 3 paper (arXiv 2407.21783, Table 5) counts 7 of 419 unexpected
       interruptions in 54 days on 16,384 H100s as NCCL watchdog timeouts.
-    - exit: every survivor writes, of the shards its devices hold (host_snapshot.py `dump`,
+    - exit: every survivor writes, of the shards its devices hold (host_copies.py `dump`,
       16 bytes per parameter, `state_bytes_per_param`: bf16 weights, fp32 master and Adam
       moments), those it is one of the two writers of (copy_writers.py: two of the dp
       replicas of each shard, so any one process lost leaves a copy) before it exits:

@@ -40,7 +40,7 @@ import math
 
 import numpy as np
 
-from resihp_jax.sim.ours import RESHARD_BYTES_PER_S
+from resihp_jax.sim.resihp import RESHARD_BYTES_PER_S
 from resihp_jax.sim.policy import CHECKPOINT_BLOCK_S, SimPolicy, young_interval_s
 from resihp_jax.sim.rates import (
     layer_rebalanced,

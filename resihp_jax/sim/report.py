@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from resihp_jax.sim.cluster import get_cluster
-from resihp_jax.sim.engine import OURS
+from resihp_jax.sim.events import OURS
 from resihp_jax.sim.study import Study
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.sim.cluster import get_cluster, nominal_plan
-from resihp_jax.sim.engine import POLICIES, RunResult, simulate
+from resihp_jax.sim.events import POLICIES, RunResult, simulate
 from resihp_jax.sim.traces import get_scenario, make_trace
 
 METRICS = ("goodput", "running_throughput", "stall_s_per_failure", "false_alarm_stall_s",

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from resihp_jax import vma
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import TIMED_SLOT
+from resihp_jax.plan import TIMED_SLOT
 from resihp_jax.nn import layers
 from resihp_jax.nn.layers import CONTEXT, next_token_targets
 from resihp_jax.perfmodel.costs import LOGITS_CHUNK_BYTES, REMAT_AUTO, remat_name
@@ -66,12 +66,12 @@ def vocab_parallel_nll_sum(local: layers.LossPartials, weights_BxS: jax.Array) -
 
 
 def head_chunks(setting: int | str, rows: int, seq: int, vocab: int) -> int:
-    """How many token chunks a micro-batch's head and loss run in (`TrainConfig.loss_chunks`):
+    """How many token chunks a micro-batch's head and loss run in (`StepConfig.loss_chunks`):
     an int as given (it must divide the sequence length), or "auto": the fewest that divide
     `seq` and keep each chunk's float32 logits within `LOGITS_CHUNK_BYTES`."""
     if setting != "auto":
         if seq % setting:
-            raise ConfigError(f"TrainConfig.loss_chunks={setting}: must divide the sequence "
+            raise ConfigError(f"StepConfig.loss_chunks={setting}: must divide the sequence "
                               f"length {seq} (valid: {_divisors(seq)[:12]}, ... or 'auto')")
         return int(setting)
     whole = rows * seq * vocab * 4

@@ -28,11 +28,11 @@ from resihp_jax.attention.check import step_attention
 from resihp_jax.errors import PlanError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.mesh import make_mesh
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.meshes.rules import spread_spec
 from resihp_jax.models.config import ModelConfig
 from resihp_jax.models.llama import Llama
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.instrument import Instrument
 from resihp_jax.step.pipeline import ALL_AXES, STEP_AXES
 from resihp_jax.step.program import (KNOB_SPEC, Batch, Splits, StepProgram, TrainState,
@@ -68,7 +68,7 @@ def _state_specs(optimizer: optax.GradientTransformation, shapes: TrainState,
 def build_model_step(parts: ModelParts, optimizer: optax.GradientTransformation, plan: Plan,
                     devices: Sequence[jax.Device], example_params: Any, *,
                     axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES,
-                    train: TrainConfig | None = None,
+                    train: StepConfig | None = None,
                     initial_params: Callable[[int], Any] | None = None,
                     compute_dtype: str | None = None,
                     instrument: Instrument | None = None,
@@ -83,7 +83,7 @@ def build_model_step(parts: ModelParts, optimizer: optax.GradientTransformation,
     callbacks that get the step's per-device knob, as `build_step`'s does. `gates`: how the
     pipeline skips idle work (step/body.py); a "cond" program whose compiled step would
     hang becomes a "select" one when compiled (`StepProgram.adopt_compiled`)."""
-    train = train or TrainConfig()
+    train = train or StepConfig()
     if plan.n_layers != parts.n_layers:
         raise PlanError(f"Plan.layers_per_stage={plan.layers_per_stage} sums to "
                         f"{plan.n_layers} layers; the model has {parts.n_layers} blocks")
@@ -157,7 +157,7 @@ def _spread(parts: ModelParts, specs: dict[str, Any], params: dict[str, Any],
 
 
 def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, specs: Any,
-                      train: TrainConfig, compute_dtype: str | None,
+                      train: StepConfig, compute_dtype: str | None,
                       instrument: Instrument | None,
                       gates: str) -> Callable[[Any, Batch, Splits, jax.Array], jax.Array]:
     """(params, batch, splits, step) -> the batch's summed token losses, per-device body in a
@@ -192,7 +192,7 @@ def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, sp
         params, *batch, splits.layers_per_stage, splits.microbatches_per_group, step)
 
 
-def build_step(model: ModelConfig, train: TrainConfig, plan: Plan,
+def build_step(model: ModelConfig, train: StepConfig, plan: Plan,
                devices: Sequence[jax.Device],
                instrument: Instrument | None = None) -> StepProgram:
     """The step of `rh.models.Llama(model)` (what `resihp train` and the demo run) for `plan`

@@ -1,4 +1,4 @@
-"""TrainConfig: optimizer and step-compilation settings, frozen and self-validating."""
+"""StepConfig: optimizer and step-compilation settings, frozen and self-validating."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from resihp_jax.attention.kernels import IMPLEMENTATIONS as ATTENTION_IMPLEMENTA
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class StepConfig:
     """Optimizer (AdamW, warmup, clipping) and step-compilation settings; frozen, validated."""
     learning_rate: float = 3e-3
     warmup_steps: int = 10
@@ -45,37 +45,37 @@ class TrainConfig:
         for name in ("learning_rate", "grad_clip"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ConfigError(f"TrainConfig.{name}={value!r}: must be a finite number > 0")
+                raise ConfigError(f"StepConfig.{name}={value!r}: must be a finite number > 0")
         if not (0 <= self.weight_decay < 1):
-            raise ConfigError(f"TrainConfig.weight_decay={self.weight_decay!r}: valid is [0, 1)")
+            raise ConfigError(f"StepConfig.weight_decay={self.weight_decay!r}: valid is [0, 1)")
         for name in ("b1", "b2"):
             if not (0 <= getattr(self, name) < 1):
-                raise ConfigError(f"TrainConfig.{name}={getattr(self, name)!r}: valid is [0, 1)")
+                raise ConfigError(f"StepConfig.{name}={getattr(self, name)!r}: valid is [0, 1)")
         if self.warmup_steps < 0:
-            raise ConfigError(f"TrainConfig.warmup_steps={self.warmup_steps}: must be >= 0")
+            raise ConfigError(f"StepConfig.warmup_steps={self.warmup_steps}: must be >= 0")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
-            raise ConfigError(f"TrainConfig.attention={self.attention!r}: valid are "
+            raise ConfigError(f"StepConfig.attention={self.attention!r}: valid are "
                               f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
         if not isinstance(self.remat, (bool, str)) or remat_name(self.remat) not in REMAT_POLICIES:
-            raise ConfigError(f"TrainConfig.remat={self.remat!r}: valid are {REMAT_AUTO!r} "
+            raise ConfigError(f"StepConfig.remat={self.remat!r}: valid are {REMAT_AUTO!r} "
                               f"(chosen by the devices' memory), True, False, "
                               f"{', '.join(map(repr, REMAT_POLICIES))}")
         if self.loss_chunks != "auto" and (isinstance(self.loss_chunks, bool) or
                                            not isinstance(self.loss_chunks, int) or
                                            self.loss_chunks < 1):
-            raise ConfigError(f"TrainConfig.loss_chunks={self.loss_chunks!r}: must be 'auto' "
+            raise ConfigError(f"StepConfig.loss_chunks={self.loss_chunks!r}: must be 'auto' "
                               "or an int >= 1 dividing the sequence length")
         for name in ("layer_slots", "microbatch_slots"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"TrainConfig.{name}={value!r}: must be None or an int >= 1")
+                raise ConfigError(f"StepConfig.{name}={value!r}: must be None or an int >= 1")
 
     @property
     def recomputes_forward(self) -> bool:
         """The backward recomputes each stage's whole forward (what the cost model charges)."""
         return recomputes_forward(self.remat)
 
-    def replace(self, **changes: object) -> TrainConfig:
+    def replace(self, **changes: object) -> StepConfig:
         return dataclasses.replace(self, **changes)
 
     def learning_rate_at(self, step: int) -> float:

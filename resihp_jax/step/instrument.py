@@ -32,7 +32,7 @@ from jax.experimental import io_callback
 from resihp_jax.meshes.mesh import AXES
 
 if TYPE_CHECKING:
-    from resihp_jax.meshes.plan import Plan
+    from resihp_jax.plan import Plan
 
 FWD_START, FWD_END, BWD_START, BWD_END = 0, 1, 2, 3
 OFF = 0.0  # knob value: no host calls on this device for this step (unless it is slowed)

@@ -27,11 +27,11 @@ from resihp_jax.errors import PlanError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.branch_collectives import BranchCollective, branch_collectives
 from resihp_jax.meshes.mesh import put_global
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.nn import layers
 from resihp_jax.perfmodel.costs import remat_name
 from resihp_jax.perfmodel.memory import compiled_bytes, devices_memory_gb
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.model_parts import fully_manual
 from resihp_jax.step.param_gathers import parameter_gathers, warn_parameter_gathers
 
@@ -100,7 +100,7 @@ class SelectedGatesWarning(UserWarning):
 class StepProgram:
     """Everything compiled for one mesh; `plan` may change splits without rebuilding."""
     model: Any  # the model's parts (step/model_parts.py ModelParts)
-    train: TrainConfig
+    train: StepConfig
     plan: Plan
     mesh: jax.sharding.Mesh
     layer_slots: int

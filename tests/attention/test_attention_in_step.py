@@ -1,4 +1,4 @@
-"""TrainConfig.attention reaches the pipeline's layers: the dense kernel selected there gives
+"""StepConfig.attention reaches the pipeline's layers: the dense kernel selected there gives
 the block-sparse step's loss and gradients, and the block-sparse kernel is never traced."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.attention import kernels as attention
 from resihp_jax.models.config import get_model_config
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.builder import build_step
 from tests.helpers import (canonical_grads, llama_params, make_batches, max_relative_error,
                            reference_loss_and_grads)
@@ -33,7 +33,7 @@ def test_dense_attention_in_the_step_matches_the_block_sparse_reference(monkeypa
     ref_loss, ref_grads = reference_loss_and_grads(CFG, llama_params(CFG, 0), batch)
     plan = Plan.uniform(2, 2, 2, n_layers=CFG.n_layers, n_microbatches=M, microbatch_size=B,
                         seq_len=S)
-    program = build_step(CFG, TrainConfig(attention="dense", microbatch_slots=1), plan,
+    program = build_step(CFG, StepConfig(attention="dense", microbatch_slots=1), plan,
                          jax.devices())
     traced.clear()  # (the reference above is block-sparse)
     state = program.init_state(0)
@@ -49,6 +49,6 @@ def test_pallas_is_refused_for_a_cpu_step_and_unknown_names_at_the_door() -> Non
     plan = Plan.uniform(1, 1, 1, n_layers=CFG.n_layers, n_microbatches=1, microbatch_size=B,
                         seq_len=S)
     with pytest.raises(ConfigError, match="attention='pallas' needs GPUs"):
-        build_step(CFG, TrainConfig(attention="pallas"), plan, jax.devices())
-    with pytest.raises(ConfigError, match="TrainConfig.attention='flash': valid are auto"):
-        TrainConfig(attention="flash")
+        build_step(CFG, StepConfig(attention="pallas"), plan, jax.devices())
+    with pytest.raises(ConfigError, match="StepConfig.attention='flash': valid are auto"):
+        StepConfig(attention="flash")

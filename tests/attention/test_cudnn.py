@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from resihp_jax.attention import check as attention_check
-from resihp_jax.attention import fit as flash_fit
+from resihp_jax.attention import block_sizes as flash_fit
 from resihp_jax.attention import kernels
 from resihp_jax.attention.cudnn import (document_attention, document_spans, documents_per_row,
                                         masked_attention, packed_attention)
@@ -66,7 +66,7 @@ def test_a_bad_bound_is_refused():
 
 @pytest.mark.skipif(ON_GPU, reason="a GPU has cuDNN: its numbers are checked below instead")
 def test_without_a_gpu_both_kernels_are_refused_as_cudnn_not_detected():
-    """The refusal the fallback (attention/fit.py) reads and names in its warning."""
+    """The refusal the fallback (attention/block_sizes.py) reads and names in its warning."""
     seg = jax.numpy.ones((1, 8), np.int32)
     q = jax.numpy.zeros((1, 8, 2, 64), jax.numpy.bfloat16)
     for kernel in (functools.partial(packed_attention, max_documents=1), masked_attention):

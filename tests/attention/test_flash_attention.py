@@ -16,7 +16,7 @@ from jax import export
 from jax.sharding import AxisType, PartitionSpec as P
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.attention import check as attention_check, fit as flash_fit, flash
+from resihp_jax.attention import check as attention_check, block_sizes as flash_fit, flash
 from resihp_jax.attention.kernels import (
     computed_block_pairs,
     dense_attention,

@@ -13,7 +13,7 @@ import pytest
 
 from resihp_jax.cli import main
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.demo.scenario import (DetectorTiming, KillSpec, SlowSpec, check_faults,
                                       check_kill_survivable, parse_kill, parse_slow)
@@ -57,11 +57,11 @@ def test_faults_the_run_cannot_show_are_refused(slow, kill, message: str) -> Non
 
 
 def test_the_timing_is_read_off_the_detector() -> None:
-    from resihp_jax.detector import base, ours
+    from resihp_jax.detector import base, resihp
 
     timing = DetectorTiming.from_detector()
     assert (timing.warmup, timing.check_after, timing.check_period) == (
-        ours.WARMUP_STEPS, ours.CHECK_AFTER, ours.CHECK_PERIOD)
+        resihp.WARMUP_STEPS, resihp.CHECK_AFTER, resihp.CHECK_PERIOD)
     assert timing.confirm_steps == base.CHECK_EVERY * (base.CHECK_RUNS - 1)
     assert timing.min_slowdown == base.CHECK_MIN_SLOWDOWN
 

@@ -17,7 +17,7 @@ from resihp_jax.demo.config import DemoConfig
 from resihp_jax.models.registry import GPT2_PLAN as DEFAULT_PLAN
 from resihp_jax.models.registry import MODELS
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 
 GPT2 = MODELS["gpt2"]
 

@@ -21,10 +21,10 @@ from resihp_jax.detector import (
     run_guarded,
 )
 from resihp_jax.detector.base import CHECK_EVERY, CHECK_RUNS
-from resihp_jax.detector.ours import (CHECK_AFTER, CHECK_PERIOD, JOB_CHECK_PERIOD, REACH_STEPS,
+from resihp_jax.detector.resihp import (CHECK_AFTER, CHECK_PERIOD, JOB_CHECK_PERIOD, REACH_STEPS,
                                       WARMUP_STEPS)
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.perfmodel import CostParams, Health, simulate_step
 from resihp_jax.faults.injector import DeviceStoppedError
@@ -601,7 +601,7 @@ def test_checks_thin_out_where_a_probe_run_costs_much_of_a_step() -> None:
     """Checks come every CHECK_PERIOD steps, or as far apart as keeps a probe run's stall
     within CHECK_BUDGET of the steps' time (8 fake devices on 2 cores: a run as long as
     two steps); their spacing reads only what every process of a job shares."""
-    from resihp_jax.detector.ours import CHECK_BUDGET
+    from resihp_jax.detector.resihp import CHECK_BUDGET
 
     det = make_detector("resihp", model=CFG, prober=fake_prober({}, 0))
     assert det.check_period() == CHECK_PERIOD  # nothing probed yet

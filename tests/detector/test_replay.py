@@ -22,8 +22,8 @@ from resihp_jax.data import BatchIterator
 from resihp_jax.data.packing import layout_rows
 from resihp_jax.detector import DETECTORS, HostCpu, ProbeResult, StepObservation, make_detector
 from resihp_jax.detector.attention_work import mb_block_pair_l2
-from resihp_jax.detector.ours import REACH_STEPS
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.detector.resihp import REACH_STEPS
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 
 FIXTURE = json.loads((Path(__file__).parent / "healthy_run.json").read_text())

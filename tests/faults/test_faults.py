@@ -11,13 +11,13 @@ import pytest
 
 from resihp_jax.detector import Prober
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
-from resihp_jax.meshes.plan import TIMED_SLOT
+from resihp_jax.plan import TIMED_SLOT
 from resihp_jax.faults.injector import DeviceStoppedError, FaultInjector
 from resihp_jax.step.instrument import chain_hosts
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.instrument import BWD_END, BWD_START, FWD_END, FWD_START, Instrument
 from resihp_jax.step.builder import build_step
 from tests.helpers import make_batches
@@ -116,7 +116,7 @@ def test_slowdown_reaches_forward_backward_and_probe_of_one_device() -> None:
             seen.append((event, (dp, pp, tp), knob, busy))
 
     inj = FaultInjector(PLAN, sleep=fake_sleep)
-    program = build_step(cfg, TrainConfig(), PLAN, jax.devices(),
+    program = build_step(cfg, StepConfig(), PLAN, jax.devices(),
                          Instrument(chain_hosts(record, inj)))
     state = program.init_state(0)
     b = make_batches(4, microbatch_size=1)[0]

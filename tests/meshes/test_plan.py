@@ -9,7 +9,7 @@ from resihp_jax.errors import PlanError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.mesh import make_mesh
 from resihp_jax.cli.args import parse_int_list, parse_mesh
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 
 TINY = get_model_config("tiny")

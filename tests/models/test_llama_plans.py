@@ -16,9 +16,9 @@ from flax import nnx
 import resihp_jax as rh
 from resihp_jax.attention import kernels
 from resihp_jax.meshes import layout
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.nn.layers import next_token_targets
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.model_parts import split_model
 from resihp_jax.step.body import token_nll_sum
 from resihp_jax.step.program import abstract_args
@@ -77,7 +77,7 @@ def test_every_plan_computes_the_models_own_loss_and_gradients(names, mode, case
     parts, shell, blocks = split_model(_as(model, mode))
     assert parts.tensor_parallel == mode
     params = {"shell": shell, "blocks": blocks}
-    train = TrainConfig(layer_slots=max(max(p.layers_per_stage) for p in plans),
+    train = StepConfig(layer_slots=max(max(p.layers_per_stage) for p in plans),
                         microbatch_slots=max(max(p.microbatches_per_group) for p in plans))
     program = build_model_step(parts, optax.sgd(0.1), plans[0], jax.devices(), params,
                               train=train)

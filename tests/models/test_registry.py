@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models import GPT2, Llama, ModelConfig
 from resihp_jax.models.config import PRESETS
 from resihp_jax.models.registry import (MODELS, GPT2Sizes, check_plan, factory, get_model,
@@ -55,7 +55,7 @@ def test_a_factory_builds_the_entrys_model_at_its_sizes(name: str, cls: type) ->
 
 def test_the_planner_reads_the_registry_without_jax() -> None:
     code = ("import sys; from resihp_jax.models.registry import planned_model; "
-            "import resihp_jax.cli.plan, resihp_jax.sim.cluster; planned_model('llama2-70b'); "
+            "import resihp_jax.cli.next_plan, resihp_jax.sim.cluster; planned_model('llama2-70b'); "
             "print('jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from resihp_jax.errors import ConfigError, PlanError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import ModelConfig, get_model_config
 from resihp_jax.perfmodel import (
     CostParams,

@@ -16,7 +16,7 @@ import pytest
 
 from resihp_jax.cli import main
 from resihp_jax.errors import ConfigError, PlanError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.perfmodel import CostParams, Health, fits_memory, memory_bytes_per_device
 from resihp_jax.scheduler import (

@@ -13,7 +13,7 @@ import pytest
 from resihp_jax import cli
 from resihp_jax.errors import ConfigError
 from resihp_jax.sim.cluster import get_cluster
-from resihp_jax.sim.engine import OURS, POLICIES, simulate
+from resihp_jax.sim.events import OURS, POLICIES, simulate
 from resihp_jax.sim.measured import OUR_RESTART
 from resihp_jax.sim.policy import Live
 from resihp_jax.sim.rates import layer_rebalanced, usable_groups
@@ -251,7 +251,7 @@ def test_spare_nodes_cost_least_and_stand_in_for_a_failed_node(cm) -> None:  # n
     """The job holds spare nodes only where the rejoins they spare cost more than their idle
     GPUs; a spare takes a failed node's place at once (full rate, no rejoin later), and the
     repaired node becomes the spare again."""
-    from resihp_jax.sim.ours import Ours, spare_nodes
+    from resihp_jax.sim.resihp import Ours, spare_nodes
 
     assert spare_nodes(256, 8, math.inf, 600.0, 250.0) == 0  # no failures: none
     assert spare_nodes(256, 8, 86400.0, 600.0, 250.0) == 0  # 8 of 264 GPUs idle: too dear

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from resihp_jax.meshes import layout
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.nn.layers import next_token_targets
 from resihp_jax.step.model_parts import split_model
 from resihp_jax.step.body import token_nll_sum

@@ -12,7 +12,7 @@ import pytest
 
 from resihp_jax.errors import PlanError
 from resihp_jax.faults.injector import FaultInjector
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
 from resihp_jax.step.instrument import Instrument, chain_hosts
 from resihp_jax.step.model_parts import split_model

@@ -10,7 +10,7 @@ import pytest
 from resihp_jax.errors import ConfigError
 from resihp_jax.step.body import (LOGITS_CHUNK_BYTES, from_token_chunks, head_chunks,
                                   over_token_chunks)
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 
 LLAMA3_VOCAB = 128_256
 
@@ -30,7 +30,7 @@ def test_a_chunk_count_that_does_not_divide_the_sequence_is_refused_by_name() ->
         head_chunks(3, 2, 64, 256)
     for bad in (0, -2, 1.5, True, "many"):
         with pytest.raises(ConfigError, match="loss_chunks="):
-            TrainConfig(loss_chunks=bad)
+            StepConfig(loss_chunks=bad)
 
 
 def test_each_chunk_sees_its_slice_of_the_sequence_and_the_results_come_back_in_order() -> None:

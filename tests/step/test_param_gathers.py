@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.step.aot import compile_program
 from resihp_jax.step.param_gathers import ParameterGatherWarning, gathered_results
 from resihp_jax.step.model_parts import split_model

@@ -10,7 +10,7 @@ from flax import nnx
 import resihp_jax as rh
 from resihp_jax.errors import ConfigError
 from resihp_jax.step.body import rematted
-from resihp_jax.step.config import REMAT_POLICIES, TrainConfig
+from resihp_jax.step.config import REMAT_POLICIES, StepConfig
 
 
 def _kept(remat: str, capsys: pytest.CaptureFixture) -> list[str]:
@@ -36,11 +36,11 @@ def test_projections_keep_the_seven_projections_and_the_attention_output_only(ca
 
 
 def test_a_bad_remat_is_refused_by_name() -> None:
-    assert TrainConfig(remat=True).recomputes_forward
-    assert not TrainConfig(remat="projections").recomputes_forward
+    assert StepConfig(remat=True).recomputes_forward
+    assert not StepConfig(remat="projections").recomputes_forward
     for bad in ("some", 1, None):
         with pytest.raises(ConfigError, match=r"remat=.*valid are .auto. .*True, False"):
-            TrainConfig(remat=bad)
+            StepConfig(remat=bad)
 
 
 def test_the_cli_offers_the_same_policies() -> None:
@@ -58,7 +58,7 @@ def test_the_cli_offers_the_same_policies() -> None:
 def test_resihp_plan_plans_under_the_named_policy() -> None:
     import argparse  # noqa: PLC0415
 
-    from resihp_jax.cli.plan import add_arguments, build_inputs  # noqa: PLC0415
+    from resihp_jax.cli.next_plan import add_arguments, build_inputs  # noqa: PLC0415
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

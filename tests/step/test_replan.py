@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.reshard import move_state, to_canonical
 from resihp_jax.step.staging import HostStaging
 from resihp_jax.step.program import route_microbatches, routed_groups
@@ -17,7 +17,7 @@ from tests.helpers import make_batches, max_relative_error
 
 CFG = get_model_config("tiny")
 M, B, S = 6, 2, 64
-TRAIN = TrainConfig(learning_rate=1e-2, warmup_steps=0)
+TRAIN = StepConfig(learning_rate=1e-2, warmup_steps=0)
 
 
 def _run(plans: list[Plan], batches: list) -> tuple[list[float], object]:
@@ -52,7 +52,7 @@ def test_changing_only_the_splits_does_not_recompile() -> None:
     batch = make_batches(4, B, S)[0]
     arrays = (batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS)
     plan = Plan(2, 2, 2, tuple(range(8)), (1, 3), (3, 1), B, S)
-    program = build_step(CFG, TrainConfig(), plan, jax.devices())
+    program = build_step(CFG, StepConfig(), plan, jax.devices())
     state = program.init_state(0)
     state, _ = program.step(state, program.shard_batch(*arrays))
     for layers, mbs in [((2, 2), (2, 2)), ((3, 1), (1, 3))]:
@@ -66,7 +66,7 @@ def test_changing_only_the_splits_does_not_recompile() -> None:
 
 def test_with_plan_rejects_a_new_mesh() -> None:
     plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=B, seq_len=S)
-    program = build_step(CFG, TrainConfig(), plan, jax.devices())
+    program = build_step(CFG, StepConfig(), plan, jax.devices())
     with pytest.raises(ValueError, match="same mesh"):
         program.with_plan(plan.replace(device_ids=tuple(reversed(range(8)))))
 
@@ -85,7 +85,7 @@ def test_each_dp_group_reads_only_its_own_microbatches() -> None:
     slots = routed_groups(read_microbatch, (B, S), np.int32, plan, 3, range(1, 3))
     assert read == [1, 2, 3, 4, 5]  # group 0 holds micro-batch 0, which is never read
     np.testing.assert_array_equal(slots, route_microbatches(tokens_MxBxS, plan, 3)[1:3])
-    program = build_step(CFG, TrainConfig(), plan, jax.devices())
+    program = build_step(CFG, StepConfig(), plan, jax.devices())
     read.clear()
     lazy = program.shard_microbatches(read_microbatch, tokens_MxBxS, tokens_MxBxS)
     eager = program.shard_batch(tokens_MxBxS, tokens_MxBxS, tokens_MxBxS)

@@ -17,11 +17,11 @@ from flax import nnx
 
 from resihp_jax.faults.injector import FaultInjector
 from resihp_jax.meshes import layout
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.nn.layers import next_token_targets
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.instrument import (BWD_END, BWD_START, FWD_END, FWD_START, Instrument,
                                          chain_hosts)
 from resihp_jax.step.program import matmul_count
@@ -72,14 +72,14 @@ def test_llama_one_stage_step_has_the_plain_steps_matmuls() -> None:
     plan = Plan.uniform(1, 1, 1, n_layers=1, n_microbatches=M, microbatch_size=B, seq_len=S)
     batch = make_batches(M, B, S)[0]
     peer = _llama_peer(cfg, batch)
-    program = build_step(cfg, TrainConfig(), plan, jax.devices()[:1])
+    program = build_step(cfg, StepConfig(), plan, jax.devices()[:1])
     lowered, compiled = _ours(program, program.init_state(0).params, batch)
     assert matmul_count(lowered) == matmul_count(peer)
     peer_compiled = peer.compile()
     assert matmul_count(compiled) == matmul_count(peer_compiled)
     _temp_ratio(compiled, peer_compiled, "Llama tiny (1 block), 1/1/1")
     # a recomputing step is seen: remat re-runs each layer's forward matmuls
-    remat = build_step(cfg, TrainConfig(remat=True), plan, jax.devices()[:1])
+    remat = build_step(cfg, StepConfig(remat=True), plan, jax.devices()[:1])
     remat_lowered, _ = _ours(remat, remat.init_state(0).params, batch)
     assert matmul_count(remat_lowered) > matmul_count(peer)
 
@@ -161,7 +161,7 @@ def test_llama_data_parallel_one_stage_uneven_split_equals_the_reference(dtype: 
     bf16, gradients accumulated in float32) to the bf16 tolerance every plan is held to."""
     batch = make_batches(M, B, S)[0]
     ref_loss, ref_grads = reference_loss_and_grads(CFG, llama_params(CFG, 0), batch)
-    program = build_step(get_model_config("tiny", dtype=dtype), TrainConfig(), UNEVEN,
+    program = build_step(get_model_config("tiny", dtype=dtype), StepConfig(), UNEVEN,
                          jax.devices()[:4])
     params, sharded = program.init_state(0).params, program.shard_batch(
         batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS)
@@ -181,7 +181,7 @@ def test_own_data_parallel_one_stage_uneven_split_equals_the_model(remat: bool) 
     plan = UNEVEN.replace(layers_per_stage=(2,))
     batch = make_batches(M, B, S, seed=5)[0]
     program = build_model_step(parts, optax.sgd(0.1), plan, jax.devices()[:4], params,
-                              train=TrainConfig(remat=remat))
+                              train=StepConfig(remat=remat))
     loss, grads = program.loss_and_grads(program.init_state(params).params, program.shard_batch(
         batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS))
     grads = jax.device_get(layout.to_canonical_layout(grads, program.canonical_positions()))
@@ -211,7 +211,7 @@ def test_stage_timing_and_an_injected_slowdown_reach_a_one_stage_step() -> None:
             seen.append((event, (dp, pp, tp), knob, tick))
 
     injector, timer = FaultInjector(UNEVEN, sleep=fake_sleep), StageTimer((2, 1, 2))
-    program = build_step(CFG, TrainConfig(), UNEVEN, jax.devices()[:4],
+    program = build_step(CFG, StepConfig(), UNEVEN, jax.devices()[:4],
                          Instrument(chain_hosts(injector, record, timer)))
     batch = make_batches(M, B, S)[0]
     sharded = program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,

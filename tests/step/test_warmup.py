@@ -8,12 +8,12 @@ import pytest
 
 from resihp_jax.data import BatchIterator
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
-from resihp_jax.runtime.trainer.loop import device_batch
+from resihp_jax.runtime.trainer.records import device_batch
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig
 from resihp_jax.step.aot import compile_program
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.instrument import Instrument
 from resihp_jax.step.builder import build_step
 from resihp_jax.step.warmup import warm_up
@@ -24,7 +24,7 @@ def test_the_warm_up_runs_the_step_with_no_callback_and_a_real_step_still_calls_
     model = get_model_config("tiny")
     plan = Plan.uniform(1, 2, 1, n_layers=model.n_layers, n_microbatches=2,
                         microbatch_size=1, seq_len=32)
-    program = compile_program(build_step(model, TrainConfig(), plan, jax.devices(),
+    program = compile_program(build_step(model, StepConfig(), plan, jax.devices(),
                                          Instrument(lambda *args: calls.append(args))))
     warm_up(program)
     assert calls == []  # the stage timer and a fault hook see nothing of the warm-up

@@ -94,7 +94,7 @@ def _on_abort(signum: int) -> None:
         libc.signal(signum, ctypes.c_void_p(0))  # SIG_DFL: abort() raises again and ends it
         return
     leaving()
-    from resihp_jax.runtime.recovery.host_snapshot import dump_active, prog  # noqa: PLC0415
+    from resihp_jax.runtime.recovery.host_copies import dump_active, prog  # noqa: PLC0415
 
     print(f"{prog()}: {line}; exiting with {HUNG_EXIT} so the job restarts",
           file=sys.stderr, flush=True)

@@ -159,7 +159,7 @@ def _without_own_service(external: bool) -> Iterator[None]:
     """Within, with `external`: process 0 joins a coordination service that runs elsewhere
     (`resihp launch` hosts it) instead of starting one. JAX aborts every process the moment
     the service goes away, so a service inside process 0 would take the survivors down with
-    it before they write their copies of the last step (host_snapshot.py)."""
+    it before they write their copies of the last step (host_copies.py)."""
     if not external:
         yield
         return

@@ -35,7 +35,7 @@ from typing import Any, Callable
 from resihp_jax.errors import HostsLeftOut, JobStepFailed, Preempted, ResihpError
 from resihp_jax.runtime.job.coordinator import leaving, lost_line
 from resihp_jax.runtime.job.coordinator import HUNG_EXIT
-# what host_snapshot.py exits with on SIGTERM, and where resihp launch names the failure that
+# what host_copies.py exits with on SIGTERM, and where resihp launch names the failure that
 # ends a job before its SIGTERM (from a JAX-free module: this one imports no JAX)
 from resihp_jax.runtime.recovery.preemption import PEER_LOST_ENV, PREEMPTED_EXIT, peer_lost
 
@@ -82,7 +82,7 @@ def launcher_verdict(wait_s: float = VERDICT_WAIT_S, poll_s: float = 0.05,
 def run_as_job_process(body: Callable[[], Any], prog: str) -> int:
     """Run `body` as one process of a job: 0 when it returns; on any error, exit the process
     at once with the code its end calls for. `prog` names the process in its messages."""
-    from resihp_jax.runtime.recovery.host_snapshot import set_prog  # noqa: PLC0415 - JAX
+    from resihp_jax.runtime.recovery.host_copies import set_prog  # noqa: PLC0415 - JAX
 
     set_prog(prog)  # the exit paths elsewhere (SIGTERM, a lost coordinator) name it the same
     # a process may be killed at any moment: what it printed must already be in its log

@@ -117,7 +117,7 @@ class LaunchConfig:
     stale_s: float = 2.0  # a heartbeat older than this: the process is frozen
     poll_s: float = 0.05
     # after a failure the others get SIGTERM and this long to write their copies of the
-    # last step (host_snapshot.py) before SIGKILL, as a cluster's grace period allows
+    # last step (host_copies.py) before SIGKILL, as a cluster's grace period allows
     grace_s: float = 60.0
     # an excluded host returns (repaired) once the job is this many steps past its
     # exclusion: the job restarts to take it in (a planned restart; None: never)
@@ -664,7 +664,7 @@ class Supervisor:
             self._lift(fault)  # lets a throttled process run (and write) again
         running = [(h, p) for h, p in procs.items() if p.poll() is None]
         if failure is not None:
-            # the others exit 75 naming the failure, not 74 as for a preemption (host_snapshot)
+            # the others exit 75 naming the failure, not 74 as for a preemption (host_copies)
             self._peer_lost_file().write_text(f"{failure.kind}: {failure.detail}\n")
             now = time.time()
             # frozen: a hang's evidence is a stale heartbeat; after any other failure a stale

@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from resihp_jax.errors import (CheckpointError, CheckpointFallbackWarning, ConfigError,
                                Preempted)
 from resihp_jax.meshes.agree import from_primary
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.runtime.recovery import local_copies
 from resihp_jax.runtime.recovery.cadence import (FIRST_SAVE_S, MAX_INTERVAL_S, Cadence,
                                                  job_mtbf_s)

@@ -24,7 +24,7 @@ from resihp_jax.errors import CheckpointError
 from resihp_jax.models.config import ModelConfig
 from resihp_jax.runtime.recovery.checksum import leaf_shapes, state_checksums
 from resihp_jax.runtime.recovery.run_identity import STATE_LAYOUT, retired_layout
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.program import TrainState
 
 # the built-in decoder's name of each block leaf -> its path in rh.models.Llama's blocks
@@ -60,7 +60,7 @@ def path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
     return tuple(names)
 
 
-def target_state(model: ModelConfig, train_cfg: TrainConfig) -> TrainState:
+def target_state(model: ModelConfig, train_cfg: StepConfig) -> TrainState:
     """Shapes of `rh.models.Llama(model)`'s canonical state under `train_cfg`'s optimizer."""
     from resihp_jax.models.registry import factory  # noqa: PLC0415
     from resihp_jax.step.model_parts import abstract_model, split_model  # noqa: PLC0415
@@ -122,7 +122,7 @@ def convert_checkpoint(source: Path, destination: Path, step: int | None = None,
         raw = reader.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(restore_args=host)))["state"]
     model = ModelConfig(**identity["model"])
-    train_cfg = TrainConfig(**identity["optimizer"])
+    train_cfg = StepConfig(**identity["optimizer"])
     state = converted_state(raw, target_state(model, train_cfg), where)
     on_host = jax.device_put(state, jax.devices("cpu")[0])
     new_meta = {**meta, "identity": {"state_layout": STATE_LAYOUT, **identity},

@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resihp_jax.meshes import layout
-from resihp_jax.runtime.recovery.host_snapshot import leaf_key, remove_steps, shard_box
+from resihp_jax.runtime.recovery.host_copies import leaf_key, remove_steps, shard_box
 
 PUBLISHED = "published"  # in a shared copy directory: the node's files are there too
 _CLAIM = ".publishing"  # in a local copy directory: one process of the node publishes it

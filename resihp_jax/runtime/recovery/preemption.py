@@ -1,6 +1,6 @@
 """A one-process run's preemption: SIGTERM saves the step under way, then the run stops.
 
-A job of several processes answers SIGTERM with the survivors' copies (host_snapshot.py),
+A job of several processes answers SIGTERM with the survivors' copies (host_copies.py),
 which a relaunch rebuilds the last step from. A one-process run keeps no such copies (it has
 no survivor to serve them), so without this a preemption would lose the training since its
 last checkpoint, up to the 'auto' cadence's ceiling. Here SIGTERM only marks the
@@ -9,7 +9,7 @@ the checkpointer raises `Preempted` (the process then exits PREEMPTED_EXIT, 74).
 runs in the main thread between bytecodes, also while it waits for a step's thread.
 
 Here too, JAX-free and below both, the codes a job's SIGTERM ends a process with and the
-launcher's file naming a failure: host_snapshot.py exits with them, job/exits.py lists them.
+launcher's file naming a failure: host_copies.py exits with them, job/exits.py lists them.
 """
 
 from __future__ import annotations

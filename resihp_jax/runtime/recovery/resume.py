@@ -15,7 +15,7 @@ from typing import Any, TextIO
 import jax
 
 from resihp_jax.errors import CheckpointError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.runtime.recovery import local_copies, survivor_copies
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, canonical_target
 

@@ -8,7 +8,7 @@ restoring into another plan is what the checkpoints are for. A resume forced on 
 (`resume="force"`, `--resume force`) continues anyway and says what differed.
 
 A run of `build_step` (`resihp train`: `rh.models.Llama` from a ModelConfig) is identified by
-its ModelConfig, TrainConfig's optimizer fields and its state's layout (`STATE_LAYOUT`); a
+its ModelConfig, StepConfig's optimizer fields and its state's layout (`STATE_LAYOUT`); a
 user's model and optax optimizer describe themselves (runtime/run/model_identity.py).
 """
 

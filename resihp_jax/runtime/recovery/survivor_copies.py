@@ -1,4 +1,4 @@
-"""Rebuild a training state from the copies surviving processes wrote (host_snapshot.py),
+"""Rebuild a training state from the copies surviving processes wrote (host_copies.py),
 directly in a new plan's layout and shardings.
 
 The copies of one step, from every process that wrote one, are usable when together they
@@ -23,7 +23,7 @@ import numpy as np
 
 from resihp_jax.errors import CheckpointError
 from resihp_jax.meshes.rules import is_layer_leaf
-from resihp_jax.runtime.recovery.host_snapshot import (MANIFEST, SUBDIR, VERSION, Box, leaf_key,
+from resihp_jax.runtime.recovery.host_copies import (MANIFEST, SUBDIR, VERSION, Box, leaf_key,
                                               remove_steps, shard_box, step_of)
 from resihp_jax.runtime.recovery.local_copies import PUBLISHED
 

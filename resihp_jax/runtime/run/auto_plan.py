@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from resihp_jax.errors import PlanError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.perfmodel.costs import REMAT_POLICIES
 from resihp_jax.perfmodel.facts import ModelFacts

@@ -40,7 +40,7 @@ class RunConfig:
     # it, see recovery/run_identity.py); RESUME_FORCE: continue even then
     resume: bool | str = False
     # how each process keeps the last completed step for a relaunch: auto picks keep where
-    # two more states fit in device memory, else host (see recovery/host_snapshot.py)
+    # two more states fit in device memory, else host (see recovery/host_copies.py)
     survivor_copies: str = "auto"
     # where process 0 writes the metrics: tensorboard:DIR, wandb:PROJECT, jsonl:PATH or a
     # path (one JSON line per step), an object with write(entry), or a sequence of them

@@ -20,7 +20,7 @@ import optax
 
 from resihp_jax.data import BatchIterator, packed_batches
 from resihp_jax.errors import ConfigError, Preempted, StepHung
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.runtime.job.distributed import job_spec
 from resihp_jax.runtime.job.exits import HUNG_EXIT, run_as_job_process
 from resihp_jax.runtime.job.join import join_job
@@ -34,10 +34,10 @@ from resihp_jax.runtime.recovery.checkpoint_dir import refuse_held
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.run.programs import read_facts, model_programs
 from resihp_jax.runtime.trainer.compiles import install
-from resihp_jax.runtime.trainer.loop import StepRecord
+from resihp_jax.runtime.trainer.records import StepRecord
 from resihp_jax.runtime.trainer.overhead import Overhead
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.facts import MeasuredFacts
 from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES)
 
@@ -104,7 +104,7 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     install()  # the start-up count includes the model's split and facts below
     started = time.time()
     _check_args(steps, plan, optimizer)
-    train = TrainConfig(remat=remat)  # checks remat, naming every valid value
+    train = StepConfig(remat=remat)  # checks remat, naming every valid value
     metrics = metrics if metrics is not None else launched_metrics()
     check_metrics(metrics, profile_steps)
     if not (isinstance(resume, bool) or resume == RESUME_FORCE):

@@ -19,15 +19,15 @@ import time
 from typing import Any, Callable, Iterator, TextIO
 
 from resihp_jax.errors import HostsLeftOut
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.runtime.job.deadline import Ladder
 from resihp_jax.runtime.job.heartbeat import Heartbeat
 from resihp_jax.runtime.recovery.copy_writers import node_of_host
-from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots, activate, deactivate
+from resihp_jax.runtime.recovery.host_copies import HostCopies, activate, deactivate
 from resihp_jax.runtime.recovery.preemption import SaveOnSigterm
 from resihp_jax.runtime.recovery.checkpoint import deadline_beside_write
 from resihp_jax.runtime.trainer.deferred import compile_layouts
-from resihp_jax.runtime.trainer.loop import StepRecord
+from resihp_jax.runtime.trainer.records import StepRecord
 from resihp_jax.runtime.trainer.overhead import Overhead
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
 from resihp_jax.runtime.recovery.resume import start_state
@@ -76,8 +76,8 @@ class ProcessRun:
         if self.trainer.checkpointer is not None and job.primary:  # the cadence it chose
             self.trainer.checkpointer.say = lambda line: print(line, file=out, flush=True)
         phases["compile_s"] = time.perf_counter() - t0
-        self.snapshots = host_copies(copies, job, self.trainer.checkpointer)
-        self.sigterm = save_on_sigterm(self.trainer.checkpointer, self.snapshots)
+        self.kept = host_copies(copies, job, self.trainer.checkpointer)
+        self.sigterm = save_on_sigterm(self.trainer.checkpointer, self.kept)
 
     def prepare_all(self) -> None:
         """Compile now what the trainer would compile after its first step (a warm standby,
@@ -92,11 +92,11 @@ class ProcessRun:
         self.job, ckpt = job, self.trainer.checkpointer
         if self.heartbeat is not None:
             self.heartbeat.close()  # it wrote nothing: told a step only once training starts
-        close_host_copies(self.snapshots)
+        close_host_copies(self.kept)
         if ckpt is not None:
             ckpt.reload()
         self.heartbeat = Heartbeat.from_env(job.spec.host_id)
-        self.snapshots = host_copies(self.copies, job, ckpt)
+        self.kept = host_copies(self.copies, job, ckpt)
         self.compiles_from = compiles_from
 
     def run(self) -> list[StepRecord]:
@@ -119,7 +119,7 @@ class ProcessRun:
                 self.heartbeat.close()
             # last: a save that cannot finish (a peer died mid-write) leaves SIGTERM to the
             # copies' handler, which names the failure and exits 75, not to a silent death
-            close_host_copies(self.snapshots)
+            close_host_copies(self.kept)
             if self.sigterm is not None:
                 self.sigterm.close()
 
@@ -138,8 +138,8 @@ class ProcessRun:
         if self.heartbeat is not None:
             self.heartbeat.source = start.source
         self.start_record = start.record
-        if self.snapshots is not None:  # a failure in the first step loses nothing either
-            self.snapshots.capture(start.step, start.state, trainer.program, self.data.state(),
+        if self.kept is not None:  # a failure in the first step loses nothing either
+            self.kept.capture(start.step, start.state, trainer.program, self.data.state(),
                                    start.record)
         self.data_step = start.step
         return self.data_step
@@ -180,8 +180,8 @@ class ProcessRun:
                     if sink.metrics is not None:
                         sink.metrics.replan(event)
                     continue
-                if self.snapshots is not None:  # before the next step donates the state
-                    event = dataclasses.replace(event, host_copy_s=self.snapshots.capture(
+                if self.kept is not None:  # before the next step donates the state
+                    event = dataclasses.replace(event, host_copy_s=self.kept.capture(
                         event.step, self.trainer.state, self.trainer.program,
                         self.data.state(), event.to_json()))
                 sink.add(event, predicted_s=trainer.last_prediction_s,
@@ -218,8 +218,8 @@ class ProcessRun:
                                               self.config.checkpoint_dir)
                 raise
         except BaseException:
-            if self.snapshots is not None:
-                keep_completed(self.snapshots, self.trainer)
+            if self.kept is not None:
+                keep_completed(self.kept, self.trainer)
             raise
 
     def _say_remat(self, before: Any) -> None:
@@ -247,15 +247,15 @@ class ProcessRun:
         self._beat(replan.step, self.ladder.startup_s)  # the next step may compile
 
 
-def keep_completed(snapshots: Any, trainer: Any) -> bool:
-    """Keep in `snapshots` the trainer's state when it is a step finished on the devices that
+def keep_completed(kept: Any, trainer: Any) -> bool:
+    """Keep in `kept` the trainer's state when it is a step finished on the devices that
     is newer than the newest kept; whether it did. Such a step failed in what follows it on
     the host, before the next batch was drawn: the data position is the one after it. A
     state a failed step donated, or one still being computed, is left alone."""
     import jax  # noqa: PLC0415
 
     completed, state = trainer.completed, trainer.state
-    newest = snapshots.newest_step
+    newest = kept.newest_step
     if completed is None or state is None or (newest is not None and completed <= newest):
         return False
     try:
@@ -268,35 +268,35 @@ def keep_completed(snapshots: Any, trainer: Any) -> bool:
             return False
     except Exception:  # noqa: BLE001 - deleted (donated) buffers: nothing to keep
         return False
-    snapshots.capture(completed, state, trainer.program, trainer.data.state(), None)
+    kept.capture(completed, state, trainer.program, trainer.data.state(), None)
     return True
 
 
-def host_copies(mode: str | None, job: Any, ckpt: Any) -> HostSnapshots | None:
+def host_copies(mode: str | None, job: Any, ckpt: Any) -> HostCopies | None:
     """This process's copies of the last completed step (None without a checkpoint directory
     or with copies off), written out by the process's exit paths and on SIGTERM."""
     if ckpt is None or mode is None:
         return None
     hosts = tuple(getattr(job, "hosts", ()))  # each process's host id, in process order
     node_of = (lambda process: node_of_host(hosts[process])) if hosts else None
-    snapshots = HostSnapshots(ckpt.directory, job.spec.host_id, ckpt.identity, mode=mode,
+    kept = HostCopies(ckpt.directory, job.spec.host_id, ckpt.identity, mode=mode,
                               node_of=node_of, local_root=getattr(ckpt, "local_copies", None))
-    activate(snapshots)
-    snapshots.exit_on_sigterm()
-    return snapshots
+    activate(kept)
+    kept.exit_on_sigterm()
+    return kept
 
 
-def save_on_sigterm(ckpt: Any, snapshots: HostSnapshots | None) -> SaveOnSigterm | None:
+def save_on_sigterm(ckpt: Any, kept: HostCopies | None) -> SaveOnSigterm | None:
     """A one-process run without survivors' copies: SIGTERM saves the step under way and
     ends the run (preemption.py). Where copies are kept, they answer SIGTERM instead."""
     import jax  # noqa: PLC0415
 
-    if ckpt is None or snapshots is not None or jax.process_count() > 1:
+    if ckpt is None or kept is not None or jax.process_count() > 1:
         return None
     return SaveOnSigterm(ckpt)
 
 
-def close_host_copies(snapshots: HostSnapshots | None) -> None:
-    if snapshots is not None:
-        deactivate(snapshots)
-        snapshots.close()
+def close_host_copies(kept: HostCopies | None) -> None:
+    if kept is not None:
+        deactivate(kept)
+        kept.close()

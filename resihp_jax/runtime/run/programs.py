@@ -18,10 +18,10 @@ import jax
 import optax
 from flax import nnx
 
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.registry import GPT2Sizes, factory
 from resihp_jax.runtime.run.model_identity import model_run_identity
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.instrument import Instrument
 from resihp_jax.step.facts import MeasuredFacts, model_facts
 from resihp_jax.step.builder import build_model_step, initializer
@@ -41,7 +41,7 @@ class ModelPrograms:
     axis_rules: Sequence[tuple[str, str | None]] = DEFAULT_AXIS_RULES
     compute_dtype: str | None = None
 
-    def __call__(self, cfg: TrainConfig, plan: Plan, devices: Sequence[jax.Device],
+    def __call__(self, cfg: StepConfig, plan: Plan, devices: Sequence[jax.Device],
                  instrument: Instrument | None = None) -> StepProgram:
         # stage timing and injected slowdowns reach a user's model where its step is manual
         # over every mesh axis (tp == 1, or tensor_parallel="manual"); elsewhere the probes

@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.metrics import Metrics
 from resihp_jax.metrics.entry import (checkpoint_entry, peak_flops, plan_entry, replan_entry,
                                       step_entry, step_flops, verdict_entry)
 from resihp_jax.runtime.run.config import RunConfig
-from resihp_jax.runtime.trainer.loop import StepRecord
+from resihp_jax.runtime.trainer.records import StepRecord
 from resihp_jax.runtime.trainer.resilient import Replan
 
 # (step, state) -> the learning rate that step applied, or None

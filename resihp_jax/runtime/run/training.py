@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
 from resihp_jax.errors import JobStepFailed, ResihpError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.runtime.job import standby
 from resihp_jax.runtime.job.devices import select_devices
 from resihp_jax.runtime.job.distributed import JobSpec
 from resihp_jax.runtime.run.config import RunConfig
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 
 
 class TrainingRun:
@@ -39,7 +39,7 @@ class TrainingRun:
     on fake CPU devices must ask for them first (`use_cpu_devices`).
     """
 
-    def __init__(self, model: ModelFacts, train_cfg: TrainConfig, plan: Plan,
+    def __init__(self, model: ModelFacts, train_cfg: StepConfig, plan: Plan,
                  config: RunConfig, job: JobSpec | None = None,
                  out: TextIO | None = None, *, data: Any = None, programs: Any = None,
                  on_step: Callable[[Any], None] | None = None,
@@ -104,7 +104,7 @@ class TrainingRun:
         except ResihpError:
             raise  # refused input or a diverged run: a relaunch would not do better from a copy
         except BaseException:
-            from resihp_jax.runtime.recovery.host_snapshot import dump_active  # noqa: PLC0415
+            from resihp_jax.runtime.recovery.host_copies import dump_active  # noqa: PLC0415
 
             # a peer died (a collective failed) or this process must stop: the relaunch
             # rebuilds the last completed step from the copies the processes left write now
@@ -118,7 +118,7 @@ class TrainingRun:
             if run.overhead is not None and job.primary:
                 print(run.overhead.describe(), file=self.out)
             if job.primary and self.config.checkpoint_dir is not None:
-                from resihp_jax.runtime.recovery.host_snapshot import remove_copies  # noqa: PLC0415
+                from resihp_jax.runtime.recovery.host_copies import remove_copies  # noqa: PLC0415
 
                 remove_copies(self.config.checkpoint_dir)  # the final checkpoint supersedes them
             if self.config.local_copy_dir is not None:  # each process: its node's own
@@ -213,7 +213,7 @@ class TrainingRun:
     def _job_plan(self, job: Any) -> Plan:
         """The requested plan on this job's usable devices, or the scheduler's plan for them."""
         from resihp_jax.perfmodel.memory import devices_memory_gb  # noqa: PLC0415
-        from resihp_jax.runtime.job.plan import (  # noqa: PLC0415
+        from resihp_jax.runtime.job.relaunch_plan import (  # noqa: PLC0415
             RELAUNCH_DEFAULT_MEMORY_GB, cover_processes, plan_for_devices)
 
         requested, out = self.requested, self.out
@@ -260,7 +260,7 @@ def data_share(plan: Plan) -> str:
 
 
 def copies_mode(config: RunConfig, plan: Plan, model: ModelFacts) -> str | None:
-    """How this process keeps the survivors' copy of each step (host_snapshot.py), if at all."""
+    """How this process keeps the survivors' copy of each step (host_copies.py), if at all."""
     if config.checkpoint_dir is None or config.survivor_copies == "off":
         return None
     if config.survivor_copies != "auto":
@@ -273,7 +273,7 @@ def copies_mode(config: RunConfig, plan: Plan, model: ModelFacts) -> str | None:
     from resihp_jax.perfmodel import memory_bytes_per_device  # noqa: PLC0415
     from resihp_jax.perfmodel.costs import MASTER_BYTES  # noqa: PLC0415
     from resihp_jax.perfmodel.work import stage_param_counts  # noqa: PLC0415
-    from resihp_jax.runtime.recovery.host_snapshot import auto_mode  # noqa: PLC0415
+    from resihp_jax.runtime.recovery.host_copies import auto_mode  # noqa: PLC0415
 
     stats = jax.local_devices()[0].memory_stats() or {}
     step_bytes = float(memory_bytes_per_device(plan, model).max())

@@ -18,7 +18,7 @@ import warnings
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
 from resihp_jax.step.program import StepProgram
 

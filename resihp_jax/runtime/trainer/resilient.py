@@ -41,7 +41,7 @@ from resihp_jax.detector.probes import gathered_probe
 from resihp_jax.errors import (ConfigError, HostsLeftOut, JobStepFailed, PlanError,
                                ResihpError, StepHung)
 from resihp_jax.meshes import layout
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel.costs import REMAT_AUTO
 from resihp_jax.perfmodel.memory import (DEFAULT_DEVICE_MEMORY_GB, compiled_bytes,
                                          devices_memory_gb, remat_for_memory)
@@ -58,7 +58,7 @@ from resihp_jax.runtime.trainer.deferred import (MOVES, await_started, compile_l
 from resihp_jax.runtime.trainer.gil import responsive_loop
 from resihp_jax.runtime.trainer.unwatched import Unwatched
 from resihp_jax.step.instrument import FaultHook
-from resihp_jax.runtime.trainer.loop import StepRecord, device_batch, diverged
+from resihp_jax.runtime.trainer.records import StepRecord, device_batch, diverged
 from resihp_jax.runtime.trainer.precompile import Precompiler
 from resihp_jax.runtime.trainer.remat_choice import within_memory
 from resihp_jax.step.staging import HostStaging
@@ -72,7 +72,7 @@ from resihp_jax.runtime.trainer.timing import StageTimer, StepTiming, timed_step
 from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
 from resihp_jax.scheduler.scoring import step_time_s
 from resihp_jax.step.aot import compile_program
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.instrument import OFF, Instrument
 from resihp_jax.step.reshard import move_state, move_via_orbax, same_devices
 from resihp_jax.step.program import StepProgram, TrainState
@@ -232,7 +232,7 @@ class ResilientTrainer:
     `model`: a ModelConfig (its step: `build_step`, `rh.models.Llama` from it), or the facts
     of a user's model (perfmodel/facts.py) with `programs` building its step for each plan."""
     model: ModelFacts
-    train_cfg: TrainConfig
+    train_cfg: StepConfig
     plan: Plan
     devices: Sequence[jax.Device]
     data: BatchIterator
@@ -342,7 +342,7 @@ class ResilientTrainer:
         instrument = (self._instrument if timed and (plan.n_devices > 1
                                                      or self.fault_hook is not None) else None)
 
-        def build(cfg: TrainConfig) -> StepProgram:
+        def build(cfg: StepConfig) -> StepProgram:
             if self.programs is not None:
                 return self.programs(cfg, plan, self.devices, instrument)
             return build_step(self.model, cfg, plan, self.devices, instrument=instrument)
@@ -353,8 +353,8 @@ class ResilientTrainer:
             program = compile_step(build(train_cfg))
         return compile_program(program) if layouts else program
 
-    def _within_memory(self, plan: Plan, train_cfg: TrainConfig,
-                       build: Callable[[TrainConfig], StepProgram]) -> StepProgram:
+    def _within_memory(self, plan: Plan, train_cfg: StepConfig,
+                       build: Callable[[StepConfig], StepProgram]) -> StepProgram:
         """`plan`'s step compiled under `remat="auto"`'s policy for it (remat_choice.py): the
         memory model's choice, stepped up while XLA says the compiled step does not fit."""
         first = remat_for_memory(self.model, plan, self._memory_gb or DEFAULT_DEVICE_MEMORY_GB)

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from resihp_jax.detector.verdict import HostCpu
-from resihp_jax.meshes.plan import TIMED_SLOT
+from resihp_jax.plan import TIMED_SLOT
 from resihp_jax.runtime.trainer.host_cpu import CpuMeter
 from resihp_jax.step.instrument import FWD_END, FWD_START, RegionTimer
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from resihp_jax.detector.base import Detector
 from resihp_jax.detector.verdict import StepObservation
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 
 WINDOW, MIN_STEPS = 32, 6
 

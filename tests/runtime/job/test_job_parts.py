@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from resihp_jax.errors import ConfigError, HostsLeftOut, PlanError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.job import distributed
 from resihp_jax.runtime.recovery import health_record
 from resihp_jax.detector.verdict import StepObservation
 from resihp_jax.runtime.job.deadline import Ladder
 from resihp_jax.runtime.job.heartbeat import Beat
-from resihp_jax.runtime.job.plan import cover_processes, plan_for_devices
+from resihp_jax.runtime.job.relaunch_plan import cover_processes, plan_for_devices
 from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor
 from resihp_jax.runtime.run.record_sink import metrics_file
 from resihp_jax.runtime.job.coordinator import HUNG_EXIT
@@ -238,16 +238,16 @@ def test_sigterm_exits_with_its_own_code_and_names_the_process(tmp_path: Path,
     """A preemption's SIGTERM writes the newest copy and exits PREEMPTED_EXIT, apart from
     a failed step's 75; the messages carry the process's own name (rh.fit in a script)."""
     from resihp_jax.runtime.job import exits
-    from resihp_jax.runtime.recovery import host_snapshot
+    from resihp_jax.runtime.recovery import host_copies
 
     assert exits.PREEMPTED_EXIT != HUNG_EXIT
     assert exits.EXIT_CODES[exits.PREEMPTED_EXIT].startswith("preempted")
     codes: list[int] = []
     try:
-        host_snapshot.set_prog("rh.fit")
-        host_snapshot.HostSnapshots(tmp_path, "p0")._on_sigterm(codes.append)
+        host_copies.set_prog("rh.fit")
+        host_copies.HostCopies(tmp_path, "p0")._on_sigterm(codes.append)
     finally:
-        host_snapshot.set_prog("resihp")
+        host_copies.set_prog("resihp")
     assert codes == [exits.PREEMPTED_EXIT]
     err = capsys.readouterr().err
     assert err.startswith("rh.fit: SIGTERM") and "resihp train" not in err
@@ -259,15 +259,15 @@ def test_sigterm_after_a_named_failure_exits_75_naming_it(tmp_path: Path, monkey
     """resihp launch names the failure that ends the job before its SIGTERM: the others exit
     75 (a peer was lost: not their fault, a restart) with one line naming it, not 74."""
     from resihp_jax.runtime.job.exits import PEER_LOST_ENV, PREEMPTED_EXIT
-    from resihp_jax.runtime.recovery import host_snapshot
+    from resihp_jax.runtime.recovery import host_copies
 
     named = tmp_path / "peer_lost"
     monkeypatch.setenv(PEER_LOST_ENV, str(named))
     codes: list[int] = []
-    host_snapshot.HostSnapshots(tmp_path, "p1")._on_sigterm(codes.append)
+    host_copies.HostCopies(tmp_path, "p1")._on_sigterm(codes.append)
     assert codes == [PREEMPTED_EXIT]  # no file: nothing named, a preemption
     named.write_text("died: process p0 exited with signal SIGKILL\n")
-    host_snapshot.HostSnapshots(tmp_path, "p1")._on_sigterm(codes.append)
+    host_copies.HostCopies(tmp_path, "p1")._on_sigterm(codes.append)
     assert codes[-1] == HUNG_EXIT
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "the job is ending: died: process p0 exited with signal SIGKILL" in last
@@ -417,13 +417,13 @@ def test_a_standby_keeps_its_programs_unless_the_health_record_changes_its_plan(
     from resihp_jax.runtime.job.join import Job
     from resihp_jax.runtime.run.config import RunConfig
     from resihp_jax.runtime.run.training import TrainingRun
-    from resihp_jax.step.config import TrainConfig
+    from resihp_jax.step.config import StepConfig
 
     go_file = tmp_path / "standby" / standby.GO_FILE
     go_file.parent.mkdir()
     standby.write_go(go_file, standby.Go(("p3",), 2, time.time()))  # the word came early
     plan, out = _requested(1, 1, 1), io.StringIO()
-    training = TrainingRun(get_model_config("tiny"), TrainConfig(), plan,
+    training = TrainingRun(get_model_config("tiny"), StepConfig(), plan,
                            RunConfig(checkpoint_dir=str(tmp_path)), out=out)
     waiting = Job(distributed.JobSpec(host_id="standby0"), ("standby0",))
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from resihp_jax.cli import main
-from resihp_jax.detector.ours import WARMUP_STEPS
+from resihp_jax.detector.resihp import WARMUP_STEPS
 from resihp_jax.runtime.recovery import health_record
 from tests.runtime.job.test_launch_script import SCRIPT, reference_losses
 

@@ -12,12 +12,12 @@ import pytest
 
 from resihp_jax.errors import CheckpointError, ConfigError
 from resihp_jax.faults.slow_writer import slow_writes
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.recovery.cadence import (GPU_MTBF_S, Cadence, check_interval,
                                                  choose_interval, job_mtbf_s)
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from tests.helpers import AtOnce, step_program
 
 
@@ -90,7 +90,7 @@ def test_steps_mode_saves_every_n() -> None:
 @pytest.fixture(scope="module")
 def program():  # noqa: ANN201
     plan = Plan.uniform(1, 1, 1, n_layers=4, n_microbatches=1, microbatch_size=1, seq_len=32)
-    return step_program(get_model_config("tiny"), TrainConfig(), plan)
+    return step_program(get_model_config("tiny"), StepConfig(), plan)
 
 
 def _run(ckpt: Checkpointer, program, steps: int, now: list[float], step_s: float) -> list[int]:  # noqa: ANN001

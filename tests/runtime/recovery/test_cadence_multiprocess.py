@@ -18,15 +18,15 @@ SCRIPT = textwrap.dedent("""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid, initialization_timeout=120)
     from resihp_jax.faults.slow_writer import slow_writes
-    from resihp_jax.meshes.plan import Plan
+    from resihp_jax.plan import Plan
     from resihp_jax.models.config import get_model_config
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
-    from resihp_jax.step.config import TrainConfig
+    from resihp_jax.step.config import StepConfig
     from resihp_jax.step.builder import build_step
 
     plan = Plan.uniform(2, 1, 1, n_layers=4, n_microbatches=2, microbatch_size=1, seq_len=32,
                         device_ids=tuple(d.id for d in jax.devices()))
-    program = build_step(get_model_config("tiny"), TrainConfig(), plan, jax.devices())
+    program = build_step(get_model_config("tiny"), StepConfig(), plan, jax.devices())
     state = program.init_state(0)
     result = {}
     for name, interval in (("steps", 1), ("auto", "auto")):

@@ -13,12 +13,12 @@ import pytest
 
 from resihp_jax.data import BatchIterator
 from resihp_jax.errors import CheckpointError, CheckpointFallbackWarning
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, room_beside_steps
-from resihp_jax.runtime.trainer.loop import run_step
+from resihp_jax.runtime.trainer.records import run_step
 from resihp_jax.runtime.recovery.run_identity import run_identity
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.reshard import to_canonical
 from resihp_jax.step.builder import build_step
 from tests.helpers import AtOnce, max_relative_error, step_program
@@ -35,7 +35,7 @@ def _data(seed: int = 0, state: dict | None = None) -> BatchIterator:
 def test_restore_onto_fewer_devices_continues_exactly(tmp_path: Path) -> None:
     big = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
     small = Plan(3, 2, 1, (6, 1, 0, 3, 4, 2), (1, 3), (2, 2, 2), B, S)
-    program = step_program(CFG, TrainConfig(), big)
+    program = step_program(CFG, StepConfig(), big)
     state, data = program.init_state(0), _data()
     ckpt = Checkpointer(tmp_path / "ckpt", interval=2)
     for _ in range(2):
@@ -45,7 +45,7 @@ def test_restore_onto_fewer_devices_continues_exactly(tmp_path: Path) -> None:
     expected_params = jax.device_get(to_canonical(state, program).params)
     _, expected = run_step(program, state, data.next_batch())  # the uninterrupted next step
 
-    target = step_program(CFG, TrainConfig(), small)
+    target = step_program(CFG, StepConfig(), small)
     restored = Checkpointer(tmp_path / "ckpt").restore(target)
     assert restored.step == 2 and restored.plan == big
     assert max_relative_error(jax.device_get(to_canonical(restored.state, target).params),
@@ -56,7 +56,7 @@ def test_restore_onto_fewer_devices_continues_exactly(tmp_path: Path) -> None:
 
 
 def test_missing_checkpoints_are_clear_errors(tmp_path: Path) -> None:
-    program = build_step(CFG, TrainConfig(), Plan.uniform(
+    program = build_step(CFG, StepConfig(), Plan.uniform(
         1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S), jax.devices())
     with pytest.raises(CheckpointError, match="no checkpoint in"):
         Checkpointer(tmp_path / "empty").restore(program)
@@ -71,13 +71,13 @@ def test_missing_checkpoints_are_clear_errors(tmp_path: Path) -> None:
 
 def test_restoring_into_another_model_is_refused(tmp_path: Path) -> None:
     plan = Plan.uniform(1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
-    program = step_program(CFG, TrainConfig(), plan)
+    program = step_program(CFG, StepConfig(), plan)
     ckpt = Checkpointer(tmp_path / "c", interval=1)
     ckpt.save(1, program.init_state(0), program, _data().state())
     ckpt.wait()
     other = get_model_config("tiny", d_model=32, d_ff=64)
     with pytest.raises(CheckpointError, match="does not match"):
-        ckpt.restore(step_program(other, TrainConfig(), plan))
+        ckpt.restore(step_program(other, StepConfig(), plan))
 
 
 def _trained(program, steps: int, data: BatchIterator, state=None):
@@ -94,7 +94,7 @@ def _canonical_params(state, program):
 @functools.cache
 def _program():  # noqa: ANN202 - one compiled program shared by the tests below
     plan = Plan.uniform(1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
-    return step_program(CFG, TrainConfig(), plan)
+    return step_program(CFG, StepConfig(), plan)
 
 
 def test_async_save_keeps_the_saved_step_although_buffers_are_donated(tmp_path: Path) -> None:
@@ -262,11 +262,11 @@ def test_no_good_step_or_a_damaged_explicit_step_is_an_error(tmp_path: Path) -> 
 def test_another_runs_checkpoint_is_refused_naming_both_values(tmp_path: Path) -> None:
     program = _program()
     data = _data()
-    ours = run_identity(CFG, TrainConfig(), data.state())
+    ours = run_identity(CFG, StepConfig(), data.state())
     ckpt = Checkpointer(tmp_path / "c", interval=1, identity=ours)
     ckpt.save(1, program.init_state(0), program, data.state())
     ckpt.wait()
-    theirs = run_identity(CFG, TrainConfig(learning_rate=1e-3), _data(seed=5).state())
+    theirs = run_identity(CFG, StepConfig(learning_rate=1e-3), _data(seed=5).state())
     with pytest.raises(CheckpointError, match=r"optimizer\.learning_rate=0\.003 in the "
                                               r"checkpoint, 0\.001 in this run.*"
                                               r"data\.seed=0 in the checkpoint, 5 in this run"):
@@ -281,7 +281,7 @@ def test_a_checkpoint_of_the_retired_builtin_decoder_is_refused_even_when_forced
     restore."""
     program = _program()
     data = _data()
-    ours = run_identity(CFG, TrainConfig(), data.state())
+    ours = run_identity(CFG, StepConfig(), data.state())
     retired = {k: v for k, v in ours.items() if k != "state_layout"}
     ckpt = Checkpointer(tmp_path / "c", interval=1, identity=retired)
     ckpt.save(1, program.init_state(0), program, data.state())
@@ -319,7 +319,7 @@ def test_a_step_beside_an_asynchronous_write_gets_twice_the_longest_write_on_top
         tmp_path: Path) -> None:
     """Not the start-up deadline for every step that overlaps a write (a hang then took
     120 s to catch), only until a write has been timed, and never more than it."""
-    program = build_step(CFG, TrainConfig(), Plan.uniform(
+    program = build_step(CFG, StepConfig(), Plan.uniform(
         1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S), jax.devices())
     state, data = program.init_state(0), _data()
     now = [100.0]
@@ -351,7 +351,7 @@ def test_a_save_may_take_a_multiple_of_the_longest_save_so_far_before_it_counts_
     """A peer frozen at a step blocks the others' save of it in orbax's barriers: caught at
     3x the longest save call (at least the floor), plus the length of a write the call must
     wait for, not only at the start-up deadline."""
-    program = build_step(CFG, TrainConfig(), Plan.uniform(
+    program = build_step(CFG, StepConfig(), Plan.uniform(
         1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S), jax.devices())
     state, data = program.init_state(0), _data()
     now = [0.0]
@@ -386,7 +386,7 @@ def test_a_save_due_while_the_last_write_runs_is_put_off_not_waited_for(
     under way (orbax would stall it); the first step that finds the write done saves, with
     its own data position, and the interval goes on from the policy's steps."""
     plan = Plan.uniform(1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
-    program = step_program(CFG, TrainConfig(), plan)
+    program = step_program(CFG, StepConfig(), plan)
     state = program.init_state(0)
     ckpt = Checkpointer(tmp_path / "ckpt", interval=2, asynchronous=True,
                         put_off_while_writing=True)

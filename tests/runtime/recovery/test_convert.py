@@ -15,12 +15,12 @@ import pytest
 
 from resihp_jax.data import BatchIterator
 from resihp_jax.errors import CheckpointError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
 from resihp_jax.runtime.recovery.convert import convert_checkpoint
 from resihp_jax.runtime.recovery.run_identity import run_identity
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.program import TrainState
 from resihp_jax.step.reshard import to_canonical
 from resihp_jax.step.state_io import save_args, state_handler
@@ -83,7 +83,7 @@ def _decoder_state() -> TrainState:
     of every leaf (parameters and the optimizer's statistics alike): a leaf restored at
     another leaf's place cannot match."""
     params = _nested({old: np.zeros(shape, np.float32) for old, shape, _ in RETIRED_LAYOUT})
-    state = TrainState(np.int32(3), params, TrainConfig().optimizer().init(params))
+    state = TrainState(np.int32(3), params, StepConfig().optimizer().init(params))
     leaves, treedef = jax.tree.flatten(tuple(state[1:]))
     distinct = [np.asarray(1000 * (i + 1) + np.arange(np.size(leaf)).reshape(np.shape(leaf)),
                            np.asarray(leaf).dtype) for i, leaf in enumerate(leaves)]
@@ -94,13 +94,13 @@ def _decoder_state() -> TrainState:
 def decoder_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     """A decoder's checkpoint at step 3 (identity without a state layout) and what it holds."""
     plan = Plan.uniform(1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
-    program = step_program(CFG, TrainConfig(), plan)
+    program = step_program(CFG, StepConfig(), plan)
     data = BatchIterator("synthetic:bimodal", n_microbatches=M, microbatch_size=B, seq_len=S,
                          seed=0)
     for _ in range(3):
         data.next_batch()
     old = _decoder_state()
-    identity = run_identity(CFG, TrainConfig(), data.state())
+    identity = run_identity(CFG, StepConfig(), data.state())
     retired = {k: v for k, v in identity.items() if k != "state_layout"}
     meta = {"step": 3, "data_state": data.state(), "plan": plan.to_dict(), "model": CFG.name,
             "identity": retired}

@@ -15,14 +15,14 @@ import jax
 import pytest
 
 from resihp_jax.data import BatchIterator
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.recovery import local_copies, survivor_copies
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
-from resihp_jax.runtime.recovery.host_snapshot import MANIFEST, HostSnapshots
+from resihp_jax.runtime.recovery.host_copies import MANIFEST, HostCopies
 from resihp_jax.runtime.recovery.resume import start_state
-from resihp_jax.runtime.trainer.loop import run_step
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.runtime.trainer.records import run_step
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.reshard import to_canonical
 from tests.helpers import max_relative_error, step_program
 
@@ -42,7 +42,7 @@ PLAN = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, se
 @pytest.fixture(scope="module")
 def trained() -> tuple:
     """`PLAN` after two steps (its step keeps the state: the tests step from it again)."""
-    program = step_program(CFG, TrainConfig(donate_state=False), PLAN)
+    program = step_program(CFG, StepConfig(donate_state=False), PLAN)
     state, data = program.init_state(0), _data()
     for _ in range(2):
         state, _ = run_step(program, state, data.next_batch())
@@ -55,7 +55,7 @@ def _nodes_write(ckpt_dir: Path, local: Path, program, state, data,  # noqa: ANN
     node's local directory."""
     step = int(jax.device_get(state.step))
     for process in range(8 // PER):
-        copies = HostSnapshots(ckpt_dir, f"p{process}", mode="host",
+        copies = HostCopies(ckpt_dir, f"p{process}", mode="host",
                                devices=range(PER * process, PER * (process + 1)),
                                owner_of=lambda d: d.id // PER,
                                local_root=local / f"node{process}")
@@ -116,7 +116,7 @@ def test_in_place_refuses_another_plan_and_shards_no_replica_can_read(
     [copies] = survivor_copies.find(tmp_path / "ckpt")
     other = PLAN.replace(layers_per_stage=(1, 3))  # another layer split
     assert local_copies.restore_in_place(
-        copies, step_program(CFG, TrainConfig(), other)) is None
+        copies, step_program(CFG, StepConfig(), other)) is None
     # nobody can read anything: no replica holds any shard
     assert local_copies.restore_in_place(copies, program, lambda path, device: False) is None
 
@@ -132,7 +132,7 @@ def test_resume_in_place_onto_the_same_split_and_by_publishing_onto_another(
     expected = jax.device_get(to_canonical(state, program))
     ckpt = Checkpointer(tmp_path / "ckpt", interval=100, local_copy_dir=tmp_path / "shm")
     assert ckpt.local_copies.is_relative_to(tmp_path / "shm")
-    kept = HostSnapshots(ckpt.directory, "p0", mode="host", local_root=ckpt.local_copies)
+    kept = HostCopies(ckpt.directory, "p0", mode="host", local_root=ckpt.local_copies)
     kept.capture(2, state, program, data.state())
     assert kept.dump("a peer died")
     out = io.StringIO()
@@ -142,7 +142,7 @@ def test_resume_in_place_onto_the_same_split_and_by_publishing_onto_another(
 
     for layers, how in (((2, 2), "restored in place"), ((1, 3), "published")):
         small = Plan(1, 2, 2, (4, 5, 6, 7), layers, (4,), B, S)
-        target = step_program(CFG, TrainConfig(), small)
+        target = step_program(CFG, StepConfig(), small)
         out = io.StringIO()
         start = start_state(target, ckpt, _data(), resume=True, seed=0, primary=True, out=out)
         assert start.source == "survivors@2" and how in out.getvalue(), out.getvalue()

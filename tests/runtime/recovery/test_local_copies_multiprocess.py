@@ -21,14 +21,14 @@ SCRIPT = textwrap.dedent("""
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid, initialization_timeout=120)
     from jax.experimental import multihost_utils
     from resihp_jax.data import BatchIterator
-    from resihp_jax.meshes.plan import Plan
+    from resihp_jax.plan import Plan
     from resihp_jax.models.config import get_model_config
     from resihp_jax.runtime.recovery import local_copies, survivor_copies
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
-    from resihp_jax.runtime.recovery.host_snapshot import HostSnapshots
+    from resihp_jax.runtime.recovery.host_copies import HostCopies
     from resihp_jax.runtime.recovery.resume import start_state
-    from resihp_jax.runtime.trainer.loop import run_step
-    from resihp_jax.step.config import TrainConfig
+    from resihp_jax.runtime.trainer.records import run_step
+    from resihp_jax.step.config import StepConfig
     from resihp_jax.step.reshard import to_canonical
     from resihp_jax.step.builder import build_step
 
@@ -45,12 +45,12 @@ SCRIPT = textwrap.dedent("""
 
     plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=2, seq_len=64,
                         device_ids=tuple(d.id for d in jax.devices()))
-    program = build_step(get_model_config("tiny"), TrainConfig(), plan, jax.devices())
+    program = build_step(get_model_config("tiny"), StepConfig(), plan, jax.devices())
     state, batches = program.init_state(0), data()
     state, _ = run_step(program, state, batches.next_batch())
     node = root / f"node{pid}"
     ckpt = Checkpointer(root / "ckpt", interval=100, local_copy_dir=node)
-    kept = HostSnapshots(ckpt.directory, f"p{pid}", mode="host", local_root=ckpt.local_copies)
+    kept = HostCopies(ckpt.directory, f"p{pid}", mode="host", local_root=ckpt.local_copies)
     kept.capture(1, state, program, batches.state())
     if pid == 0:
         kept.dump("a peer died")  # process 1 keeps nothing: a spare
@@ -60,7 +60,7 @@ SCRIPT = textwrap.dedent("""
     restored, filled = local_copies.restore_in_place(copies, program, mine)
     in_place = same(restored, state)
 
-    other = build_step(get_model_config("tiny"), TrainConfig(),
+    other = build_step(get_model_config("tiny"), StepConfig(),
                        plan.replace(layers_per_stage=(1, 3)), jax.devices())
     out = io.StringIO()
     start = start_state(other, ckpt, data(), resume=True, seed=0, primary=pid == 0, out=out)

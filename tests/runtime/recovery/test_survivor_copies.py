@@ -1,8 +1,8 @@
-"""The survivors' copies of the last step (host_snapshot.py, survivor_copies.py): with dp=2
+"""The survivors' copies of the last step (host_copies.py, survivor_copies.py): with dp=2
 the processes left after one dies hold every shard, and the state they wrote restores onto
 a smaller plan with the same values and the same next losses; with dp=1 some shard has no
 copy left and the resume falls back to the periodic checkpoint, saying so. One process poses
-as four (two devices each) through the snapshot's injected device list."""
+as four (two devices each) through the copies' injected device list."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ import pytest
 
 from resihp_jax.data import BatchIterator
 from resihp_jax.errors import CheckpointError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.recovery import survivor_copies
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, canonical_target
-from resihp_jax.runtime.recovery.host_snapshot import MANIFEST, HostSnapshots
-from resihp_jax.runtime.trainer.loop import run_step
+from resihp_jax.runtime.recovery.host_copies import MANIFEST, HostCopies
+from resihp_jax.runtime.trainer.records import run_step
 from resihp_jax.runtime.recovery.resume import start_state
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.reshard import to_canonical
 from resihp_jax.step.builder import build_step
 from tests.helpers import max_relative_error, step_program
@@ -39,7 +39,7 @@ def _data(state: dict | None = None) -> BatchIterator:
 
 
 def _trained(plan: Plan, steps: int, donate: bool = True) -> tuple:
-    program = step_program(CFG, TrainConfig(donate_state=donate), plan)
+    program = step_program(CFG, StepConfig(donate_state=donate), plan)
     state, data = program.init_state(0), _data()
     for _ in range(steps):
         state, _ = run_step(program, state, data.next_batch())
@@ -53,7 +53,7 @@ def _survivors_write(directory: Path, program, state, data, dead: set[int],  # n
     `then` runs (e.g. the next step, which fails); all but `dead` write. `node_of`: the node
     each process runs on (default: one each)."""
     step = int(jax.device_get(state.step))
-    kept = [HostSnapshots(directory, f"p{process}", mode=mode,
+    kept = [HostCopies(directory, f"p{process}", mode=mode,
                           devices=range(per * process, per * (process + 1)),
                           owner_of=lambda d: d.id // per, node_of=node_of)
             for process in range(8 // per)]
@@ -86,7 +86,7 @@ def test_copies_of_one_dead_process_restore_onto_a_smaller_plan(tmp_path: Path,
     [copies] = survivor_copies.find(tmp_path)
     assert copies.complete and copies.step == 2 and sorted(copies.hosts) == ["p1", "p2", "p3"]
     small = Plan(1, 2, 2, (2, 3, 4, 5), (1, 3), (4,), B, S)  # what is left, another split
-    target = step_program(CFG, TrainConfig(), small)
+    target = step_program(CFG, StepConfig(), small)
     restored = survivor_copies.restore(copies, target, canonical_target(target))
     got = jax.device_get(to_canonical(restored, target))
     assert max_relative_error(got.params, expected.params) == 0.0
@@ -217,7 +217,7 @@ def test_copies_of_another_model_are_refused(tmp_path: Path) -> None:
     plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
     program, state, data = _trained(plan, 1)
     _survivors_write(tmp_path, program, state, data, dead=set())
-    other = build_step(get_model_config("tiny", d_ff=96), TrainConfig(), plan, jax.devices())
+    other = build_step(get_model_config("tiny", d_ff=96), StepConfig(), plan, jax.devices())
     [copies] = survivor_copies.find(tmp_path)
     with pytest.raises(CheckpointError, match="do not match this model"):
         survivor_copies.restore(copies, other, canonical_target(other))
@@ -229,8 +229,8 @@ def test_processes_stopped_a_step_apart_restore_the_step_they_share(tmp_path: Pa
     plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
     program, state, data = _trained(plan, 2, donate=False)
     expected = jax.device_get(to_canonical(state, program))
-    p1 = HostSnapshots(tmp_path, "p1", mode="keep", devices=(2, 3))
-    p2 = HostSnapshots(tmp_path, "p2", mode="keep", devices=(4, 5))
+    p1 = HostCopies(tmp_path, "p1", mode="keep", devices=(2, 3))
+    p2 = HostCopies(tmp_path, "p2", mode="keep", devices=(4, 5))
     for copies in (p1, p2):
         copies.capture(2, state, program, data.state())
     ahead, _ = run_step(program, state, data.next_batch())
@@ -248,7 +248,7 @@ def test_processes_stopped_a_step_apart_restore_the_step_they_share(tmp_path: Pa
 
 
 def test_auto_keeps_the_states_on_the_devices_only_where_two_more_fit() -> None:
-    from resihp_jax.runtime.recovery.host_snapshot import auto_mode  # noqa: PLC0415
+    from resihp_jax.runtime.recovery.host_copies import auto_mode  # noqa: PLC0415
 
     gib = 2**30
     # an 80 GB accelerator: a 1B model's 14 GB state twice beside a 30 GB step fits
@@ -269,11 +269,11 @@ def test_copies_rewritten_under_another_plan_are_judged_apart(tmp_path: Path) ->
     program, state, data = _trained(big, 2)
     _survivors_write(tmp_path, program, state, data, dead={0})  # 3 of 4 hosts: complete
     small = Plan(1, 2, 2, (2, 3, 4, 5), (1, 3), (4,), B, S)
-    target = step_program(CFG, TrainConfig(), small)
+    target = step_program(CFG, StepConfig(), small)
     [copies] = survivor_copies.find(tmp_path)
     moved = survivor_copies.restore(copies, target, canonical_target(target))
     # one process of the relaunch (its own name: another pid) rewrites step 2 and fails
-    again = HostSnapshots(tmp_path, "p1-relaunched", mode="host", devices=(2, 3))
+    again = HostCopies(tmp_path, "p1-relaunched", mode="host", devices=(2, 3))
     again.capture(2, moved, target, data.state())
     assert again.dump("the relaunch failed too")
     whole, partial = survivor_copies.find(tmp_path)
@@ -300,7 +300,7 @@ def test_a_step_finished_on_the_devices_is_kept_when_a_later_collective_fails(
 
     plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
     program, state, data = _trained(plan, 2, donate=False)
-    kept = HostSnapshots(tmp_path, "p0", mode="keep")
+    kept = HostCopies(tmp_path, "p0", mode="keep")
     kept.capture(2, state, program, data.state())
     ahead, _ = run_step(program, state, data.next_batch())  # step 3, never yielded
     trainer = SimpleNamespace(completed=3, state=ahead, program=program, data=data)
@@ -310,7 +310,7 @@ def test_a_step_finished_on_the_devices_is_kept_when_a_later_collective_fails(
     [newest, older] = survivor_copies.find(tmp_path)
     assert (newest.step, older.step) == (3, 2) and newest.data_state == data.state()
     # a step that failed after donating the state: nothing to keep
-    later = HostSnapshots(tmp_path / "later", "p0", mode="keep")
+    later = HostCopies(tmp_path / "later", "p0", mode="keep")
     later.capture(2, state, program, data.state())
     jax.tree.map(lambda leaf: leaf.delete(), ahead)
     assert not keep_completed(later, trainer) and later.newest_step == 2

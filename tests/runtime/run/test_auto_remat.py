@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from resihp_jax.errors import PlanError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.perfmodel.costs import REMAT_POLICIES
 from resihp_jax.perfmodel.memory import (devices_memory_gb, memory_bytes_per_device,

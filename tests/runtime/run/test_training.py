@@ -28,7 +28,7 @@ def _script_run(tmp_path: Path, adapt: bool) -> tuple[list, str]:
                           checkpoint_dir=str(tmp_path / "ckpt"),
                           metrics=str(tmp_path / "script.jsonl"))
     out = io.StringIO()
-    records = rh.engine.TrainingRun(model, rh.engine.TrainConfig(), plan, config, out=out).run()
+    records = rh.engine.TrainingRun(model, rh.engine.StepConfig(), plan, config, out=out).run()
     return records, out.getvalue()
 
 

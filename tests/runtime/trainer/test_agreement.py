@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent("""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid, initialization_timeout=120)
     from resihp_jax.detector.verdict import Verdict
-    from resihp_jax.meshes.plan import Plan
+    from resihp_jax.plan import Plan
     from resihp_jax.meshes.agree import from_primary
     from resihp_jax.runtime.trainer.resilient import _agreed, _agreed_step
     from resihp_jax.runtime.trainer.timing import StepTiming

@@ -15,13 +15,13 @@ import pytest
 from resihp_jax.data import BatchIterator
 from resihp_jax.detector.base import Detector
 from resihp_jax.detector.verdict import StepObservation, Verdict
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.trainer import resilient
-from resihp_jax.runtime.trainer.loop import StepRecord
+from resihp_jax.runtime.trainer.records import StepRecord
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 
 CFG = get_model_config("tiny")
 PLAN = Plan.uniform(1, 1, 1, n_layers=4, n_microbatches=1, microbatch_size=2, seq_len=32,
@@ -55,7 +55,7 @@ def _trainer(log: list[tuple], monkeypatch: pytest.MonkeyPatch, **spy: int
              ) -> ResilientTrainer:
     data = BatchIterator("synthetic:lognormal", n_microbatches=1, microbatch_size=2,
                          seq_len=32, seed=0)
-    trainer = ResilientTrainer(CFG, TrainConfig(), PLAN, jax.devices()[:1], data,
+    trainer = ResilientTrainer(CFG, StepConfig(), PLAN, jax.devices()[:1], data,
                                ResilienceConfig(precompile=0, compile_cache_dir=None))
     trainer.detector = _Spy(log, **spy)
     real = resilient.timed_step

@@ -10,11 +10,11 @@ import pytest
 
 from resihp_jax.data import BatchIterator
 from resihp_jax.faults.injector import FaultInjector
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.trainer import resilient
-from resihp_jax.runtime.trainer.loop import StepRecord
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.runtime.trainer.records import StepRecord
+from resihp_jax.step.config import StepConfig
 
 CFG = get_model_config("tiny")
 
@@ -33,7 +33,7 @@ def _callbacks(monkeypatch: pytest.MonkeyPatch, n_devices: int, hook: bool) -> i
     data = BatchIterator("synthetic:lognormal", n_microbatches=2, microbatch_size=2,
                          seq_len=32, seed=0)
     config = resilient.ResilienceConfig(precompile=0, compile_cache_dir=None)
-    trainer = resilient.ResilientTrainer(CFG, TrainConfig(), plan, jax.devices()[:n_devices],
+    trainer = resilient.ResilientTrainer(CFG, StepConfig(), plan, jax.devices()[:n_devices],
                                          data, config,
                                          fault_hook=FaultInjector(plan) if hook else None)
     records = [r for r in trainer.run(2) if isinstance(r, StepRecord)]

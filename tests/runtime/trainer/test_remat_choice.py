@@ -70,7 +70,7 @@ def test_the_trainer_compiles_the_policy_whose_step_fits_the_given_memory() -> N
     import jax  # noqa: PLC0415
 
     from resihp_jax.data import BatchIterator  # noqa: PLC0415
-    from resihp_jax.meshes.plan import Plan  # noqa: PLC0415
+    from resihp_jax.plan import Plan  # noqa: PLC0415
     from resihp_jax.models.config import get_model_config  # noqa: PLC0415
     from resihp_jax.perfmodel.memory import (compiled_bytes,  # noqa: PLC0415
                                              memory_bytes_per_device)
@@ -78,13 +78,13 @@ def test_the_trainer_compiles_the_policy_whose_step_fits_the_given_memory() -> N
     from resihp_jax.runtime.trainer.resilient import (ResilienceConfig,  # noqa: PLC0415
                                                       ResilientTrainer)
     from resihp_jax.step.builder import build_step  # noqa: PLC0415
-    from resihp_jax.step.config import TrainConfig  # noqa: PLC0415
+    from resihp_jax.step.config import StepConfig  # noqa: PLC0415
 
     model = get_model_config("tiny").replace(vocab_size=256)
     devices = jax.devices()[:1]
     plan = Plan.uniform(1, 1, 1, n_layers=model.n_layers, n_microbatches=1, microbatch_size=1,
                         seq_len=128, device_ids=(int(devices[0].id),))
-    train = TrainConfig(remat="auto", loss_chunks=1, microbatch_slots=1)
+    train = StepConfig(remat="auto", loss_chunks=1, microbatch_slots=1)
 
     def need(policy: str) -> int:  # what XLA says the step asks for under `policy`
         return compiled_bytes(compile_step(build_step(
@@ -112,14 +112,14 @@ def test_a_step_built_directly_refuses_auto_by_name() -> None:
     import jax  # noqa: PLC0415
 
     from resihp_jax.errors import ConfigError  # noqa: PLC0415
-    from resihp_jax.meshes.plan import Plan  # noqa: PLC0415
+    from resihp_jax.plan import Plan  # noqa: PLC0415
     from resihp_jax.models.config import get_model_config  # noqa: PLC0415
     from resihp_jax.runtime.trainer.deferred import compile_step  # noqa: PLC0415
     from resihp_jax.step.builder import build_step  # noqa: PLC0415
-    from resihp_jax.step.config import TrainConfig  # noqa: PLC0415
+    from resihp_jax.step.config import StepConfig  # noqa: PLC0415
 
     model = get_model_config("tiny")
     plan = Plan.uniform(1, 1, 1, n_layers=model.n_layers, n_microbatches=1, microbatch_size=1,
                         seq_len=32, device_ids=(int(jax.devices()[0].id),))
     with pytest.raises(ConfigError, match="remat='auto' is chosen per plan by the trainer"):
-        compile_step(build_step(model, TrainConfig(remat="auto"), plan, jax.devices()[:1]))
+        compile_step(build_step(model, StepConfig(remat="auto"), plan, jax.devices()[:1]))

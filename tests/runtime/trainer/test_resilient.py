@@ -12,17 +12,17 @@ import pytest
 from resihp_jax.data import BatchIterator
 from resihp_jax.detector.verdict import Verdict
 from resihp_jax.errors import TrainingDiverged
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.faults.injector import FaultInjector
-from resihp_jax.runtime.trainer.loop import StepRecord, run_step
+from resihp_jax.runtime.trainer.records import StepRecord, run_step
 from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 from resihp_jax.step.builder import build_step
 
 CFG = get_model_config("tiny")
 PLAN = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=6, microbatch_size=2, seq_len=64)
-TRAIN = TrainConfig(microbatch_slots=3)
+TRAIN = StepConfig(microbatch_slots=3)
 
 
 def _data() -> BatchIterator:
@@ -153,7 +153,7 @@ def test_hang_deadline_follows_the_predicted_time_of_the_batch() -> None:
 def test_a_non_finite_step_stops_the_trainer_unsaved(tmp_path: Path) -> None:
     config = ResilienceConfig(precompile=0, compile_cache_dir=None,
                               checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=1)
-    trainer = ResilientTrainer(CFG, TrainConfig(microbatch_slots=3, learning_rate=1e30,
+    trainer = ResilientTrainer(CFG, StepConfig(microbatch_slots=3, learning_rate=1e30,
                                                 warmup_steps=0), PLAN, jax.devices(),
                                _data(), config)
     with pytest.raises(TrainingDiverged, match=r"step (\d+).*not finite.*newest checkpoint"):

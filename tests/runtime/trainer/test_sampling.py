@@ -12,13 +12,13 @@ from resihp_jax.data import BatchIterator
 from resihp_jax.detector import make_detector
 from resihp_jax.errors import ConfigError
 from resihp_jax.faults.injector import FaultInjector
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
-from resihp_jax.runtime.trainer.loop import StepRecord
+from resihp_jax.runtime.trainer.records import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer
 from resihp_jax.runtime.trainer.sampling import (FIRST_EVERY, MAX_EVERY, TimingSampler,
                                                  choose_every)
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 
 
 def test_k_keeps_the_timing_cost_within_its_share() -> None:
@@ -77,7 +77,7 @@ def test_untimed_steps_run_no_stage_callbacks_but_an_injected_fault_acts_on_ever
                          seq_len=32, seed=1)
     config = ResilienceConfig(detector="off", stage_timing_every=3, precompile=0,
                               compile_cache_dir=None)
-    trainer = ResilientTrainer(get_model_config("tiny"), TrainConfig(), plan, jax.devices(),
+    trainer = ResilientTrainer(get_model_config("tiny"), StepConfig(), plan, jax.devices(),
                                data, config, fault_hook=injector)
     timed, injected = [], []
     for item in trainer.run(7):

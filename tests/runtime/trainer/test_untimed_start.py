@@ -18,12 +18,12 @@ SCRIPT = r"""
 import json, sys, time
 import jax
 from resihp_jax.data import BatchIterator
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.trainer.compiles import counting, foreground_hits_since, foreground_since
-from resihp_jax.runtime.trainer.loop import StepRecord
+from resihp_jax.runtime.trainer.records import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer
-from resihp_jax.step.config import TrainConfig
+from resihp_jax.step.config import StepConfig
 
 cache = sys.argv[3]
 cfg = get_model_config("tiny")
@@ -36,7 +36,7 @@ def run(untimed):
     config = ResilienceConfig(precompile=0, compile_cache_dir=cache, untimed_start=untimed)
     since = time.time()
     with counting() as built:
-        trainer = ResilientTrainer(cfg, TrainConfig(), plan, jax.devices(), data, config)
+        trainer = ResilientTrainer(cfg, StepConfig(), plan, jax.devices(), data, config)
     started_timed = trainer.timed
     losses = [r.loss for r in trainer.run(2) if isinstance(r, StepRecord)]
     trainer.precompiler.wait()

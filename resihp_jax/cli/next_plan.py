@@ -13,7 +13,7 @@ from typing import Any
 
 from resihp_jax.errors import PlanError
 from resihp_jax.cli.args import parse_mesh
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import ModelConfig
 from resihp_jax.models.registry import planned_model
 from resihp_jax.perfmodel import CostParams, Health

@@ -13,7 +13,7 @@ import numpy as np
 
 from resihp_jax.errors import ConfigError
 from resihp_jax.sim.cluster import ClusterModel
-from resihp_jax.sim.ours import Ours, OursHeteroTP
+from resihp_jax.sim.resihp import Ours, OursHeteroTP
 from resihp_jax.sim.peers import CheckpointRestart, FtHsdp, Greyhound, Malleus, Oobleck, ReCycle
 from resihp_jax.sim.policy import Live, SimPolicy
 from resihp_jax.sim.traces import Trace

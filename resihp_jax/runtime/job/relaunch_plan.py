@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Mapping, Sequence
 
 from resihp_jax.errors import PlanError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import ModelConfig
 from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.scheduler import PlanningContext, run_policy

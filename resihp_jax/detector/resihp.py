@@ -90,10 +90,10 @@ import numpy as np
 from resihp_jax.detector.base import Detector, register
 from resihp_jax.detector.verdict import HostCpu, StepObservation
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel.costs import CostParams
 from resihp_jax.perfmodel.facts import ModelFacts
-from resihp_jax.perfmodel.fit import OnlineCostModel
+from resihp_jax.perfmodel.online import OnlineCostModel
 from resihp_jax.perfmodel import features
 from resihp_jax.perfmodel.work import group_data
 
@@ -134,7 +134,7 @@ CHECK_PERIOD, CHECK_BUDGET = 12, 0.05
 # 4 processes x 2 fake devices on 2 cores: 0.5 s against steps of 0.3-2 s)
 JOB_CHECK_START, JOB_CHECK_PERIOD, JOB_CHECK_BUDGET = 4, 5, 0.25
 # a refit of the cost model after its first runs beside the steps and takes effect this many
-# steps after it began (perfmodel/fit.py): a window's refit took 44 ms on 2 CPU cores, a
+# steps after it began (perfmodel/online.py): a window's refit took 44 ms on 2 CPU cores, a
 # whole step of a GPU's, every 16-64 steps
 REFIT_LAG = 2
 

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from resihp_jax.attention import check as attention_check, fit as flash_fit, flash
+from resihp_jax.attention import check as attention_check, block_sizes as flash_fit, flash
 from resihp_jax.attention.kernels import dense_attention, segment_attention
 from resihp_jax.models.config import get_model_config
-from resihp_jax.attention.fit import FitSettings, KernelFallbackWarning
+from resihp_jax.attention.block_sizes import FitSettings, KernelFallbackWarning
 
 SM90 = SimpleNamespace(compute_capability="9.0", platform="gpu")  # an H100 or H200
 H100_LIMIT = 232448  # "available: 232448" in the H100's compile error

@@ -15,7 +15,7 @@ import numpy as np
 
 from resihp_jax.data import GlobalBatch
 from resihp_jax.errors import TrainingDiverged
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.step.program import Batch, StepProgram, TrainState
 
 if TYPE_CHECKING:  # loop users without checkpoints never import orbax

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.models.config import ModelConfig
 from resihp_jax.perfmodel import features
 from resihp_jax.perfmodel.costs import CostParams

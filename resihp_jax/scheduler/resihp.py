@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 
 from resihp_jax.errors import PlanError
-from resihp_jax.meshes.plan import Plan
+from resihp_jax.plan import Plan
 from resihp_jax.perfmodel import Health, memory_bytes_per_device
 from resihp_jax.scheduler.context import PlanningContext, Proposal, keeps_current
 from resihp_jax.scheduler.memory_caps import MemoryLimits, fits

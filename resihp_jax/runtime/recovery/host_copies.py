@@ -120,7 +120,7 @@ def prog() -> str:
     return _PROG[0]
 
 
-class HostSnapshots:
+class HostCopies:
     """The newest `keep` steps' local shards in host memory; `dump` writes the newest."""
 
     def __init__(self, checkpoint_dir: str | Path, host: str,
@@ -262,16 +262,16 @@ class HostSnapshots:
             self._terminate = None
 
 
-_ACTIVE: list[HostSnapshots] = []  # the copies the exit paths of this process write out
+_ACTIVE: list[HostCopies] = []  # the copies the exit paths of this process write out
 
 
-def activate(snapshots: HostSnapshots) -> None:
-    """Make `snapshots` the ones `dump_active` writes (one training run per process)."""
-    _ACTIVE[:] = [snapshots]
+def activate(kept: HostCopies) -> None:
+    """Make `kept` the ones `dump_active` writes (one training run per process)."""
+    _ACTIVE[:] = [kept]
 
 
-def deactivate(snapshots: HostSnapshots) -> None:
-    if _ACTIVE and _ACTIVE[0] is snapshots:
+def deactivate(kept: HostCopies) -> None:
+    if _ACTIVE and _ACTIVE[0] is kept:
         _ACTIVE.clear()
 
 

@@ -52,7 +52,7 @@ from resihp_jax.perfmodel.costs import CostParams  # noqa: E402
 from resihp_jax.perfmodel.memory import compiled_bytes  # noqa: E402
 from resihp_jax.perfmodel.simulator import simulate_step  # noqa: E402
 from resihp_jax.runtime.run.run_metrics import RunMetrics  # noqa: E402
-from resihp_jax.runtime.trainer.records import StepRecord  # noqa: E402
+from resihp_jax.runtime.events import StepRecord  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402
 from resihp_jax.step.program import StepProgram  # noqa: E402
 from resihp_jax.step.builder import build_step  # noqa: E402

@@ -59,8 +59,9 @@ from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import get_model_config  # noqa: E402
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer  # noqa: E402
 from resihp_jax.runtime.trainer.compiles import counting  # noqa: E402
-from resihp_jax.runtime.trainer.records import StepRecord  # noqa: E402
-from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer  # noqa: E402
+from resihp_jax.runtime.events import StepRecord  # noqa: E402
+from resihp_jax.runtime.trainer.resilient import ResilientTrainer  # noqa: E402
+from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.scheduler import run_policy  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402
 from benchmarks.invariants import every_step_once, step_gaps, verdict  # noqa: E402

@@ -56,7 +56,7 @@ from resihp_jax.runtime.recovery.cadence import choose_interval, job_mtbf_s  # n
 from resihp_jax.runtime.trainer import resilient  # noqa: E402
 from resihp_jax.runtime.trainer.compiles import (  # noqa: E402
     BACKGROUND_PREFIX, background_since)
-from resihp_jax.runtime.trainer.resilient import DETECTOR_OFF  # noqa: E402
+from resihp_jax.runtime.config import DETECTOR_OFF  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402
 from benchmarks.invariants import (batches_match, every_step_once, losses_equal,  # noqa: E402
                                  step_gaps, verdict)

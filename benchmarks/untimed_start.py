@@ -45,8 +45,9 @@ from resihp_jax.data import BatchIterator
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.trainer.compiles import counting
-from resihp_jax.runtime.trainer.records import StepRecord
-from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer
+from resihp_jax.runtime.events import StepRecord
+from resihp_jax.runtime.trainer.resilient import ResilientTrainer
+from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.step.config import StepConfig
 
 cache, model, untimed = sys.argv[1], sys.argv[2], sys.argv[3] == "1"

@@ -25,11 +25,11 @@ _EXPORTS: dict[str, str] = {
     # training your own model
     "fit": "resihp_jax.runtime.run.fit",
     "FitResult": "resihp_jax.runtime.run.fit",
-    "StepRecord": "resihp_jax.runtime.trainer.records",
-    "Replan": "resihp_jax.runtime.trainer.resilient",
+    "StepRecord": "resihp_jax.runtime.events",
+    "Replan": "resihp_jax.runtime.events",
     "Plan": "resihp_jax.plan",
     "PackedBatch": "resihp_jax.data.prepacked",
-    "ResilienceConfig": "resihp_jax.runtime.trainer.resilient",
+    "ResilienceConfig": "resihp_jax.runtime.config",
     # devices and the job
     "use_cpu_devices": "resihp_jax.runtime.job.devices",
     "devices": "resihp_jax.runtime.job.devices",
@@ -92,8 +92,9 @@ if TYPE_CHECKING:
     from resihp_jax.runtime.job.devices import devices, use_cpu_devices
     from resihp_jax.runtime.job.join import join_job
     from resihp_jax.runtime.run.fit import FitResult, fit
-    from resihp_jax.runtime.trainer.records import StepRecord
-    from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig
+    from resihp_jax.runtime.events import StepRecord
+    from resihp_jax.runtime.events import Replan
+    from resihp_jax.runtime.config import ResilienceConfig
 
 
 def __getattr__(name: str) -> Any:

@@ -31,6 +31,7 @@ LAYERS: list[set[str]] = [
     {"step"},
     {"detector", "scheduler", "faults"},
     {"sim", "runtime.recovery", "metrics"},
+    {"runtime.config", "runtime.events"},  # the run's settings and what it reports: public types
     {"runtime.job", "runtime.trainer"},
     {"runtime.run", "runtime"},  # "runtime": the package's own __init__ (its map)
     {"demo"},

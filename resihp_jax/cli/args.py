@@ -103,7 +103,7 @@ def compile_cache_dir(args: argparse.Namespace) -> str | None:
         if args.compile_cache is not None:
             raise ConfigError("--compile-cache and --no-compile-cache contradict each other")
         return None
-    from resihp_jax.runtime.trainer.compile_cache import default_cache_dir  # noqa: PLC0415
+    from resihp_jax.runtime.config import default_cache_dir  # noqa: PLC0415
 
     directory = args.compile_cache or default_cache_dir()
     check_output_dir(directory, "--compile-cache")

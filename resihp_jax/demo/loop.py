@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from resihp_jax.runtime.run.programs import ModelPrograms
     from resihp_jax.faults.injector import FaultInjector
     from resihp_jax.runtime.run.run_metrics import RunMetrics
-    from resihp_jax.runtime.trainer.resilient import ResilienceConfig
+    from resihp_jax.runtime.config import ResilienceConfig
 
 CHECKPOINT_INTERVAL = 8
 
@@ -92,7 +92,7 @@ def _injector(config: DemoConfig) -> FaultInjector:
 
 
 def _resilience(config: DemoConfig) -> ResilienceConfig:
-    from resihp_jax.runtime.trainer.resilient import ResilienceConfig
+    from resihp_jax.runtime.config import ResilienceConfig
 
     return ResilienceConfig(checkpoint_dir=config.checkpoint_dir,
                             checkpoint_interval=CHECKPOINT_INTERVAL,
@@ -116,7 +116,7 @@ def _dashboards(config: DemoConfig, model: Any, progress: Progress) -> RunMetric
 
 def _consume(trainer: Any, config: DemoConfig, log: DemoLog, progress: Progress,
              metrics: TextIO | None, watch: RunMetrics | None = None) -> None:
-    from resihp_jax.runtime.trainer.resilient import Replan
+    from resihp_jax.runtime.events import Replan
 
     for item in trainer.run(config.steps, seed=config.seed):
         if isinstance(item, Replan):

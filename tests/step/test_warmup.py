@@ -11,7 +11,7 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.trainer.records import device_batch
-from resihp_jax.runtime.trainer.resilient import ResilienceConfig
+from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.step.aot import compile_program
 from resihp_jax.step.config import StepConfig
 from resihp_jax.step.instrument import Instrument

@@ -34,9 +34,10 @@ from resihp_jax.runtime.recovery.checkpoint_dir import refuse_held
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.run.programs import read_facts, model_programs
 from resihp_jax.runtime.trainer.compiles import install
-from resihp_jax.runtime.trainer.records import StepRecord
+from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.trainer.overhead import Overhead
-from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig
+from resihp_jax.runtime.events import Replan
+from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.step.config import StepConfig
 from resihp_jax.step.facts import MeasuredFacts
 from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES)

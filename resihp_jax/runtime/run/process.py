@@ -27,9 +27,11 @@ from resihp_jax.runtime.recovery.host_copies import HostCopies, activate, deacti
 from resihp_jax.runtime.recovery.preemption import SaveOnSigterm
 from resihp_jax.runtime.recovery.checkpoint import deadline_beside_write
 from resihp_jax.runtime.trainer.deferred import compile_layouts
-from resihp_jax.runtime.trainer.records import StepRecord
+from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.trainer.overhead import Overhead
-from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
+from resihp_jax.runtime.trainer.resilient import ResilientTrainer
+from resihp_jax.runtime.events import Replan
+from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig
 from resihp_jax.runtime.run.model_identity import with_current_hyperparams

@@ -10,7 +10,7 @@ from resihp_jax.metrics.writers import metrics_file  # noqa: F401 - the JSON lin
 from resihp_jax.runtime.run.config import RunConfig
 from resihp_jax.runtime.run.run_metrics import RunMetrics
 from resihp_jax.runtime.trainer.compiles import foreground_hits_since, foreground_since
-from resihp_jax.runtime.trainer.records import StepRecord
+from resihp_jax.runtime.events import StepRecord
 
 
 class RecordSink:

@@ -18,8 +18,8 @@ from resihp_jax.metrics import Metrics
 from resihp_jax.metrics.entry import (checkpoint_entry, peak_flops, plan_entry, replan_entry,
                                       step_entry, step_flops, verdict_entry)
 from resihp_jax.runtime.run.config import RunConfig
-from resihp_jax.runtime.trainer.records import StepRecord
-from resihp_jax.runtime.trainer.resilient import Replan
+from resihp_jax.runtime.events import StepRecord
+from resihp_jax.runtime.events import Replan
 
 # (step, state) -> the learning rate that step applied, or None
 LearningRate = Callable[[int, Any], "float | None"]

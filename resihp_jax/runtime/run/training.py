@@ -153,8 +153,7 @@ class TrainingRun:
         scheduler with `adapt`, else nothing (no detector, probes or stage timing: the loop
         still learns each step's deadline, checkpoints, keeps copies and survives a failed
         step)."""
-        from resihp_jax.runtime.trainer.resilient import (DETECTOR_OFF,  # noqa: PLC0415
-                                                          ResilienceConfig)
+        from resihp_jax.runtime.config import DETECTOR_OFF, ResilienceConfig
 
         if self.resilience is not None or self.config.adapt:
             return self.resilience

@@ -9,16 +9,9 @@ process 0 only, and every process reads them (`cache_layout`).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from resihp_jax.errors import ConfigError
-
-ENV_VAR = "RESIHP_COMPILE_CACHE"
-
-
-def default_cache_dir() -> str:
-    return os.environ.get(ENV_VAR) or str(Path.home() / ".cache" / "resihp_jax" / "xla")
 
 
 def cache_layout(backend: str, device_count: int, process_count: int,

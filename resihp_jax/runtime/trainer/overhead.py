@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+
 PARTS = ("checkpoints", "detector", "probes", "timing", "copies", "metrics")
-OVERHEAD_BUDGET = 0.02  # the share of wall time resilience may take (ResilienceConfig's)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ from resihp_jax.data import BatchIterator, GlobalBatch
 from resihp_jax.detector import (Prober, StepFailed, StepObservation, Verdict, make_detector,
                                  run_guarded)
 from resihp_jax.detector.attention_work import mb_attention_l2
-from resihp_jax.detector.base import DETECTORS
 from resihp_jax.detector.probes import gathered_probe
 from resihp_jax.errors import (ConfigError, HostsLeftOut, JobStepFailed, PlanError,
                                ResihpError, StepHung)
@@ -49,16 +48,16 @@ from resihp_jax.perfmodel import CostParams, Health
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.meshes.agree import (bytes_from_primary, from_payload, from_primary,
                                      max_over_processes, multi_process, primary_payload)
-from resihp_jax.runtime.recovery.cadence import MAX_INTERVAL_S, check_interval
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, deadline_beside_write
-from resihp_jax.runtime.trainer.compile_cache import default_cache_dir, enable_compilation_cache
+from resihp_jax.runtime.trainer.compile_cache import enable_compilation_cache
 from resihp_jax.runtime.trainer.compiles import counting
 from resihp_jax.runtime.trainer.deferred import (MOVES, await_started, compile_layouts,
                                                  compile_step)
 from resihp_jax.runtime.trainer.gil import responsive_loop
 from resihp_jax.runtime.trainer.unwatched import Unwatched
 from resihp_jax.step.instrument import FaultHook
-from resihp_jax.runtime.trainer.records import StepRecord, device_batch, diverged
+from resihp_jax.runtime.trainer.records import device_batch, diverged
+from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.trainer.precompile import Precompiler
 from resihp_jax.runtime.trainer.remat_choice import within_memory
 from resihp_jax.step.staging import HostStaging
@@ -66,8 +65,8 @@ from resihp_jax.step.warmup import warm_up
 from resihp_jax.runtime.recovery.run_identity import identity_of
 from resihp_jax.runtime.trainer.host_cpu import CpuMeter
 from resihp_jax.runtime.trainer.judging import Judging
-from resihp_jax.runtime.trainer.overhead import OVERHEAD_BUDGET, Overhead, run_overhead
-from resihp_jax.runtime.trainer.sampling import EVERY_MEANS, TimingSampler
+from resihp_jax.runtime.trainer.overhead import Overhead, run_overhead
+from resihp_jax.runtime.trainer.sampling import TimingSampler
 from resihp_jax.runtime.trainer.timing import StageTimer, StepTiming, timed_step
 from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
 from resihp_jax.scheduler.scoring import step_time_s
@@ -77,136 +76,10 @@ from resihp_jax.step.instrument import OFF, Instrument
 from resihp_jax.step.reshard import move_state, move_via_orbax, same_devices
 from resihp_jax.step.program import StepProgram, TrainState
 from resihp_jax.step.builder import build_step
+from resihp_jax.runtime.config import DETECTOR_OFF, ResilienceConfig
+from resihp_jax.runtime.events import Replan, Switch
 
 LIKELY_SLOWDOWNS = (2.0, 4.0)  # the fail-slow factors the precompiler plans for
-DETECTOR_OFF = "off"  # ResilienceConfig.detector: watch nothing (a failed step still re-plans)
-
-
-@dataclass(frozen=True)
-class ResilienceConfig:
-    """How the ResilientTrainer detects, re-plans and checkpoints (detector, policy, deadlines)."""
-    detector: str = "resihp"
-    policy: str = "resihp"
-    # A step with no result by its deadline counts as hung (its busy devices stopped): the
-    # deadline is `hang_factor` times the predicted healthy time of that very batch, at
-    # least `hang_floor_s`; `step_timeout_s` until the cost model can predict (and the most a
-    # step beside an asynchronous checkpoint write may get, see Checkpointer).
-    step_timeout_s: float = 120.0
-    hang_factor: float = 3.0
-    hang_floor_s: float = 10.0
-    # None: the devices' own memory where they report it (GPUs), else 4 GB (CPU devices)
-    device_memory_gb: float | None = None
-    recompile_s: float = 10.0  # charged for a new mesh until a compile has been measured
-    horizon_s: float = 3600.0  # expected seconds to the next failure
-    checkpoint_dir: str | None = None
-    # 'auto': an interval in seconds from a save's measured blocking cost and the job's
-    # expected time between failures (Young, see recovery/cadence.py); an integer: every N
-    # steps. A save due while the previous write is still going is put off, never waited for
-    checkpoint_interval: int | str = "auto"
-    # the job's expected seconds between failures (None: 50,000 GPU-hours over its devices)
-    mtbf_s: float | None = None
-    max_checkpoint_interval_s: float = MAX_INTERVAL_S  # the most training a failure may lose
-    # the share of wall time checkpoints' blocking, probes and stage timing may take
-    # together; the run reports what they took (FitResult.overhead)
-    overhead_budget: float = OVERHEAD_BUDGET
-    local_copy_dir: str | None = None  # node-local survivors' copies (recovery/local_copies.py)
-    precompile: int = 4  # programs of likely next plans compiled in the background (0: off)
-    # after a fail-slow verdict, train an interim split while a new mesh compiles in the
-    # background instead of stalling for the compile; and after the first step, compile the
-    # layout moves (checkpoints, re-plans) in the background. False: both compile when needed
-    background_compile: bool = True
-    # the step carries the host callbacks that time each stage (the detector localizes by
-    # them, a hung step names its device, injected faults act through them). False: never
-    # (step times only; no fault_hook)
-    stage_timing: bool = True
-    # which steps carry those callbacks: 'auto' 1 in K, K keeping their measured cost within
-    # a quarter of `overhead_budget`, and every step while the detector is in doubt (its
-    # warm-up, a step over its slack); an integer: every K-th step (1: every step, which
-    # also names a device that hangs in any step, see runtime/trainer/sampling.py)
-    stage_timing_every: int | str = "auto"
-    # JAX's persistent compilation cache (None: off). It holds every program without host
-    # callbacks (state moves, the step when no instrument is attached): JAX never persists
-    # an executable that calls back into Python.
-    compile_cache_dir: str | None = field(default_factory=default_cache_dir)
-    # With the cache on: start on the step without stage timing (a relaunch onto a plan the
-    # job ran before loads it from the cache instead of compiling), while the stage-timed
-    # step compiles in the background and takes over at a step boundary. Until it does, the
-    # detector sees step times only, and a hung step names no device. None: in a job of
-    # several processes only (where a hung step restarts the job anyway; one process
-    # re-plans around the device it names).
-    untimed_start: bool | None = None
-    # Run each prepared program once, in the background, on a zero state (step/warmup.py),
-    # so the first step after a switch onto its mesh pays none of the executable's first-run
-    # setup. Off by default: while it runs it holds a second state and the step's activations
-    # on the new mesh's devices, which on GPUs share memory with the running step. One
-    # process only (a run's collectives would interleave with the step's across processes).
-    warm_prepared: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("step_timeout_s", "hang_floor_s", "device_memory_gb", "horizon_s"):
-            if not (getattr(self, name) is None and name == "device_memory_gb") and \
-                    not getattr(self, name) > 0:
-                raise ConfigError(f"ResilienceConfig.{name}={getattr(self, name)!r}: must be > 0")
-        if not self.hang_factor > 1:
-            raise ConfigError(f"ResilienceConfig.hang_factor={self.hang_factor!r}: must be > 1 "
-                              "(a step slower than predicted is not yet hung)")
-        for name in ("warm_prepared", "background_compile", "stage_timing"):
-            if getattr(self, name) not in (True, False):
-                raise ConfigError(f"ResilienceConfig.{name}={getattr(self, name)!r}: must be "
-                                  "True or False")
-        if self.detector != DETECTOR_OFF and self.detector not in DETECTORS:
-            raise ConfigError(f"ResilienceConfig.detector={self.detector!r}: valid are "
-                              f"{', '.join(sorted(DETECTORS))}, {DETECTOR_OFF!r} (none)")
-        if self.untimed_start not in (None, True, False):
-            raise ConfigError(f"ResilienceConfig.untimed_start={self.untimed_start!r}: must be "
-                              "True, False or None (in a job of several processes only)")
-        if not self.recompile_s >= 0 or self.precompile < 0:
-            raise ConfigError(f"ResilienceConfig: recompile_s={self.recompile_s!r} must be >= 0 "
-                              f"and precompile={self.precompile!r} >= 0")
-        check_interval(self.checkpoint_interval, "ResilienceConfig.checkpoint_interval")
-        check_interval(self.stage_timing_every, "ResilienceConfig.stage_timing_every",
-                       EVERY_MEANS)
-        if self.mtbf_s is not None and not self.mtbf_s > 0:
-            raise ConfigError(f"ResilienceConfig.mtbf_s={self.mtbf_s!r}: must be > 0 seconds "
-                              "or None (50,000 GPU-hours over the job's devices)")
-        if not self.max_checkpoint_interval_s > 0:
-            raise ConfigError(f"ResilienceConfig.max_checkpoint_interval_s="
-                              f"{self.max_checkpoint_interval_s!r}: must be > 0")
-        if not 0 < self.overhead_budget < 1:
-            raise ConfigError(f"ResilienceConfig.overhead_budget={self.overhead_budget!r}: "
-                              "must be a share of wall time between 0 and 1 (e.g. 0.02)")
-
-
-@dataclass(frozen=True)
-class Switch:
-    """How the trainer moved onto a new plan."""
-    kind: str  # split_only | mesh_warm | mesh_cold
-    compile_s: float  # having the new program ready (0 when reused)
-    move_s: float  # moving (or restoring) the state onto it
-    compiles: int  # executables built on the training thread meanwhile
-    restored_from_step: int | None = None  # set when the state came from a checkpoint
-
-
-@dataclass(frozen=True)
-class Replan:
-    """What happened when the trainer reacted to a verdict."""
-    step: int
-    verdict: Verdict
-    old_plan: Plan
-    new_plan: Plan
-    reason: str
-    switch_s: float  # wall time from the verdict to the state ready on the new plan
-    restored_from_step: int | None = None  # set when the state came from a checkpoint
-    kind: str = "none"  # none | split_only | mesh_warm | mesh_cold
-    plan_s: float = 0.0  # the scheduler's decision
-    compile_s: float = 0.0  # having the new program ready (0 when reused)
-    move_s: float = 0.0  # moving (or restoring) the state onto it
-    compiles: int = 0  # executables built on the training thread during the switch
-    cause: str = ""  # why the step failed, when a failed step raised the verdict
-    # the scheduler's predicted tokens/s of the new plan over the old one's, both under the
-    # health the verdict gave (1.35: 35% more; None when the plan is kept or the old one
-    # cannot run, a device of it stopped)
-    predicted_gain: float | None = None
 
 
 class _Host:

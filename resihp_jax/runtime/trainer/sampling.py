@@ -27,14 +27,13 @@ from collections import deque
 
 import numpy as np
 
+from resihp_jax.runtime.config import EVERY_MEANS
 from resihp_jax.runtime.recovery.cadence import AUTO, check_interval
 
 TIMING_SHARE = 0.25  # of ResilienceConfig.overhead_budget: stage timing's part of it
 MAX_EVERY = 64  # stage baselines stay fresh with one timed step in this many at least
 FIRST_EVERY = 4  # until both kinds of steps were measured
 # what 'auto' and an integer K mean (check_interval's message)
-EVERY_MEANS = ("1 step in K, K from the measured cost and the overhead budget",
-               "1 step in K; 1: every step")
 WINDOW = 32  # recent step times of each kind the cost is measured over
 MIN_SEEN = 4  # of each kind before the cost is trusted
 

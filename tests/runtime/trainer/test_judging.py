@@ -18,8 +18,10 @@ from resihp_jax.detector.verdict import StepObservation, Verdict
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.trainer import resilient
-from resihp_jax.runtime.trainer.records import StepRecord
-from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
+from resihp_jax.runtime.events import StepRecord
+from resihp_jax.runtime.trainer.resilient import ResilientTrainer
+from resihp_jax.runtime.events import Replan
+from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
 from resihp_jax.step.config import StepConfig
 

@@ -13,7 +13,7 @@ from resihp_jax.faults.injector import FaultInjector
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.trainer import resilient
-from resihp_jax.runtime.trainer.records import StepRecord
+from resihp_jax.runtime.events import StepRecord
 from resihp_jax.step.config import StepConfig
 
 CFG = get_model_config("tiny")

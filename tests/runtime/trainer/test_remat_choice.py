@@ -75,8 +75,8 @@ def test_the_trainer_compiles_the_policy_whose_step_fits_the_given_memory() -> N
     from resihp_jax.perfmodel.memory import (compiled_bytes,  # noqa: PLC0415
                                              memory_bytes_per_device)
     from resihp_jax.runtime.trainer.deferred import compile_step  # noqa: PLC0415
-    from resihp_jax.runtime.trainer.resilient import (ResilienceConfig,  # noqa: PLC0415
-                                                      ResilientTrainer)
+    from resihp_jax.runtime.trainer.resilient import ResilientTrainer
+    from resihp_jax.runtime.config import ResilienceConfig
     from resihp_jax.step.builder import build_step  # noqa: PLC0415
     from resihp_jax.step.config import StepConfig  # noqa: PLC0415
 

@@ -15,8 +15,11 @@ from resihp_jax.errors import TrainingDiverged
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.faults.injector import FaultInjector
-from resihp_jax.runtime.trainer.records import StepRecord, run_step
-from resihp_jax.runtime.trainer.resilient import Replan, ResilienceConfig, ResilientTrainer
+from resihp_jax.runtime.trainer.records import run_step
+from resihp_jax.runtime.events import StepRecord
+from resihp_jax.runtime.trainer.resilient import ResilientTrainer
+from resihp_jax.runtime.events import Replan
+from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.step.config import StepConfig
 from resihp_jax.step.builder import build_step
 

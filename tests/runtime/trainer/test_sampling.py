@@ -14,8 +14,9 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.faults.injector import FaultInjector
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
-from resihp_jax.runtime.trainer.records import StepRecord
-from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer
+from resihp_jax.runtime.events import StepRecord
+from resihp_jax.runtime.trainer.resilient import ResilientTrainer
+from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.runtime.trainer.sampling import (FIRST_EVERY, MAX_EVERY, TimingSampler,
                                                  choose_every)
 from resihp_jax.step.config import StepConfig

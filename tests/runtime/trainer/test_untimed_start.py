@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.runtime.trainer.resilient import ResilienceConfig
+from resihp_jax.runtime.config import ResilienceConfig
 from tests.helpers import run_processes
 
 SCRIPT = r"""
@@ -21,8 +21,9 @@ from resihp_jax.data import BatchIterator
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.trainer.compiles import counting, foreground_hits_since, foreground_since
-from resihp_jax.runtime.trainer.records import StepRecord
-from resihp_jax.runtime.trainer.resilient import ResilienceConfig, ResilientTrainer
+from resihp_jax.runtime.events import StepRecord
+from resihp_jax.runtime.trainer.resilient import ResilientTrainer
+from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.step.config import StepConfig
 
 cache = sys.argv[3]

@@ -1,0 +1,123 @@
+"""The settings of a run, as one tree: `RunConfig` (how long, on which data, what is kept)
+holds `ResilienceConfig` (how faults are detected, planned around and recovered from).
+
+`rh.fit` builds them from its arguments and `resihp train` from its flags; both hand the same
+objects down unchanged to the trainer, which reads each setting where it is.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from resihp_jax.detector.base import DETECTORS
+from resihp_jax.errors import ConfigError
+from resihp_jax.runtime.recovery.cadence import MAX_INTERVAL_S, check_interval
+
+DETECTOR_OFF = "off"  # ResilienceConfig.detector: watch nothing (a failed step still re-plans)
+OVERHEAD_BUDGET = 0.02  # the share of wall time resilience may take
+# what ResilienceConfig.stage_timing_every's two kinds of value mean ('auto', an integer)
+EVERY_MEANS = ("1 step in K, K from the measured cost and the overhead budget",
+               "1 step in K; 1: every step")
+COMPILE_CACHE_ENV = "RESIHP_COMPILE_CACHE"
+
+
+def default_cache_dir() -> str:
+    """JAX's persistent compilation cache: $RESIHP_COMPILE_CACHE, else the user's cache."""
+    return os.environ.get(COMPILE_CACHE_ENV) or str(Path.home() / ".cache" / "resihp_jax" / "xla")
+
+
+@dataclass(frozen=True)
+class ResilienceConfig:
+    """How the ResilientTrainer detects, re-plans and checkpoints (detector, policy, deadlines)."""
+    detector: str = "resihp"
+    policy: str = "resihp"
+    # A step with no result by its deadline counts as hung (its busy devices stopped): the
+    # deadline is `hang_factor` times the predicted healthy time of that very batch, at
+    # least `hang_floor_s`; `step_timeout_s` until the cost model can predict (and the most a
+    # step beside an asynchronous checkpoint write may get, see Checkpointer).
+    step_timeout_s: float = 120.0
+    hang_factor: float = 3.0
+    hang_floor_s: float = 10.0
+    # None: the devices' own memory where they report it (GPUs), else 4 GB (CPU devices)
+    device_memory_gb: float | None = None
+    recompile_s: float = 10.0  # charged for a new mesh until a compile has been measured
+    horizon_s: float = 3600.0  # expected seconds to the next failure
+    checkpoint_dir: str | None = None
+    # 'auto': an interval in seconds from a save's measured blocking cost and the job's
+    # expected time between failures (Young, see recovery/cadence.py); an integer: every N
+    # steps. A save due while the previous write is still going is put off, never waited for
+    checkpoint_interval: int | str = "auto"
+    # the job's expected seconds between failures (None: 50,000 GPU-hours over its devices)
+    mtbf_s: float | None = None
+    max_checkpoint_interval_s: float = MAX_INTERVAL_S  # the most training a failure may lose
+    # the share of wall time checkpoints' blocking, probes and stage timing may take
+    # together; the run reports what they took (FitResult.overhead)
+    overhead_budget: float = OVERHEAD_BUDGET
+    local_copy_dir: str | None = None  # node-local survivors' copies (recovery/local_copies.py)
+    precompile: int = 4  # programs of likely next plans compiled in the background (0: off)
+    # after a fail-slow verdict, train an interim split while a new mesh compiles in the
+    # background instead of stalling for the compile; and after the first step, compile the
+    # layout moves (checkpoints, re-plans) in the background. False: both compile when needed
+    background_compile: bool = True
+    # the step carries the host callbacks that time each stage (the detector localizes by
+    # them, a hung step names its device, injected faults act through them). False: never
+    # (step times only; no fault_hook)
+    stage_timing: bool = True
+    # which steps carry those callbacks: 'auto' 1 in K, K keeping their measured cost within
+    # a quarter of `overhead_budget`, and every step while the detector is in doubt (its
+    # warm-up, a step over its slack); an integer: every K-th step (1: every step, which
+    # also names a device that hangs in any step, see runtime/trainer/sampling.py)
+    stage_timing_every: int | str = "auto"
+    # JAX's persistent compilation cache (None: off). It holds every program without host
+    # callbacks (state moves, the step when no instrument is attached): JAX never persists
+    # an executable that calls back into Python.
+    compile_cache_dir: str | None = field(default_factory=default_cache_dir)
+    # With the cache on: start on the step without stage timing (a relaunch onto a plan the
+    # job ran before loads it from the cache instead of compiling), while the stage-timed
+    # step compiles in the background and takes over at a step boundary. Until it does, the
+    # detector sees step times only, and a hung step names no device. None: in a job of
+    # several processes only (where a hung step restarts the job anyway; one process
+    # re-plans around the device it names).
+    untimed_start: bool | None = None
+    # Run each prepared program once, in the background, on a zero state (step/warmup.py),
+    # so the first step after a switch onto its mesh pays none of the executable's first-run
+    # setup. Off by default: while it runs it holds a second state and the step's activations
+    # on the new mesh's devices, which on GPUs share memory with the running step. One
+    # process only (a run's collectives would interleave with the step's across processes).
+    warm_prepared: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("step_timeout_s", "hang_floor_s", "device_memory_gb", "horizon_s"):
+            if not (getattr(self, name) is None and name == "device_memory_gb") and \
+                    not getattr(self, name) > 0:
+                raise ConfigError(f"ResilienceConfig.{name}={getattr(self, name)!r}: must be > 0")
+        if not self.hang_factor > 1:
+            raise ConfigError(f"ResilienceConfig.hang_factor={self.hang_factor!r}: must be > 1 "
+                              "(a step slower than predicted is not yet hung)")
+        for name in ("warm_prepared", "background_compile", "stage_timing"):
+            if getattr(self, name) not in (True, False):
+                raise ConfigError(f"ResilienceConfig.{name}={getattr(self, name)!r}: must be "
+                                  "True or False")
+        if self.detector != DETECTOR_OFF and self.detector not in DETECTORS:
+            raise ConfigError(f"ResilienceConfig.detector={self.detector!r}: valid are "
+                              f"{', '.join(sorted(DETECTORS))}, {DETECTOR_OFF!r} (none)")
+        if self.untimed_start not in (None, True, False):
+            raise ConfigError(f"ResilienceConfig.untimed_start={self.untimed_start!r}: must be "
+                              "True, False or None (in a job of several processes only)")
+        if not self.recompile_s >= 0 or self.precompile < 0:
+            raise ConfigError(f"ResilienceConfig: recompile_s={self.recompile_s!r} must be >= 0 "
+                              f"and precompile={self.precompile!r} >= 0")
+        check_interval(self.checkpoint_interval, "ResilienceConfig.checkpoint_interval")
+        check_interval(self.stage_timing_every, "ResilienceConfig.stage_timing_every",
+                       EVERY_MEANS)
+        if self.mtbf_s is not None and not self.mtbf_s > 0:
+            raise ConfigError(f"ResilienceConfig.mtbf_s={self.mtbf_s!r}: must be > 0 seconds "
+                              "or None (50,000 GPU-hours over the job's devices)")
+        if not self.max_checkpoint_interval_s > 0:
+            raise ConfigError(f"ResilienceConfig.max_checkpoint_interval_s="
+                              f"{self.max_checkpoint_interval_s!r}: must be > 0")
+        if not 0 < self.overhead_budget < 1:
+            raise ConfigError(f"ResilienceConfig.overhead_budget={self.overhead_budget!r}: "
+                              "must be a share of wall time between 0 and 1 (e.g. 0.02)")

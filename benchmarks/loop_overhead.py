@@ -42,7 +42,7 @@ from benchmarks.invariants import verdict  # noqa: E402
 from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import get_model_config  # noqa: E402
-from resihp_jax.runtime.run.config import RunConfig  # noqa: E402
+from resihp_jax.runtime.config import ResilienceConfig, RunConfig  # noqa: E402
 from resihp_jax.runtime.run.training import TrainingRun  # noqa: E402
 from resihp_jax.runtime.trainer.compiles import background_since  # noqa: E402
 from resihp_jax.runtime.trainer.records import run_step  # noqa: E402
@@ -85,7 +85,9 @@ def loop(adapt: bool, steps: int) -> tuple[list[float], list[float], int]:
     """(each step's end, its loss, the index of the first step that ended after the loop's
     last background compile)."""
     started = time.time()
-    config = RunConfig(steps=steps, seed=SEED, progress=False, adapt=adapt)
+    resilience = ResilienceConfig(precompile=0, compile_cache_dir=None) if adapt else \
+        ResilienceConfig.unwatched(compile_cache_dir=None)
+    config = RunConfig(steps=steps, seed=SEED, progress=False, resilience=resilience)
     records = TrainingRun(get_model_config(MODEL), StepConfig(), _plan(), config,
                           out=io.StringIO()).run()
     ends = [r.end_unix_s for r in records]

@@ -27,7 +27,7 @@ _EXPORTS: dict[str, str] = {
     "ResilientTrainer": "resihp_jax.runtime.trainer.resilient",
     "Checkpointer": "resihp_jax.runtime.recovery.checkpoint",
     # the run `resihp train` performs, from typed configs
-    "RunConfig": "resihp_jax.runtime.run.config",
+    "RunConfig": "resihp_jax.runtime.config",
     "TrainingRun": "resihp_jax.runtime.run.training",
     "JobSpec": "resihp_jax.runtime.job.distributed",
     "job_spec": "resihp_jax.runtime.job.distributed",
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from resihp_jax.perfmodel.health import Health
     from resihp_jax.runtime.job.distributed import JobSpec, job_spec
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
-    from resihp_jax.runtime.run.config import RunConfig
+    from resihp_jax.runtime.config import RunConfig
     from resihp_jax.runtime.run.training import TrainingRun
     from resihp_jax.runtime.trainer.resilient import ResilientTrainer
     from resihp_jax.scheduler.policies import run_policy

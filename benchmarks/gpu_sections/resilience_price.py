@@ -21,7 +21,7 @@ from benchmarks import resilience_price as price
 from benchmarks.gpu_sections.common import Suite, print_table
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import ModelConfig, get_model_config
-from resihp_jax.runtime.run.config import RunConfig
+from resihp_jax.runtime.config import ResilienceConfig, RunConfig
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.step.config import StepConfig
 
@@ -41,7 +41,9 @@ def train_rates(suite: Suite, model: ModelConfig, rows: int, seq: int,
     rates = {}
     # plain: `resihp train` without --adapt, the same loop with nothing watched
     for name, adapt in (("--adapt", True), ("plain", False)):
-        config = RunConfig(steps=steps, seed=suite.seed, progress=False, adapt=adapt)
+        resilience = ResilienceConfig(precompile=0, compile_cache_dir=None) if adapt else \
+            ResilienceConfig.unwatched(compile_cache_dir=None)
+        config = RunConfig(steps=steps, seed=suite.seed, progress=False, resilience=resilience)
         records = TrainingRun(model, StepConfig(), plan, config, out=io.StringIO(),
                               devices=[suite.device]).run()
         price.drain_background()

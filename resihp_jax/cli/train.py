@@ -36,8 +36,7 @@ from resihp_jax.perfmodel.costs import REMAT_AUTO, REMAT_POLICIES
 from resihp_jax.runtime.job import distributed
 from resihp_jax.runtime.job.devices import devices_to_request, request_host_devices
 from resihp_jax.runtime.job.exits import run_as_job_process
-from resihp_jax.runtime.recovery.quiet import orbax_read_noise_silenced
-from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig
+from resihp_jax.runtime.config import RESUME_FORCE, ResilienceConfig, RunConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,14 +191,24 @@ def run_config_from_args(args: argparse.Namespace, cache: str | None) -> RunConf
     if not hasattr(args, "metrics_destinations"):  # (check_train_args reads them)
         read_metrics_args(args)
     return RunConfig(
-        steps=args.steps, seed=args.seed, data=args.data, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=checkpoint_every(args.checkpoint_every),
-        local_copy_dir=args.local_copy_dir,
-        resume=args.resume, survivor_copies=args.survivor_copies,
-        metrics=args.metrics_destinations, profile_steps=args.profile_steps,
-        progress=not args.no_progress, adapt=args.adapt, precompile=args.precompile,
-        background_compile=not args.no_background_compile, hang_floor_s=args.hang_floor_s,
-        step_timeout_s=args.step_timeout_s, compile_cache_dir=cache, devices=args.devices)
+        steps=args.steps, seed=args.seed, data=args.data, resume=args.resume,
+        survivor_copies=args.survivor_copies, metrics=args.metrics_destinations,
+        profile_steps=args.profile_steps, progress=not args.no_progress,
+        devices=args.devices, resilience=resilience_from_args(args, cache))
+
+
+def resilience_from_args(args: argparse.Namespace, cache: str | None) -> ResilienceConfig:
+    """The resilience flags as a ResilienceConfig: with --adapt the detector and scheduler
+    (compiling ahead only what --precompile asks), else nothing watched."""
+    settings = dict(
+        checkpoint_dir=args.checkpoint_dir, local_copy_dir=args.local_copy_dir,
+        checkpoint_interval=checkpoint_every(args.checkpoint_every),
+        hang_floor_s=args.hang_floor_s, step_timeout_s=args.step_timeout_s,
+        compile_cache_dir=cache, precompile=args.precompile,
+        background_compile=not args.no_background_compile)
+    if args.adapt:
+        return ResilienceConfig(**settings)
+    return ResilienceConfig.unwatched(**settings)
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -215,6 +224,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     elif args.devices is not None:
         raise ConfigError(f"--devices={args.devices}: in a job of several processes each "
                           "process uses the devices it was given; remove --devices")
+    from resihp_jax.runtime.recovery.restore import orbax_read_noise_silenced  # noqa: PLC0415
     from resihp_jax.runtime.run.training import TrainingRun  # noqa: PLC0415 - JAX from here
     from resihp_jax.step.config import StepConfig  # noqa: PLC0415
 

@@ -7,12 +7,17 @@ objects down unchanged to the trainer, which reads each setting where it is.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 from resihp_jax.detector.base import DETECTORS
 from resihp_jax.errors import ConfigError
+from resihp_jax.metrics.destinations import metrics_directory, parse_destinations
+from resihp_jax.metrics.profile import check_steps
 from resihp_jax.runtime.recovery.cadence import MAX_INTERVAL_S, check_interval
 
 DETECTOR_OFF = "off"  # ResilienceConfig.detector: watch nothing (a failed step still re-plans)
@@ -93,6 +98,10 @@ class ResilienceConfig:
             if not (getattr(self, name) is None and name == "device_memory_gb") and \
                     not getattr(self, name) > 0:
                 raise ConfigError(f"ResilienceConfig.{name}={getattr(self, name)!r}: must be > 0")
+        if not math.isfinite(self.step_timeout_s) or self.step_timeout_s < self.hang_floor_s:
+            raise ConfigError(f"ResilienceConfig.step_timeout_s={self.step_timeout_s!r} "
+                              f"(--step-timeout-s): must be >= hang_floor_s={self.hang_floor_s!r} "
+                              "(--hang-floor-s): no step deadline is below the floor")
         if not self.hang_factor > 1:
             raise ConfigError(f"ResilienceConfig.hang_factor={self.hang_factor!r}: must be > 1 "
                               "(a step slower than predicted is not yet hung)")
@@ -121,3 +130,90 @@ class ResilienceConfig:
         if not 0 < self.overhead_budget < 1:
             raise ConfigError(f"ResilienceConfig.overhead_budget={self.overhead_budget!r}: "
                               "must be a share of wall time between 0 and 1 (e.g. 0.02)")
+
+    @classmethod
+    def unwatched(cls, **settings: Any) -> ResilienceConfig:
+        """Nothing watched: no detector, probes or stage timing, nothing compiled ahead (what
+        `resihp train` runs without --adapt). The loop still learns each step's deadline,
+        checkpoints, keeps copies and survives a failed step."""
+        return cls(**{"detector": DETECTOR_OFF, "stage_timing": False, "precompile": 0,
+                      **settings})
+
+    def replace(self, **changes: Any) -> ResilienceConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def watching(self) -> bool:
+        """Does a detector watch the steps (re-planning around slow devices in place)?"""
+        return self.detector != DETECTOR_OFF
+
+
+SURVIVOR_COPY_MODES = ("auto", "keep", "host", "off")
+# RunConfig.resume: continue even from another run's state (a changed model, optimizer, data
+# or batch shape), saying what differed; on purpose only
+RESUME_FORCE = "force"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run: how long it trains, on which data, what it reports, and (`resilience`) how it
+    detects, re-plans, checkpoints and recovers. Frozen, validated on construction."""
+    steps: int = 20  # train until this step, counted from the start of the run
+    seed: int = 0  # seed of the weights and the data
+    data: str = "synthetic:lognormal"  # synthetic:uniform|lognormal|bimodal, corpus[:PATH]
+    # continue from the newest good state in resilience.checkpoint_dir (refused when another
+    # run wrote it, see recovery/run_identity.py); RESUME_FORCE: continue even then
+    resume: bool | str = False
+    # how each process keeps the last completed step for a relaunch: auto picks keep where
+    # two more states fit in device memory, else host (see recovery/host_copies.py)
+    survivor_copies: str = "auto"
+    # where process 0 writes the metrics: tensorboard:DIR, wandb:PROJECT, jsonl:PATH or a
+    # path (one JSON line per step), an object with write(entry), or a sequence of them
+    metrics: Any = None
+    # a jax.profiler trace of steps (first, end) (end excluded) into the metrics directory
+    profile_steps: tuple[int, int] | None = None
+    progress: bool = True  # a progress bar on process 0
+    devices: int | None = None  # one process: devices to use (default: the plan's count)
+    # the detector, scheduler, deadlines and checkpoints; by default nothing watched and no
+    # compile cache (`resihp train` without --adapt)
+    resilience: ResilienceConfig = field(
+        default_factory=lambda: ResilienceConfig.unwatched(compile_cache_dir=None))
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"RunConfig.steps={self.steps!r}: must be >= 1")
+        if not isinstance(self.resilience, ResilienceConfig):
+            raise ConfigError(f"RunConfig.resilience: expected a ResilienceConfig, got "
+                              f"{type(self.resilience).__name__}")
+        if self.survivor_copies not in SURVIVOR_COPY_MODES:
+            raise ConfigError(f"RunConfig.survivor_copies={self.survivor_copies!r}: valid are "
+                              f"{', '.join(SURVIVOR_COPY_MODES)}")
+        directory = self.resilience.checkpoint_dir
+        if self.resilience.local_copy_dir is not None and (directory is None
+                                                           or self.survivor_copies == "off"):
+            raise ConfigError(f"ResilienceConfig.local_copy_dir="
+                              f"{self.resilience.local_copy_dir!r} needs a checkpoint_dir and "
+                              "RunConfig.survivor_copies other than 'off'")
+        if self.resume not in (False, True, RESUME_FORCE):
+            raise ConfigError(f"RunConfig.resume={self.resume!r}: valid are False, True and "
+                              f"{RESUME_FORCE!r} (continue even from another run's state)")
+        if self.resume and directory is None:
+            raise ConfigError("RunConfig.resume needs ResilienceConfig.checkpoint_dir")
+        check_metrics(self.metrics, self.profile_steps, "RunConfig.")
+        if self.devices is not None and self.devices < 1:
+            raise ConfigError(f"RunConfig.devices={self.devices}: must be >= 1 or None")
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        """Where the run keeps its state (`resilience.checkpoint_dir`), read in many places."""
+        return self.resilience.checkpoint_dir
+
+
+def check_metrics(metrics: Any, profile_steps: Any, prefix: str = "") -> None:
+    """ConfigError, naming `prefix`metrics or `prefix`profile_steps, for a destination that
+    is not one (or whose library is missing) or steps to profile with nowhere to write."""
+    destinations = parse_destinations(metrics, f"{prefix}metrics")
+    if check_steps(profile_steps, f"{prefix}profile_steps") is not None and \
+            metrics_directory(destinations) is None:
+        raise ConfigError(f"{prefix}profile_steps={profile_steps!r}: the trace is written into "
+                          "the metrics directory: give metrics='tensorboard:DIR' too")

@@ -29,7 +29,7 @@ from resihp_jax.runtime.job.supervisor import (CHECKPOINT_DIR_ENV, LOCAL_COPY_DI
 from resihp_jax.perfmodel.costs import REMAT_AUTO
 from resihp_jax.perfmodel.memory import devices_memory_gb
 from resihp_jax.runtime.run.auto_plan import auto_plan, auto_plan_and_remat
-from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig, check_metrics
+from resihp_jax.runtime.config import RESUME_FORCE, RunConfig, check_metrics
 from resihp_jax.runtime.recovery.checkpoint_dir import refuse_held
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.run.programs import read_facts, model_programs
@@ -116,7 +116,11 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     if compute_dtype not in (None, "float32", "bfloat16"):
         raise ConfigError(f"compute_dtype={compute_dtype!r}: valid are None, 'float32', "
                           "'bfloat16'")
-    if resilience is not None and resilience.checkpoint_dir is not None:
+    resilience = resilience or ResilienceConfig(compile_cache_dir=None)
+    if not isinstance(resilience, ResilienceConfig):
+        raise ConfigError(f"resilience: expected an rh.ResilienceConfig, got "
+                          f"{type(resilience).__name__}")
+    if resilience.checkpoint_dir is not None:
         if checkpoint_dir is not None and checkpoint_dir != resilience.checkpoint_dir:
             raise ConfigError(f"checkpoint_dir={checkpoint_dir!r} and resilience.checkpoint_dir="
                               f"{resilience.checkpoint_dir!r}: give it once")
@@ -133,32 +137,27 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     if resume is False and checkpoint_dir is not None:
         refuse_held(checkpoint_dir, f"resume=False but checkpoint_dir={checkpoint_dir!r}",
                     "pass resume=True")
-    local_copy_dir = ((resilience.local_copy_dir if resilience is not None else None)
-                      or os.environ.get(LOCAL_COPY_DIR_ENV)) if checkpoint_dir else None
+    local_copy_dir = (resilience.local_copy_dir or os.environ.get(LOCAL_COPY_DIR_ENV)) \
+        if checkpoint_dir else None
     programs = model_programs(model, optimizer, seed, axis_rules=axis_rules,
                              compute_dtype=compute_dtype)
     parts = programs.parts
     facts = read_facts(programs, _seq_len(plan, data), attention_cost)
-    resilience = resilience or ResilienceConfig(compile_cache_dir=None)
     if isinstance(plan, str):  # "auto", checked above
         plan = _auto_plan(facts, remat, data, devices or jax.devices(),
                           resilience.device_memory_gb)
-
+    # the one settings tree, passed down unchanged: the user's resilience settings with the
+    # places this call resolved (the job's directory, the node-local copies)
     config = RunConfig(
-        metrics=metrics, profile_steps=profile_steps,
-        steps=steps, seed=seed, data=type(data).__name__, checkpoint_dir=checkpoint_dir,
-        resume=resume if checkpoint_dir is not None else False,
-        progress=_show_progress(progress), adapt=True,
-        precompile=resilience.precompile, background_compile=resilience.background_compile,
-        hang_floor_s=resilience.hang_floor_s,
-        step_timeout_s=max(resilience.step_timeout_s, resilience.hang_floor_s),
-        compile_cache_dir=resilience.compile_cache_dir,
+        metrics=metrics, profile_steps=profile_steps, steps=steps, seed=seed,
+        data=type(data).__name__, resume=resume if checkpoint_dir is not None else False,
+        progress=_show_progress(progress),
         survivor_copies="auto" if checkpoint_dir is not None else "off",
-        checkpoint_every=resilience.checkpoint_interval,
-        local_copy_dir=local_copy_dir)
-    training = TrainingRun(facts, train, plan, config, spec,
-                           data=_batches(data, plan, seed), programs=programs, on_step=on_step,
-                           resilience=resilience, devices=devices, compiles_from=started)
+        resilience=resilience.replace(checkpoint_dir=checkpoint_dir,
+                                      local_copy_dir=local_copy_dir))
+    training = TrainingRun(facts, train, plan, config, spec, data=_batches(data, plan, seed),
+                           programs=programs, on_step=on_step, devices=devices,
+                           compiles_from=started)
     records: list[StepRecord] = []
     fetched: dict[str, Any] = {}
 

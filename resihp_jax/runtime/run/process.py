@@ -31,9 +31,8 @@ from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.trainer.overhead import Overhead
 from resihp_jax.runtime.trainer.resilient import ResilientTrainer
 from resihp_jax.runtime.events import Replan
-from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.runtime.recovery.resume import start_state
-from resihp_jax.runtime.run.config import RESUME_FORCE, RunConfig
+from resihp_jax.runtime.config import RESUME_FORCE, RunConfig
 from resihp_jax.runtime.run.model_identity import with_current_hyperparams
 from resihp_jax.runtime.run.record_sink import RecordSink
 from resihp_jax.runtime.run.run_metrics import optimizer_learning_rate
@@ -44,10 +43,8 @@ class ProcessRun:
                  train_cfg: Any, plan: Plan, data: Any, ladder: Ladder,
                  phases: dict[str, float], out: TextIO, *, programs: Any = None,
                  on_step: Callable[[StepRecord], None] | None = None,
-                 resilience: ResilienceConfig | None = None,
                  compiles_from: float | None = None, devices: Any = None) -> None:
-        """`programs`, `on_step`, `resilience`: a user's model's step builder, a callback
-        after every step, and the detector/scheduler settings (see ResilientTrainer).
+        """`programs`, `on_step`: the model's step builder and a callback after every step.
         `compiles_from`: see RecordSink. `devices`: the devices a one-process run may use
         and re-plan onto (default: every device; rh.fit's `devices`, where given: its
         background compiles then prepare plans on those alone)."""
@@ -59,18 +56,13 @@ class ProcessRun:
         self.compiles_from = compiles_from
         self.overhead: Overhead | None = None  # what resilience cost, once trained
         self.heartbeat = Heartbeat.from_env(job.spec.host_id)
-        config = dataclasses.replace(
-            resilience or ResilienceConfig(),
-            step_timeout_s=ladder.startup_s, hang_factor=ladder.factor,
-            hang_floor_s=ladder.floor_s, checkpoint_dir=config.checkpoint_dir,
-            local_copy_dir=config.local_copy_dir,
-            checkpoint_interval=config.checkpoint_every, precompile=config.precompile,
-            compile_cache_dir=config.compile_cache_dir,
-            background_compile=config.background_compile)
         t0 = time.perf_counter()
         devices = list(devices) if devices is not None else jax.devices()
-        self.trainer = ResilientTrainer(model, train_cfg, plan, devices, data, config,
-                                        on_long_work=self._long_work, programs=programs)
+        # the run's resilience settings as the user gave them (rh.fit, the flags): the
+        # trainer reads each where it is, and the ladder was built from the same ones
+        self.trainer = ResilientTrainer(model, train_cfg, plan, devices, data,
+                                        config.resilience, on_long_work=self._long_work,
+                                        programs=programs)
         self.trainer.warm_up()
         self._say_remat(None)
         if self.trainer.checkpointer is not None:  # a resume forced on purpose
@@ -172,7 +164,7 @@ class ProcessRun:
     def _steps(self, start: int) -> list[StepRecord]:
         sink = RecordSink(self.config, start, self.job.primary, self.phases, self.start_record,
                           self.compiles_from, self.out, model=self.model,
-                          learning_rate=self._learning_rate())
+                          learning_rate=optimizer_learning_rate)
         trainer = self.trainer
         try:
             events = self.trainer.run(self.config.steps, seed=self.config.seed)
@@ -196,14 +188,6 @@ class ProcessRun:
             sink.close(trainer.checkpointer, trainer.state)
             self.overhead = trainer.overhead(sink.records, metrics_s=sink.metrics_s)
         return sink.records
-
-    def _learning_rate(self) -> Any:
-        """(step, state) -> the step's learning rate: the built-in optimizer's schedule, or
-        what a user's optax optimizer exposes (inject_hyperparams)."""
-        if self.programs is None:
-            train_cfg = self.train_cfg
-            return lambda step, _: train_cfg.learning_rate_at(step)
-        return optimizer_learning_rate
 
     def _on_error(self, events: Iterator[Any]) -> Iterator[Any]:
         """`events`. When a re-plan leaves slow processes out, their hosts go into the health

@@ -7,7 +7,7 @@ import sys
 from typing import Any, TextIO
 
 from resihp_jax.metrics.writers import metrics_file  # noqa: F401 - the JSON lines file's home
-from resihp_jax.runtime.run.config import RunConfig
+from resihp_jax.runtime.config import RunConfig
 from resihp_jax.runtime.run.run_metrics import RunMetrics
 from resihp_jax.runtime.trainer.compiles import foreground_hits_since, foreground_since
 from resihp_jax.runtime.events import StepRecord

@@ -26,7 +26,8 @@ from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.runtime.job import standby
 from resihp_jax.runtime.job.devices import select_devices
 from resihp_jax.runtime.job.distributed import JobSpec
-from resihp_jax.runtime.run.config import RunConfig
+from resihp_jax.runtime.config import ResilienceConfig, RunConfig
+from resihp_jax.runtime.job.deadline import Ladder
 from resihp_jax.step.config import StepConfig
 
 
@@ -43,7 +44,7 @@ class TrainingRun:
                  config: RunConfig, job: JobSpec | None = None,
                  out: TextIO | None = None, *, data: Any = None, programs: Any = None,
                  on_step: Callable[[Any], None] | None = None,
-                 resilience: Any = None, devices: Sequence[Any] | None = None,
+                 devices: Sequence[Any] | None = None,
                  compiles_from: float | None = None) -> None:
         """The keywords serve a user's model (`rh.fit`): its batches (default: from
         `config.data`), its step builder (`programs`; default: `build_step` of the ModelConfig
@@ -55,10 +56,10 @@ class TrainingRun:
         self.config = config
         self.spec = job or JobSpec()
         self.out = out or sys.stdout
-        self.ladder = config.ladder()
+        self.ladder = ladder_of(config.resilience)
         self.phases: dict[str, float] = {}
         self.data, self.programs, self.on_step = data, programs, on_step
-        self.resilience, self.devices = resilience, devices
+        self.devices = devices
         self.active: Any = None  # the loop of the current run (ProcessRun)
         self._started = compiles_from
 
@@ -86,7 +87,7 @@ class TrainingRun:
         self.phases["init_s"] = time.perf_counter() - t0
         from resihp_jax.runtime.trainer.compile_cache import enable_compilation_cache  # noqa: PLC0415,E501
 
-        enable_compilation_cache(self.config.compile_cache_dir)
+        enable_compilation_cache(self.config.resilience.compile_cache_dir)
         t0 = time.perf_counter()
         plan = self._job_plan(job)
         self.phases["plan_s"] = time.perf_counter() - t0
@@ -121,11 +122,12 @@ class TrainingRun:
                 from resihp_jax.runtime.recovery.host_copies import remove_copies  # noqa: PLC0415
 
                 remove_copies(self.config.checkpoint_dir)  # the final checkpoint supersedes them
-            if self.config.local_copy_dir is not None:  # each process: its node's own
+            local_copy_dir = self.config.resilience.local_copy_dir
+            if local_copy_dir is not None:  # each process: its node's own
                 from resihp_jax.runtime.recovery import local_copies  # noqa: PLC0415
 
                 local_copies.remove_local(local_copies.local_root(
-                    self.config.local_copy_dir, self.config.checkpoint_dir))
+                    local_copy_dir, self.config.checkpoint_dir))
         return records
 
     def _build(self, job: Any, plan: Plan) -> Any:
@@ -144,20 +146,8 @@ class TrainingRun:
 
         return ProcessRun(config, copies, job, self.model, train_cfg, plan, data,
                           self.ladder, self.phases, self.out, programs=self.programs,
-                          on_step=self.on_step, resilience=self._resilience(),
-                          compiles_from=self._compiles_from,
+                          on_step=self.on_step, compiles_from=self._compiles_from,
                           devices=self.devices if job.spec.single else None)
-
-    def _resilience(self) -> Any:
-        """What the loop watches: the given settings (`rh.fit`), the full detector and
-        scheduler with `adapt`, else nothing (no detector, probes or stage timing: the loop
-        still learns each step's deadline, checkpoints, keeps copies and survives a failed
-        step)."""
-        from resihp_jax.runtime.config import DETECTOR_OFF, ResilienceConfig
-
-        if self.resilience is not None or self.config.adapt:
-            return self.resilience
-        return ResilienceConfig(detector=DETECTOR_OFF, stage_timing=False, precompile=0)
 
     def _take_over(self, go_file: Path, job: Any, plan: Plan, run: Any) -> Any:
         """A standby process: wait for the go, then train as the job's process on the host
@@ -229,7 +219,7 @@ class TrainingRun:
                 print(f"job: host {host} is excluded by the health record "
                       f"({job.record.excluded[host].reason})", file=out)
             devices = job.usable_devices()
-        given_gb = getattr(self.resilience, "device_memory_gb", None)
+        given_gb = self.config.resilience.device_memory_gb
         plan, why = plan_for_devices(requested, self.model, [int(d.id) for d in devices],
                                      slow=job.slow_devices(), remat=self.train_cfg.remat,
                                      device_memory_gb=given_gb or devices_memory_gb(
@@ -239,6 +229,13 @@ class TrainingRun:
         if why != "as requested":
             print(f"plan: {why}", file=out)
         return plan
+
+
+def ladder_of(resilience: ResilienceConfig) -> Ladder:
+    """The run's time limits, lowest first (step deadline < heartbeat < initialization), from
+    the deadlines its resilience settings give the trainer."""
+    return Ladder(floor_s=resilience.hang_floor_s, factor=resilience.hang_factor,
+                  startup_s=resilience.step_timeout_s)
 
 
 def _differs(new: Plan, prepared: Plan) -> str:
@@ -266,7 +263,7 @@ def copies_mode(config: RunConfig, plan: Plan, model: ModelFacts) -> str | None:
         return config.survivor_copies
     import jax  # noqa: PLC0415
 
-    if jax.process_count() == 1 and config.local_copy_dir is None:
+    if jax.process_count() == 1 and config.resilience.local_copy_dir is None:
         return None  # no survivor to serve: the checkpoints (and a preemption's save) do
 
     from resihp_jax.perfmodel import memory_bytes_per_device  # noqa: PLC0415

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,11 @@ def _script_run(tmp_path: Path, adapt: bool) -> tuple[list, str]:
     plan = rh.Plan.uniform(2, 2, 2, n_layers=model.n_layers, n_microbatches=4,
                            microbatch_size=2, seq_len=64).replace(
         layers_per_stage=(1, 3), microbatches_per_group=(3, 1))
-    config = rh.engine.RunConfig(steps=3, seed=7, progress=False, adapt=adapt,
-                          checkpoint_dir=str(tmp_path / "ckpt"),
-                          metrics=str(tmp_path / "script.jsonl"))
+    settings = dict(checkpoint_dir=str(tmp_path / "ckpt"), precompile=0, compile_cache_dir=None)
+    resilience = (rh.ResilienceConfig(**settings) if adapt
+                  else rh.ResilienceConfig.unwatched(**settings))
+    config = rh.engine.RunConfig(steps=3, seed=7, progress=False, resilience=resilience,
+                                 metrics=str(tmp_path / "script.jsonl"))
     out = io.StringIO()
     records = rh.engine.TrainingRun(model, rh.engine.StepConfig(), plan, config, out=out).run()
     return records, out.getvalue()
@@ -47,18 +50,20 @@ def test_a_script_runs_what_the_command_runs(tmp_path: Path, adapt: bool) -> Non
     assert "resilience took" in out and "% of the wall time" in out
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(steps=0), "RunConfig.steps=0: must be >= 1"),
-    (dict(survivor_copies="always"), "survivor_copies='always': valid are auto, keep"),
-    (dict(resume=True), "resume needs a checkpoint_dir"),
-    (dict(local_copy_dir="/dev/shm"), "local_copy_dir='/dev/shm' needs a checkpoint_dir"),
-    (dict(precompile=2), "need adapt=True"),
-    (dict(hang_floor_s=-1.0), "--hang-floor-s=-1.0: must be a time > 0"),
-    (dict(step_timeout_s=5.0), "--step-timeout-s=5.0: must be >= --hang-floor-s=10.0"),
+@pytest.mark.parametrize("changes, resilience, message", [
+    (dict(steps=0), {}, "RunConfig.steps=0: must be >= 1"),
+    (dict(survivor_copies="always"), {}, "survivor_copies='always': valid are auto, keep"),
+    (dict(resume=True), {}, "resume needs ResilienceConfig.checkpoint_dir"),
+    ({}, dict(local_copy_dir="/dev/shm"), "local_copy_dir='/dev/shm' needs a checkpoint_dir"),
+    (dict(survivor_copies="off"), dict(local_copy_dir="/dev/shm", checkpoint_dir="/tmp/c"),
+     "survivor_copies other than 'off'"),
+    ({}, dict(hang_floor_s=-1.0), "ResilienceConfig.hang_floor_s=-1.0: must be > 0"),
+    ({}, dict(step_timeout_s=5.0), "ResilienceConfig.step_timeout_s=5.0 (--step-timeout-s): "
+     "must be >= hang_floor_s=10.0 (--hang-floor-s)"),
 ])
-def test_a_bad_run_config_is_named(changes: dict, message: str) -> None:
-    with pytest.raises(rh.ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
-        rh.engine.RunConfig(**changes)
+def test_a_bad_run_config_is_named(changes: dict, resilience: dict, message: str) -> None:
+    with pytest.raises(rh.ConfigError, match=re.escape(message)):
+        rh.engine.RunConfig(**changes, resilience=rh.ResilienceConfig(**resilience))
 
 
 @pytest.mark.parametrize("error, several, step_failure", [

@@ -24,8 +24,8 @@ from resihp_jax.plan import Plan
 from resihp_jax.runtime.job.distributed import job_spec
 from resihp_jax.runtime.job.exits import HUNG_EXIT, run_as_job_process
 from resihp_jax.runtime.job.join import join_job
-from resihp_jax.runtime.job.supervisor import (CHECKPOINT_DIR_ENV, LOCAL_COPY_DIR_ENV,
-                                              launched_metrics)
+from resihp_jax.env_vars import CHECKPOINT_DIR_ENV, LOCAL_COPY_DIR_ENV
+from resihp_jax.metrics.destinations import launched_metrics
 from resihp_jax.perfmodel.costs import REMAT_AUTO
 from resihp_jax.perfmodel.memory import devices_memory_gb
 from resihp_jax.runtime.run.auto_plan import auto_plan, auto_plan_and_remat
@@ -33,7 +33,7 @@ from resihp_jax.runtime.config import RESUME_FORCE, RunConfig, check_metrics
 from resihp_jax.runtime.recovery.checkpoint_dir import refuse_held
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.run.programs import read_facts, model_programs
-from resihp_jax.runtime.trainer.compiles import install
+from resihp_jax.runtime.programs.compiles import install
 from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.trainer.overhead import Overhead
 from resihp_jax.runtime.events import Replan
@@ -158,15 +158,13 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     training = TrainingRun(facts, train, plan, config, spec, data=_batches(data, plan, seed),
                            programs=programs, on_step=on_step, devices=devices,
                            compiles_from=started)
-    records: list[StepRecord] = []
     fetched: dict[str, Any] = {}
 
     def train_and_fetch() -> None:
-        records.extend(training.run())
-        trainer = training.active.trainer
+        training.run()
         # the parameters in canonical order, fetched to host: in a job a collective, so a
         # peer lost here ends the process like one lost in a step (run_as_job_process)
-        fetched["params"] = jax.device_get(trainer.program.canonical_params(trainer.state))
+        fetched["params"] = training.result.canonical_params()
 
     if spec.single:
         try:
@@ -179,11 +177,10 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
             os._exit(HUNG_EXIT)
     else:  # a failure must end the process at once, with the code the job restarts on
         run_as_job_process(train_and_fetch, "rh.fit")
-    trainer = training.active.trainer
-    canonical = fetched["params"]
+    result, canonical = training.result, fetched["params"]
     return FitResult(parts.assemble(canonical["shell"], canonical["blocks"]),
-                     {r.step: r.loss for r in records}, list(trainer.replans), records, facts,
-                     trainer.plan, plan, training.active.overhead)
+                     {r.step: r.loss for r in result.records}, result.replans,
+                     result.records, facts, result.plan, plan, result.overhead)
 
 
 def _show_progress(progress: bool | None) -> bool:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Iterator, TextIO
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence, TextIO
 
 from resihp_jax.errors import HostsLeftOut
 from resihp_jax.plan import Plan
@@ -25,8 +26,7 @@ from resihp_jax.runtime.job.heartbeat import Heartbeat
 from resihp_jax.runtime.recovery.copy_writers import node_of_host
 from resihp_jax.runtime.recovery.host_copies import HostCopies, activate, deactivate
 from resihp_jax.runtime.recovery.preemption import SaveOnSigterm
-from resihp_jax.runtime.recovery.checkpoint import deadline_beside_write
-from resihp_jax.runtime.trainer.deferred import compile_layouts
+from resihp_jax.runtime.programs.deferred import compile_layouts
 from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.trainer.overhead import Overhead
 from resihp_jax.runtime.trainer.resilient import ResilientTrainer
@@ -34,8 +34,29 @@ from resihp_jax.runtime.events import Replan
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.config import RESUME_FORCE, RunConfig
 from resihp_jax.runtime.run.model_identity import with_current_hyperparams
+from resihp_jax.runtime.run.listeners import (Callback, Heartbeats, KeepCopies, Listener,
+                                              ReplanReport)
 from resihp_jax.runtime.run.record_sink import RecordSink
 from resihp_jax.runtime.run.run_metrics import optimizer_learning_rate
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a run trained: each step's record, the re-plans, the plan of the last step, what
+    resilience cost, and the final state (on the devices) with the program that reads it."""
+    records: list[StepRecord]
+    replans: list[Replan]
+    plan: Plan
+    overhead: Overhead | None
+    state: Any
+    program: Any
+
+    def canonical_params(self) -> Any:
+        """The trained parameters in the model's canonical order, fetched to the host (in a
+        job a collective: every process calls it)."""
+        import jax  # noqa: PLC0415
+
+        return jax.device_get(self.program.canonical_params(self.state))
 
 
 class ProcessRun:
@@ -43,7 +64,8 @@ class ProcessRun:
                  train_cfg: Any, plan: Plan, data: Any, ladder: Ladder,
                  phases: dict[str, float], out: TextIO, *, programs: Any = None,
                  on_step: Callable[[StepRecord], None] | None = None,
-                 compiles_from: float | None = None, devices: Any = None) -> None:
+                 compiles_from: float | None = None, devices: Any = None,
+                 listeners: Sequence[Listener] = ()) -> None:
         """`programs`, `on_step`: the model's step builder and a callback after every step.
         `compiles_from`: see RecordSink. `devices`: the devices a one-process run may use
         and re-plan onto (default: every device; rh.fit's `devices`, where given: its
@@ -55,7 +77,11 @@ class ProcessRun:
         self.model, self.train_cfg, self.programs = model, train_cfg, programs
         self.compiles_from = compiles_from
         self.overhead: Overhead | None = None  # what resilience cost, once trained
-        self.heartbeat = Heartbeat.from_env(job.spec.host_id)
+        self.result: RunResult | None = None  # once trained
+        self.listeners = list(listeners)  # besides the run's own (see `_listeners`)
+        self.beats = Heartbeats(Heartbeat.from_env(job.spec.host_id), ladder, config.steps,
+                                phases)
+        self.report = ReplanReport(job, config.checkpoint_dir, out)
         t0 = time.perf_counter()
         devices = list(devices) if devices is not None else jax.devices()
         # the run's resilience settings as the user gave them (rh.fit, the flags): the
@@ -64,7 +90,7 @@ class ProcessRun:
                                         config.resilience, on_long_work=self._long_work,
                                         programs=programs)
         self.trainer.warm_up()
-        self._say_remat(None)
+        self.report.say_remat(self.trainer, None)
         if self.trainer.checkpointer is not None:  # a resume forced on purpose
             self.trainer.checkpointer.force_identity = self.config.resume == RESUME_FORCE
         if self.trainer.checkpointer is not None and job.primary:  # the cadence it chose
@@ -84,21 +110,24 @@ class ProcessRun:
         checkpoint list read afresh. A standby built its run (and compiled it) for
         placeholder hosts long before its go named the real ones."""
         self.job, ckpt = job, self.trainer.checkpointer
-        if self.heartbeat is not None:
-            self.heartbeat.close()  # it wrote nothing: told a step only once training starts
+        if self.beats.heartbeat is not None:
+            self.beats.heartbeat.close()  # it wrote nothing: told a step once training starts
         close_host_copies(self.kept)
         if ckpt is not None:
             ckpt.reload()
-        self.heartbeat = Heartbeat.from_env(job.spec.host_id)
+        self.beats.heartbeat = Heartbeat.from_env(job.spec.host_id)
+        self.report.job = job
         self.kept = host_copies(self.copies, job, ckpt)
         self.compiles_from = compiles_from
 
     def run(self) -> list[StepRecord]:
         start = self._initial_state()
-        self._beat(start, self.ladder.startup_s)
+        self.beats.beat(start, self.ladder.startup_s, self.trainer.plan)
         if start >= self.config.steps:
             print(f"step {start} already reaches --steps {self.config.steps}: nothing to train",
                   file=self.out)
+            trainer = self.trainer
+            self.result = RunResult([], [], trainer.plan, None, trainer.state, trainer.program)
             return []
         return self._steps(start)
 
@@ -109,8 +138,8 @@ class ProcessRun:
                 self.trainer.checkpointer.wait()
                 self.trainer.checkpointer.close()
         finally:
-            if self.heartbeat is not None:
-                self.heartbeat.close()
+            if self.beats.heartbeat is not None:
+                self.beats.heartbeat.close()
             # last: a save that cannot finish (a peer died mid-write) leaves SIGTERM to the
             # copies' handler, which names the failure and exits 75, not to a silent death
             close_host_copies(self.kept)
@@ -129,64 +158,45 @@ class ProcessRun:
                 start.state, trainer.program.optimizer))
         trainer.state = start.state
         self.phases["restore_s"] = time.perf_counter() - t0
-        if self.heartbeat is not None:
-            self.heartbeat.source = start.source
+        if self.beats.heartbeat is not None:
+            self.beats.heartbeat.source = start.source
         self.start_record = start.record
         if self.kept is not None:  # a failure in the first step loses nothing either
             self.kept.capture(start.step, start.state, trainer.program, self.data.state(),
                                    start.record)
-        self.data_step = start.step
-        return self.data_step
-
-    def _beat(self, step: int, deadline_s: float) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.update(step, deadline_s, self.trainer.plan.describe(), self.phases)
+        return start.step
 
     def _long_work(self, what: str) -> None:
         """A probe or a switch (it may compile) is under way: allow it the start-up time."""
-        self._beat(self.data_step, self.ladder.startup_s)
+        self.beats.long_work(self.trainer.plan)
 
-    def _next_deadline(self) -> float:
-        if self.data_step >= self.config.steps:
-            # the final checkpoint and the job's shutdown follow, guarded by no step deadline
-            return float(self.ladder.init_timeout_s)
-        deadline = self.ladder.deadline_s(self.trainer.last_prediction_s)
-        ckpt = self.trainer.checkpointer
-        if ckpt is not None and ckpt.due(self.data_step + 1):
-            # the trainer saves that step before it reports it: the save's own deadline on
-            # top (a slowed or loaded peer holds every process in orbax's barriers; two runs
-            # of a throttled 4-process job were called hung at a save step without it)
-            deadline += ckpt.save_deadline_s(self.ladder.floor_s, self.ladder.factor,
-                                             self.ladder.startup_s)
-        return deadline_beside_write(ckpt, deadline,  # see deadline_s
-                                     self.ladder.startup_s)
+    def _listeners(self, sink: RecordSink) -> list[Listener]:
+        """Who hears each event, in order: the copies first (before the next step donates
+        the state; the record then says what the copy cost), the records and metrics, the
+        caller's own, the re-plan report, the heartbeat last (its deadline is the next
+        step's, once everything this step does is done)."""
+        copies = [KeepCopies(self.kept, self.data)] if self.kept is not None else []
+        user = [Callback(self.on_step)] if self.on_step is not None else []
+        return [*copies, sink, *user, *self.listeners, self.report, self.beats]
 
     def _steps(self, start: int) -> list[StepRecord]:
         sink = RecordSink(self.config, start, self.job.primary, self.phases, self.start_record,
                           self.compiles_from, self.out, model=self.model,
                           learning_rate=optimizer_learning_rate)
-        trainer = self.trainer
+        trainer, listeners = self.trainer, self._listeners(sink)
         try:
-            events = self.trainer.run(self.config.steps, seed=self.config.seed)
-            for event in self._on_error(events):
-                if isinstance(event, Replan):
-                    self._replanned(event)
-                    if sink.metrics is not None:
-                        sink.metrics.replan(event)
-                    continue
-                if self.kept is not None:  # before the next step donates the state
-                    event = dataclasses.replace(event, host_copy_s=self.kept.capture(
-                        event.step, self.trainer.state, self.trainer.program,
-                        self.data.state(), event.to_json()))
-                sink.add(event, predicted_s=trainer.last_prediction_s,
-                         state=trainer.state, checkpointer=trainer.checkpointer)
-                if self.on_step is not None:
-                    self.on_step(event)
-                self.data_step = event.step
-                self._beat(event.step, self._next_deadline())
+            for event in self._on_error(trainer.run(self.config.steps, seed=self.config.seed)):
+                for listener in listeners:
+                    if isinstance(event, Replan):
+                        listener.replan(event, trainer)
+                    else:
+                        event = listener.step(event, trainer) or event
         finally:
-            sink.close(trainer.checkpointer, trainer.state)
+            for listener in listeners:
+                listener.close(trainer)
             self.overhead = trainer.overhead(sink.records, metrics_s=sink.metrics_s)
+        self.result = RunResult(sink.records, list(trainer.replans), trainer.plan,
+                                self.overhead, trainer.state, trainer.program)
         return sink.records
 
     def _on_error(self, events: Iterator[Any]) -> Iterator[Any]:
@@ -207,30 +217,6 @@ class ProcessRun:
             if self.kept is not None:
                 keep_completed(self.kept, self.trainer)
             raise
-
-    def _say_remat(self, before: Any) -> None:
-        """What `remat="auto"` chose for the current plan's mesh and why, where it differs
-        from its choice for the plan `before` (None: the first plan)."""
-        chosen = self.trainer.remat_chosen
-        now = chosen.get(self.trainer.plan.mesh_key())
-        was = chosen.get(before.mesh_key()) if before is not None else None
-        if now is not None and self.job.primary and (was is None or was[0] != now[0]):
-            print(f"remat: {now[0]} ({now[1]})", file=self.out, flush=True)
-
-    def _replanned(self, replan: Replan) -> None:
-        verdict = replan.verdict
-        if verdict.kind in ("compute", "link") and self.config.checkpoint_dir is not None:
-            self.job.record_slowdown(verdict.devices, verdict.slowdown, self.config.checkpoint_dir)
-        what = (f"devices {list(verdict.devices)} {verdict.kind} x{verdict.slowdown:.2f}"
-                if verdict.kind != "stopped" else f"devices {list(verdict.devices)} stopped")
-        if replan.new_plan == replan.old_plan:
-            print(f"step {replan.step}: {what}; plan kept ({replan.reason})", file=self.out)
-            return
-        print(f"step {replan.step}: {what}; re-planned to {replan.new_plan.describe()} "
-              f"({replan.kind}: plan {replan.plan_s:.2f} s, compile {replan.compile_s:.2f} s, "
-              f"move {replan.move_s:.2f} s)", file=self.out, flush=True)
-        self._say_remat(replan.old_plan)
-        self._beat(replan.step, self.ladder.startup_s)  # the next step may compile
 
 
 def keep_completed(kept: Any, trainer: Any) -> bool:

@@ -8,12 +8,13 @@ from typing import Any, TextIO
 
 from resihp_jax.metrics.writers import metrics_file  # noqa: F401 - the JSON lines file's home
 from resihp_jax.runtime.config import RunConfig
+from resihp_jax.runtime.run.listeners import Listener
 from resihp_jax.runtime.run.run_metrics import RunMetrics
-from resihp_jax.runtime.trainer.compiles import foreground_hits_since, foreground_since
-from resihp_jax.runtime.events import StepRecord
+from resihp_jax.runtime.programs.compiles import foreground_hits_since, foreground_since
+from resihp_jax.runtime.events import Replan, StepRecord
 
 
-class RecordSink:
+class RecordSink(Listener):
     """Where finished steps go: the records, process 0's metrics (run_metrics.py) and progress
     bar, and the first step's time among the start-up phases."""
 
@@ -40,6 +41,14 @@ class RecordSink:
 
     def _say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
+
+    def step(self, record: StepRecord, trainer: Any) -> None:
+        self.add(record, predicted_s=trainer.last_prediction_s, state=trainer.state,
+                 checkpointer=trainer.checkpointer)
+
+    def replan(self, replan: Replan, trainer: Any) -> None:
+        if self.metrics is not None:
+            self.metrics.replan(replan)
 
     def add(self, record: StepRecord, **observed: Any) -> None:
         """`observed`: what the metrics add to the record (RunMetrics.step's keywords)."""
@@ -72,8 +81,9 @@ class RecordSink:
                   "the first step" + (": every program was ready" if built == 0 else ""),
                   file=self.out, flush=True)
 
-    def close(self, checkpointer: Any = None, state: Any = None) -> None:
-        """`checkpointer`, `state`: for the metrics' events of the saves after the last step."""
+    def close(self, trainer: Any) -> None:
+        """The trainer's checkpointer and state: for the metrics' events of the saves after
+        the last step."""
         self.bar.close()
         if self.metrics is not None:
-            self.metrics.close(checkpointer, state)
+            self.metrics.close(trainer.checkpointer, trainer.state)

@@ -63,6 +63,12 @@ class TrainingRun:
         self.active: Any = None  # the loop of the current run (ProcessRun)
         self._started = compiles_from
 
+    @property
+    def result(self) -> Any:
+        """What the run trained (process.RunResult: records, re-plans, last plan, overhead,
+        final state); None before `run` ends."""
+        return None if self.active is None else self.active.result
+
     def run(self) -> list[Any]:
         try:
             return self._run()
@@ -79,13 +85,13 @@ class TrainingRun:
     def _run(self) -> list[Any]:
         t0 = time.perf_counter()
         from resihp_jax.runtime.job.join import join  # noqa: PLC0415 - JAX starts here
-        from resihp_jax.runtime.trainer.compiles import install  # noqa: PLC0415
+        from resihp_jax.runtime.programs.compiles import install  # noqa: PLC0415
 
         install()  # counts the compiles of this start-up (RecordSink says how many)
         self._compiles_from = self._started if self._started is not None else time.time()
         job = join(self.spec, self.ladder, self.config.checkpoint_dir)
         self.phases["init_s"] = time.perf_counter() - t0
-        from resihp_jax.runtime.trainer.compile_cache import enable_compilation_cache  # noqa: PLC0415,E501
+        from resihp_jax.runtime.programs.compile_cache import enable_compilation_cache  # noqa: PLC0415,E501
 
         enable_compilation_cache(self.config.resilience.compile_cache_dir)
         t0 = time.perf_counter()

@@ -415,7 +415,7 @@ def test_a_standby_keeps_its_programs_unless_the_health_record_changes_its_plan(
 
     from resihp_jax.runtime.job import standby
     from resihp_jax.runtime.job.join import Job
-    from resihp_jax.runtime.run.config import RunConfig
+    from resihp_jax.runtime.config import ResilienceConfig, RunConfig
     from resihp_jax.runtime.run.training import TrainingRun
     from resihp_jax.step.config import StepConfig
 
@@ -424,7 +424,9 @@ def test_a_standby_keeps_its_programs_unless_the_health_record_changes_its_plan(
     standby.write_go(go_file, standby.Go(("p3",), 2, time.time()))  # the word came early
     plan, out = _requested(1, 1, 1), io.StringIO()
     training = TrainingRun(get_model_config("tiny"), StepConfig(), plan,
-                           RunConfig(checkpoint_dir=str(tmp_path)), out=out)
+                           RunConfig(resilience=ResilienceConfig.unwatched(
+                               checkpoint_dir=str(tmp_path), compile_cache_dir=None)),
+                           out=out)
     waiting = Job(distributed.JobSpec(host_id="standby0"), ("standby0",))
 
     def take_over(replanned: Plan) -> object:
@@ -452,9 +454,8 @@ def test_a_save_steps_deadline_holds_the_save_too() -> None:
     deadline the processes publish for that step holds the save's own deadline on top (two
     runs of a throttled 4-process job were called hung at their first save past the
     warm-up); other steps keep the step's own."""
-    from types import SimpleNamespace
 
-    from resihp_jax.runtime.run.process import ProcessRun
+    from resihp_jax.runtime.run.listeners import next_deadline_s
 
     class Ckpt:
         def due(self, step: int) -> bool:  # (its cadence: every 10 steps)
@@ -466,17 +467,12 @@ def test_a_save_steps_deadline_holds_the_save_too() -> None:
         def deadline_beside_write(self, deadline_s: float, limit_s: float) -> float:
             return deadline_s  # no write under way
 
-    run = object.__new__(ProcessRun)
-    run.ladder = Ladder(floor_s=10.0, factor=3.0, startup_s=120.0)
-    run.config = SimpleNamespace(steps=100)
-    run.trainer = SimpleNamespace(last_prediction_s=2.0,
-                                  checkpointer=Ckpt())
-    run.data_step = 28  # step 29 next: no save
-    assert run._next_deadline() == 10.0
-    run.data_step = 29  # step 30 next: saved before it is reported
-    assert run._next_deadline() == 10.0 + 7.0
-    run.trainer.checkpointer = None
-    assert run._next_deadline() == 10.0
+    ladder = Ladder(floor_s=10.0, factor=3.0, startup_s=120.0)
+    # step 29 next: no save; step 30 next: saved before it is reported
+    assert next_deadline_s(ladder, 100, 28, 2.0, Ckpt()) == 10.0
+    assert next_deadline_s(ladder, 100, 29, 2.0, Ckpt()) == 10.0 + 7.0
+    assert next_deadline_s(ladder, 100, 29, 2.0, None) == 10.0
+    assert next_deadline_s(ladder, 100, 100, 2.0, Ckpt()) == ladder.init_timeout_s  # the end
 
 
 def test_only_a_stopped_process_is_taken_for_frozen(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
-"""The demo's training loop: a ResilientTrainer with a FaultInjector as its fault hook, each
-record and re-plan turned into plain values for the summary and the figure, told as it
-happens (progress, event lines, a JSON line per step and per event)."""
+"""The demo's run: the run `rh.fit` runs, with a FaultInjector as its fault hook and the
+demo's display listening to its loop: each record and re-plan turned into plain values for
+the summary and the figure, told as it happens (progress, event lines, a JSON line per step
+and per event)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from resihp_jax.demo.progress import Progress, progress_mode
 from resihp_jax.demo.summary import ReplanPoint, StepPoint, plan_label
 from resihp_jax.models.registry import Entry, GPT2Sizes
 from resihp_jax.errors import PlanError, ResihpError
+from resihp_jax.runtime.run.listeners import Listener
 
 if TYPE_CHECKING:
     from resihp_jax.data import BatchIterator
     from resihp_jax.perfmodel.facts import ModelFacts
     from resihp_jax.runtime.run.programs import ModelPrograms
     from resihp_jax.faults.injector import FaultInjector
-    from resihp_jax.runtime.run.run_metrics import RunMetrics
+    from resihp_jax.step.config import StepConfig
     from resihp_jax.runtime.config import ResilienceConfig
 
 CHECKPOINT_INTERVAL = 8
@@ -36,28 +38,32 @@ class DemoLog:
 
 
 def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO, *,
-             model: ModelFacts | None = None, programs: ModelPrograms | None = None
-             ) -> DemoLog:
-    """Train under the config's faults; `model` and `programs`: the model's facts and step
-    builder (step/model_parts.py: a preset's Llama or a user's model, both on the user's path)."""
+             model: ModelFacts, programs: ModelPrograms) -> DemoLog:
+    """Train under the config's faults: the run `rh.fit` runs (runtime/run/training.py), with
+    the faults injected through its fault hook and the demo's display as one more listener;
+    `model` and `programs`: the model's facts and step builder (a preset's Llama or a user's
+    model, both behind the user's contract)."""
+    from resihp_jax.runtime.config import RunConfig
     from resihp_jax.runtime.job.devices import select_devices
-    from resihp_jax.runtime.trainer.resilient import ResilientTrainer
-    from resihp_jax.step.config import StepConfig
+    from resihp_jax.runtime.run.training import TrainingRun
 
     devices = select_devices(config.n_devices)
-    injector = _injector(config)
-    trainer = ResilientTrainer(model or config.model, StepConfig(), config.plan, devices, data,
-                               _resilience(config), fault_hook=injector, programs=programs)
     faults = "; ".join(f.describe() for f in config.faults) or "none (a healthy run)"
     print(f"resihp demo: {model_label(config.model)} on {config.n_devices} "
           f"{devices[0].platform} device(s), data {config.data}, plan "
           f"{config.plan.describe()}; faults: {faults}", file=out, flush=True)
     log = DemoLog(metrics=config.metrics)
     progress = Progress(config.steps, progress_mode(not config.progress, err), out, err)
-    metrics = open(config.metrics, "w") if config.metrics else None  # noqa: SIM115
-    watch = _dashboards(config, model or config.model, progress)
+    rows = open(config.metrics, "w") if config.metrics else None  # noqa: SIM115
+    # its dashboards are the run's metrics (TensorBoard, W&B), written as rh.fit writes them
+    run = RunConfig(steps=config.steps, seed=config.seed, data=config.data, progress=False,
+                    survivor_copies="off", metrics=config.dashboards or None,
+                    resilience=_resilience(config))
+    training = TrainingRun(model, _step_config(config), config.plan, run, out=out, data=data,
+                           programs=programs, devices=devices, fault_hook=_injector(config),
+                           listeners=[Display(log, progress, rows)])
     try:
-        _consume(trainer, config, log, progress, metrics, watch)
+        training.run()
     except ResihpError as error:
         log.error = error
     except KeyboardInterrupt:
@@ -65,12 +71,8 @@ def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO, 
         progress.event(f"interrupted after {len(log.points)} step(s)")
     finally:
         progress.close()
-        if metrics:
-            metrics.close()
-        if watch is not None:
-            watch.close(trainer.checkpointer, trainer.state)
-        log.alarms = trainer.detector.alarms
-        trainer.close()  # its background compiles' thread ends (else it idles for good)
+        if rows:
+            rows.close()
     return log
 
 
@@ -101,43 +103,45 @@ def _resilience(config: DemoConfig) -> ResilienceConfig:
                             background_compile=config.background_compile)
 
 
-def _dashboards(config: DemoConfig, model: Any, progress: Progress) -> RunMetrics | None:
-    """The run's metrics for its TensorBoard and W&B destinations (None: none given)."""
-    if not config.dashboards:
-        return None
-    from resihp_jax.metrics import Metrics
-    from resihp_jax.runtime.run.run_metrics import RunMetrics
+def _step_config(config: DemoConfig) -> StepConfig:
+    """The step with the micro-batch slots' headroom (layout.py), so that a re-plan that
+    moves micro-batches between groups runs on the same program (a new split only)."""
+    from resihp_jax.meshes.layout import default_microbatch_slots
     from resihp_jax.step.config import StepConfig
 
-    train_cfg = StepConfig()  # the demo's optimizer (its schedule)
-    return RunMetrics(Metrics(config.dashboards, name="demo", say=progress.event), model,
-                      lambda step, _: train_cfg.learning_rate_at(step))
+    plan = config.plan
+    return StepConfig(microbatch_slots=max(default_microbatch_slots(plan.n_microbatches,
+                                                                    plan.dp),
+                                           max(plan.microbatches_per_group)))
 
 
-def _consume(trainer: Any, config: DemoConfig, log: DemoLog, progress: Progress,
-             metrics: TextIO | None, watch: RunMetrics | None = None) -> None:
-    from resihp_jax.runtime.events import Replan
+class Display(Listener):
+    """The demo's listener: each record and re-plan as plain values for the summary and the
+    figure, told as it happens (progress, event lines, a JSON line per step and event)."""
 
-    for item in trainer.run(config.steps, seed=config.seed):
-        if isinstance(item, Replan):
-            point = replan_point(item, len(log.points))
-            log.replans.append(point)
-            progress.event(replan_text(point, item.reason))
-            row = {"event": "replan", **point.__dict__, "reason": item.reason}
-            if watch is not None:
-                watch.replan(item)
-            _refuse_stuck(log.replans)
-        else:
-            point = step_point(item, trainer)
-            log.points.append(point)
-            progress.step(point.step, point.plan, point.tokens_per_s, point.loss)
-            row = {**item.to_json(), "predicted_s": point.predicted_s}
-            if watch is not None:
-                watch.step(item, predicted_s=point.predicted_s, state=trainer.state,
-                           checkpointer=trainer.checkpointer)
-        if metrics:
-            metrics.write(json.dumps(row, default=float) + "\n")
-            metrics.flush()
+    def __init__(self, log: DemoLog, progress: Progress, rows: TextIO | None) -> None:
+        self.log, self.progress, self.rows = log, progress, rows
+
+    def step(self, record: Any, trainer: Any) -> None:
+        point = step_point(record, trainer)
+        self.log.points.append(point)
+        self.progress.step(point.step, point.plan, point.tokens_per_s, point.loss)
+        self._write({**record.to_json(), "predicted_s": point.predicted_s})
+
+    def replan(self, replan: Any, trainer: Any) -> None:
+        point = replan_point(replan, len(self.log.points))
+        self.log.replans.append(point)
+        self.progress.event(replan_text(point, replan.reason))
+        self._write({"event": "replan", **point.__dict__, "reason": replan.reason})
+        _refuse_stuck(self.log.replans)
+
+    def close(self, trainer: Any) -> None:
+        self.log.alarms = trainer.detector.alarms
+
+    def _write(self, row: dict[str, Any]) -> None:
+        if self.rows:
+            self.rows.write(json.dumps(row, default=float) + "\n")
+            self.rows.flush()
 
 
 def step_point(record: Any, trainer: Any) -> StepPoint:

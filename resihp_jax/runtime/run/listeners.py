@@ -12,11 +12,11 @@ the state cost); the ones after it see that.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, TextIO
+from typing import TYPE_CHECKING, Any, Callable, TextIO
 
-from resihp_jax.runtime.events import Replan, StepRecord
-from resihp_jax.runtime.job.deadline import Ladder
-from resihp_jax.runtime.recovery.checkpoint import deadline_beside_write
+if TYPE_CHECKING:  # (the demo's command line imports this before JAX may start)
+    from resihp_jax.runtime.events import Replan, StepRecord
+    from resihp_jax.runtime.job.deadline import Ladder
 
 
 class Listener:
@@ -69,6 +69,8 @@ def next_deadline_s(ladder: Ladder, steps: int, done: int, predicted_s: float | 
         # throttled 4-process job were called hung at a save step without it)
         deadline += checkpointer.save_deadline_s(ladder.floor_s, ladder.factor,
                                                  ladder.startup_s)
+    from resihp_jax.runtime.recovery.checkpoint import deadline_beside_write  # noqa: PLC0415
+
     # an asynchronous write under way may hold the host: the step gets its length too
     return deadline_beside_write(checkpointer, deadline, ladder.startup_s)
 

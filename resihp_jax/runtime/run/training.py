@@ -42,16 +42,17 @@ class TrainingRun:
 
     def __init__(self, model: ModelFacts, train_cfg: StepConfig, plan: Plan,
                  config: RunConfig, job: JobSpec | None = None,
-                 out: TextIO | None = None, *, data: Any = None, programs: Any = None,
+                 out: TextIO | None = None, *, programs: Any, data: Any = None,
                  on_step: Callable[[Any], None] | None = None,
                  devices: Sequence[Any] | None = None,
-                 compiles_from: float | None = None) -> None:
-        """The keywords serve a user's model (`rh.fit`): its batches (default: from
-        `config.data`), its step builder (`programs`; default: `build_step` of the ModelConfig
-        `model`), a callback after
-        every step, the detector/scheduler settings, the devices of a one-process run, and
-        when its start-up began (time.time(); default: `run()`), for the count of
-        executables built on the way to the first step (`rh.fit` compiles before `run`)."""
+                 compiles_from: float | None = None, fault_hook: Any = None,
+                 listeners: Sequence[Any] = ()) -> None:
+        """`programs`: the model's step builder (runtime/run/programs.py: a user's model's or
+        a preset's, the same either way). The keywords: the batches (default: from
+        `config.data`), a callback after every step, the devices of a one-process run, when
+        its start-up began (time.time(); default: `run()`), for the count of executables
+        built on the way to the first step (`rh.fit` compiles before `run`), and (the demo's)
+        a fault hook and listeners of its own."""
         self.model, self.train_cfg, self.requested = model, train_cfg, plan
         self.config = config
         self.spec = job or JobSpec()
@@ -60,6 +61,9 @@ class TrainingRun:
         self.phases: dict[str, float] = {}
         self.data, self.programs, self.on_step = data, programs, on_step
         self.devices = devices
+        # faults injected into the step (the demo's) and listeners of the loop's events
+        # besides the run's own (runtime/run/listeners.py)
+        self.fault_hook, self.listeners = fault_hook, tuple(listeners)
         self.active: Any = None  # the loop of the current run (ProcessRun)
         self._started = compiles_from
 
@@ -142,8 +146,9 @@ class TrainingRun:
 
         config = self.config
         copies = copies_mode(config, plan, self.model)
-        train_cfg = self.train_cfg.replace(microbatch_slots=max(plan.microbatches_per_group),
-                                           donate_state=copies != "keep")
+        # the micro-batch slots the step was given, else as many as this plan's groups use
+        slots = self.train_cfg.microbatch_slots or max(plan.microbatches_per_group)
+        train_cfg = self.train_cfg.replace(microbatch_slots=slots, donate_state=copies != "keep")
         data = self.data or BatchIterator(config.data, n_microbatches=plan.n_microbatches,
                                           microbatch_size=plan.microbatch_size,
                                           seq_len=plan.seq_len, seed=config.seed)
@@ -153,7 +158,8 @@ class TrainingRun:
         return ProcessRun(config, copies, job, self.model, train_cfg, plan, data,
                           self.ladder, self.phases, self.out, programs=self.programs,
                           on_step=self.on_step, compiles_from=self._compiles_from,
-                          devices=self.devices if job.spec.single else None)
+                          devices=self.devices if job.spec.single else None,
+                          fault_hook=self.fault_hook, listeners=self.listeners)
 
     def _take_over(self, go_file: Path, job: Any, plan: Plan, run: Any) -> Any:
         """A standby process: wait for the go, then train as the job's process on the host

@@ -45,7 +45,7 @@ from resihp_jax.data import BatchIterator  # noqa: E402
 from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import PRESETS, get_model_config  # noqa: E402
 from resihp_jax.runtime.recovery import local_copies, survivor_copies  # noqa: E402
-from resihp_jax.runtime.recovery.checkpoint import canonical_target  # noqa: E402
+from resihp_jax.runtime.recovery.restore import canonical_target  # noqa: E402
 from resihp_jax.runtime.recovery.host_copies import HostCopies  # noqa: E402
 from resihp_jax.runtime.trainer.records import run_step  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402

@@ -5,16 +5,16 @@ independent of the mesh it was written from: restore builds the target shardings
 plan (possibly on fewer devices) and asks orbax for exactly those. Orbax writes each step to
 a temporary directory and renames it when complete, so a crash mid-write leaves the last
 good checkpoint as the latest one. Beside the state, each step records the run identity,
-the leaf shapes and per-leaf checksums: restore refuses another run's checkpoints, tells a
-model mismatch from damage, and falls back from a damaged newest step to an older good one
-(one `CheckpointFallbackWarning`), setting the damaged steps aside as `<step>.corrupt`.
+the leaf shapes and per-leaf checksums: restore (restore.py) refuses another run's
+checkpoints, tells a model mismatch from damage, and falls back from a damaged newest step
+to an older good one (one `CheckpointFallbackWarning`), setting the damaged steps aside as
+`<step>.corrupt`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,27 +23,17 @@ from typing import Any, Callable, Mapping
 import jax
 import orbax.checkpoint as ocp
 
-from resihp_jax.errors import (CheckpointError, CheckpointFallbackWarning, ConfigError,
-                               Preempted)
+from resihp_jax.errors import CheckpointError, ConfigError, Preempted
 from resihp_jax.meshes.agree import from_primary
-from resihp_jax.plan import Plan
 from resihp_jax.runtime.recovery import local_copies
 from resihp_jax.runtime.recovery.cadence import (FIRST_SAVE_S, MAX_INTERVAL_S, Cadence,
                                                  job_mtbf_s)
 from resihp_jax.runtime.recovery.checksum import leaf_shapes, state_checksums
+from resihp_jax.runtime.recovery.restore import Restored, first_line, restore_from
 from resihp_jax.runtime.recovery.run_identity import check_identity
-from resihp_jax.step.reshard import from_canonical, to_canonical
-from resihp_jax.step.state_io import restore_args, save_args, state_handler
-from resihp_jax.step.program import StepProgram, TrainState, canonical_state_shapes
-
-
-@dataclass(frozen=True)
-class Restored:
-    state: TrainState  # in the target program's layout and shardings
-    step: int
-    data_state: dict[str, Any]  # the data iterator's position after that step
-    plan: Plan  # the plan the checkpoint was written under
-    skipped: tuple[int, ...] = ()  # newer steps found damaged and set aside
+from resihp_jax.step.reshard import to_canonical
+from resihp_jax.step.state_io import save_args, state_handler
+from resihp_jax.step.program import StepProgram, TrainState
 
 
 # a step beside an asynchronous write may take this many times the longest write so far
@@ -77,10 +67,6 @@ class SaveStats:
         out = dataclasses.asdict(self)
         del out["announced"]
         return out
-
-
-class _Damaged(Exception):
-    """A step that cannot be read back as written (the caller falls back)."""
 
 
 class Checkpointer:
@@ -250,7 +236,7 @@ class Checkpointer:
                 state=save_args(canonical), meta=ocp.args.JsonSave(meta)), force=True))
         except Exception as err:  # orbax raises plain Exceptions; an earlier async write too
             raise CheckpointError(f"saving checkpoint step {step} to {self.directory} "
-                                  f"failed: {_first_line(err)}") from err
+                                  f"failed: {first_line(err)}") from err
 
     def _finish_handoff(self) -> None:
         """Wait until a save handed to the thread is with orbax; its error, if it failed."""
@@ -307,7 +293,7 @@ class Checkpointer:
             self._manager.wait_until_finished()
         except Exception as err:  # the error of a background write surfaces here
             raise CheckpointError(f"writing a checkpoint to {self.directory} failed: "
-                                  f"{_first_line(err)}") from err
+                                  f"{first_line(err)}") from err
         self._written()
 
     def _written(self) -> None:
@@ -357,49 +343,7 @@ class Checkpointer:
         and set aside; an explicit `step` that is damaged raises CheckpointError instead.
         """
         self._finish_handoff()
-        steps = sorted(self._manager.all_steps(), reverse=True)
-        if step is not None:
-            if step not in steps:
-                raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; "
-                                      f"available: {sorted(steps)}")
-            try:
-                return self._restore_step(program, step)
-            except _Damaged as damage:
-                raise CheckpointError(str(damage)) from damage
-        if not steps:
-            raise CheckpointError(f"no checkpoint in {self.directory}")
-        damaged: list[str] = []
-        for candidate in steps:
-            try:
-                restored = self._restore_step(program, candidate)
-            except _Damaged as damage:
-                damaged.append(str(damage))
-                continue
-            skipped = tuple(steps[:len(damaged)])
-            if skipped:
-                self._set_aside(skipped)
-                warnings.warn(CheckpointFallbackWarning(
-                    f"{damaged[0]}; restored step {candidate} instead (set aside: "
-                    f"{', '.join(f'{s}.corrupt' for s in skipped)})"), stacklevel=2)
-            return dataclasses.replace(restored, skipped=skipped)
-        raise CheckpointError(f"no good checkpoint in {self.directory}: {'; '.join(damaged)}")
-
-    def _restore_step(self, program: StepProgram, step: int) -> Restored:
-        where = f"checkpoint step {step} in {self.directory}"
-        meta = self._read_meta(step, where)
-        self.check_identity(meta.get("identity"), where)
-        target = canonical_target(program)
-        _check_shapes(meta.get("leaves"), leaf_shapes(target), where, program)
-        try:
-            loaded = self._manager.restore(step, args=ocp.args.Composite(
-                state=restore_args(target)))["state"]
-        except Exception as err:  # tensorstore reports damaged files as plain Exceptions
-            raise _Damaged(f"{where} is unreadable: {_first_line(err)}") from err
-        if "checksums" in meta and state_checksums(loaded) != meta["checksums"]:
-            raise _Damaged(f"{where} is corrupt: its values differ from the checksums "
-                           "recorded when it was written")
-        return Restored(from_canonical(loaded, program), int(meta["step"]), meta["data_state"],
-                        Plan.from_dict(meta["plan"]))
+        return restore_from(self._manager, self.directory, program, step, self.check_identity)
 
     def check_identity(self, saved: Mapping[str, Any] | None, where: str) -> None:
         """Refuse state `saved` by another run (see run_identity.py); a forced resume
@@ -411,32 +355,6 @@ class Checkpointer:
             self.forced = forced
             if self.say is not None:
                 self.say(forced)
-
-    def _read_meta(self, step: int, where: str) -> dict[str, Any]:
-        try:
-            meta = self._manager.restore(step, args=ocp.args.Composite(
-                meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as err:  # missing or garbled metadata file
-            raise _Damaged(f"{where} is unreadable: {_first_line(err)}") from err
-        if not isinstance(meta, dict) or not {"step", "data_state", "plan"} <= meta.keys():
-            raise _Damaged(f"{where} is incomplete: its metadata lacks step, data_state or plan")
-        return meta
-
-    def _set_aside(self, steps: tuple[int, ...]) -> None:
-        """Rename damaged steps so orbax neither lists them nor refuses to save them again."""
-        if jax.process_index() == 0:
-            for step in steps:
-                path = self.directory / str(step)
-                aside = path.with_name(f"{step}.corrupt")
-                n = 1
-                while aside.exists():
-                    n += 1
-                    aside = path.with_name(f"{step}.corrupt-{n}")
-                path.rename(aside)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils  # noqa: PLC0415
-            multihost_utils.sync_global_devices("resihp_checkpoint_set_aside")
-        self._manager.reload()
 
     def reload(self) -> None:
         """Read the directory's list of steps again (it is read once, when this object is
@@ -469,30 +387,3 @@ def room_beside_steps(copy: Any, stats_of: Callable[[Any], Mapping[str, int] | N
                 stats.get("peak_bytes_in_use", 0) + nbytes > stats["bytes_limit"]:
             return False
     return True
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    line = text[0] if text else type(err).__name__
-    return line if len(line) <= 200 else line[:197] + "..."
-
-
-def _check_shapes(saved: Mapping[str, Any] | None, target: Mapping[str, Any], where: str,
-                  program: StepProgram) -> None:
-    """CheckpointError naming the first leaf whose shape or dtype differs from the model's."""
-    if saved is None:
-        return  # written before leaf shapes were recorded: orbax checks while reading
-    for key in sorted(saved.keys() | target.keys()):
-        if saved.get(key) != target.get(key):
-            raise CheckpointError(
-                f"{where} does not match model {program.model.name!r}: leaf {key} is "
-                f"{saved.get(key, '<absent>')} in the checkpoint, "
-                f"{target.get(key, '<absent>')} in the model")
-
-
-def canonical_target(program: StepProgram) -> TrainState:
-    """Shapes, dtypes and shardings of a canonical state on `program`'s mesh."""
-    shapes = program.abstract_state()
-    canonical = canonical_state_shapes(shapes, program.plan.n_layers)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        canonical, program.canonical_shardings)

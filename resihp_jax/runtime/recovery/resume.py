@@ -17,7 +17,8 @@ import jax
 from resihp_jax.errors import CheckpointError
 from resihp_jax.plan import Plan
 from resihp_jax.runtime.recovery import local_copies, survivor_copies
-from resihp_jax.runtime.recovery.checkpoint import Checkpointer, canonical_target
+from resihp_jax.runtime.recovery.checkpoint import Checkpointer
+from resihp_jax.runtime.recovery.restore import canonical_target
 
 
 @dataclass(frozen=True)

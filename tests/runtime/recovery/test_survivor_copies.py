@@ -20,7 +20,8 @@ from resihp_jax.errors import CheckpointError
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.recovery import survivor_copies
-from resihp_jax.runtime.recovery.checkpoint import Checkpointer, canonical_target
+from resihp_jax.runtime.recovery.checkpoint import Checkpointer
+from resihp_jax.runtime.recovery.restore import canonical_target
 from resihp_jax.runtime.recovery.host_copies import MANIFEST, HostCopies
 from resihp_jax.runtime.trainer.records import run_step
 from resihp_jax.runtime.recovery.resume import start_state

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.invariants import verdict  # noqa: E402
 from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import get_model_config  # noqa: E402
-from resihp_jax.runtime.trainer import compiles  # noqa: E402
+from resihp_jax.runtime.programs import compiles  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402
 from resihp_jax.step.reshard import state_bytes, to_canonical  # noqa: E402
 from resihp_jax.step.state_io import save_args, state_handler  # noqa: E402

@@ -1,5 +1,5 @@
 """What a background thread's Python costs the step loop, at the interpreter's default switch
-interval (5 ms) and under the training loop's (`runtime/trainer/gil.py`, 0.1 ms).
+interval (5 ms) and under the training loop's (`runtime/trainer/resilient.py`, 0.1 ms).
 
 The loop has the shape of a training process's: each step it waits on "the device" with the
 GIL released, then does its host work between steps (the record, the detector, the timing),
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from resihp_jax.runtime.trainer.gil import SWITCH_INTERVAL_S, responsive_loop  # noqa: E402
+from resihp_jax.runtime.trainer.resilient import SWITCH_INTERVAL_S, responsive_loop  # noqa: E402,E501
 
 
 def _trace_forever(stop: threading.Event, traced: list[int]) -> None:

@@ -44,7 +44,7 @@ from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import get_model_config  # noqa: E402
 from resihp_jax.runtime.config import ResilienceConfig, RunConfig  # noqa: E402
 from resihp_jax.runtime.run.training import TrainingRun  # noqa: E402
-from resihp_jax.runtime.trainer.compiles import background_since  # noqa: E402
+from resihp_jax.runtime.programs.compiles import background_since  # noqa: E402
 from resihp_jax.runtime.trainer.records import run_step  # noqa: E402
 from resihp_jax.step.builder import build_step  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402

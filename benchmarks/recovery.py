@@ -58,7 +58,7 @@ from resihp_jax.detector import Verdict  # noqa: E402
 from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import get_model_config  # noqa: E402
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer  # noqa: E402
-from resihp_jax.runtime.trainer.compiles import counting  # noqa: E402
+from resihp_jax.runtime.programs.compiles import counting  # noqa: E402
 from resihp_jax.runtime.events import StepRecord  # noqa: E402
 from resihp_jax.runtime.trainer.resilient import ResilientTrainer  # noqa: E402
 from resihp_jax.runtime.config import ResilienceConfig
@@ -120,7 +120,7 @@ def _row(trainer: ResilientTrainer, name: str, verdict: Verdict, steady_steps: i
         else:
             trainer.health = trainer.health.with_changes(compute={5: 1 / verdict.slowdown})
             picked = run_policy(trainer.config.policy, trainer.plan, trainer.health,
-                                trainer._context()).plan or trainer.plan
+                                trainer.planning_context()).plan or trainer.plan
             plan_s = time.perf_counter() - start
             switch = trainer.switch_to(target)
             timings, kind = (plan_s, switch.compile_s, switch.move_s), switch.kind
@@ -223,7 +223,7 @@ def main() -> int:
         rows = [_row(trainer, "split_only", _verdict(2, 5, "compute", 1.5), steady, split)]
         dead5 = _verdict(int(trainer.state.step), 5, "stopped", 1.0)
         after = run_policy(config.policy, trainer.plan, trainer.health.with_changes(dead=(5,)),
-                           trainer._context()).plan
+                           trainer.planning_context()).plan
         t0 = time.perf_counter()
         trainer.precompiler.prepare([after])
         trainer.precompiler.wait()

@@ -54,7 +54,7 @@ from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import ModelConfig, get_model_config  # noqa: E402
 from resihp_jax.runtime.recovery.cadence import choose_interval, job_mtbf_s  # noqa: E402
 from resihp_jax.runtime.trainer import resilient  # noqa: E402
-from resihp_jax.runtime.trainer.compiles import (  # noqa: E402
+from resihp_jax.runtime.programs.compiles import (  # noqa: E402
     BACKGROUND_PREFIX, background_since)
 from resihp_jax.runtime.config import DETECTOR_OFF  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402

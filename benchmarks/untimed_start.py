@@ -5,7 +5,7 @@ against compiling the stage-timed step (what every relaunch paid before: JAX nev
 an executable that calls back into Python).
 
 Each start is a fresh process of one CPU device (on several, JAX 0.10.2's cache stays off,
-runtime/trainer/compile_cache.py) that builds a ResilientTrainer on the same plan and cache
+runtime/programs/compile_cache.py) that builds a ResilientTrainer on the same plan and cache
 directory and trains one step; the table gives the seconds from the trainer's construction to
 its programs being ready (`programs_s`: compiled or loaded on the training thread), the first
 step, the executables built on the training thread and how many came from the cache. Rows:
@@ -44,7 +44,7 @@ import jax
 from resihp_jax.data import BatchIterator
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
-from resihp_jax.runtime.trainer.compiles import counting
+from resihp_jax.runtime.programs.compiles import counting
 from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilientTrainer
 from resihp_jax.runtime.config import ResilienceConfig

@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from resihp_jax.runtime.trainer import compiles
+from resihp_jax.runtime.programs import compiles
 from resihp_jax.step.state_io import restore_args, save_args, state_handler
 
 

@@ -116,18 +116,22 @@ class StageTimer:
 
 def timed_step(program: Any, state: Any, batch: Any, knobs_DxPxT: np.ndarray | None,
                timer: StageTimer | None = None,
-               dispatched: threading.Event | None = None
+               dispatched: threading.Event | None = None,
+               on_dispatch: Callable[[dict[str, Any]], None] | None = None
                ) -> tuple[Any, dict[str, Any], StepTiming]:
     """Run one step to completion and time it with `timer` (per-stage times too when it is
     the program's Instrument host, or part of it; a fresh one times the step alone).
     `dispatched` is set once the step is on its way to the devices (the caller's host work
-    may then run beside it)."""
+    may then run beside it); `on_dispatch` is then called with the step's metrics, still on
+    the devices (the cross-replica point of replicas.py), inside the timed region."""
     if timer is None:
         timer = StageTimer((program.plan.dp, program.plan.pp, program.plan.tp))
     timer.begin()
     state, metrics = program.step(state, batch, knobs_DxPxT)
     if dispatched is not None:
         dispatched.set()
+    if on_dispatch is not None:
+        on_dispatch(metrics)
     # the step's time is read when its loss is ready, which the loop fetches anyway
     jax.block_until_ready(metrics)
     timing = timer.end()

@@ -22,7 +22,7 @@ from resihp_jax.runtime.job.relaunch_plan import cover_processes, plan_for_devic
 from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor
 from resihp_jax.runtime.run.record_sink import metrics_file
 from resihp_jax.runtime.job.coordinator import HUNG_EXIT
-from resihp_jax.runtime.trainer.unwatched import Unwatched
+from resihp_jax.runtime.trainer.watching import Unwatched
 
 
 def test_job_spec_from_flags_variables_or_cluster() -> None:
@@ -225,12 +225,12 @@ def test_a_replan_that_leaves_a_slow_host_out_restarts_the_job_without_it(
 def test_processes_left_out_are_those_without_a_device_of_the_plan() -> None:
     from types import SimpleNamespace  # noqa: PLC0415
 
-    from resihp_jax.runtime.trainer.resilient import _processes_left_out  # noqa: PLC0415
+    from resihp_jax.runtime.trainer.replanner import processes_left_out  # noqa: PLC0415
 
     devices = [SimpleNamespace(id=i, process_index=i // 2) for i in range(8)]
     plan = _requested(3, 1, 2).replace(device_ids=(0, 1, 4, 5, 6, 7))
-    assert _processes_left_out(devices, plan) == (1,)
-    assert _processes_left_out(devices, _requested(2, 2, 2)) == ()
+    assert processes_left_out(devices, plan) == (1,)
+    assert processes_left_out(devices, _requested(2, 2, 2)) == ()
 
 
 def test_sigterm_exits_with_its_own_code_and_names_the_process(tmp_path: Path,

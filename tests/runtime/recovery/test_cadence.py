@@ -177,8 +177,8 @@ def test_a_save_after_the_background_compiles_compiles_nothing(tmp_path: Path,
                                                                program) -> None:  # noqa: ANN001
     """The layout move and the checksums are compiled ahead (deferred.compile_layouts), so a
     save's measured blocking cost C, which sets the 'auto' interval, holds no compile."""
-    from resihp_jax.runtime.trainer.compiles import counting, install
-    from resihp_jax.runtime.trainer.deferred import compile_layouts
+    from resihp_jax.runtime.programs.compiles import counting, install
+    from resihp_jax.runtime.programs.deferred import compile_layouts
 
     install()
     compile_layouts(program)

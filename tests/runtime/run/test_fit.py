@@ -15,7 +15,7 @@ from flax import nnx
 
 import resihp_jax as rh
 from resihp_jax.nn.layers import next_token_targets
-from resihp_jax.runtime.trainer.gil import SWITCH_INTERVAL_S
+from resihp_jax.runtime.trainer.resilient import SWITCH_INTERVAL_S
 from resihp_jax.step.body import token_nll_sum
 from tests.helpers import make_batches
 from tests.step.user_models import GPT2, GPT2Block, make_gpt2

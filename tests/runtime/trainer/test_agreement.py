@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     from resihp_jax.detector.verdict import Verdict
     from resihp_jax.plan import Plan
     from resihp_jax.meshes.agree import from_primary
-    from resihp_jax.runtime.trainer.resilient import _agreed, _agreed_step
+    from resihp_jax.runtime.trainer.agreement import agreed, agreed_step
     from resihp_jax.runtime.trainer.timing import StepTiming
 
     # each process timed only its own devices (the other's entries are 0)
@@ -26,10 +26,10 @@ SCRIPT = textwrap.dedent("""
     timing = StepTiming(1.0 + pid, fwd).gathered_with(())[0]
     # process 1 reaches a different verdict and plan than process 0
     mine = Verdict(7, (2048,), "compute", 3.0, 0.9, "resihp") if pid == 0 else None
-    verdict = _agreed(mine)
+    verdict = agreed(mine)
     # what the loop does after each step: the timing and process 0's verdict in one gather
-    step_timing, step_verdict = _agreed_step(StepTiming(1.0 + pid, fwd), mine)
-    _, no_verdict = _agreed_step(StepTiming(1.0 + pid, fwd),
+    step_timing, step_verdict = agreed_step(StepTiming(1.0 + pid, fwd), mine)
+    _, no_verdict = agreed_step(StepTiming(1.0 + pid, fwd),
                                  None if pid == 0 else Verdict(7, (0,), "stopped", 9.0, 1.0, "x"))
     plan = Plan.uniform(2, 1, 1, n_layers=2, n_microbatches=4, microbatch_size=1, seq_len=8,
                         device_ids=(0, 2048))

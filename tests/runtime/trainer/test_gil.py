@@ -1,5 +1,5 @@
-"""The step loop's hold on the interpreter's lock (runtime/trainer/gil.py); what it buys is
-timed in benchmarks/gil_contention.py, not here."""
+"""The step loop's hold on the interpreter's lock (runtime/trainer/resilient.py
+`responsive_loop`); what it buys is timed in benchmarks/gil_contention.py, not here."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from resihp_jax.runtime.trainer.gil import SWITCH_INTERVAL_S, responsive_loop
+from resihp_jax.runtime.trainer.resilient import SWITCH_INTERVAL_S, responsive_loop
 
 
 def test_the_loop_takes_the_short_interval_and_gives_the_old_one_back_even_on_error() -> None:

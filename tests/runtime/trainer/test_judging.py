@@ -17,7 +17,7 @@ from resihp_jax.detector.base import Detector
 from resihp_jax.detector.verdict import StepObservation, Verdict
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
-from resihp_jax.runtime.trainer import resilient
+from resihp_jax.runtime.trainer import step_runner
 from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilientTrainer
 from resihp_jax.runtime.events import Replan
@@ -60,7 +60,7 @@ def _trainer(log: list[tuple], monkeypatch: pytest.MonkeyPatch, **spy: int
     trainer = ResilientTrainer(CFG, StepConfig(), PLAN, jax.devices()[:1], data,
                                ResilienceConfig(precompile=0, compile_cache_dir=None))
     trainer.detector = _Spy(log, **spy)
-    real = resilient.timed_step
+    real = step_runner.timed_step
 
     def logged(program: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
         step = int(state.step) + 1
@@ -69,7 +69,7 @@ def _trainer(log: list[tuple], monkeypatch: pytest.MonkeyPatch, **spy: int
         log.append(("done", step))
         return out
 
-    monkeypatch.setattr(resilient, "timed_step", logged)
+    monkeypatch.setattr(step_runner, "timed_step", logged)
     return trainer
 
 

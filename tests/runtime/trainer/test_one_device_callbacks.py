@@ -12,7 +12,9 @@ from resihp_jax.data import BatchIterator
 from resihp_jax.faults.injector import FaultInjector
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
-from resihp_jax.runtime.trainer import resilient
+from resihp_jax.runtime.config import ResilienceConfig
+from resihp_jax.runtime.trainer import step_runner
+from resihp_jax.runtime.trainer.resilient import ResilientTrainer
 from resihp_jax.runtime.events import StepRecord
 from resihp_jax.step.config import StepConfig
 
@@ -21,21 +23,20 @@ CFG = get_model_config("tiny")
 
 def _callbacks(monkeypatch: pytest.MonkeyPatch, n_devices: int, hook: bool) -> int:
     calls = [0]
-    forward = resilient._Host.__call__
+    forward = step_runner.Host.__call__
 
     def counted(self, *event):  # noqa: ANN001, ANN202
         calls[0] += 1
         return forward(self, *event)
 
-    monkeypatch.setattr(resilient._Host, "__call__", counted)
+    monkeypatch.setattr(step_runner.Host, "__call__", counted)
     plan = Plan.uniform(1, n_devices, 1, n_layers=CFG.n_layers, n_microbatches=2,
                         microbatch_size=2, seq_len=32)
     data = BatchIterator("synthetic:lognormal", n_microbatches=2, microbatch_size=2,
                          seq_len=32, seed=0)
-    config = resilient.ResilienceConfig(precompile=0, compile_cache_dir=None)
-    trainer = resilient.ResilientTrainer(CFG, StepConfig(), plan, jax.devices()[:n_devices],
-                                         data, config,
-                                         fault_hook=FaultInjector(plan) if hook else None)
+    config = ResilienceConfig(precompile=0, compile_cache_dir=None)
+    trainer = ResilientTrainer(CFG, StepConfig(), plan, jax.devices()[:n_devices], data,
+                               config, fault_hook=FaultInjector(plan) if hook else None)
     records = [r for r in trainer.run(2) if isinstance(r, StepRecord)]
     trainer.close()
     assert len(records) == 2

@@ -119,7 +119,7 @@ def test_a_slow_device_trains_an_interim_split_while_the_new_mesh_compiles(
     assert target is not None and not target.same_mesh(PLAN) and 5 not in target.device_ids
     trainer.precompiler.wait()
     assert trainer.staging.held_bytes > 0  # the move's host buffers, touched in the background
-    assert len(trainer._warmed) == 1
+    assert len(trainer.keeper.warmed) == 1
     items = list(trainer.run(4))
     trainer.close()
     (done,) = [i for i in items if isinstance(i, Replan)]

@@ -18,7 +18,7 @@ import pytest
 
 import resihp_jax as rh
 from resihp_jax.cli import main
-from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
+from resihp_jax.runtime.programs.compiles import BACKGROUND_PREFIX
 from tests.helpers import make_batches
 from tests.step.user_models import make_gpt2
 

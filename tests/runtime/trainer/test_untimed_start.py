@@ -20,7 +20,7 @@ import jax
 from resihp_jax.data import BatchIterator
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
-from resihp_jax.runtime.trainer.compiles import counting, foreground_hits_since, foreground_since
+from resihp_jax.runtime.programs.compiles import counting, foreground_hits_since, foreground_since
 from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilientTrainer
 from resihp_jax.runtime.config import ResilienceConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from resihp_jax.runtime.trainer.compile_cache import cache_layout
+from resihp_jax.runtime.programs.compile_cache import cache_layout
 
 
 def test_processes_of_one_job_share_one_directory_per_job_size() -> None:

@@ -1,12 +1,12 @@
 """remat="auto" per plan: the memory model's pick, stepped up while the compiled step's
-bytes do not fit (runtime/trainer/remat_choice.py), with the compile injected."""
+bytes do not fit (runtime/programs/remat_choice.py), with the compile injected."""
 
 from __future__ import annotations
 
 import pytest
 
 from resihp_jax.perfmodel.costs import REMAT_POLICIES
-from resihp_jax.runtime.trainer.remat_choice import within_memory
+from resihp_jax.runtime.programs.remat_choice import within_memory
 
 GIB = 2**30
 
@@ -74,7 +74,7 @@ def test_the_trainer_compiles_the_policy_whose_step_fits_the_given_memory() -> N
     from resihp_jax.models.config import get_model_config  # noqa: PLC0415
     from resihp_jax.perfmodel.memory import (compiled_bytes,  # noqa: PLC0415
                                              memory_bytes_per_device)
-    from resihp_jax.runtime.trainer.deferred import compile_step  # noqa: PLC0415
+    from resihp_jax.runtime.programs.deferred import compile_step  # noqa: PLC0415
     from resihp_jax.runtime.trainer.resilient import ResilientTrainer
     from resihp_jax.runtime.config import ResilienceConfig
     from resihp_jax.step.builder import build_step  # noqa: PLC0415
@@ -114,7 +114,7 @@ def test_a_step_built_directly_refuses_auto_by_name() -> None:
     from resihp_jax.errors import ConfigError  # noqa: PLC0415
     from resihp_jax.plan import Plan  # noqa: PLC0415
     from resihp_jax.models.config import get_model_config  # noqa: PLC0415
-    from resihp_jax.runtime.trainer.deferred import compile_step  # noqa: PLC0415
+    from resihp_jax.runtime.programs.deferred import compile_step  # noqa: PLC0415
     from resihp_jax.step.builder import build_step  # noqa: PLC0415
     from resihp_jax.step.config import StepConfig  # noqa: PLC0415
 

@@ -6,7 +6,7 @@ import threading
 from types import SimpleNamespace
 
 from resihp_jax.plan import Plan
-from resihp_jax.runtime.trainer.precompile import Precompiler
+from resihp_jax.runtime.programs.precompile import Precompiler
 
 
 def _plan(dp: int, pp: int) -> Plan:

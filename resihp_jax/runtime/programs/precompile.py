@@ -19,7 +19,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from resihp_jax.plan import Plan
-from resihp_jax.runtime.trainer.compiles import BACKGROUND_PREFIX
+from resihp_jax.runtime.programs.compiles import BACKGROUND_PREFIX
 from resihp_jax.step.program import StepProgram
 
 Build = Callable[[Plan], StepProgram]  # a plan -> its program, compiled

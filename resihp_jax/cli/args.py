@@ -7,6 +7,7 @@ import os
 import re
 from pathlib import Path
 
+from resihp_jax.env_vars import COMPILE_CACHE_ENV
 from resihp_jax.errors import ConfigError, PlanError
 from resihp_jax.models.registry import Entry, get_model
 
@@ -92,7 +93,7 @@ def add_compile_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """`--compile-cache DIR` / `--no-compile-cache` (JAX's persistent compilation cache)."""
     parser.add_argument("--compile-cache", default=None, metavar="DIR",
                         help="keep compiled programs here across runs (default: "
-                             "$RESIHP_COMPILE_CACHE, else ~/.cache/resihp_jax/xla)")
+                             f"${COMPILE_CACHE_ENV}, else ~/.cache/resihp_jax/xla)")
     parser.add_argument("--no-compile-cache", action="store_true",
                         help="do not use the persistent compilation cache")
 

@@ -14,9 +14,12 @@ from typing import Callable, TextIO
 
 from resihp_jax.cli.args import (METRICS_HELP, add_metrics_argument, check_output_dir,
                                  metrics_destinations)
+from resihp_jax.env_vars import METRICS_ENV
 from resihp_jax.errors import ConfigError
+from resihp_jax.faults.processes import Fault
 from resihp_jax.runtime.job import accelerators
-from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor
+from resihp_jax.runtime.job.launch_types import LaunchConfig
+from resihp_jax.runtime.job.supervisor import Supervisor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "memory of N-1 idle processes and, while they compile, CPU the "
                              "job would otherwise use")
     add_metrics_argument(parser, METRICS_HELP + ". Every process's run writes there (the "
-                         "RESIHP_METRICS variable: resihp train and rh.fit take it unless given "
+                         f"{METRICS_ENV} variable: resihp train and rh.fit take it unless given "
                          "their own), and the launcher each relaunch (cause, seconds to "
                          "recover, steps lost): in DIR/launch for TensorBoard, a run named "
                          "launch for W&B")

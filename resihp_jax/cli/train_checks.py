@@ -44,7 +44,7 @@ def check_train_args(args: argparse.Namespace) -> None:
 def read_metrics_args(args: argparse.Namespace) -> None:
     """--metrics (else what `resihp launch --metrics` passed on) and --profile, read into
     `args.metrics_destinations` and `args.profile_steps`."""
-    from resihp_jax.runtime.job.supervisor import launched_metrics  # noqa: PLC0415
+    from resihp_jax.metrics.destinations import launched_metrics  # noqa: PLC0415
 
     given = args.metrics or list(launched_metrics() or ())
     args.metrics_destinations = metrics_destinations(given)

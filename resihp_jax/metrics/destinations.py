@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from resihp_jax.env_vars import METRICS_ENV
 from resihp_jax.errors import ConfigError
 
 VALID = ("tensorboard:DIR, wandb:PROJECT (or ENTITY/PROJECT), jsonl:PATH, a file path "
@@ -34,6 +35,14 @@ class Destination:
         if self.kind == "object":
             return f"{type(self.target).__name__} object"
         return f"{self.kind}:{self.target}"
+
+
+def launched_metrics(environ: Any = None) -> tuple[str, ...] | None:
+    """The metrics destinations `resihp launch --metrics` gave this process (METRICS_ENV,
+    one a line), if any: `resihp train` and rh.fit write there unless given their own."""
+    text = (os.environ if environ is None else environ).get(METRICS_ENV, "")
+    found = tuple(line for line in text.splitlines() if line.strip())
+    return found or None
 
 
 def parse_destinations(metrics: Any, name: str = "metrics") -> tuple[Destination, ...]:

@@ -15,6 +15,7 @@ from typing import Any
 from pathlib import Path
 
 from resihp_jax.detector.base import DETECTORS
+from resihp_jax.env_vars import COMPILE_CACHE_ENV
 from resihp_jax.errors import ConfigError
 from resihp_jax.metrics.destinations import metrics_directory, parse_destinations
 from resihp_jax.metrics.profile import check_steps
@@ -25,7 +26,6 @@ OVERHEAD_BUDGET = 0.02  # the share of wall time resilience may take
 # what ResilienceConfig.stage_timing_every's two kinds of value mean ('auto', an integer)
 EVERY_MEANS = ("1 step in K, K from the measured cost and the overhead budget",
                "1 step in K; 1: every step")
-COMPILE_CACHE_ENV = "RESIHP_COMPILE_CACHE"
 
 
 def default_cache_dir() -> str:

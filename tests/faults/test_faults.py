@@ -19,7 +19,7 @@ from resihp_jax.step.instrument import chain_hosts
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
 from resihp_jax.step.config import StepConfig
 from resihp_jax.step.instrument import BWD_END, BWD_START, FWD_END, FWD_START, Instrument
-from resihp_jax.step.builder import build_step
+from tests.helpers import llama_step
 from tests.helpers import make_batches
 
 PLAN = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=1, seq_len=64)
@@ -116,7 +116,7 @@ def test_slowdown_reaches_forward_backward_and_probe_of_one_device() -> None:
             seen.append((event, (dp, pp, tp), knob, busy))
 
     inj = FaultInjector(PLAN, sleep=fake_sleep)
-    program = build_step(cfg, StepConfig(), PLAN, jax.devices(),
+    program = llama_step(cfg, StepConfig(), PLAN, jax.devices(),
                          Instrument(chain_hosts(record, inj)))
     state = program.init_state(0)
     b = make_batches(4, microbatch_size=1)[0]

@@ -174,8 +174,9 @@ def test_a_replan_writes_its_verdict_plan_and_measured_gain(tmp_path: Path) -> N
 
 
 def test_a_relaunch_is_written_by_the_launcher(tmp_path: Path) -> None:
-    from resihp_jax.runtime.job.supervisor import (Failure, LaunchConfig, Supervisor,
-                                                  launched_metrics)
+    from resihp_jax.metrics.destinations import launched_metrics
+    from resihp_jax.runtime.job.launch_types import Failure, LaunchConfig
+    from resihp_jax.runtime.job.supervisor import Supervisor
 
     assert launched_metrics({"RESIHP_METRICS": "tensorboard:a\nwandb:b\n"}) == \
         ("tensorboard:a", "wandb:b")

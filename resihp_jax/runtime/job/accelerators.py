@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from resihp_jax.errors import ConfigError
-from resihp_jax.runtime.job.join import EXPECT_PLATFORM_ENV
+from resihp_jax.env_vars import EXPECT_PLATFORM_ENV
 
 PLATFORMS = ("auto", "cpu", "gpu")
 CPU_DEVICES_PER_PROC = 2  # fake CPU devices per process by default

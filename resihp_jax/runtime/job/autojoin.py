@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from resihp_jax.env_vars import JOB_SPEC_ENV, JOIN_ON_IMPORT_ENV
 from resihp_jax.errors import ResihpError
-from resihp_jax.runtime.job.distributed import ENV, JobSpec, job_spec
+from resihp_jax.runtime.job.distributed import JobSpec, job_spec
 
-OPT_OUT_ENV = "RESIHP_JOIN_ON_IMPORT"  # "0": never join at import
 _CLI_MODULE = "resihp_jax.cli"
 _CLI_SCRIPT = "resihp"  # the console script (pyproject's [project.scripts])
 
@@ -52,9 +52,9 @@ def launched_job(environ: Mapping[str, str], argv: Sequence[str],
                  orig_argv: Sequence[str]) -> JobSpec | None:
     """The job to join at import, or None: not launched, the CLI, or opted out. ConfigError
     for a launched process whose variables are bad (as `rh.fit` would raise)."""
-    if (environ.get(OPT_OUT_ENV) or "").strip() == "0" or started_as_cli(argv, orig_argv):
+    if (environ.get(JOIN_ON_IMPORT_ENV) or "").strip() == "0" or started_as_cli(argv, orig_argv):
         return None
-    ours = any(environ.get(ENV[k]) for k in ("coordinator", "num_processes"))
+    ours = any(environ.get(JOB_SPEC_ENV[k]) for k in ("coordinator", "num_processes"))
     if not ours and not environ.get("OMPI_MCA_orte_hnp_uri") \
             and not _several_slurm_tasks(environ):
         return None

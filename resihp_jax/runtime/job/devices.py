@@ -12,8 +12,9 @@ import re
 import sys
 from typing import TYPE_CHECKING, Mapping
 
+from resihp_jax.env_vars import NUM_PROCESSES_ENV
 from resihp_jax.errors import ConfigError
-from resihp_jax.runtime.job.distributed import ENV, detected_cluster
+from resihp_jax.runtime.job.distributed import detected_cluster
 
 if TYPE_CHECKING:
     import jax
@@ -94,7 +95,7 @@ def use_cpu_devices(n: int) -> None:
 
 def _in_a_job(environ: Mapping[str, str]) -> bool:
     try:
-        several = int(environ.get(ENV["num_processes"]) or 1) > 1
+        several = int(environ.get(NUM_PROCESSES_ENV) or 1) > 1
     except ValueError:
         several = False  # job_spec names the bad value when the job is joined
     return several or detected_cluster(environ) is not None
@@ -102,7 +103,7 @@ def _in_a_job(environ: Mapping[str, str]) -> bool:
 
 def devices() -> list[jax.Device]:
     """The devices to train on (starts JAX): the accelerators, else the CPU devices
-    (as many as `use_cpu_devices` asked for). Pass them to `build_step` or
+    (as many as `use_cpu_devices` asked for). Pass them to a model's programs or
     `ResilientTrainer`; a Plan's `device_ids` pick among them by id."""
     import jax  # noqa: PLC0415
 

@@ -21,15 +21,15 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
+from resihp_jax.env_vars import EXTERNAL_SERVICE_ENV, JOB_SPEC_ENV, JOIN_ON_IMPORT_ENV
 from resihp_jax.errors import ConfigError
 from resihp_jax.runtime.job.coordinator import guard_coordinator_loss
 
-EXTERNAL_SERVICE_ENV = "RESIHP_EXTERNAL_COORDINATION_SERVICE"  # "1": process 0 starts none
-ENV = {"coordinator": "RESIHP_COORDINATOR", "num_processes": "RESIHP_NUM_PROCESSES",
-       "process_id": "RESIHP_PROCESS_ID", "host_id": "RESIHP_HOST_ID"}
 # a cluster that JAX's `jax.distributed.initialize()` detects by itself, by its variables
 _CLUSTERS = {"SLURM": ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID"),
              "Open MPI": ("OMPI_MCA_orte_hnp_uri",)}
+# the variables that say which job this process joins (the host id is its own)
+_JOIN_VARS = tuple(JOB_SPEC_ENV[k] for k in ("coordinator", "num_processes", "process_id"))
 _LOCAL_RANK = ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK")
 _ADDRESS_RE = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
 
@@ -64,10 +64,10 @@ def job_spec(coordinator: str | None = None, num_processes: int | None = None,
              environ: Mapping[str, str] = os.environ) -> JobSpec:
     """The job this process belongs to, from the values given, else the RESIHP_* variables,
     else the cluster's own (auto-detected); ConfigError naming the first bad value."""
-    coordinator = coordinator or environ.get(ENV["coordinator"]) or None
+    coordinator = coordinator or environ.get(JOB_SPEC_ENV["coordinator"]) or None
     num = _int_value(num_processes, "--num-processes", environ, "num_processes")
     pid = _int_value(process_id, "--process-id", environ, "process_id")
-    host = host_id or environ.get(ENV["host_id"]) or default_host_id(environ)
+    host = host_id or environ.get(JOB_SPEC_ENV["host_id"]) or default_host_id(environ)
     if not re.fullmatch(r"[A-Za-z0-9_.:\-]{1,64}", host):
         raise ConfigError(f"--host-id={host!r}: use 1-64 letters, digits, '_', '.', ':' or '-'")
     given = {"--coordinator": coordinator, "--num-processes": num, "--process-id": pid}
@@ -78,7 +78,7 @@ def job_spec(coordinator: str | None = None, num_processes: int | None = None,
     missing = [flag for flag, value in given.items() if value is None]
     if missing:
         raise ConfigError(f"a job of several processes needs --coordinator, --num-processes "
-                          f"and --process-id (or {', '.join(f'${v}' for v in list(ENV.values())[:3])}); "  # noqa: E501
+                          f"and --process-id (or {', '.join(f'${v}' for v in _JOIN_VARS)}); "
                           f"missing: {', '.join(missing)}")
     assert num is not None and pid is not None and coordinator is not None
     if num < 1:
@@ -96,13 +96,14 @@ def _int_value(flag_value: int | None, flag: str, environ: Mapping[str, str],
                key: str) -> int | None:
     if flag_value is not None:
         return flag_value
-    text = environ.get(ENV[key])
+    text = environ.get(JOB_SPEC_ENV[key])
     if text is None or text == "":
         return None
     try:
         return int(text)
     except ValueError:
-        raise ConfigError(f"${ENV[key]}={text!r} (for {flag}): expected an integer") from None
+        raise ConfigError(f"${JOB_SPEC_ENV[key]}={text!r} (for {flag}): expected an integer"
+                          ) from None
 
 
 def detected_cluster(environ: Mapping[str, str]) -> str | None:
@@ -138,7 +139,7 @@ def initialize(spec: JobSpec, init_timeout_s: int, heartbeat_timeout_s: int) -> 
         raise ConfigError(f"this process is {spec.describe()}, but JAX started before it "
                           "joined the job: import resihp_jax before anything uses JAX (it "
                           "joins the job then), or call rh.join_job() first (with "
-                          "RESIHP_JOIN_ON_IMPORT=0)")
+                          f"{JOIN_ON_IMPORT_ENV}=0)")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs = dict(initialization_timeout=init_timeout_s,
                   heartbeat_timeout_seconds=heartbeat_timeout_s)

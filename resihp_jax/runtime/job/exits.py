@@ -15,7 +15,7 @@ the job (`resihp launch`, examples/slurm/*.sbatch, a Kubernetes policy):
 - 75 (HUNG_EXIT, EX_TEMPFAIL): a step failed (a peer died) or passed its deadline (a peer or
   a device hangs), or process 0 died and took the job's coordination service with it (one
   line names it, coordinator.py), or `resihp launch` ends the job after another process
-  failed (its SIGTERM comes with the failure named: preemption.PEER_LOST_ENV): restart,
+  failed (its SIGTERM comes with the failure named: env_vars.PEER_LOST_ENV): restart,
   counted; the process that exits 75 is not the one to blame.
 - 76/77 (HostsLeftOut): a re-plan leaves a slow host out (76 on that host, 77 on the
   others); the health record excludes it: restart without it.
@@ -32,12 +32,13 @@ import time
 import traceback
 from typing import Any, Callable
 
+from resihp_jax.env_vars import PEER_LOST_ENV
 from resihp_jax.errors import HostsLeftOut, JobStepFailed, Preempted, ResihpError
 from resihp_jax.runtime.job.coordinator import leaving, lost_line
 from resihp_jax.runtime.job.coordinator import HUNG_EXIT
 # what host_copies.py exits with on SIGTERM, and where resihp launch names the failure that
 # ends a job before its SIGTERM (from a JAX-free module: this one imports no JAX)
-from resihp_jax.runtime.recovery.preemption import PEER_LOST_ENV, PREEMPTED_EXIT, peer_lost
+from resihp_jax.runtime.recovery.preemption import PREEMPTED_EXIT, peer_lost
 
 USER_ERROR = 2
 # how long a process whose collective broke waits for the launcher to name the failure: its

@@ -5,12 +5,9 @@ A supervisor reads these to see progress (the job's step), to inject faults at a
 to tell a frozen process from one that waits in a collective: a frozen process (stopped, or
 stuck with the interpreter blocked) stops rewriting its file, a waiting one does not.
 
-Fault gates (GATES_ENV, set by the supervisor when it injects faults): a directory holding
-`step{N}` for each step a fault is due at. A process that has told the step it finished
-waits while that step's gate is there, beating all the while (not frozen, and in no step:
-no step deadline runs), until the supervisor has injected the step's faults and removed the
-gate. The fault then lands between steps N and N+1 of every process, whatever the host's
-load, never after a later step the job trained meanwhile.
+Fault gates (env_vars.FAULT_GATES_ENV, set by the supervisor when it injects faults): once
+a process has told the step it finished it waits at that step's gate, beating all the while,
+until the supervisor has injected the step's faults (faults/processes.py).
 """
 
 from __future__ import annotations
@@ -22,16 +19,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ENV_VAR = "RESIHP_HEARTBEAT_DIR"
-GATES_ENV = "RESIHP_FAULT_GATES"
-# a process waits at most this long at a gate (a supervisor that died leaves its gates)
-GATE_WAIT_S = 600.0
-
-
-def gate_path(directory: str | Path, step: int) -> Path:
-    """The gate a process waits at once it finished `step` (see the module's docstring)."""
-    return Path(directory) / f"step{int(step)}"
-
+from resihp_jax.env_vars import FAULT_GATES_ENV, HEARTBEAT_DIR_ENV
+from resihp_jax.faults.processes import wait_at_gate
 
 @dataclass(frozen=True)
 class Beat:
@@ -61,8 +50,8 @@ class Heartbeat:
 
     @classmethod
     def from_env(cls, host: str) -> Heartbeat | None:
-        directory = os.environ.get(ENV_VAR)
-        return cls(directory, host, gates=os.environ.get(GATES_ENV)) if directory else None
+        directory = os.environ.get(HEARTBEAT_DIR_ENV)
+        return cls(directory, host, gates=os.environ.get(FAULT_GATES_ENV)) if directory else None
 
     def update(self, step: int, deadline_s: float, plan: str,
                phases: dict[str, float] | None = None) -> None:
@@ -71,12 +60,7 @@ class Heartbeat:
         self._updated = True
         self._write()
         if self.gates is not None:
-            self._wait_at_gate(step)
-
-    def _wait_at_gate(self, step: int) -> None:
-        gate, until = gate_path(self.gates, step), time.monotonic() + GATE_WAIT_S
-        while gate.exists() and time.monotonic() < until:
-            time.sleep(0.01)
+            wait_at_gate(self.gates, step)
 
     def close(self) -> None:
         self._stop.set()

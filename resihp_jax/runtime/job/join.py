@@ -11,15 +11,13 @@ from typing import Mapping
 
 import numpy as np
 
+from resihp_jax.env_vars import EXPECT_PLATFORM_ENV
 from resihp_jax.errors import ConfigError
 from resihp_jax.runtime.recovery import health_record
 from resihp_jax.runtime.job.deadline import Ladder
 from resihp_jax.runtime.job.distributed import JobSpec, initialize
 
 _HOST_BYTES = 64
-# set by a job script that allocated accelerators (examples/slurm/train.sbatch: gpu): a job
-# that finds only CPU devices then stops at once instead of training a GPU model on CPUs
-EXPECT_PLATFORM_ENV = "RESIHP_EXPECT_PLATFORM"
 
 
 @dataclass(frozen=True)

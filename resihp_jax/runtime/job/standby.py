@@ -3,14 +3,30 @@ runs, so that a relaunch after one lost process pays neither process start, nor 
 nor compiling.
 
 The supervisor (`resihp launch`) starts a standby of n-1 processes beside a running
-incarnation of n, with its own coordination service and RESIHP_STANDBY naming a go file.
-Each standby process starts Python, joins its own job, plans and compiles exactly as a
-relaunch on n-1 processes would, then marks itself ready and waits. Until the go file
+incarnation of n, with its own coordination service and a go file to wait for (named by
+env_vars.STANDBY_GO_FILE_ENV). Each standby process starts Python, joins its own job, plans
+and compiles exactly as a relaunch on n-1 processes would, then marks itself ready and
+waits. Until the go file
 appears it has read no checkpoint and no survivors' copy and written nothing the job reads
 (only its logs and its files under DIR/standby/). When the running incarnation fails leaving
 n-1 usable hosts, the supervisor ends it (its survivors write their copies) and writes the go
 file (atomically): the host ids the standby's processes take on, in process order. The
 standby then reads the job's state and trains. Everything here runs without JAX.
+
+The supervisor's side is a `StandbyKeeper`: it starts a standby, watches it at each poll,
+hands it to a relaunch it fits, and ends it.
+
+A standby's processes take only the cores the job leaves idle, until they are promoted
+(`background`, `foreground`). A standby compiles the next incarnation's programs (and then
+its likely re-plans) for minutes while the job trains. Where both share a host's cores
+(`resihp launch` on one machine) that compile took 0.25 of a core per standby process, three
+of them 0.75 of the job's 2 cores, in bursts that fell on whichever of the job's processes was
+running: its devices' timings (the detector's probes) swung 0.4x-2.2x of the median on
+healthy processes. Linux's SCHED_IDLE policy runs a thread only when no normal thread wants
+the core. Set on a process right after it starts, every thread it creates inherits it;
+promotion sets each thread back to SCHED_OTHER. Where the policy is missing (not Linux) or
+refused, nothing changes and the caller is told why: a standby at normal priority still
+works, only louder.
 """
 
 from __future__ import annotations
@@ -24,11 +40,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TextIO
 
-from resihp_jax.runtime.job import priority
+from resihp_jax.env_vars import STANDBY_GO_FILE_ENV
 
-ENV_VAR = "RESIHP_STANDBY"  # the go file this standby process waits for
 GO_FILE = "go.json"
 POLL_S = 0.02  # the go's latency; idle standby processes wake this often
 
@@ -43,7 +58,7 @@ class Go:
 
 def go_path() -> Path | None:
     """This process's go file if it is a standby process, else None."""
-    value = os.environ.get(ENV_VAR)
+    value = os.environ.get(STANDBY_GO_FILE_ENV)
     return Path(value) if value else None
 
 
@@ -91,6 +106,44 @@ def wait_for_go(path: Path, process_id: int, poll_s: float = POLL_S) -> tuple[Go
         time.sleep(poll_s)
 
 
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]  # not Linux's /proc, or the process is gone: its main thread at most
+
+
+def _set_policy(tids: list[int], policy: int) -> str | None:
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except ProcessLookupError:
+            continue  # a thread that ended meanwhile
+        except (PermissionError, OSError) as err:
+            return f"{err.strerror or err}"
+    return None
+
+
+def background(pid: int) -> str | None:
+    """Run process `pid` (its threads now and the ones they start) only on idle cores.
+    None when done, else why not."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return "this system has no SCHED_IDLE policy"
+    return _set_policy(_threads(pid), os.SCHED_IDLE)
+
+
+def foreground(pid: int) -> str | None:
+    """Back to normal priority, every thread of `pid` (twice: a thread started while the
+    first pass ran inherited the old policy). None when done, else why not."""
+    if not hasattr(os, "SCHED_OTHER") or not Path(f"/proc/{pid}").exists():
+        return None
+    for _ in range(2):
+        why = _set_policy(_threads(pid), os.SCHED_OTHER)
+        if why is not None:
+            return why
+    return None
+
+
 def signal_group(pid: int, sig: int) -> None:
     """Send `sig` to the process group `pid` leads (each launched process leads its own), if
     it is still there."""
@@ -136,9 +189,9 @@ class Standby:
 
     def promote(self, hosts: list[str]) -> dict[str, subprocess.Popen]:
         """Give the word: the standby becomes the job's processes on `hosts`, in order, at
-        normal priority again (a ready one waited on idle cores: priority.py)."""
+        normal priority again (a ready one waited on idle cores: `background`)."""
         for proc in self.procs if self.idle else ():
-            why = priority.foreground(proc.pid)
+            why = foreground(proc.pid)
             if why is not None:
                 print(f"launch: a promoted standby process stays at idle priority ({why})",
                       file=sys.stderr)
@@ -160,3 +213,99 @@ class Standby:
             proc.wait()
         self.service.shutdown()
         shutil.rmtree(self.go.parent, ignore_errors=True)
+
+
+# starts processes `hosts` of one job with their own coordination service: (procs, service)
+Start = Callable[[list[str], Path, list[Path], dict[str, str]], tuple[list[subprocess.Popen], Any]]
+
+
+class StandbyKeeper:
+    """The supervisor's side: at most one standby beside the running incarnation, started
+    with the supervisor's own `start` (its logs from `log`), under DIR/standby/. A promoted
+    standby that was not ready yet is reported once it is: the seconds the relaunch waited
+    for it go into `waits_s`."""
+
+    def __init__(self, checkpoint_dir: Path, start: Start, log: Callable[[str], Path], *,
+                 enabled: bool = True, out: TextIO = sys.stderr,
+                 clock: Callable[[], float] = time.monotonic,
+                 waits_s: list[float] | None = None) -> None:
+        self.checkpoint_dir, self.enabled = checkpoint_dir, enabled
+        self._start, self._log, self.out, self.clock = start, log, out, clock
+        self.waits_s = [] if waits_s is None else waits_s
+        self.held: Standby | None = None
+        # a standby promoted before it was ready, and when: reported once it is
+        self._promoted_unready: tuple[Standby, float] | None = None
+
+    def start(self, n: int, incarnation: int) -> None:
+        """A standby for incarnation `incarnation`, one process fewer than the `n` running."""
+        if not self.enabled or n < 2 or self.held is not None:
+            return
+        go = self.checkpoint_dir / "standby" / f"incarnation{incarnation}" / GO_FILE
+        shutil.rmtree(go.parent, ignore_errors=True)
+        go.parent.mkdir(parents=True)
+        # placeholder host ids: the go file names the real ones
+        names = [f"standby{i}" for i in range(n - 1)]
+        logs = [self._log(f"incarnation{incarnation}-{name}") for name in names]
+        beat_dir = self.checkpoint_dir / "heartbeat" / f"incarnation{incarnation}"
+        procs, service = self._start(names, beat_dir, logs, {STANDBY_GO_FILE_ENV: str(go)})
+        # it prepares (starts, joins, compiles) at normal priority, so that a fault soon
+        # after finds it ready; once ready it waits on idle cores (`check`)
+        self.held = Standby(procs, service, go, incarnation, logs)
+
+    def ready(self) -> bool:
+        """A standby is held and ready to take over."""
+        return self.held is not None and self.held.ready()
+
+    def check(self) -> None:
+        """A standby that ended on its own is dropped (never counted as a failure); one that
+        became ready goes to idle priority: its waiting and its later compiles (the likely
+        re-plans) must not take the job's cores. A promoted standby that was not ready is
+        reported once it is: how long the relaunch waited for it."""
+        held = self.held
+        if held is not None and not held.alive():
+            codes = [p.poll() for p in held.procs]
+            print(f"launch: the standby ended by itself (exit codes {codes}); the next "
+                  "relaunch starts fresh processes", file=self.out)
+            self.drop()
+        elif held is not None and not held.idle and held.ready():
+            held.idle = True
+            for proc in held.procs:
+                why = background(proc.pid)
+                if why is not None:
+                    print(f"launch: the ready standby waits at normal priority ({why})",
+                          file=self.out)
+                    break
+        waited = self._promoted_unready
+        if waited is not None and waited[0].ready():
+            self._promoted_unready = None
+            seconds = self.clock() - waited[1]
+            self.waits_s.append(seconds)
+            print(f"launch: the standby was ready {seconds:.1f} s after it took over",
+                  file=self.out)
+
+    def take(self, live: list[str], incarnation: int) -> Standby | None:
+        """The standby, handed over (no longer held), when it fits incarnation
+        `incarnation` on the `live` hosts; else None (one that does not fit is ended)."""
+        held, self.held = self.held, None
+        if held is not None and held.size == len(live) and held.alive():
+            state = "ready" if held.ready() else "still preparing: it goes on once ready"
+            if not held.ready():
+                self._promoted_unready = (held, self.clock())
+            print(f"launch: incarnation {incarnation} on {', '.join(live)}: the standby "
+                  f"takes over ({state})", file=self.out)
+            return held
+        if held is not None:
+            print(f"launch: the standby of {held.size} process(es) does not fit "
+                  f"{len(live)} usable host(s): starting fresh processes", file=self.out)
+            held.kill()
+        return None
+
+    def drop(self) -> None:
+        if self.held is not None:
+            self.held.kill()
+            self.held = None
+
+    def close(self) -> None:
+        """At the job's end: no standby, and none of its files."""
+        self.drop()
+        shutil.rmtree(self.checkpoint_dir / "standby", ignore_errors=True)

@@ -20,14 +20,15 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping
 
+from resihp_jax.env_vars import PEER_LOST_ENV
+
 # SIGTERM: the scheduler preempts the job, or a failure ends it (srun, resihp launch). Its
 # own code, so a job script tells a preemption from a failure (job/exits.py lists every code)
 PREEMPTED_EXIT = 74
 # A launcher that ends the job after another process failed (resihp launch) names the failure
-# in the file this variable points to before its SIGTERM: the process then exits 75 (a peer
+# in the file PEER_LOST_ENV points to before its SIGTERM: the process then exits 75 (a peer
 # was lost: restart, counted, not this process's fault; HUNG_EXIT in job/coordinator.py) with
 # one line naming the lost peer, where a preemption's SIGTERM exits PREEMPTED_EXIT.
-PEER_LOST_ENV = "RESIHP_PEER_LOST_FILE"
 PEER_LOST_EXIT = 75
 
 

@@ -19,7 +19,9 @@ from resihp_jax.detector.verdict import StepObservation
 from resihp_jax.runtime.job.deadline import Ladder
 from resihp_jax.runtime.job.heartbeat import Beat
 from resihp_jax.runtime.job.relaunch_plan import cover_processes, plan_for_devices
-from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor
+from resihp_jax.faults.processes import Fault
+from resihp_jax.runtime.job.launch_types import LaunchConfig
+from resihp_jax.runtime.job.supervisor import Supervisor
 from resihp_jax.runtime.run.record_sink import metrics_file
 from resihp_jax.runtime.job.coordinator import HUNG_EXIT
 from resihp_jax.runtime.trainer.watching import Unwatched
@@ -148,9 +150,9 @@ def _beat(age_s: float, step: int = 5) -> Beat:
 def test_supervisor_blames_the_frozen_process_not_those_that_gave_up(tmp_path: Path) -> None:
     sup = _supervisor(tmp_path)
     beats = {"p0": _beat(0.1), "p1": _beat(30.0), "p2": _beat(0.1), "p3": _beat(0.1)}
-    failure = sup._died({"p0": HUNG_EXIT, "p2": HUNG_EXIT}, beats, 5)
+    failure = sup.blame.died({"p0": HUNG_EXIT, "p2": HUNG_EXIT}, beats, 5)
     assert (failure.kind, failure.host) == ("hung", "p1")
-    killed = sup._died({"p3": -9, "p0": HUNG_EXIT}, beats, 5)
+    killed = sup.blame.died({"p3": -9, "p0": HUNG_EXIT}, beats, 5)
     assert (killed.kind, killed.host) == ("died", "p3") and "SIGKILL" in killed.detail
 
 
@@ -205,7 +207,7 @@ def test_launch_refuses_train_arguments_before_starting_anything(tmp_path: Path,
 
 def test_a_refused_argument_is_not_relaunched(tmp_path: Path) -> None:
     sup = _supervisor(tmp_path)
-    failure = sup._died({"p1": 2}, {}, 0)
+    failure = sup.blame.died({"p1": 2}, {}, 0)
     with pytest.raises(ConfigError, match="process p1 refused its arguments"):
         sup._failed(failure, 0)
 
@@ -214,7 +216,7 @@ def test_a_replan_that_leaves_a_slow_host_out_restarts_the_job_without_it(
         tmp_path: Path) -> None:
     sup = _supervisor(tmp_path)
     left_out, replan = HostsLeftOut.LEFT_OUT_EXIT, HostsLeftOut.REPLAN_EXIT
-    failure = sup._left_out({"p0": replan, "p1": left_out, "p2": replan, "p3": replan}, 30)
+    failure = sup.blame.left_out({"p0": replan, "p1": left_out, "p2": replan, "p3": replan}, 30)
     assert (failure.kind, failure.hosts) == ("excluded", ("p1",))
     sup._failed(failure, 30)
     record = health_record.load(tmp_path)
@@ -251,14 +253,15 @@ def test_sigterm_exits_with_its_own_code_and_names_the_process(tmp_path: Path,
     assert codes == [exits.PREEMPTED_EXIT]
     err = capsys.readouterr().err
     assert err.startswith("rh.fit: SIGTERM") and "resihp train" not in err
-    assert "code 74 (preempted" in _supervisor(tmp_path)._died({"p1": 74}, {}, 3).detail
+    assert "code 74 (preempted" in _supervisor(tmp_path).blame.died({"p1": 74}, {}, 3).detail
 
 
 def test_sigterm_after_a_named_failure_exits_75_naming_it(tmp_path: Path, monkeypatch,
                                                           capsys) -> None:
     """resihp launch names the failure that ends the job before its SIGTERM: the others exit
     75 (a peer was lost: not their fault, a restart) with one line naming it, not 74."""
-    from resihp_jax.runtime.job.exits import PEER_LOST_ENV, PREEMPTED_EXIT
+    from resihp_jax.env_vars import PEER_LOST_ENV
+    from resihp_jax.runtime.job.exits import PREEMPTED_EXIT
     from resihp_jax.runtime.recovery import host_copies
 
     named = tmp_path / "peer_lost"
@@ -282,7 +285,8 @@ def test_a_broken_collective_waits_for_the_launcher_to_name_the_failure(tmp_path
     import os
     import signal
 
-    from resihp_jax.runtime.job.exits import PEER_LOST_ENV, launcher_verdict
+    from resihp_jax.env_vars import PEER_LOST_ENV
+    from resihp_jax.runtime.job.exits import launcher_verdict
 
     named = tmp_path / "peer_lost"
     env = {PEER_LOST_ENV: str(named)}
@@ -309,7 +313,8 @@ def test_a_broken_collective_waits_for_the_launcher_to_name_the_failure(tmp_path
 
 
 def test_a_job_that_asked_for_gpus_refuses_cpu_devices() -> None:
-    from resihp_jax.runtime.job.join import EXPECT_PLATFORM_ENV, check_platform
+    from resihp_jax.env_vars import EXPECT_PLATFORM_ENV
+    from resihp_jax.runtime.job.join import check_platform
 
     check_platform({})  # nothing asked: anything goes
     check_platform({EXPECT_PLATFORM_ENV: "cpu"})
@@ -373,12 +378,12 @@ def test_the_standby_takes_over_only_when_it_fits_the_hosts_left(tmp_path: Path,
     sup = _supervisor(tmp_path)
     monkeypatch.setattr(sup, "_spawn", lambda hosts, beat_dir: {h: "fresh" for h in hosts})
     sup._incarnation = 1
-    fits = sup._standby = _Standby(3)
+    fits = sup.standby.held = _Standby(3)
     assert sup._relaunch(["p0", "p1", "p3"], tmp_path) == {"p0": None, "p1": None, "p3": None}
     assert fits.told == [("promote", ["p0", "p1", "p3"])] and sup._service == "service"
-    too_big = sup._standby = _Standby(3)  # two hosts lost at once: new processes
+    too_big = sup.standby.held = _Standby(3)  # two hosts lost at once: new processes
     assert sup._relaunch(["p0", "p3"], tmp_path) == {"p0": "fresh", "p3": "fresh"}
-    assert too_big.told == [("kill",)] and sup._standby is None
+    assert too_big.told == [("kill",)] and sup.standby.held is None
     assert sup.summary.relaunched_by == ["standby", "fresh"]
     assert sup.summary.standby_rss_mb == [100.0]
 
@@ -483,7 +488,7 @@ def test_only_a_stopped_process_is_taken_for_frozen(tmp_path: Path) -> None:
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    from resihp_jax.runtime.job.supervisor import _stopped  # noqa: PLC0415
+    from resihp_jax.runtime.job.blame import stopped as _stopped  # noqa: PLC0415
 
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                             stdin=subprocess.PIPE)

@@ -202,7 +202,8 @@ def test_a_gpu_job_on_cpu_devices_is_refused_not_restarted(script, tmp_path: Pat
 
 def test_a_command_runs_as_given_and_dashes_still_mean_resihp_train(tmp_path: Path) -> None:
     from resihp_jax.cli.launch import _user_command
-    from resihp_jax.runtime.job.supervisor import LaunchConfig, Supervisor
+    from resihp_jax.runtime.job.launch_types import LaunchConfig
+    from resihp_jax.runtime.job.supervisor import Supervisor
 
     assert _user_command(["--", "--model", "tiny", "--steps", "3"]) is None
     assert _user_command(["--", "python", "my_train.py", "--lr", "1"]) == \

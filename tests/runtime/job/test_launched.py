@@ -169,7 +169,7 @@ def test_gpu_shares_by_default_forced_cpu_and_a_node_too_small() -> None:
     assert launch.devices(_args("--procs", "4", "--platform", "cpu", "--", "x"), gpus) == \
         ("cpu", 2, ())
     assert launch.devices(_args("--procs", "2", "--", "x"), lambda: ()) == ("cpu", 2, ())
-    from resihp_jax.runtime.job.supervisor import LaunchConfig
+    from resihp_jax.runtime.job.launch_types import LaunchConfig
 
     with pytest.raises(ConfigError, match=r"--procs=3 x --devices-per-proc=2 needs 6 GPUs; "
                                           r"this node gives 4 \(0,1,2,3\)"):

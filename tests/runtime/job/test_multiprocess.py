@@ -20,7 +20,9 @@ import pytest
 
 from resihp_jax.cli import main
 from resihp_jax.runtime.recovery import health_record
-from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor
+from resihp_jax.faults.processes import Fault
+from resihp_jax.runtime.job.launch_types import LaunchConfig
+from resihp_jax.runtime.job.supervisor import Supervisor
 
 STEPS = 8
 TRAIN = ("--model", "tiny", "--steps", str(STEPS), "--seed", "3", "--seq-len", "64",

@@ -1,4 +1,5 @@
-"""A standby's processes wait on idle cores and are back at normal priority once promoted."""
+"""A standby's processes wait on idle cores and are back at normal priority once promoted
+(standby.py's background and foreground)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from resihp_jax.runtime.job import priority
+from resihp_jax.runtime.job import standby
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux policies only")
 
@@ -26,7 +27,7 @@ def test_a_background_process_and_the_threads_it_starts_run_idle_until_foregroun
         "print('started', flush=True)\n"
         "sys.stdin.readline()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        why = priority.background(child.pid)
+        why = standby.background(child.pid)
         if why is not None:
             pytest.skip(f"this host refuses SCHED_IDLE: {why}")
         child.stdin.write("go\n")
@@ -34,7 +35,7 @@ def test_a_background_process_and_the_threads_it_starts_run_idle_until_foregroun
         assert child.stdout.readline().strip() == "started"
         assert len(os.listdir(f"/proc/{child.pid}/task")) >= 2
         assert _policies(child.pid) == {os.SCHED_IDLE}
-        assert priority.foreground(child.pid) is None
+        assert standby.foreground(child.pid) is None
         assert _policies(child.pid) == {os.SCHED_OTHER}
     finally:
         child.kill()
@@ -44,4 +45,4 @@ def test_a_background_process_and_the_threads_it_starts_run_idle_until_foregroun
 def test_a_process_that_is_gone_is_no_error() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    assert priority.foreground(child.pid) is None
+    assert standby.foreground(child.pid) is None

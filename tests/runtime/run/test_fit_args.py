@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import resihp_jax as rh
-from resihp_jax.runtime.job.distributed import ENV
+from resihp_jax.env_vars import JOB_SPEC_ENV as ENV
 from tests.helpers import make_batches
 from tests.step.user_models import make_gpt2
 

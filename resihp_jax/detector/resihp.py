@@ -3,68 +3,19 @@
 The OnlineCostModel (fitted online from steps judged healthy) predicts what this batch's
 sequence lengths should cost under this plan; a tracked scale (EWMA of healthy steps' log
 error, rate `drift`) absorbs machine-wide drift such as other jobs sharing the host, within a
-few steps. What is left, r = log(observed / predicted), is measured in units of the plan's own
-noise sigma: the spread of r over the steps this plan ran healthy, its RMS included (clipped
-at RMS_CLIP robust sigmas), so the host's own swings of a few steps, which a robust spread
-leaves out and which the machine's noise floor (the CV of one batch timed again and again)
-takes in, widen it as they widen that floor: the thresholds follow the machine the job runs
-on rather than fixed factors. A one-sided CUSUM of those units (slack `slack` sigmas per
-step, one step counting at most `decision` / 2, a suspicion at `decision`) raises a
-suspicion, which the probes then confirm and localize. The stated margin: a step-level
-slowdown of `REACH_SIGMAS` (4) sigmas is caught within `REACH_STEPS` (5) steps. With the
-defaults and normal noise, 4 sigmas reach the decision within 5 steps all but 46 times in
-10,000 (4.5 sigmas: all but 1 in 10,000; 3 sigmas: only 68 in 100), and healthy steps raise
-no suspicion within 500 steps in 20,000 runs (t-distributed noise with 4 degrees of freedom:
-1 run in 240); no single step (a load spike) can raise a suspicion alone. A step over the slack is
-held back from learning until the CUSUM returns to zero (then it was noise, and its residual
-widens the plan's sigma) or the probes clear it. (Slack 1.25 with a robust sigma alone
-caught even 3 sigmas 98 times in 100, more than the margin asks, and raised suspicions on
-the host's swings of 2-8 steps at 3-4 robust sigmas: `benchmarks/detection.py`.)
-
-When per-stage times come with the steps (the forward of one micro-batch per stage), a
-second, load-robust signal watches each stage's share of them against the share its layers
-and its DP group's micro-batch predict (and its own healthy baseline): a machine-wide
-slowdown moves every stage together, a slow device moves only its own stage. A persistent
-stage excess is also a suspicion; a stage counts as in excess past `stage_k` (4) of its
-healthy spreads (at 3, the swings of one micro-batch's forward on shared cores, 10-20%,
-raised false alarms in healthy runs of `benchmarks/detection.py`). The stages' common level
-(a low quantile of their times against their own healthy baselines, so one slow stage does
-not move it) tells how much of a step's excess the whole machine shares: other processes
-loading the host slow every stage alike, and that part of the excess is drift, not a fault
-(without it, a load switched on raised an alarm the probes then cleared). Where the host's
-CPU counters are known, the level counts only while they show other processes taking cores:
-a slow device can lift every stage's time by itself (the stages wait on each other's
-transfers), and taken as load, a 1.2x device's 1.12x step slowdown was learned as drift in a
-full run of `benchmarks/detection.py` (corpus, seed 3) and never caught. Stage baselines are
-learned from the first fit of the cost model on, so the stage signal is armed when the step
-signal is.
-
-When the host's CPU accounting comes with the steps (`StepObservation.host_cpu`), it tells
-how much of an excess other processes explain: they ran on more cores than on healthy steps,
-so this process got fewer of the cores it uses (min(its healthy use, cores - others) against
-the same with the others' healthy level). That part is drift too, and it is known the very
-step a load switches on, where the stage level needs several steps to stand out of its noise
-(each switch-on otherwise cost a probe). A slow device does not raise the others' use by
-itself; on a saturated host they take what the slow device leaves idle, so a fault under a
-load shows partly as host load, and the stage shares (which no load moves) still see it.
-
-Where the process keeps the host's cores busy (its step is CPU-bound, as 8 fake devices on 2
-cores are), the same counters tell a slow device from a slow machine. A slow device leaves
-cores idle while the others wait for it, so this process's cores fall as its step lengthens
-(`benchmarks/detection.py` prints them per trial; `--data synthetic:bimodal --seed 6`: a 1.2x
-device's steps at 0.91-0.96x the cores, a 2x device's at 0.64-0.71x). When the cores
-themselves run slower (the machine's own swings, which raised both false alarms of a full
-`benchmarks/detection.py --data synthetic:lognormal --seed 12` run: steps 6% to 16% slower
-over 4-5 steps, the process at its healthy cores throughout, nothing else running), the
-process burns more CPU seconds for the same batch. The part of an excess those extra seconds
-explain (excess + log(cores now / healthy cores)) is the machine's, not a device's, while the
-process holds its healthy cores (within HOST_MIN_CORES) and up to the stated margin
-(REACH_SIGMAS sigmas): devices sharing the cores keep them busy while a slow one sleeps, so a
-step slower than that is left for the probe to tell. It counts only in a job of
-one process (with several, one host's slower cores are a slow device of the
-job) whose healthy use is at least OWN_BOUND of the cores the others leave it: on a GPU host
-the process uses a few of many cores, and a host thread spin-waiting on a slow GPU would burn
-CPU in step with the wall time.
+few steps. What is left of a step, r = log(observed / predicted), less the part the whole
+machine explains, is judged by four signals (detector/signals.py, each class's docstring
+says how and why): the step signal (`StepSignal`: r in units of the plan's own noise sigma,
+summed by a one-sided CUSUM, a suspicion at its decision); when per-stage times come with
+the steps, the stage shares (`StageShares`: a slow device moves only its own stage's share,
+a persistent excess there is also a suspicion) and the stages' shared level (`SharedLevel`:
+a load on the whole host moves every stage alike, and that part of the excess is drift);
+when the host's CPU accounting comes with them, what other processes taking cores, or the
+host's cores running slower, explain (`CpuAccounting`). A suspicion is then confirmed and
+localized by the probes. The stated margin: a step-level slowdown of `REACH_SIGMAS` (4)
+sigmas is caught within `REACH_STEPS` (5) steps. A step over the slack is held back from
+learning until the CUSUM returns to zero (then it was noise, and its residual widens the
+plan's sigma) or the probes clear it.
 
 The baseline is only as healthy as the devices were while the warm-up learned it: a device
 that turned slow during the warm-up is in it, and later steps never stand out against it
@@ -72,11 +23,6 @@ that turned slow during the warm-up is in it, and later steps never stand out ag
 after the warm-up, and every CHECK_PERIOD steps after that, the probes check every device
 (`Detector.checks`, not alarms): where the host's own swings hide a slow host's share of
 the step, they are what finds it.
-
-Stage times are not fitted as cost-model rows: on shared host cores one micro-batch's
-forward mostly measures what the other devices run at the same moment (an 18% robust sigma,
-against 2.3% for whole steps), and as rows they drowned the step rows the predictor is
-judged on (MAPE 5.4% vs 2.4%).
 """
 
 from __future__ import annotations
@@ -88,14 +34,24 @@ from typing import Any
 import numpy as np
 
 from resihp_jax.detector.base import Detector, register
-from resihp_jax.detector.verdict import HostCpu, StepObservation
+# the signals' own constants, importable from here as before
+from resihp_jax.detector.signals import (  # noqa: F401
+    HOST_MIN_CORES,
+    MIN_RESIDUALS,
+    OWN_BOUND,
+    RMS_CLIP,
+    STAGE_PERSIST,
+    CpuAccounting,
+    SharedLevel,
+    StageShares,
+    StepSignal,
+)
+from resihp_jax.detector.verdict import StepObservation
 from resihp_jax.errors import ConfigError
 from resihp_jax.plan import Plan
 from resihp_jax.perfmodel.costs import CostParams
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.perfmodel.online import OnlineCostModel
-from resihp_jax.perfmodel import features
-from resihp_jax.perfmodel.work import group_data
 
 # Steps learned as healthy before any step is judged (callers scheduling faults need it).
 WARMUP_STEPS = 24
@@ -103,20 +59,7 @@ WARMUP_STEPS = 24
 # more is caught within REACH_STEPS steps (see the module docstring for why the defaults do).
 REACH_SIGMAS = 4.0
 REACH_STEPS = 5
-# Residuals a plan needs before its own sigma is trusted (until then: the cost model's noise
-# and the other plans' sigmas, whichever is larger).
-MIN_RESIDUALS = 16
-STAGE_PERSIST = 3  # steps of stage excess in a row that make a suspicion
 LOAD_DRIFT = 0.5  # the drift scale's rate while the stages show a load on the whole host
-# other processes' CPU use beyond their healthy level that counts as a load, in cores (the
-# host's tick counters step in 1/100 s, so over a step of 0.2 s one core reads +-0.05)
-HOST_MIN_CORES = 0.1
-# the process's step is CPU-bound (its own CPU seconds explain a slower machine) where its
-# healthy use is at least this share of the cores the other processes leave it
-OWN_BOUND = 0.8
-# a residual counts towards the plan's RMS up to this many robust sigmas: a swing of the host
-# widens the sigma, a step of a fault held back by mistake cannot blow it up
-RMS_CLIP = 6.0
 # steps after the warm-up before the probes check every device (`_check_due`)
 CHECK_AFTER = 6
 # then every CHECK_PERIOD steps (`_check_due`), or as many more as keep a probe run's stall
@@ -139,7 +82,6 @@ JOB_CHECK_START, JOB_CHECK_PERIOD, JOB_CHECK_BUDGET = 4, 5, 0.25
 REFIT_LAG = 2
 
 
-
 @register
 class ResiHPDetector(Detector):
     name = "resihp"
@@ -159,35 +101,22 @@ class ResiHPDetector(Detector):
         # pipeline-only fit before that erred 1.4x the machine's noise floor (0.95x with them).
         self.cost = OnlineCostModel(model, window=128, refit_every=16, mode="contention",
                                     max_refit_every=64, refit_lag=REFIT_LAG)
-        self.warmup, self.slack, self.decision = warmup, slack, decision
-        self.drift, self.min_noise, self.k = drift, min_noise, k
-        self.level_min_excess = level_min_excess
+        self.warmup, self.drift = warmup, drift
+        self.step_signal = StepSignal(slack, decision, min_noise)
+        self.stage_shares = StageShares(warmup, drift, stage_min_excess, stage_k)
+        self.shared_level = SharedLevel(warmup, k, level_min_excess)
+        self.cpu_accounting = CpuAccounting(warmup)
         self.scale = 1.0  # machine-wide drift of healthy steps against the model
         self._learned = 0
-        self.cusum = 0.0  # accumulated excess beyond the slack, in noise sigmas
         # steps held back from learning: (observation, excess, unexplained)
         self._held: list[tuple[StepObservation, float, float]] = []
         self.last_excess = 0.0
         # the last steps judged: (step, log excess over the prediction, unexplained excess in
         # noise sigmas), what an alarm rests on (benchmarks/detection.py prints it)
         self.evidence: deque[tuple[int, float, float]] = deque(maxlen=REACH_STEPS)
-        self._resid: dict[Plan, deque[float]] = {}  # healthy steps' unexplained log excess
-        self._sigma: dict[Plan, float] = {}
         self._plan: Plan | None = None  # the plan of the last step judged
-        self.stage_min_excess, self.stage_k = stage_min_excess, stage_k
-        self._stage_base: np.ndarray | None = None  # healthy log-share of each stage
-        self._level_base: np.ndarray | None = None  # healthy log(time / expected) per stage
-        self._level = 0.0  # this step's machine-wide stage level against its baseline
-        self._shared = 0.0  # the part of a step's excess the whole machine explains
-        self._load = 0.0  # the part of it other processes' load explains (stages or counters)
-        self._stage_shared = 0.0  # the part the stages' level shows
-        self._level_dev = np.zeros(0)
-        self._level_spread = 0.0  # robust sigma of `_level` on healthy steps
-        self._stage_spread = 0.0  # robust sigma of a stage's deviation from its baseline
-        self._stage_seen = 0
-        self._stage_streak = 0
-        self._cpu_base: tuple[float, float] | None = None  # healthy (own, others) cores
-        self._cpu_seen = 0
+        # the part of the last step's excess other processes' load explains (stages or counters)
+        self._load = 0.0
         # the devices were checked by a probe when the warm-up ended (`_check_due`)
         self._baseline_checked = False
         self._since_warm = 0  # steps judged since the warm-up ended (for the check)
@@ -196,29 +125,24 @@ class ResiHPDetector(Detector):
         self._rebase_ratios: list[float] = []  # observed / raw prediction over those steps
 
     def noise_of(self, plan: Plan | None) -> float:
-        """Sigma of the log prediction error of healthy steps under `plan`: the largest of
-        1.4826 x MAD, the distance from the median to the 90th percentile / 1.28 (load bursts
-        on a shared host make the upper tail heavier than a normal one) and the RMS of the
-        errors clipped at RMS_CLIP of those (the host's swings of a few steps, which the two
-        robust figures leave out and which raised false alarms). A plan with fewer than
-        MIN_RESIDUALS of its own (the first steps after a re-plan) gets twice the largest sigma
-        known (other plans', the cost model's fit noise), or what its own first steps show
-        if that is more: its noise is not known yet, and a false alarm then costs a probe."""
-        own = self._sigma.get(plan)
-        if own is not None:
-            return own
-        known = list(self._sigma.values())
-        if self.cost.ready:
-            known.append(self.cost.noise)
-        first = np.asarray(self._resid.get(plan, ()))
-        early = 1.4826 * float(np.median(np.abs(first - np.median(first)))) \
-            if first.size >= 6 else 0.0
-        return max(self.min_noise, 2.0 * max(known, default=0.0), early)
+        """Sigma of the log prediction error of healthy steps under `plan` (`StepSignal.noise_of`:
+        a plan not known yet gets twice the largest sigma known, the cost model's included)."""
+        return self.step_signal.noise_of(plan, self.cost.noise if self.cost.ready else None)
 
     @property
     def noise(self) -> float:
         """The noise sigma of the plan last judged."""
         return self.noise_of(self._plan)
+
+    @property
+    def slack(self) -> float:
+        """Noise sigmas a step may exceed its prediction by before it adds to the CUSUM."""
+        return self.step_signal.slack
+
+    @property
+    def cusum(self) -> float:
+        """The step signal's accumulated excess beyond the slack, in noise sigmas."""
+        return self.step_signal.cusum
 
     @property
     def threshold(self) -> float:
@@ -253,9 +177,8 @@ class ResiHPDetector(Detector):
         stage in excess or a suspicion is unresolved. A slow device is then localized from
         consecutive stage times (STAGE_PERSIST of them in a row), and a load on the host
         is told by the stages' common level, as when every step was timed."""
-        return (self._warming() or self._rebase_left > 0 or self.cusum > 0
-                or bool(self._held) or self._stage_streak > 0
-                or self._stage_seen < self.warmup // 2)
+        return (self._warming() or self._rebase_left > 0 or self.step_signal.cusum > 0
+                or bool(self._held) or self.stage_shares.in_doubt())
 
     def cost_params(self) -> CostParams | None:
         # only a fit over the whole warm-up, and one that prices tokens: an early fit can
@@ -271,11 +194,12 @@ class ResiHPDetector(Detector):
         suspected), and re-learn each stage's share, so only a new fault raises a suspicion."""
         super().rebaseline(steps)
         self._rebase_left, self._rebase_ratios = steps, []
-        self.cusum, self._held = 0.0, []
-        self._stage_streak, self._stage_base, self._stage_seen = 0, None, 0
-        self._level_base, self._level_spread, self._shared, self._load = None, 0.0, 0.0, 0.0
-        self._stage_shared = 0.0
-        self._cpu_base, self._cpu_seen = None, 0  # the new plan uses the cores its own way
+        self.step_signal.reset()
+        self._held = []
+        self.stage_shares.reset()
+        self.shared_level.reset()
+        self._load = 0.0
+        self.cpu_accounting.reset()  # the new plan uses the cores its own way
 
     def _check_due(self) -> bool:
         """CHECK_AFTER steps after the warm-up, then every CHECK_PERIOD steps. The baseline
@@ -324,7 +248,8 @@ class ResiHPDetector(Detector):
         return max(period, math.ceil(self.last_check_s / (budget * step_s)))
 
     def _warming(self) -> bool:
-        return not self.cost.ready or self._learned < self.warmup or not self._sigma
+        return not self.cost.ready or self._learned < self.warmup \
+            or not self.step_signal.knows_noise()
 
     def _suspect(self, obs: StepObservation) -> bool:
         self._recent.append(obs.step_time_s)
@@ -333,10 +258,10 @@ class ResiHPDetector(Detector):
                 # out-of-sample errors, as later steps will show (the fit's own residuals
                 # on its first rows are far smaller); drift is tracked from here on too
                 excess = math.log(obs.step_time_s / self.predict(obs))
-                self._add_residual(obs.plan, excess)
-                self._update_stage_base(self._stage_deviation(obs))
+                self.step_signal.learn(obs.plan, excess)
+                self._learn_stages(self._stage_deviation(obs))
                 self.scale *= math.exp(self.drift * excess)
-            self._update_cpu_base(obs.host_cpu, self.drift)
+            self.cpu_accounting.learn(obs.host_cpu, self.drift)
             self._learn(obs)
             return False
         if self._rebase_left > 0:
@@ -352,25 +277,26 @@ class ResiHPDetector(Detector):
         excess = math.log(obs.step_time_s / predicted)
         self.last_excess = excess
         stage_dev = self._stage_deviation(obs)
-        stage_hot = self._stage_hot(stage_dev)
-        host = self._host_level(obs.host_cpu)
-        self._stage_shared = self._shared_level() if self._level_may_explain(obs.host_cpu, host) \
-            else 0.0
-        self._load = max(self._stage_shared, host)
-        self._shared = max(self._stage_shared, host + self._own_level(obs.host_cpu, excess))
-        unexplained = excess - self._shared  # what the whole machine does not share
-        units = unexplained / self.noise_of(obs.plan)
+        stage_hot = self.stage_shares.hot(stage_dev)
+        cpu = obs.host_cpu
+        host = self.cpu_accounting.host_level(cpu)
+        stage_shared = self.shared_level.explains(self.cpu_accounting.known(cpu), host)
+        self._load = max(stage_shared, host)
+        noise = self.noise_of(obs.plan)
+        own = self.cpu_accounting.own_level(cpu, excess, REACH_SIGMAS * noise)
+        shared = max(stage_shared, host + own)  # the part the whole machine explains
+        unexplained = excess - shared  # what the whole machine does not share
+        units = unexplained / noise
         self.evidence.append((obs.step, excess, units))
-        self.cusum = max(0.0, self.cusum + min(units - self.slack, self.decision / 2))
-        suspected = self.cusum >= self.decision or self._stage_streak >= STAGE_PERSIST
+        suspected = self.step_signal.add(units) or self.stage_shares.persists()
         if suspected or units > self.slack or stage_hot:
             # it added to the suspicion: it teaches neither the model nor the baselines (yet)
             self._held.append((obs, excess, unexplained))
             del self._held[:-128]  # a swing that never resolves is learned no more
             return suspected
-        if self.cusum == 0:
+        if self.step_signal.cusum == 0:
             self._release()  # the run of excess ended without a suspicion: it was noise
-        self._update_stage_base(stage_dev)
+        self._learn_stages(stage_dev)
         self._learn_healthy(obs, excess, unexplained)
         return False
 
@@ -378,7 +304,7 @@ class ResiHPDetector(Detector):
         """The step was healthy: its error is noise of this plan (the part the machine does
         not explain), all of its excess is drift (the stage baselines absorb a load at the
         same rate, so a load keeps being explained while the scale catches up)."""
-        self._add_residual(obs.plan, unexplained)
+        self.step_signal.learn(obs.plan, unexplained)
         # under a load (the stages or the counters show it), catch up fast: the stage
         # baselines absorb the load too, and what the scale had not caught when they have
         # would be excess. The CPU seconds' part is a step's own swing: at the usual rate.
@@ -386,22 +312,8 @@ class ResiHPDetector(Detector):
         self.scale *= math.exp(rate * excess)
         # the host's healthy use moves as fast as the scale: what the host explains is the
         # part of a load the scale has not taken in yet
-        self._update_cpu_base(obs.host_cpu, rate)
+        self.cpu_accounting.learn(obs.host_cpu, rate)
         self._learn(obs)
-
-    def _add_residual(self, plan: Plan, resid: float) -> None:
-        window = self._resid.setdefault(plan, deque(maxlen=128))
-        window.append(resid)
-        if len(window) >= MIN_RESIDUALS:
-            # (sorted once: np.median and np.quantile each sort again, 0.4 ms a step)
-            r = np.asarray(window)
-            sorted_r = np.sort(r)
-            med = _sorted_quantile(sorted_r, 0.5)
-            mad_sigma = 1.4826 * _sorted_quantile(np.sort(np.abs(r - med)), 0.5)
-            tail_sigma = (_sorted_quantile(sorted_r, 0.9) - med) / 1.2816
-            robust = max(self.min_noise, mad_sigma, tail_sigma)
-            clipped = np.clip(r - med, -RMS_CLIP * robust, RMS_CLIP * robust)
-            self._sigma[plan] = max(robust, float(np.sqrt(np.mean(clipped ** 2))))
 
     def _release(self) -> None:
         """Learn the held steps: they were healthy after all (the stage baselines learn
@@ -409,78 +321,6 @@ class ResiHPDetector(Detector):
         held, self._held = self._held, []
         for obs, excess, unexplained in held:
             self._learn_healthy(obs, excess, unexplained)
-
-    def _shared_level(self) -> float:
-        """The stages' common slowdown when it stands out of their noise, else 0: a noisy
-        level subtracted on every step would blunt the step signal on a quiet host. Once it
-        stood out, half that suffices while it lasts: a load stays a while, and its level,
-        measured on a few stages' single forwards, swings around it."""
-        if self._stage_seen < self.warmup // 2:
-            return 0.0
-        floor = max(self.level_min_excess, self.k * self._level_spread)
-        return self._level if self._level > (floor / 2 if self._stage_shared else floor) \
-            else 0.0
-
-    def _level_may_explain(self, cpu: HostCpu | None, host: float) -> bool:
-        """May the stages' common level count as a load on the whole machine? Where the
-        host's CPU counters are known, only while they show other processes taking cores: a
-        slow device can lift every stage's time by itself (the stages wait on each other's
-        transfers), and taken as load that slowdown was learned as drift and never caught."""
-        return not self._cpu_known(cpu) or host > 0.0
-
-    def _cpu_known(self, cpu: HostCpu | None) -> bool:
-        """Are the host's counters here, with a healthy level learned over half a warm-up?"""
-        return cpu is not None and self._cpu_base is not None \
-            and self._cpu_seen >= self.warmup // 2
-
-    def _host_level(self, cpu: HostCpu | None) -> float:
-        """The log slowdown other processes explain by running on more cores than they do
-        on healthy steps: this process got min(own, cores - others) cores against
-        min(own, cores - healthy others), `own` its healthy use. 0 within HOST_MIN_CORES
-        of their healthy use (tick noise), and where the host has cores to spare (a GPU
-        host whose process needs few)."""
-        if not self._cpu_known(cpu):
-            return 0.0
-        own, others = self._cpu_base
-        if cpu.others - others < HOST_MIN_CORES:
-            return 0.0
-        least = 0.05 * cpu.cores  # a host taken whole still leaves us a little
-        healthy = max(least, min(own, cpu.cores - others))
-        now = max(least, min(own, cpu.cores - cpu.others))
-        return max(0.0, math.log(healthy / now))
-
-    def _own_level(self, cpu: HostCpu | None, excess: float) -> float:
-        """The log slowdown this process's own extra CPU seconds explain: excess + log(its
-        cores now / its healthy cores), >= 0 (a slow device leaves cores idle: its excess
-        comes with fewer cores and stays unexplained; slower cores take more seconds at the
-        same cores). 0 where the counters are unknown, where these cores do not run every
-        device of the job (with several processes, one host's slower cores are a slow
-        device), where the step is not CPU-bound (healthy use under OWN_BOUND of the cores
-        the others leave) or where the process's cores fell (a device left them idle); at
-        most the stated margin."""
-        if not self._cpu_known(cpu) or not cpu.every_device:
-            return 0.0
-        own, others = self._cpu_base
-        if own < OWN_BOUND * (cpu.cores - others) or own <= 0:
-            return 0.0
-        if cpu.own < own - HOST_MIN_CORES:
-            return 0.0  # cores left idle: a device keeps the others waiting
-        explained = max(0.0, excess + math.log(max(cpu.own, 1e-3 * own) / own))
-        # Up to the stated margin only. Devices sharing cores keep them busy while a slow one
-        # sleeps (a `resihp demo` run missed its 3x device altogether: the process's cores
-        # fell far less than its steps lengthened), so past the margin the step is a
-        # device's to check, and the probe tells which (a slower machine: none).
-        return min(explained, REACH_SIGMAS * self.noise_of(self._plan))
-
-    def _update_cpu_base(self, cpu: HostCpu | None, rate: float) -> None:
-        if cpu is None:
-            return
-        if self._cpu_base is None:
-            self._cpu_base, self._cpu_seen = (cpu.own, cpu.others), 0
-        rate = max(rate, 1.0 / (self._cpu_seen + 1))
-        own, others = self._cpu_base
-        self._cpu_base = (own + rate * (cpu.own - own), others + rate * (cpu.others - others))
-        self._cpu_seen += 1
 
     def _cleared(self, obs: StepObservation) -> None:
         # the probes found every device equally fast: the excess was the machine, not a
@@ -491,63 +331,23 @@ class ResiHPDetector(Detector):
             self._held = [(o, e - shift, u - shift) for o, e, u in self._held]
             self.scale *= math.exp(shift)
             self._release()
-        self.cusum = 0.0
-        self._stage_streak = 0
+        self.step_signal.reset()
+        self.stage_shares.calm()
 
-    # ---- per-stage shares ----------------------------------------------------------------
     def _stage_deviation(self, obs: StepObservation) -> np.ndarray | None:
-        """log(stage busy / expected) minus its median and its healthy baseline, [dp, pp]."""
-        times = obs.stage_times_s
-        self._level = 0.0
-        if times is None or not np.all(np.asarray(times) > 0):
-            return None
-        p = self.cost.params
-        data = group_data(obs.plan, obs.mb_tokens, obs.mb_sum_l2)
-        units = features.stage_units(obs.plan, data)  # what the timed region's work is made of
-        expected = units[:, :3] @ np.array([p.c, p.alpha, p.beta])
-        if not np.all(expected > 0):
-            expected = units[:, 1]  # no fit of the fixed/attention terms yet: tokens alone
-        expected = expected.reshape(obs.plan.dp, obs.plan.pp)
-        log_ratio = np.log(np.asarray(times, float) / expected)
-        log_share = log_ratio - np.median(log_ratio)
-        if self._stage_base is None or self._stage_base.shape != log_share.shape:
-            self._stage_base, self._stage_seen = log_share, 0
-            self._level_base = log_ratio
-        self._level_dev = log_ratio - self._level_base
-        # the second-lowest of 4 stages (lowest of 2): one slow stage never lifts it
-        self._level = float(np.sort(self._level_dev.ravel())[self._level_dev.size // 4])
-        return log_share - self._stage_base
+        """The step's stage times against the cost model: the shared level measured, each
+        stage's share against its baseline returned ([dp, pp]; None without stage times)."""
+        log_ratio = self.stage_shares.log_ratio(obs, self.cost.params)
+        self.shared_level.measure(log_ratio)
+        return self.stage_shares.deviation(log_ratio)
 
-    def _stage_hot(self, dev: np.ndarray | None) -> bool:
-        """Is some stage's share in excess now? (counts the run of such steps)"""
-        # its EWMAs (rate >= drift) forget in ~5 steps: half the warm-up is plenty
-        if dev is None or self._stage_seen < self.warmup // 2:
-            return False
-        hot = float(dev.max()) > max(self.stage_min_excess, self.stage_k * self._stage_spread)
-        self._stage_streak = self._stage_streak + 1 if hot else 0
-        return hot
-
-    def _update_stage_base(self, dev: np.ndarray | None) -> None:
+    def _learn_stages(self, dev: np.ndarray | None) -> None:
+        """A healthy step's stage times into the stage and the shared level's baselines."""
         if dev is None:
             return
-        rate = max(self.drift, 1.0 / (self._stage_seen + 1))
-        self._stage_base = self._stage_base + rate * dev  # type: ignore[operator]
-        self._level_base = self._level_base + rate * self._level_dev  # type: ignore[operator]
-        if not self._stage_shared:  # noise only: a real shared slowdown would inflate it
-            # mean |level| x 1.2533 is sigma for normal noise
-            self._level_spread += rate * (1.2533 * abs(self._level) - self._level_spread)
-        spread = 1.4826 * float(np.median(np.abs(dev)))
-        self._stage_spread += rate * (spread - self._stage_spread)
-        self._stage_seen += 1
+        self.shared_level.learn(self.stage_shares.learn(dev))
 
     def _learn(self, obs: StepObservation) -> None:
         self.cost.observe(obs.plan, obs.mb_tokens, obs.mb_sum_l2, obs.step_time_s / self.scale)
         self._learned += 1
 
-
-def _sorted_quantile(sorted_N: np.ndarray, q: float) -> float:
-    """np.quantile's (linear) `q` quantile of an already sorted array."""
-    at = q * (len(sorted_N) - 1)
-    lo = int(math.floor(at))
-    hi = min(lo + 1, len(sorted_N) - 1)
-    return float(sorted_N[lo] + (sorted_N[hi] - sorted_N[lo]) * (at - lo))

@@ -46,8 +46,9 @@ def _xp(x: Any):
     return jnp if isinstance(x, jax.Array) else np
 
 
-def _document_spans(seg_BxS):
-    """Per token, the first and last position of its run of equal ids (its document)."""
+def document_bounds(seg_BxS):
+    """Per token: its position, and the first and last position of its run of equal ids
+    (its document)."""
     xp = _xp(seg_BxS)
     b, s = seg_BxS.shape
     pos_BxS = xp.broadcast_to(xp.arange(s), (b, s))
@@ -77,13 +78,13 @@ def _block_range(lo_BxS, hi_BxS, real_BxS, block: int, to_block: int):
 
 def key_block_ranges(seg_BxS, block_q: int, block_k: int):
     """[B, S/block_q] first and last key block each query block visits (forward and dq)."""
-    pos_BxS, first_BxS, _ = _document_spans(seg_BxS)
+    pos_BxS, first_BxS, _ = document_bounds(seg_BxS)
     return _block_range(first_BxS, pos_BxS, seg_BxS > 0, block_q, block_k)
 
 
 def query_block_ranges(seg_BxS, block_q: int, block_k: int):
     """[B, S/block_k] first and last query block each key block visits (dk, dv)."""
-    pos_BxS, _, last_BxS = _document_spans(seg_BxS)
+    pos_BxS, _, last_BxS = document_bounds(seg_BxS)
     return _block_range(pos_BxS, last_BxS, seg_BxS > 0, block_k, block_q)
 
 

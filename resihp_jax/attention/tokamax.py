@@ -18,20 +18,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from resihp_jax.attention import flash
 from resihp_jax.errors import ConfigError
 
 # the kernels tried in turn, fastest first, where the platform has them (a kernel that
 # refuses a shape raises NotImplementedError and the next one runs)
 PREFERENCE = {"gpu": ("mosaic_gpu", "triton", "xla"), "cpu": ("xla",)}
-
-
-def document_starts(segment_ids_BxS: jax.Array) -> jax.Array:
-    """[B, S]: the position where each token's document (a run of one segment id) starts."""
-    seg_BxS = segment_ids_BxS.astype(jnp.int32)
-    index_S = jnp.arange(seg_BxS.shape[1], dtype=jnp.int32)
-    first_Bx1 = jnp.ones_like(seg_BxS[:, :1], dtype=bool)
-    starts_new_BxS = jnp.concatenate([first_Bx1, seg_BxS[:, 1:] != seg_BxS[:, :-1]], axis=1)
-    return jax.lax.cummax(jnp.where(starts_new_BxS, index_S, 0), axis=1)
 
 
 def _kernels() -> tuple[Any, Any]:
@@ -79,7 +71,8 @@ def document_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: ja
     names = [n for n in PREFERENCE.get("gpu" if platform in ("gpu", "cuda", "rocm") else "cpu",
                                        ("xla",)) if n in api.IMPLEMENTATIONS]
     seg_BxS = segment_ids_BxS.astype(jnp.int32)
-    mask = base.Mask(k_start=document_starts(seg_BxS)[:, None, :], is_causal=True)
+    _, start_BxS, _ = flash.document_bounds(seg_BxS)  # where each token's document starts
+    mask = base.Mask(k_start=start_BxS[:, None, :], is_causal=True)
     refused: list[str] = []
     for name in names:
         try:

@@ -81,27 +81,38 @@ def check_map_style(data: Any, what: str, hint: str = LIST_HINT) -> int:
     return n
 
 
-class DocumentsSource:
-    """In-memory documents; item i of every epoch is document i."""
+class _Documents:
+    """A DocumentSource whose item i of every epoch is `document(i)`, of `_n` documents."""
 
     max_doc_len: int | None = None
+    _n: int
+    _fingerprint: str
 
-    def __init__(self, docs: list[np.ndarray], spec: str = "documents") -> None:
-        self.docs = docs
-        self.spec = spec
-        self._fingerprint = f"{len(docs)}:{documents_digest(docs)}"
+    def document(self, index: int) -> np.ndarray:
+        raise NotImplementedError
 
     def items_per_epoch(self) -> int:
-        return len(self.docs)
+        return self._n
 
     def item_size(self, epoch: int, index: int) -> int:
-        return int(self.docs[index].size)
+        return int(self.document(index).size)
 
     def item(self, epoch: int, index: int) -> np.ndarray:
-        return self.docs[index]
+        return self.document(index)
 
     def fingerprint(self) -> str:
         return self._fingerprint
+
+
+class DocumentsSource(_Documents):
+    """In-memory documents; item i of every epoch is document i."""
+
+    def __init__(self, docs: list[np.ndarray], spec: str = "documents") -> None:
+        self.docs, self.spec, self._n = docs, spec, len(docs)
+        self._fingerprint = f"{len(docs)}:{documents_digest(docs)}"
+
+    def document(self, index: int) -> np.ndarray:
+        return self.docs[index]
 
 
 def from_documents(docs: Any) -> DocumentsSource:
@@ -120,12 +131,10 @@ def from_documents(docs: Any) -> DocumentsSource:
 TokensOf = Callable[[Any, int], Any]
 
 
-class RecordSource:
+class RecordSource(_Documents):
     """A map-style dataset's records as documents; item i of every epoch is record i, read
     when asked (laying a batch out reads each of its records to learn its length; to read
     only a host's own micro-batches, convert the dataset with write_token_file)."""
-
-    max_doc_len: int | None = None
 
     def __init__(self, records: Any, tokens_of: TokensOf, spec: str,
                  hint: str = LIST_HINT) -> None:
@@ -148,18 +157,6 @@ class RecordSource:
         digest = documents_digest([indices.astype(np.int32),
                                    *(self.document(int(i)) for i in indices)])
         return f"{self._n}:sampled:{digest}"
-
-    def items_per_epoch(self) -> int:
-        return self._n
-
-    def item_size(self, epoch: int, index: int) -> int:
-        return int(self.document(index).size)
-
-    def item(self, epoch: int, index: int) -> np.ndarray:
-        return self.document(index)
-
-    def fingerprint(self) -> str:
-        return self._fingerprint
 
 
 def _field(key: str, what: str) -> TokensOf:

@@ -80,20 +80,13 @@ def read_tokens(path: Path) -> np.ndarray | None:
 class CorpusSource:
     """Files of a directory as documents, reshuffled every epoch with the seed."""
 
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        seed: int,
-        *,
-        suffixes: tuple[str, ...] | None = None,
-        max_doc_len: int | None = None,
-        spec: str | None = None,
-    ) -> None:
+    def __init__(self, root: str | os.PathLike, seed: int, *,
+                 suffixes: tuple[str, ...] | None = None, max_doc_len: int | None = None,
+                 spec: str | None = None) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
-            raise ConfigError(
-                f"corpus directory {str(root)!r} does not exist or is not a directory"
-            )
+            raise ConfigError(f"corpus directory {str(root)!r} does not exist or is not a "
+                              "directory")
         if max_doc_len is not None and max_doc_len <= 0:
             raise ConfigError(f"max_doc_len must be a positive int or None, got {max_doc_len!r}")
         found = index_files(self.root, suffixes)
@@ -105,11 +98,9 @@ class CorpusSource:
         self._fingerprint = _fingerprint(self.files)
         if not self.files:
             kind = f"{'/'.join(suffixes)} " if suffixes else ""
-            raise ConfigError(
-                f"corpus directory {str(self.root)!r} has no usable {kind}text files "
-                f"({len(found)} non-empty files found, all binary or unreadable); "
-                "give a directory containing UTF-8 text files"
-            )
+            raise ConfigError(f"corpus directory {str(self.root)!r} has no usable {kind}text "
+                              f"files ({len(found)} non-empty files found, all binary or "
+                              "unreadable); give a directory containing UTF-8 text files")
 
     def items_per_epoch(self) -> int:
         return len(self.files)
@@ -117,9 +108,8 @@ class CorpusSource:
     def order(self, epoch: int) -> np.ndarray:
         """File indices in the order epoch `epoch` visits them."""
         if epoch not in self._orders:
-            self._orders = {
-                epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.files))
-            }
+            rng = np.random.default_rng([self.seed, epoch])
+            self._orders = {epoch: rng.permutation(len(self.files))}
         return self._orders[epoch]
 
     def file(self, epoch: int, index: int) -> CorpusFile:

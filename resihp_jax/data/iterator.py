@@ -98,15 +98,14 @@ class DocumentStream:
             return
         size = self.source.item_size(cursor.epoch, cursor.index)
         if cursor.offset >= size:
-            raise ConfigError(
-                f"data state offset={cursor.offset} is outside item {cursor.index} "
-                f"of epoch {cursor.epoch}, which has {size} tokens"
-            )
+            raise ConfigError(f"data state offset={cursor.offset} is outside item "
+                              f"{cursor.index} of epoch {cursor.epoch}, which has {size} tokens")
 
 
-def _check_positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+def _check_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        kind = "a positive" if minimum == 1 else "a non-negative"
+        raise ConfigError(f"{name} must be {kind} int, got {value!r}")
     return int(value)
 
 
@@ -128,12 +127,6 @@ def _as_source(source: str | DocumentSource, seed: int, seq_len: int) -> Documen
     return source
 
 
-def _check_seed(seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
-        raise ConfigError(f"seed must be a non-negative int, got {seed!r}")
-    return int(seed)
-
-
 class _ResumableBatches:
     """What both batch iterators share: the batch shape, iteration, the count of batches
     served, and a state (the identity of the data and the position of the next batch) that
@@ -142,9 +135,9 @@ class _ResumableBatches:
     seed: int | None
 
     def __init__(self, n_microbatches: int, microbatch_size: int, seq_len: int) -> None:
-        self.n_microbatches = _check_positive("n_microbatches", n_microbatches)
-        self.microbatch_size = _check_positive("microbatch_size", microbatch_size)
-        self.seq_len = _check_positive("seq_len", seq_len)
+        self.n_microbatches = _check_int("n_microbatches", n_microbatches)
+        self.microbatch_size = _check_int("microbatch_size", microbatch_size)
+        self.seq_len = _check_int("seq_len", seq_len)
         self._batches = 0
 
     def next_batch(self) -> GlobalBatch:
@@ -194,18 +187,11 @@ class _ResumableBatches:
 class BatchIterator(_ResumableBatches):
     """Endless, deterministic, resumable stream of GlobalBatch values."""
 
-    def __init__(
-        self,
-        source_spec: str | DocumentSource,
-        *,
-        n_microbatches: int,
-        microbatch_size: int,
-        seq_len: int,
-        seed: int,
-        state: Mapping[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, source_spec: str | DocumentSource, *, n_microbatches: int,
+                 microbatch_size: int, seq_len: int, seed: int,
+                 state: Mapping[str, Any] | None = None) -> None:
         super().__init__(n_microbatches, microbatch_size, seq_len)
-        self.seed = _check_seed(seed)
+        self.seed = _check_int("seed", seed, 0)
         self.source = _as_source(source_spec, self.seed, self.seq_len)
         self._stream = DocumentStream(self.source)
         if state is not None:
@@ -277,10 +263,8 @@ def _check_state(state: Mapping[str, Any], identity: Mapping[str, Any]) -> Curso
         raise ConfigError(f"data state version {state['version']!r} != {STATE_VERSION}")
     for key in _IDENTITY_KEYS:
         if state[key] != identity[key]:
-            raise ConfigError(
-                f"data state was saved with {key}={state[key]!r}, "
-                f"but this iterator has {key}={identity[key]!r}"
-            )
+            raise ConfigError(f"data state was saved with {key}={state[key]!r}, but this "
+                              f"iterator has {key}={identity[key]!r}")
     for key in _POSITION_KEYS:
         value = state[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -35,25 +35,20 @@ def _lognormal(rng: np.random.Generator, seq_len: int) -> int:
 
 def _bimodal(rng: np.random.Generator, seq_len: int) -> int:
     if rng.random() < BIMODAL_SHORT_PROB:
-        return _clip(
-            rng.integers(MIN_DOC_LEN, max(MIN_DOC_LEN, seq_len // 8), endpoint=True), seq_len
-        )
+        return _clip(rng.integers(MIN_DOC_LEN, max(MIN_DOC_LEN, seq_len // 8), endpoint=True),
+                     seq_len)
     return _clip(rng.integers(max(1, seq_len // 2), 2 * seq_len, endpoint=True), seq_len)
 
 
-DISTRIBUTIONS: dict[str, LengthSampler] = {
-    "uniform": _uniform,
-    "lognormal": _lognormal,
-    "bimodal": _bimodal,
-}
+DISTRIBUTIONS: dict[str, LengthSampler] = {"uniform": _uniform, "lognormal": _lognormal,
+                                            "bimodal": _bimodal}
 
 
 def get_distribution(name: str) -> LengthSampler:
     """The length sampler called `name`, or ConfigError listing the valid names."""
     if name not in DISTRIBUTIONS:
-        raise ConfigError(
-            f"unknown length distribution {name!r}; valid: {', '.join(sorted(DISTRIBUTIONS))}"
-        )
+        raise ConfigError(f"unknown length distribution {name!r}; valid: "
+                          f"{', '.join(sorted(DISTRIBUTIONS))}")
     return DISTRIBUTIONS[name]
 
 
@@ -81,11 +76,6 @@ def length_summary(lengths: Sequence[int] | np.ndarray) -> dict[str, float]:
     lengths_N = np.asarray(lengths, dtype=np.float64)
     if lengths_N.size == 0:
         return {"n": 0, "mean": 0.0, "median": 0.0, "p99": 0.0, "max": 0.0, "cv": 0.0}
-    return {
-        "n": int(lengths_N.size),
-        "mean": float(lengths_N.mean()),
-        "median": float(np.median(lengths_N)),
-        "p99": float(np.percentile(lengths_N, 99)),
-        "max": float(lengths_N.max()),
-        "cv": coefficient_of_variation(lengths_N),
-    }
+    return {"n": int(lengths_N.size), "mean": float(lengths_N.mean()),
+            "median": float(np.median(lengths_N)), "p99": float(np.percentile(lengths_N, 99)),
+            "max": float(lengths_N.max()), "cv": coefficient_of_variation(lengths_N)}

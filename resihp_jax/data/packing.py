@@ -126,10 +126,8 @@ ReadMicrobatch = Callable[[int], np.ndarray]
 def _check_split(n_rows: int, n_microbatches: int) -> int:
     """Rows per micro-batch; ConfigError unless n_microbatches divides n_rows."""
     if n_microbatches <= 0 or n_rows % n_microbatches:
-        raise ConfigError(
-            f"cannot split {n_rows} rows into n_microbatches={n_microbatches}; "
-            "it must be a positive divisor of the row count"
-        )
+        raise ConfigError(f"cannot split {n_rows} rows into n_microbatches={n_microbatches}; "
+                          "it must be a positive divisor of the row count")
     return n_rows // n_microbatches
 
 
@@ -187,25 +185,8 @@ class GlobalBatch:
 
     def sum_sq_lengths(self) -> np.ndarray:
         """float64 [M]: sum of l_i^2 over each micro-batch's pieces."""
-        return np.array(
-            [sum_sq(n for row in mb for n in row) for mb in self.doc_lengths], dtype=np.float64
-        )
-
-    def loss_mask_MxBxS(self) -> np.ndarray:
-        """True where a token has a next token in the same segment (never the last column)."""
-        seg_MxBxS = self.segment_ids_MxBxS
-        mask_MxBxS = np.zeros(seg_MxBxS.shape, dtype=bool)
-        seg_now, seg_next = seg_MxBxS[..., :-1], seg_MxBxS[..., 1:]
-        mask_MxBxS[..., :-1] = (seg_now != 0) & (seg_next == seg_now)
-        return mask_MxBxS
-
-    def loss_tokens_per_microbatch(self) -> np.ndarray:
-        """int64 [M]: loss tokens per micro-batch, for token-weighted gradient averaging."""
-        return self.loss_mask_MxBxS().sum(axis=(1, 2), dtype=np.int64)
-
-    def n_loss_tokens(self) -> int:
-        """Tokens the train loss counts: seg[i] != 0 and seg[i+1] == seg[i]."""
-        return int(self.loss_mask_MxBxS().sum())
+        return np.array([sum_sq(n for row in mb for n in row) for mb in self.doc_lengths],
+                        dtype=np.float64)
 
 
 def _split_lengths(doc_lengths: Lengths, n_microbatches: int, b: int) -> tuple[Lengths, ...]:

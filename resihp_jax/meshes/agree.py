@@ -31,6 +31,14 @@ def max_over_processes(values: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(values)).max(axis=0)
 
 
+def barrier(name: str) -> None:
+    """Wait until every process of the job has reached the barrier `name`."""
+    if multi_process():
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        multihost_utils.sync_global_devices(name)
+
+
 def from_primary(value: Any) -> Any:
     """Process 0's `value` (any JSON-serializable value) on every process."""
     if not multi_process():

@@ -9,13 +9,10 @@ Megatron-style tensor parallelism needs it.
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-Params = Mapping[str, jax.Array]
-
 
 # the name a model gives its attention output (`jax.ad_checkpoint.checkpoint_name(o, CONTEXT)`)
 # for `StepConfig(remat="projections")` to keep it rather than recompute the attention

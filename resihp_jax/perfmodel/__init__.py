@@ -7,13 +7,5 @@ from resihp_jax.perfmodel.health import Health
 from resihp_jax.perfmodel.memory import fits_memory, memory_bytes_per_device
 from resihp_jax.perfmodel.simulator import SCHEDULES, StepSim, simulate_step
 
-__all__ = [
-    "SCHEDULES",
-    "CostParams",
-    "Health",
-    "OnlineCostModel",
-    "StepSim",
-    "fits_memory",
-    "memory_bytes_per_device",
-    "simulate_step",
-]
+__all__ = ["SCHEDULES", "CostParams", "Health", "OnlineCostModel", "StepSim", "fits_memory",
+           "memory_bytes_per_device", "simulate_step"]

@@ -15,7 +15,6 @@ from resihp_jax.perfmodel.costs import recomputes_forward
 from resihp_jax.perfmodel.work import GroupData
 
 PATH_FEATURES = ("c", "alpha", "beta", "head_alpha", "tick_overhead", "step_overhead")
-TOTAL_FEATURES = ("total_c", "total_alpha", "total_beta")
 
 
 def bwd_multiplier(bwd_ratio: float, remat: bool | str) -> float:

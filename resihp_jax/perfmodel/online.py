@@ -336,9 +336,5 @@ def _relative_move(x_NxF: np.ndarray, y_N: np.ndarray, old: np.ndarray, new: np.
 
 def _design(window: list[_Obs], with_total: bool) -> tuple[np.ndarray, np.ndarray]:
     """The fit's rows (each step's path features) and times."""
-    rows, ys = [], []
-    for obs in window:
-        extra = obs.total_x if with_total else np.zeros(0)
-        rows.append(np.concatenate([obs.path_x, extra]))
-        ys.append(obs.step_time_s)
-    return np.asarray(rows), np.asarray(ys)
+    rows = [np.concatenate([o.path_x, o.total_x if with_total else np.zeros(0)]) for o in window]
+    return np.asarray(rows), np.asarray([o.step_time_s for o in window])

@@ -17,14 +17,8 @@ from resihp_jax.perfmodel import gpipe, onef1b
 from resihp_jax.perfmodel.costs import CostParams
 from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.perfmodel.health import Health
-from resihp_jax.perfmodel.work import (
-    Factors,
-    GroupData,
-    StageWork,
-    device_factors,
-    group_data,
-    stage_work,
-)
+from resihp_jax.perfmodel.work import (Factors, GroupData, StageWork, device_factors, group_data,
+                                      stage_work)
 
 SCHEDULES = ("gpipe", "1f1b")
 Node = tuple[str, int, int, int]

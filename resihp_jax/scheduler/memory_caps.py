@@ -7,6 +7,7 @@ caps are single numbers per shape. Memory grows with each, so binary search find
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ class MemoryLimits:
     remat: bool
 
 
-@functools.lru_cache(maxsize=65536)
 def fits(limits: MemoryLimits, dp: int, pp: int, tp: int, layer_slots: int,
          mb_slots: int) -> bool:
     """True when the shape fits with these padded layer and micro-batch counts."""
@@ -61,18 +61,8 @@ def microbatch_cap(limits: MemoryLimits, dp: int, pp: int, tp: int, layer_slots:
 
 def _largest(ok: Callable[[int], bool], upper: int) -> int:
     """Largest n in [1, upper] with ok(n) for a monotone predicate; 0 if ok(1) is false."""
-    if not ok(1):
-        return 0
-    lo, hi = 1, upper
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return bisect.bisect_left(range(1, upper + 1), True, key=lambda n: not ok(n))
 
 
 def clear_cache() -> None:
-    fits.cache_clear()
     _fits_one_group.cache_clear()

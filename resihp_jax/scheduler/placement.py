@@ -19,7 +19,6 @@ import numpy as np
 from resihp_jax.plan import Plan
 
 Grid = np.ndarray  # [dp, pp, tp] device ids
-PLACEMENTS = ("keep", "pack_dp", "pack_stage")
 
 
 class DevicePool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 
@@ -66,16 +67,8 @@ def _fewest_devices_that_fit(current: Plan, n_max: int, ctx: PlanningContext) ->
 
 def _smallest(ok: Callable[[int], bool], upper: int) -> int | None:
     """Smallest n in [1, upper] with ok(n) for a monotone predicate; None if none."""
-    if not ok(upper):
-        return None
-    lo, hi = 1, upper
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    n = bisect.bisect_left(range(1, upper + 1), True, key=ok) + 1
+    return n if n <= upper else None
 
 
 def _fits_even(limits: MemoryLimits, dp: int, pp: int, tp: int, current: Plan) -> bool:

@@ -17,25 +17,15 @@ from dataclasses import dataclass
 from resihp_jax.plan import Plan
 from resihp_jax.perfmodel import Health
 from resihp_jax.scheduler import candidates, memory_caps, stagecost
-from resihp_jax.scheduler.candidates import (
-    Layout,
-    Split,
-    build_plan,
-    layer_options,
-    layouts,
-    rank_splits,
-)
+from resihp_jax.scheduler.candidates import (Layout, Split, build_plan, layer_options, layouts,
+                                             rank_splits)
 from resihp_jax.scheduler.context import PlanningContext
 from resihp_jax.scheduler.memory_caps import MemoryLimits, fits, layer_cap, microbatch_cap
 from resihp_jax.scheduler.placement import DevicePool
 from resihp_jax.scheduler.scoring import refine_microbatches, simulate
 from resihp_jax.scheduler.shapes import Shape, ShapeSpace, mesh_shapes
-from resihp_jax.scheduler.stagecost import (
-    StageCosts,
-    healthy_unit_costs,
-    probe_stage_costs,
-    scaled_costs,
-)
+from resihp_jax.scheduler.stagecost import (StageCosts, healthy_unit_costs, probe_stage_costs,
+                                            scaled_costs)
 
 SPLITS_SIMULATED = 2  # best proxy splits simulated per layout (all of them on the current mesh)
 SCREEN_FACTOR = 4  # layouts screened by one simulation, per layout fully simulated

@@ -8,6 +8,8 @@ smallest feasible T is optimal, and the few surplus units come off the parts nea
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from resihp_jax.errors import PlanError
@@ -48,13 +50,9 @@ def _optimal_bottleneck(total: int, unit_P: np.ndarray, fixed_P: np.ndarray, lo:
             else:
                 t_lo = mid
         return t_hi
-    first, last = 0, breaks.shape[0] - 1  # the answer is a breakpoint in (t_lo, t_hi]
-    while first < last:
-        mid = (first + last) // 2
-        if _counts_at(float(breaks[mid]), unit_P, fixed_P, lo, hi_P).sum() >= total:
-            last = mid
-        else:
-            first = mid + 1
+    # the answer is a breakpoint in (t_lo, t_hi]: the first feasible one, else the last
+    first = bisect.bisect_left(breaks[:-1], True, key=lambda t: bool(
+        _counts_at(float(t), unit_P, fixed_P, lo, hi_P).sum() >= total))
     return float(breaks[first])
 
 
@@ -122,10 +120,3 @@ def _remove_surplus(counts_P: np.ndarray, surplus: int, unit_P: np.ndarray,
         counts_P[order] -= 1
         surplus -= order.size
     return counts_P
-
-
-def bottleneck(counts_P: np.ndarray, unit_cost_P: np.ndarray,
-               fixed_cost_P: np.ndarray | None = None) -> float:
-    """The slowest part's time under `counts_P`."""
-    fixed = 0.0 if fixed_cost_P is None else np.asarray(fixed_cost_P, float)
-    return float(np.max(np.asarray(counts_P) * np.asarray(unit_cost_P, float) + fixed))

@@ -42,13 +42,8 @@ import numpy as np
 
 from resihp_jax.sim.resihp import RESHARD_BYTES_PER_S
 from resihp_jax.sim.policy import CHECKPOINT_BLOCK_S, SimPolicy, young_interval_s
-from resihp_jax.sim.rates import (
-    layer_rebalanced,
-    pipelines_step_s,
-    rebalanced_step_s,
-    uniform_step_s,
-    usable_groups,
-)
+from resihp_jax.sim.rates import (layer_rebalanced, pipelines_step_s, rebalanced_step_s,
+                                  uniform_step_s, usable_groups)
 from resihp_jax.sim.traces import COMPUTE
 
 FT_HSDP_STALL_100K_S = 180.0

@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from resihp_jax.attention import tokamax
+from resihp_jax.attention import flash, tokamax
 from resihp_jax.attention.kernels import dense_attention, segment_attention
 from resihp_jax.errors import ConfigError
 
 
 def test_each_token_sees_back_to_the_start_of_its_own_document() -> None:
     seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0], [4, 4, 4, 4, 4, 4, 4, 4]])
-    np.testing.assert_array_equal(tokamax.document_starts(seg),
+    np.testing.assert_array_equal(flash.document_bounds(seg)[1],
                                   [[0, 0, 0, 3, 3, 5, 6, 6], [0] * 8])
 
 

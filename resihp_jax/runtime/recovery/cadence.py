@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from statistics import median_high
 from typing import Callable
 
 from resihp_jax.errors import ConfigError
@@ -137,8 +138,7 @@ class Cadence:
         ends = list(self._ends)
         if len(ends) < 2:
             return None
-        gaps = sorted(b - a for a, b in zip(ends, ends[1:]))
-        return gaps[len(gaps) // 2]
+        return median_high(b - a for a, b in zip(ends, ends[1:]))
 
     def due(self, step: int) -> bool:
         if not self.auto:
@@ -153,7 +153,7 @@ class Cadence:
         seconds = self.first_save_s
         if self.costs_s:
             self.choice = choose_interval(
-                _median(self.costs_s[-5:]), max(self.writes_s, default=0.0), self.mtbf_s,
+                median_high(self.costs_s[-5:]), max(self.writes_s, default=0.0), self.mtbf_s,
                 max_interval_s=self.max_interval_s, budget=self.budget)
             seconds = self.choice.interval_s
         step_s = self.step_s() or seconds
@@ -169,8 +169,3 @@ class Cadence:
 
     def wrote(self, write_s: float) -> None:
         self.writes_s.append(write_s)
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]

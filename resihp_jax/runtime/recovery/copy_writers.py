@@ -41,16 +41,13 @@ def writers(holders: Sequence[Hashable], name: str,
         return frozenset(distinct[(start + k) % n] for k in range(WRITERS_PER_SHARD))
     picked = [distinct[start]]
     order = [distinct[(start + n // 2 + k) % n] for k in range(n)]
-    for holder in order:  # first on nodes without a writer yet
-        if holder not in picked and node_of(holder) not in {node_of(p) for p in picked}:
-            picked.append(holder)
-            if len(picked) == WRITERS_PER_SHARD:
-                return frozenset(picked)
-    for holder in order:  # the rest share nodes: any others
-        if holder not in picked:
-            picked.append(holder)
-            if len(picked) == WRITERS_PER_SHARD:
-                break
+    for other_node in (True, False):  # first on nodes without a writer yet, then any others
+        for holder in order:
+            if holder not in picked and not (
+                    other_node and node_of(holder) in {node_of(p) for p in picked}):
+                picked.append(holder)
+                if len(picked) == WRITERS_PER_SHARD:
+                    return frozenset(picked)
     return frozenset(picked)
 
 

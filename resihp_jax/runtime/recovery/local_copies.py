@@ -138,7 +138,7 @@ def _fill_fn(mesh: jax.sharding.Mesh, specs: tuple[P, ...]) -> Callable[..., Any
                 ok = ok & have_L[i]
                 out.append(x)
                 continue
-            rank = _linear_index(replicas, mesh)
+            rank = jax.lax.axis_index(replicas)  # the replica axes' flat index
             none = jnp.int32(np.prod([mesh.shape[a] for a in replicas]))
             owner = jax.lax.pmin(jnp.where(have_L[i], rank, none), replicas)
             ok = ok & (owner < none)
@@ -158,13 +158,6 @@ def _used_axes(spec: P) -> set[str]:
         if entry is not None:
             used.update((entry,) if isinstance(entry, str) else entry)
     return used
-
-
-def _linear_index(axes: tuple[str, ...], mesh: jax.sharding.Mesh) -> jax.Array:
-    index = jnp.int32(0)
-    for axis in axes:
-        index = index * mesh.shape[axis] + jax.lax.axis_index(axis)
-    return index
 
 
 def _sum_bits(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:

@@ -31,6 +31,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from resihp_jax.errors import CheckpointError, CheckpointFallbackWarning
+from resihp_jax.meshes.agree import barrier
 from resihp_jax.plan import Plan
 from resihp_jax.runtime.recovery.checksum import leaf_shapes, state_checksums
 from resihp_jax.step.program import StepProgram, TrainState, canonical_state_shapes
@@ -126,9 +127,7 @@ def _set_aside(manager: ocp.CheckpointManager, directory: Path, steps: tuple[int
                 n += 1
                 aside = path.with_name(f"{step}.corrupt-{n}")
             path.rename(aside)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils  # noqa: PLC0415
-        multihost_utils.sync_global_devices("resihp_checkpoint_set_aside")
+    barrier("resihp_checkpoint_set_aside")
     manager.reload()
 
 

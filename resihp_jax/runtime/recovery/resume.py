@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-import jax
-
 from resihp_jax.errors import CheckpointError
+from resihp_jax.meshes.agree import barrier
 from resihp_jax.plan import Plan
 from resihp_jax.runtime.recovery import local_copies, survivor_copies
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
@@ -79,7 +78,7 @@ def _from_copies(copies: survivor_copies.SurvivorCopies, program: Any,
         return in_place[0], (f"restored in place from each node's copies, {in_place[1]} "
                              "device shard(s) filled from data-parallel replicas")
     published = local_copies.publish(copies.directory, list(copies.local_manifests))
-    _barrier(f"resihp-publish-step{copies.step}")  # every node's files are there now
+    barrier(f"resihp-publish-step{copies.step}")  # every node's files are there now
     shared = next(survivor_copies.find(ckpt.directory, ckpt.check_identity, published_only=True,
                                        step=copies.step), None)
     if shared is None or not shared.complete:
@@ -90,13 +89,6 @@ def _from_copies(copies: survivor_copies.SurvivorCopies, program: Any,
     return survivor_copies.restore(shared, program, canonical_target(program)), \
         (f"not in place ({why}): {published} node-local cop(ies) published from here, then "
          "read from the checkpoint directory")
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils  # noqa: PLC0415
-
-        multihost_utils.sync_global_devices(name)
 
 
 def _tidy(ckpt: Checkpointer, step: int, primary: bool) -> None:

@@ -1,7 +1,9 @@
-"""The runtime: training that survives slow and dead devices, in four rooms.
+"""The runtime: training that survives slow and dead devices, in five rooms.
 
-- `trainer/`: the ResilientTrainer and its step loop, switches, background compiles, stage
-  timing and cross-process agreement;
+- `trainer/`: the ResilientTrainer and its step loop, switches, stage timing and
+  cross-process agreement;
+- `programs/`: the steps a run compiles, keeps and prepares in the background (the compile
+  cache, remat under memory), the one running now;
 - `recovery/`: state that outlives a fault: orbax checkpoints, survivors' copies kept on
   the host, resume, the job's health record;
 - `job/`: the multi-process job: joining it, the plan on the devices it has, heartbeats,

@@ -132,10 +132,10 @@ class Replanner:
         assert self._pending is not None
         new, verdict, reason = self._pending
         self._pending = None
-        start, old = self.clock(), self.keeper.plan
+        start, old, step = self.clock(), self.keeper.plan, int(state.step)
         state, switch = self.switch_to(new, state)
         return state, self._replanned(Replan(
-            int(state.step), verdict, old, new,
+            step, verdict, old, new,
             f"{reason}; its program compiled in the background", self.clock() - start,
             predicted_gain=self._predicted_gain(old, new), **dataclasses.asdict(switch)))
 

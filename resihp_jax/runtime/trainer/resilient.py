@@ -86,6 +86,7 @@ class ResilientTrainer:
                  clock: Callable[[], float] = time.perf_counter,
                  on_long_work: Callable[[str], None] | None = None, *,
                  programs: StepPrograms, replicas: Replicas | None = None) -> None:
+        # (a fresh default each time: its compile cache's directory reads the environment)
         config = ResilienceConfig() if config is None else config
         if fault_hook is not None and not config.stage_timing:
             raise ConfigError("a fault_hook acts through the stage-timing callbacks: "
@@ -172,7 +173,12 @@ class ResilientTrainer:
                 # the scheduler now plans with measured costs: its picks may change
                 self._costs_fitted = True
                 self.replanner.prepare_next()
-            self._save(done)
+            if self.checkpointer:  # where the cadence says so (every call in the account)
+                saving_from = self.clock()
+                if self.checkpointer.due(done):  # a save moves the layout
+                    self.keeper.await_layouts()
+                self.checkpointer.save(done, self.state, self.program, self.data.state())
+                self.spent_s["checkpoints"] += self.clock() - saving_from
             judging = Judging(self.detector, self.runner.observation(record))
             yield record
             if self.checkpointer:
@@ -194,16 +200,6 @@ class ResilientTrainer:
             self.checkpointer.save(done, self.state, self.program, self.data.state(),
                                    force=True)
             self.checkpointer.wait()
-
-    def _save(self, step: int) -> None:
-        """Save `step` where the checkpoints' cadence says so (every call in the account)."""
-        if not self.checkpointer:
-            return
-        saving_from = self.clock()
-        if self.checkpointer.due(step):  # a save moves the layout
-            self.keeper.await_layouts()
-        self.checkpointer.save(step, self.state, self.program, self.data.state())
-        self.spent_s["checkpoints"] += self.clock() - saving_from
 
     # ---- what callers drive --------------------------------------------------------------
     def react(self, verdict: Verdict, data_before: dict[str, Any] | None = None,

@@ -37,7 +37,7 @@ from resihp_jax.plan import Plan  # noqa: E402
 from resihp_jax.models.config import ModelConfig, get_model_config  # noqa: E402
 from resihp_jax.runtime.trainer.records import device_batch  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402
-from resihp_jax.step.builder import build_step  # noqa: E402
+from resihp_jax.runtime.run.programs import preset_programs  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 
@@ -45,7 +45,8 @@ DTYPES = ("float32", "bfloat16")
 def train(model: ModelConfig, plan: Plan, args: argparse.Namespace
           ) -> tuple[np.ndarray, np.ndarray]:
     """Losses and wall times of `args.steps` steps (each timed to its loss on the host)."""
-    program = build_step(model, StepConfig(), plan, jax.devices())
+    _, programs = preset_programs(model, plan.seq_len)
+    program = programs(StepConfig(), plan, jax.devices())
     data = BatchIterator("synthetic:lognormal", n_microbatches=plan.n_microbatches,
                          microbatch_size=plan.microbatch_size, seq_len=plan.seq_len,
                          seed=args.seed)

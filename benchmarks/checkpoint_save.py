@@ -41,7 +41,7 @@ from resihp_jax.runtime.programs import compiles  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402
 from resihp_jax.step.reshard import state_bytes, to_canonical  # noqa: E402
 from resihp_jax.step.state_io import save_args, state_handler  # noqa: E402
-from resihp_jax.step.builder import build_step  # noqa: E402
+from resihp_jax.runtime.run.programs import preset_programs  # noqa: E402
 
 PLANS = ("2/2/2", "1/2/4", "4/2/1")  # dp/pp/tp
 
@@ -68,7 +68,8 @@ def measure(model_name: str, plan_name: str, root: Path) -> dict:
     dp, pp, tp = (int(x) for x in plan_name.split("/"))
     plan = Plan.uniform(dp, pp, tp, n_layers=cfg.n_layers, n_microbatches=4,
                         microbatch_size=1, seq_len=64)
-    program = build_step(cfg, StepConfig(), plan, jax.devices())
+    _, programs = preset_programs(cfg, plan.seq_len)
+    program = programs(StepConfig(), plan, jax.devices())
     canonical = jax.block_until_ready(to_canonical(program.init_state(0), program))
     handlers = {"ours": (state_handler, save_args),
                 "orbax_default": (ocp.StandardCheckpointHandler, ocp.args.StandardSave)}

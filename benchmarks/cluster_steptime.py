@@ -29,13 +29,13 @@ def _runner(plan: Any, cfg: Any, injector: Any, seed: int) -> Any:
     from resihp_jax.runtime.trainer.timing import StageTimer
     from resihp_jax.step.config import StepConfig
     from resihp_jax.step.instrument import Instrument
-    from resihp_jax.step.builder import build_step
+    from resihp_jax.runtime.run.programs import preset_programs
 
     devices = [d for d in jax.devices() if d.id in plan.device_ids]
     devices = sorted(devices, key=lambda d: plan.device_ids.index(d.id))
     timer = StageTimer((plan.dp, plan.pp, plan.tp))
-    program = build_step(cfg, StepConfig(), plan, devices,
-                         Instrument(chain_hosts(injector, timer)))
+    _, programs = preset_programs(cfg, plan.seq_len, device=devices[0])
+    program = programs(StepConfig(), plan, devices, Instrument(chain_hosts(injector, timer)))
     return program, timer, program.init_state(seed)
 
 

@@ -78,7 +78,7 @@ from resihp_jax.runtime.trainer.host_cpu import CpuMeter  # noqa: E402
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402
 from resihp_jax.step.instrument import Instrument  # noqa: E402
-from resihp_jax.step.builder import build_step  # noqa: E402
+from resihp_jax.runtime.run.programs import preset_programs  # noqa: E402
 from resihp_jax.step.facts import model_facts  # noqa: E402
 from resihp_jax.step.model_parts import DEFAULT_AXIS_RULES, split_model  # noqa: E402
 from resihp_jax.step.builder import build_model_step  # noqa: E402
@@ -147,8 +147,9 @@ class Tally:
 
 class Run:
     """One compiled plan: program, injector, stage timer, prober, data, reference batch.
-    `model`: "builtin" (rh.models.Llama from its preset, `build_step`) or "gpt2" (the example's NNX
-    model through the user path); `facts` is what its detectors are told of the model."""
+    `model`: "builtin" (rh.models.Llama from its preset, `preset_programs`) or "gpt2" (the
+    example's NNX model through the user path); `facts` is what its detectors are told of the
+    model."""
 
     def __init__(self, spec: tuple[int, ...], data: str, seed: int,
                  model: str = "builtin") -> None:
@@ -162,8 +163,8 @@ class Run:
         instrument = Instrument(chain_hosts(self.injector, self.timer))
         if model == "builtin":
             self.facts, self.attn_block = self.cfg, self.cfg.attn_block
-            self.program = build_step(self.cfg, StepConfig(), self.plan, jax.devices(),
-                                      instrument)
+            _, programs = preset_programs(self.cfg, s)
+            self.program = programs(StepConfig(), self.plan, jax.devices(), instrument)
             self.state = self.program.init_state(seed)
         else:
             self.facts, self.program, self.state = gpt2_program(self.plan, seed, instrument)
@@ -458,9 +459,9 @@ def instrument_overhead(run: Run, seed: int, steps: int) -> tuple[float, float]:
     """Median step time with the timing host on, against a program without the Instrument and
     one whose Instrument host does nothing (the io_callbacks alone), on the same batches.
     Returns (total overhead %, share of it due to our host functions %)."""
-    plain = build_step(run.cfg, StepConfig(), run.plan, jax.devices())
-    noop = build_step(run.cfg, StepConfig(), run.plan, jax.devices(),
-                      Instrument(lambda *a: None))
+    _, preset = preset_programs(run.cfg, run.plan.seq_len)
+    plain = preset(StepConfig(), run.plan, jax.devices())
+    noop = preset(StepConfig(), run.plan, jax.devices(), Instrument(lambda *a: None))
     programs = [(run.program, run.state, run.timer), (plain, plain.init_state(seed), None),
                 (noop, noop.init_state(seed), None)]
     samples: list[list[float]] = [[], [], []]
@@ -625,7 +626,7 @@ def main() -> int:
     parser.add_argument("--record-steps", type=int, default=RECORD_STEPS, metavar="N",
                         help=f"healthy steps --record keeps (default {RECORD_STEPS})")
     parser.add_argument("--model", default="builtin", metavar="{" + ",".join(MODELS) + "}",
-                        help="builtin (default): the Llama preset (build_step); gpt2: it "
+                        help="builtin (default): the Llama preset (preset_programs); gpt2: it "
                         "and the GPT-2 example's own NNX model (the user path, tp == 1 "
                         "plans), side by side")
     args = parser.parse_args()

@@ -9,7 +9,7 @@ Every round times each program once in turn (ours dp=8, plain, 2/2/2, 1/4/2),
 so load that comes and goes hits all alike; medians over rounds. No faults are
 injected: healthy devices.
 
-Ours is the one step every model trains through (`build_step`: `rh.models.Llama` under
+Ours is the one step every model trains through (`preset_programs`: `rh.models.Llama` under
 the plan, its tensor parallelism its own); each compiled step's per-device memory (XLA's
 memory analysis: arguments + outputs - donated aliases + temporaries) is reported.
 
@@ -51,11 +51,12 @@ from resihp_jax.models import Llama  # noqa: E402
 from resihp_jax.perfmodel.costs import CostParams  # noqa: E402
 from resihp_jax.perfmodel.memory import compiled_bytes  # noqa: E402
 from resihp_jax.perfmodel.simulator import simulate_step  # noqa: E402
-from resihp_jax.runtime.run.run_metrics import RunMetrics  # noqa: E402
+from resihp_jax.runtime.run.programs import preset_programs  # noqa: E402
+from resihp_jax.runtime.run.run_metrics import RunMetrics, optimizer_learning_rate  # noqa: E402
 from resihp_jax.runtime.events import StepRecord  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402
 from resihp_jax.step.program import StepProgram  # noqa: E402
-from resihp_jax.step.builder import build_step  # noqa: E402
+from resihp_jax.models.optimizer import AdamWConfig  # noqa: E402
 from resihp_jax.step.model_parts import split_model  # noqa: E402
 
 SHAPES = ((8, 1, 1), (2, 2, 2), (1, 4, 2))  # (dp, pp, tp)
@@ -83,7 +84,7 @@ def name_of(dp: int, pp: int, tp: int) -> str:
     return f"{dp}/{pp}/{tp}"
 
 
-def plain_runner(model: ModelConfig, train: StepConfig, devices: list[jax.Device],
+def plain_runner(model: ModelConfig, devices: list[jax.Device],
                  batches: list[GlobalBatch], seed: int, gspmd: bool) -> Runner:
     """Plain DP: replicated params, rows sharded over 8 devices, same loss/optimizer/metrics.
 
@@ -94,7 +95,7 @@ def plain_runner(model: ModelConfig, train: StepConfig, devices: list[jax.Device
     """
     mesh = Mesh(np.asarray(devices), ("dp",), axis_types=(AxisType.Auto,))
     replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
-    optimizer = train.optimizer()
+    optimizer = AdamWConfig().optimizer()  # the preset's own, as ours trains with
     with nnx.use_eager_sharding(False):
         parts = split_model(nnx.eval_shape(lambda: Llama(model, rngs=nnx.Rngs(0))))[0]
 
@@ -143,7 +144,8 @@ def plain_runner(model: ModelConfig, train: StepConfig, devices: list[jax.Device
 def plan_runner(plan: Plan, model: ModelConfig, train: StepConfig,
                 batches: list[GlobalBatch], seed: int) -> tuple[Runner, StepProgram, int]:
     """(runner, program, per-device bytes of its compiled step) of our step for `plan`."""
-    program = build_step(model, train, plan, jax.devices())
+    _, programs = preset_programs(model, plan.seq_len)
+    program = programs(train, plan, jax.devices())
     state = program.init_state(seed)
 
     def regroup(a_MxBxS: np.ndarray) -> np.ndarray:
@@ -170,7 +172,7 @@ def loop_runner(step: Callable[[Any, int], Any], state: Any, plan: Plan,
         record = StepRecord.of(done[0], plan, host, time.perf_counter() - start,
                                batches[index])
         if watch is not None:
-            watch.step(record)
+            watch.step(record, state=state)  # its learning rate read off the state
         return state, metrics
 
     return Runner(run, state)
@@ -305,15 +307,15 @@ def main() -> None:
         print(f"  {name}: {plan.describe()} mb_slots={program.mb_slots} "
               f"ticks={program.mb_slots + plan.pp - 1} layer_slots={program.layer_slots}")
         if name == BASE:  # plain right after ours: the A, B pair leads every round
-            runners[PLAIN] = plain_runner(model, train, devices, batches, args.seed, False)
+            runners[PLAIN] = plain_runner(model, devices, batches, args.seed, False)
             step = runners[BASE].step  # the same program, a state of each loop's own
             runners[LOOP] = loop_runner(step, program.init_state(args.seed), plan, batches)
             watch = RunMetrics(Metrics([f"tensorboard:{scratch}/tb", f"{scratch}/m.jsonl"]),
-                               model, lambda step, _: train.learning_rate_at(step))
+                               model, optimizer_learning_rate)
             runners[WATCHED] = loop_runner(step, program.init_state(args.seed), plan, batches,
                                            watch)
             if args.with_gspmd:
-                runners[GSPMD] = plain_runner(model, train, devices, batches, args.seed, True)
+                runners[GSPMD] = plain_runner(model, devices, batches, args.seed, True)
     load_before = os.getloadavg()[0]
     samples, first = measure(runners, len(batches), warmup, rounds)
     watch.close()

@@ -49,7 +49,7 @@ from resihp_jax.runtime.recovery.restore import canonical_target  # noqa: E402
 from resihp_jax.runtime.recovery.host_copies import HostCopies  # noqa: E402
 from resihp_jax.runtime.trainer.records import run_step  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402
-from resihp_jax.step.builder import build_step  # noqa: E402
+from resihp_jax.runtime.run.programs import preset_programs  # noqa: E402
 
 PER = 2  # devices per posing process; one process per node
 LOST = 0  # the node whose process is lost
@@ -58,7 +58,8 @@ LOST = 0  # the node whose process is lost
 def _trained(model: str, seq_len: int) -> tuple:
     plan = Plan.uniform(2, 2, 2, n_layers=get_model_config(model).n_layers, n_microbatches=4,
                         microbatch_size=2, seq_len=seq_len)
-    program = build_step(get_model_config(model), StepConfig(), plan, jax.devices())
+    _, programs = preset_programs(get_model_config(model), seq_len)
+    program = programs(StepConfig(), plan, jax.devices())
     data = BatchIterator("synthetic:lognormal", n_microbatches=4, microbatch_size=2,
                          seq_len=seq_len, seed=0)
     state, _ = run_step(program, program.init_state(0), data.next_batch())

@@ -46,7 +46,7 @@ from resihp_jax.runtime.config import ResilienceConfig, RunConfig  # noqa: E402
 from resihp_jax.runtime.run.training import TrainingRun  # noqa: E402
 from resihp_jax.runtime.programs.compiles import background_since  # noqa: E402
 from resihp_jax.runtime.trainer.records import run_step  # noqa: E402
-from resihp_jax.step.builder import build_step  # noqa: E402
+from resihp_jax.runtime.run.programs import preset_programs  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402
 
 MODEL, SEQ_LEN, SEED = "tiny", 128, 0
@@ -88,8 +88,9 @@ def loop(adapt: bool, steps: int) -> tuple[list[float], list[float], int]:
     resilience = ResilienceConfig(precompile=0, compile_cache_dir=None) if adapt else \
         ResilienceConfig.unwatched(compile_cache_dir=None)
     config = RunConfig(steps=steps, seed=SEED, progress=False, resilience=resilience)
-    records = TrainingRun(get_model_config(MODEL), StepConfig(), _plan(), config,
-                          out=io.StringIO()).run()
+    facts, programs = preset_programs(get_model_config(MODEL), SEQ_LEN)
+    records = TrainingRun(facts, StepConfig(), _plan(), config, out=io.StringIO(),
+                          programs=programs).run()
     ends = [r.end_unix_s for r in records]
     built = [end for end, _ in background_since(started)]
     later = [i for i, end in enumerate(ends) if not built or end > max(built)]
@@ -108,7 +109,8 @@ def main() -> int:
         parser.error(f"--steps {steps} --rounds {rounds}: need at least 3 steps and 1 round")
     wall = time.perf_counter()
     plan = _plan()
-    program = build_step(get_model_config(MODEL), _train_cfg(plan), plan, jax.devices())
+    _, programs = preset_programs(get_model_config(MODEL), plan.seq_len)
+    program = programs(_train_cfg(plan), plan, jax.devices())
     tokens = plan.tokens_per_step
     rates: dict[str, list[float]] = {row: [] for row in ROWS}
     settled: dict[str, list[float]] = {row: [] for row in ROWS[1:]}  # loop / bare, same steps

@@ -1,7 +1,7 @@
 """Model FLOPs utilization: our train step against a plain-JAX peer, in the same run.
 
-Ours: `build_step` for the plan (default dp=pp=tp=1): `rh.models.Llama` through the one step
-builder, `rh.fit`'s; attention as `StepConfig.attention` selects it (`--attention`; auto:
+Ours: `preset_programs` for the plan (default dp=pp=tp=1): `rh.models.Llama` through the one
+step builder, `rh.fit`'s; its attention kernel the one `--attention` names (auto:
 cuDNN's packed layout on GPUs, the block-sparse scan on CPU). The peer: the same model's
 math on its own parameters, weights, batches and AdamW update as one `jax.jit` function
 (no pipeline, no resilience, parameters replicated and rows split over the same devices),
@@ -46,7 +46,8 @@ from resihp_jax.step.model_parts import split_model  # noqa: E402
 from resihp_jax.attention.check import step_attention  # noqa: E402
 from resihp_jax.models.config import ModelConfig, get_model_config  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402
-from resihp_jax.step.builder import build_step  # noqa: E402
+from resihp_jax.models.optimizer import AdamWConfig  # noqa: E402
+from resihp_jax.runtime.run.programs import preset_programs  # noqa: E402
 
 # Dense bf16 tensor peak per device, FLOP/s, by a substring of `device.device_kind` (first
 # match wins, so the more specific names come first).
@@ -144,11 +145,11 @@ def llama_params(model: ModelConfig, seed: int) -> dict[str, Any]:
     return {"shell": shell, "blocks": blocks}
 
 
-def peer_runner(model: ModelConfig, train: StepConfig, devices: list[jax.Device],
-                batch: GlobalBatch, seed: int, implementation: str) -> Runner:
+def peer_runner(model: ModelConfig, devices: list[jax.Device], batch: GlobalBatch, seed: int,
+                implementation: str) -> Runner:
     mesh = Mesh(np.asarray(devices), ("dp",))
     replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
-    optimizer = train.optimizer()
+    optimizer = AdamWConfig().optimizer()  # ours's: the preset's own
     loss = functools.partial(peer_loss_sum, model=model, implementation=implementation)
 
     def train_step(state: tuple[Any, Any], tok, seg, pos):
@@ -173,15 +174,14 @@ def peer_runner(model: ModelConfig, train: StepConfig, devices: list[jax.Device]
     return Runner(lambda s: step(s, *flat), state, lambda s: step.lower(s, *flat))
 
 
-def best_peer(model: ModelConfig, train: StepConfig, devices: list[jax.Device],
-              batch: GlobalBatch, seed: int) -> tuple[str, Runner]:
+def best_peer(model: ModelConfig, devices: list[jax.Device], batch: GlobalBatch,
+              seed: int) -> tuple[str, Runner]:
     """cuDNN where it compiles for this model and device (GPUs, bf16/fp16), else XLA."""
     for implementation in ("cudnn", "xla"):
         if implementation == "cudnn" and devices[0].platform != "gpu":
             continue
         try:
-            return implementation, peer_runner(model, train, devices, batch, seed,
-                                               implementation)
+            return implementation, peer_runner(model, devices, batch, seed, implementation)
         except Exception as error:  # noqa: BLE001 - any refusal means: try the next one
             print(f"peer: {implementation} attention unavailable ({type(error).__name__}: "
                   f"{str(error).splitlines()[0][:160]})")
@@ -192,12 +192,13 @@ def best_peer(model: ModelConfig, train: StepConfig, devices: list[jax.Device],
 
 
 def our_runner(model: ModelConfig, train: StepConfig, plan: Plan, devices: list[jax.Device],
-               batch: GlobalBatch, seed: int) -> tuple[Runner, str]:
-    program = build_step(model, train.replace(microbatch_slots=max(plan.microbatches_per_group)),
-                         plan, devices)
+               batch: GlobalBatch, seed: int, attention: str = "auto") -> tuple[Runner, str]:
+    _, programs = preset_programs(model, plan.seq_len, attention=attention, device=devices[0])
+    program = programs(train.replace(microbatch_slots=max(plan.microbatches_per_group)), plan,
+                       devices)
     sharded = program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
                                   batch.positions_MxBxS)
-    kind = step_attention(train.attention, model, plan.seq_len, devices[0])  # checked: cached
+    kind = step_attention(attention, model, plan.seq_len, devices[0])  # checked: cached
     return Runner(lambda s: program.step(s, sharded), program.init_state(seed),
                   lambda s: program.step_fn.lower(s, sharded, program.splits())), kind
 
@@ -261,7 +262,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--microbatch-size", type=int, default=None)
     parser.add_argument("--microbatches", type=int, default=1)
-    parser.add_argument("--attention", default="auto", help="StepConfig.attention for ours")
+    parser.add_argument("--attention", default="auto", help="our preset's attention kernel")
     parser.add_argument("--dtype", default=None, help="compute dtype (default: the preset's)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="peak dense TFLOP/s per device (default: from the device table)")
@@ -279,7 +280,7 @@ def main() -> None:
     plan = Plan.uniform(dp, pp, tp, n_layers=model.n_layers, n_microbatches=args.microbatches,
                         microbatch_size=mb_size, seq_len=seq_len,
                         device_ids=tuple(int(d.id) for d in devices))
-    train = StepConfig(attention=args.attention)
+    train = StepConfig()
     batch = BatchIterator("synthetic:lognormal", n_microbatches=args.microbatches,
                           microbatch_size=mb_size, seq_len=seq_len, seed=args.seed).next_batch()
     flops, tokens = model_flops(model, batch.segment_ids_MxBxS.reshape(-1, seq_len))
@@ -287,8 +288,8 @@ def main() -> None:
           f"plan {dp}/{pp}/{tp}, {args.microbatches} x {mb_size} rows x {seq_len} tokens, "
           f"{len(document_lengths(batch.segment_ids_MxBxS.reshape(-1, seq_len)))} documents; "
           f"{devices[0].platform} ({devices[0].device_kind}), jax {jax.__version__}")
-    ours, kind = our_runner(model, train, plan, devices, batch, args.seed)
-    peer_kind, peer = best_peer(model, train, devices, batch, args.seed)
+    ours, kind = our_runner(model, train, plan, devices, batch, args.seed, args.attention)
+    peer_kind, peer = best_peer(model, devices, batch, args.seed)
     labels = {"ours": f"segment_attention[{kind}]",
               "peer": f"dot_product_attention[{peer_kind}]"}
     samples, first = measure({"ours": ours, "peer": peer}, warmup=2, rounds=rounds)

@@ -63,6 +63,7 @@ from resihp_jax.runtime.events import StepRecord  # noqa: E402
 from resihp_jax.runtime.trainer.resilient import ResilientTrainer  # noqa: E402
 from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.scheduler import run_policy  # noqa: E402
+from resihp_jax.runtime.run.programs import preset_programs  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402
 from benchmarks.invariants import every_step_once, step_gaps, verdict  # noqa: E402
 
@@ -213,7 +214,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as cache:  # empty: the cold row compiles for real
         config = ResilienceConfig(precompile=0, compile_cache_dir=cache,
                                   warm_prepared=args.warm_prepared)
-        trainer = ResilientTrainer(model, StepConfig(), plan, jax.devices(), data, config)
+        facts, programs = preset_programs(model, plan.seq_len)
+        trainer = ResilientTrainer(facts, StepConfig(), plan, jax.devices(), data, config,
+                                   programs=programs)
         _steps(trainer, 2)
         # the faults come once the start-up's background compiles (the layout moves) are
         # done: a switch before then would wait for them, and time them, not the switch

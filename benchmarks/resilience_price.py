@@ -57,7 +57,7 @@ from resihp_jax.runtime.trainer import resilient  # noqa: E402
 from resihp_jax.runtime.programs.compiles import (  # noqa: E402
     BACKGROUND_PREFIX, background_since)
 from resihp_jax.runtime.config import DETECTOR_OFF  # noqa: E402
-from resihp_jax.step.config import StepConfig  # noqa: E402
+from resihp_jax.models.optimizer import AdamWConfig  # noqa: E402
 from benchmarks.invariants import (batches_match, every_step_once, losses_equal,  # noqa: E402
                                  step_gaps, verdict)
 
@@ -119,7 +119,7 @@ class Bench:
     def fit(self, config: rh.ResilienceConfig) -> Any:
         config = dataclasses.replace(config, compile_cache_dir=self.cache_dir)
         result = rh.fit(lambda rngs: rh.models.Llama(self.model, rngs=rngs), self.data,
-                        optimizer=StepConfig().optimizer(), plan=self.plan, steps=self.steps,
+                        optimizer=AdamWConfig().optimizer(), plan=self.plan, steps=self.steps,
                         seed=self.seed, devices=[self.device], progress=False,
                         resilience=config)
         drain_background()

@@ -1,8 +1,8 @@
 """What the remat policies and the head's token chunks buy a step: memory and time.
 
 One `rh.models.Llama` (the `tiny` preset with a large vocabulary, so the logits weigh as
-llama-1b's do against its activations) at 1/1/1 on one CPU device, built by the one step
-builder (`build_step`) once per setting of `StepConfig(remat=..., loss_chunks=...)`. Per
+llama-1b's do against its activations) at 1/1/1 on one CPU device, its programs
+(`preset_programs`) called once per setting of `StepConfig(remat=..., loss_chunks=...)`. Per
 row: the compiled step's temporaries (XLA's memory analysis, per device), the median step
 time over interleaved rounds, and both against the first row (`none`, logits whole) measured
 in the same run. Every row trains the same first step on the same batch: its loss is
@@ -35,7 +35,7 @@ from resihp_jax.models.config import get_model_config  # noqa: E402
 from resihp_jax.perfmodel.costs import REMAT_POLICIES  # noqa: E402
 from resihp_jax.perfmodel.memory import memory_bytes_per_device  # noqa: E402
 from resihp_jax.perfmodel.memory import remat_for_memory  # noqa: E402
-from resihp_jax.step.builder import build_step  # noqa: E402
+from resihp_jax.runtime.run.programs import preset_programs  # noqa: E402
 from resihp_jax.step.config import StepConfig  # noqa: E402
 from resihp_jax.step.program import abstract_args  # noqa: E402
 
@@ -70,8 +70,8 @@ def build(remat: str, chunks: int, args: argparse.Namespace):
     model = get_model_config("tiny").replace(vocab_size=args.vocab)
     plan = Plan.uniform(1, 1, 1, n_layers=model.n_layers, n_microbatches=1,
                         microbatch_size=args.rows, seq_len=args.seq_len)
-    program = build_step(model, StepConfig(remat=remat, loss_chunks=chunks), plan,
-                         jax.devices()[:1])
+    _, programs = preset_programs(model, plan.seq_len)
+    program = programs(StepConfig(remat=remat, loss_chunks=chunks), plan, jax.devices()[:1])
     compiled = program.step_fn.lower(*abstract_args(program)).compile()
     rng = np.random.default_rng(0)
     shape = (1, args.rows, args.seq_len)

@@ -48,6 +48,7 @@ from resihp_jax.runtime.programs.compiles import counting
 from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilientTrainer
 from resihp_jax.runtime.config import ResilienceConfig
+from resihp_jax.runtime.run.programs import preset_programs
 from resihp_jax.step.config import StepConfig
 
 cache, model, untimed = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
@@ -57,9 +58,11 @@ plan = Plan.uniform(1, 1, 1, n_layers=cfg.n_layers, n_microbatches=4, microbatch
 data = BatchIterator("synthetic:lognormal", n_microbatches=4, microbatch_size=2, seq_len=128,
                      seed=0)
 config = ResilienceConfig(precompile=0, compile_cache_dir=cache, untimed_start=untimed)
+facts, programs = preset_programs(cfg, plan.seq_len)
 t0 = time.perf_counter()
 with counting() as built:
-    trainer = ResilientTrainer(cfg, StepConfig(), plan, jax.devices(), data, config)
+    trainer = ResilientTrainer(facts, StepConfig(), plan, jax.devices(), data, config,
+                               programs=programs)
 t1 = time.perf_counter()
 record = next(r for r in trainer.run(1) if isinstance(r, StepRecord))
 t2 = time.perf_counter()

@@ -51,7 +51,7 @@ _SUBMODULES = {"data": "resihp_jax.data", "nn": "resihp_jax.nn", "models": "resi
 # names that left the top level for rh.engine: resolvable for one release, with a warning
 _MOVED_TO_ENGINE = frozenset({
     "BatchIterator", "Checkpointer", "Health", "JobSpec", "ModelConfig", "ResilientTrainer",
-    "RunConfig", "StepConfig", "TrainingRun", "build_step", "get_model_config", "job_spec",
+    "RunConfig", "StepConfig", "TrainingRun", "get_model_config", "job_spec",
     "make_detector", "move_state", "run_policy",
 })
 

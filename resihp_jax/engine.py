@@ -1,12 +1,13 @@
 """`rh.engine`: the building blocks behind `rh.fit`, for writing one's own training loop.
 
-The step program (`build_step`, `move_state`), the run `resihp train` performs
-(`TrainingRun`, `RunConfig`, `JobSpec`, `job_spec`), the resilient loop (`ResilientTrainer`,
-`Checkpointer`), detectors and scheduler policies on their own (`make_detector`, `Health`,
-`run_policy`) and the configs and data of `rh.models.Llama`'s step (`ModelConfig`,
-`get_model_config`, `StepConfig`, `BatchIterator`). A script that trains its own model
-needs none of them: it calls `rh.fit`. Like the package, this module imports nothing until a
-name is used, so importing it starts no JAX backend.
+A model's step programs (`ModelPrograms`: a preset of `rh.models.Llama` behind the user's
+contract from `preset_programs`, called for each plan) and `move_state`, the run `resihp
+train` performs (`TrainingRun`, `RunConfig`, `JobSpec`, `job_spec`), the resilient loop
+(`ResilientTrainer`, `Checkpointer`), detectors and scheduler policies on their own
+(`make_detector`, `Health`, `run_policy`) and the configs and data of a step (`ModelConfig`,
+`get_model_config`, `AdamWConfig`, `StepConfig`, `BatchIterator`). A script that trains its
+own model needs none of them: it calls `rh.fit`. Like the package, this module imports
+nothing until a name is used, so importing it starts no JAX backend.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 # name -> the module defining it; imported on first use (PEP 562)
 _EXPORTS: dict[str, str] = {
-    # the step of rh.models.Llama, built from its configs
+    # a model's step programs: a preset of rh.models.Llama from its configs
     "ModelConfig": "resihp_jax.models.config",
     "get_model_config": "resihp_jax.models.config",
+    "AdamWConfig": "resihp_jax.models.optimizer",
     "StepConfig": "resihp_jax.step.config",
     "BatchIterator": "resihp_jax.data.iterator",
-    "build_step": "resihp_jax.step.builder",
+    "ModelPrograms": "resihp_jax.runtime.run.programs",
+    "preset_programs": "resihp_jax.runtime.run.programs",
     "move_state": "resihp_jax.step.reshard",
     # the resilient loop and its checkpoints
     "ResilientTrainer": "resihp_jax.runtime.trainer.resilient",
@@ -39,20 +42,22 @@ _EXPORTS: dict[str, str] = {
 
 # spelt out, not computed from _EXPORTS, so that linters and type checkers read it
 __all__ = [
+    "AdamWConfig",
     "BatchIterator",
     "Checkpointer",
     "Health",
     "JobSpec",
     "ModelConfig",
+    "ModelPrograms",
     "ResilientTrainer",
     "RunConfig",
     "StepConfig",
     "TrainingRun",
-    "build_step",
     "get_model_config",
     "job_spec",
     "make_detector",
     "move_state",
+    "preset_programs",
     "run_policy",
 ]
 
@@ -60,16 +65,17 @@ if TYPE_CHECKING:
     from resihp_jax.data.iterator import BatchIterator
     from resihp_jax.detector.base import make_detector
     from resihp_jax.models.config import ModelConfig, get_model_config
+    from resihp_jax.models.optimizer import AdamWConfig
     from resihp_jax.perfmodel.health import Health
     from resihp_jax.runtime.job.distributed import JobSpec, job_spec
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
     from resihp_jax.runtime.config import RunConfig
+    from resihp_jax.runtime.run.programs import ModelPrograms, preset_programs
     from resihp_jax.runtime.run.training import TrainingRun
     from resihp_jax.runtime.trainer.resilient import ResilientTrainer
     from resihp_jax.scheduler.policies import run_policy
     from resihp_jax.step.config import StepConfig
     from resihp_jax.step.reshard import move_state
-    from resihp_jax.step.builder import build_step
 
 
 def __getattr__(name: str) -> Any:

@@ -16,8 +16,9 @@ from resihp_jax.plan import Plan
 from resihp_jax.nn import layers
 from resihp_jax.models.config import ModelConfig
 from resihp_jax.step.config import StepConfig
+from resihp_jax.runtime.run.programs import preset_programs
+from resihp_jax.step.instrument import Instrument
 from resihp_jax.step.program import StepProgram
-from resihp_jax.step.builder import build_step
 from tests.xla_flags import child_env
 
 
@@ -45,11 +46,21 @@ def run_processes(script: str, n: int, devices: int, *args: str,
     return results
 
 
+def llama_step(cfg: ModelConfig, train: StepConfig, plan: Plan,
+               devices: Any = None, instrument: Instrument | None = None,
+               **preset: Any) -> StepProgram:
+    """The step of `rh.models.Llama(cfg)` for `plan` on `devices` (default: all), as every
+    preset trains: its `preset_programs` (`preset`: their optimizer, attention), called."""
+    devices = list(jax.devices() if devices is None else devices)
+    _, programs = preset_programs(cfg, plan.seq_len, device=devices[0], **preset)
+    return programs(train, plan, devices, instrument)
+
+
 @functools.lru_cache(maxsize=16)
 def step_program(cfg: ModelConfig, train: StepConfig, plan: Plan) -> StepProgram:
-    """`build_step` on all devices, built (and compiled) once per test session for each
+    """`llama_step` on all devices, built (and compiled) once per test session for each
     model, train config and plan: a program is immutable, every test starts its own state."""
-    return build_step(cfg, train, plan, jax.devices())
+    return llama_step(cfg, train, plan)
 
 
 def make_batches(n_microbatches: int, microbatch_size: int = 2, seq_len: int = 64,
@@ -61,7 +72,7 @@ def make_batches(n_microbatches: int, microbatch_size: int = 2, seq_len: int = 6
 
 def llama_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
     """The canonical parameters `{"shell", "blocks"}` of `rh.models.Llama(cfg)` for `seed`:
-    what `build_step(cfg, ...).init_state(seed)` starts from, built whole on one device."""
+    what `llama_step(cfg, ...).init_state(seed)` starts from, built whole on one device."""
     from flax import nnx
 
     from resihp_jax.models import Llama

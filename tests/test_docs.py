@@ -38,7 +38,7 @@ def _api_snippet_trained_and_moved(cwd: Path, out: str) -> None:
 # what a block's run must have shown beyond exiting with 0, by the text its code contains
 CHECKS = {
     "resihp train --devices 1": _same_losses_on_two_plans,
-    "rh.engine.build_step": _api_snippet_trained_and_moved,
+    "rh.engine.preset_programs": _api_snippet_trained_and_moved,
 }
 
 

@@ -102,7 +102,7 @@ def test_timing_sections_give_real_ratios(quick: dict) -> None:
     # the injected slow writer: no step waited for a previous write, every step trained once
     assert head["waits_on_previous_save"] == 0 and head["steps_once"] and head["losses_equal"]
     programs = s["startup"]["programs"]
-    assert set(programs) == {"rh.fit", "build_step", "peer jit"}
+    assert set(programs) == {"rh.fit", "preset_programs", "peer jit"}
     assert all(p["seconds"] > 0 and p["compiles"] >= 1 for p in programs.values())
     memory = s["memory"]
     assert all(memory["bytes"][n]["peak"] > 0 for n in ("ours", "peer"))

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the checkpoint step to convert (default: the newest)")
     args = parser.parse_args(argv)
     from resihp_jax.errors import ResihpError  # after parsing: --help needs no JAX
-    from resihp_jax.runtime.recovery.convert import convert_checkpoint
+    from resihp_jax.runtime.run.convert import convert_checkpoint
 
     try:
         convert_checkpoint(args.source, args.destination, args.step)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 SECTIONS: dict[str, tuple[str, float, float]] = {
     "kernels": ("kernels", 80.0, 25.0),  # 9 configurations
     "float32_model": ("float32_model", 20.0, 10.0),  # one small float32 rh.fit
-    "startup": ("startup", 110.0, 45.0),  # llama-1b: build_step, peer, rh.fit (cold)
+    "startup": ("startup", 110.0, 45.0),  # llama-1b: preset_programs, peer, rh.fit (cold)
     "memory": ("memory", 5.0, 1.0),  # no compile: the executables the steps ran
     "profile": ("profile", 10.0, 3.0),
     "speed": ("speed", 140.0, 20.0),  # two more llama-1b pairs (8192 long docs, 32k tokens)

@@ -131,7 +131,7 @@ def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> N
 
 @dataclass
 class Pair:
-    """Ours (`build_step`) and the peer (jit + dot_product_attention) on the same batch; each
+    """Ours (`preset_programs`) and the peer (jit + dot_product_attention) on the same batch; each
     runner holds its state after the steps run so far."""
     model: ModelConfig
     batch: GlobalBatch
@@ -232,8 +232,7 @@ class Suite:
             return runner
 
         def build_peer() -> mfu.Runner:
-            kinds["peer"], runner = mfu.best_peer(model, StepConfig(), devices, batch,
-                                                  self.seed)
+            kinds["peer"], runner = mfu.best_peer(model, devices, batch, self.seed)
             return runner
 
         try:

@@ -22,6 +22,7 @@ from benchmarks.gpu_sections.common import Suite, print_table
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import ModelConfig, get_model_config
 from resihp_jax.runtime.config import ResilienceConfig, RunConfig
+from resihp_jax.runtime.run.programs import preset_programs
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.step.config import StepConfig
 
@@ -44,8 +45,9 @@ def train_rates(suite: Suite, model: ModelConfig, rows: int, seq: int,
         resilience = ResilienceConfig(precompile=0, compile_cache_dir=None) if adapt else \
             ResilienceConfig.unwatched(compile_cache_dir=None)
         config = RunConfig(steps=steps, seed=suite.seed, progress=False, resilience=resilience)
-        records = TrainingRun(model, StepConfig(), plan, config, out=io.StringIO(),
-                              devices=[suite.device]).run()
+        facts, programs = preset_programs(model, plan.seq_len, device=suite.device)
+        records = TrainingRun(facts, StepConfig(), plan, config, out=io.StringIO(),
+                              programs=programs, devices=[suite.device]).run()
         price.drain_background()
         rates[name] = price.wall_rate(records)
     return rates

@@ -1,4 +1,4 @@
-"""speed: mfu.py's comparison (our `build_step`: `rh.models.Llama` through the one step
+"""speed: mfu.py's comparison (our `preset_programs`: `rh.models.Llama` through the one step
 builder every model trains through, `rh.fit`'s, against the plain-JAX peer with cuDNN
 attention) for llama-1b at 4 x 2048 rows, 1 x 8192 rows of a few long documents, and
 32,768 tokens per step (16 x 2048): tokens/s, ours/peer ratio and MFU of each."""
@@ -85,6 +85,6 @@ def run(suite: Suite) -> dict[str, Any]:
              "paired": r.get("ratio_paired_rounds"), "MFU": r.get("mfu"),
              "peer MFU": r.get("peer_mfu"), "docs": r.get("documents"),
              "error": r.get("error")} for n, r in results.items()]
-    print_table("speed: ours (build_step) / peer (jit + dot_product_attention), medians over "
+    print_table("speed: ours (preset_programs) / peer (jit + dot_product_attention), medians over "
                 f"{suite.rounds} interleaved rounds", rows, list(rows[0]))
     return results

@@ -1,9 +1,10 @@
 """startup: seconds from the call to the end of the first step, and the executables compiled
 on the way (JAX's backend-compile events, every thread), for `rh.fit` (an `rh.models.Llama`
-built from a model function), our `build_step` and the plain-JAX peer, on the same model,
-rows and device. Compiles that `rh.fit` runs ahead in the background (likely next plans) are
-counted apart: by the end of the first step and by the end of the call. Each cold start is
-split by JAX's own compile logging (tracing, lowering, backend compile).
+built from a model function), our preset's program (`preset_programs`) and the plain-JAX
+peer, on the same model, rows and device. Compiles that `rh.fit` runs ahead in the background
+(likely next plans) are counted apart: by the end of the first step and by the end of the
+call. Each cold start is split by JAX's own compile logging (tracing, lowering, backend
+compile).
 
 The same `rh.fit` call then runs on for a few steps: its steady step (median gap between
 steps after the third, defaults on, no checkpoint directory) against the peer's step timed
@@ -21,7 +22,7 @@ import resihp_jax as rh
 from benchmarks.gpu_sections.common import (COMPILE_EVENT, PHASE_EVENTS, Suite, compiles_so_far,
                                             phases_since, phases_so_far, print_table)
 from resihp_jax.plan import Plan
-from resihp_jax.step.config import StepConfig
+from resihp_jax.models.optimizer import AdamWConfig
 
 
 def packed(batch: Any) -> list[rh.PackedBatch]:
@@ -57,7 +58,7 @@ def fit_cold(suite: Suite, batch: Any) -> dict[str, Any]:
     start = time.perf_counter()
     rh.fit(lambda rngs: rh.models.Llama(model_cfg, rngs=rngs),
            packed(batch) * steady_steps(suite.quick),
-           optimizer=StepConfig().optimizer(), plan=plan, steps=steady_steps(suite.quick),
+           optimizer=AdamWConfig().optimizer(), plan=plan, steps=steady_steps(suite.quick),
            seed=suite.seed,
            devices=[suite.device], progress=False, on_step=on_step)
     n1, s1 = compiles_so_far()
@@ -81,7 +82,7 @@ def peer_step_ms(pair: Any, steps: int) -> float:
 def run(suite: Suite) -> dict[str, Any]:
     pair = suite.main_pair()  # built here (cold) unless an earlier section built it
     rows = {"rh.fit": fit_cold(suite, pair.batch)}
-    for name, label in (("ours", "build_step"), ("peer", "peer jit")):
+    for name, label in (("ours", "preset_programs"), ("peer", "peer jit")):
         cold = pair.cold[name]
         rows[label] = {"seconds": cold.seconds, "compiles": cold.compiles,
                        "compile_s": cold.compile_s, "phases": cold.phases}

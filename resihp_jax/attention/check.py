@@ -166,18 +166,18 @@ def check_attention(implementation: str, *, block_size: int, head_dim: int, n_he
             f"{head_dim}, {heads[0]} heads over {heads[1]} kv heads, {dtype}) disagrees with "
             f"the dense masked reference on packed rows: {bad} (relative to the reference's "
             f"largest value; 'leak' is how far other documents moved an output, tolerance "
-            f"{tol} / 1e-2). Train with StepConfig(attention='blocksparse') and report this.")
+            f"{tol} / 1e-2). Train with attention='blocksparse' and report this.")
     _passed.add(config)
 
 
 def step_attention(implementation: str, model: AttentionShape, seq_len: int,
                    device: jax.Device) -> str:
     """The kernel a train step of `model` on `device`'s platform runs (`implementation` as
-    StepConfig.attention names it), checked once per process before the first step."""
+    a preset's `attention` names it), checked once per process before the first step."""
     kind = resolve_implementation(implementation, device.platform, seq_len=seq_len,
                                   block_size=model.attn_block)
     if kind in ("pallas", "cudnn") and device.platform not in GPU_PLATFORMS:
-        raise ConfigError(f"StepConfig.attention={kind!r} needs GPUs (devices here: "
+        raise ConfigError(f"attention={kind!r} needs GPUs (devices here: "
                           f"{device.platform}): elsewhere the kernel does not compile or only "
                           "runs interpreted, which JAX cannot do inside the step's shard_map; "
                           "valid here: auto, blocksparse, dense")

@@ -13,8 +13,8 @@ trains on the devices the record leaves usable, with the requested plan when the
 and the scheduler's plan when they do not (a relaunch on the survivors). Each step runs
 under a deadline from the cost model (job/deadline.py); a step past it ends the process
 with exit code 75 so the job restarts instead of hanging. Every flag becomes a field of
-ModelConfig, StepConfig, Plan, RunConfig or JobSpec here, so a script that builds the same
-configs runs exactly what this command runs.
+ModelConfig, the model's optimizer (--lr), StepConfig, Plan, RunConfig or JobSpec here, so a
+script that builds the same configs runs exactly what this command runs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from resihp_jax.cli.args import (METRICS_HELP, add_compile_cache_arguments,
 from resihp_jax.cli.train_checks import check_train_args, checkpoint_every, read_metrics_args
 from resihp_jax.errors import CheckpointFallbackWarning, ConfigError
 from resihp_jax.plan import Plan
-from resihp_jax.models.registry import MODELS, GPT2Sizes, check_plan
+from resihp_jax.models.registry import MODELS, check_plan
 from resihp_jax.perfmodel.costs import REMAT_AUTO, REMAT_POLICIES
 from resihp_jax.runtime.job import distributed
 from resihp_jax.runtime.job.devices import devices_to_request, request_host_devices
@@ -228,13 +228,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from resihp_jax.runtime.run.training import TrainingRun  # noqa: PLC0415 - JAX from here
     from resihp_jax.step.config import StepConfig  # noqa: PLC0415
 
-    programs = None  # a Llama preset: its ModelConfig states its facts (the trainer's build_step)
-    if isinstance(model, GPT2Sizes):
-        from resihp_jax.runtime.run.programs import registered_programs  # noqa: PLC0415
+    from resihp_jax.runtime.run.programs import registered_programs  # noqa: PLC0415
 
-        model, programs = registered_programs(model, plan.seq_len, args.seed, args.lr)
-    training = TrainingRun(model, StepConfig(learning_rate=args.lr, remat=args.remat), plan,
-                           config, spec, out, programs=programs)
+    # any registry model, a preset as any other, with its own optimizer at --lr
+    model, programs = registered_programs(model, plan.seq_len, args.seed, args.lr)
+    training = TrainingRun(model, StepConfig(remat=args.remat), plan, config, spec, out,
+                           programs=programs)
     original_showwarning = warnings.showwarning
 
     def one_line(message: Any, category: type, *rest: Any, **kw: Any) -> None:

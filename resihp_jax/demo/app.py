@@ -15,7 +15,6 @@ from resihp_jax.demo.loop import DemoLog, run_demo
 from resihp_jax.demo.plot import save_timeline
 from resihp_jax.demo.scenario import DetectorTiming, check_fault_timing, check_kill_survivable
 from resihp_jax.demo.summary import FaultOutcome, match_faults, write_summary
-from resihp_jax.models.registry import GPT2Sizes
 
 if TYPE_CHECKING:
     from resihp_jax.data import BatchIterator
@@ -51,14 +50,13 @@ def run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     return EXIT_UNDETECTED if missed else 0
 
 
-def _model(config: DemoConfig) -> tuple[ModelFacts, ModelPrograms | None]:
-    """What the trainer and the scheduler know of the model, and its step builder: a user's
-    model's, or None for a preset (the trainer's `build_step`: rh.models.Llama from it, on
-    the same one step every model trains through)."""
-    if isinstance(config.model, GPT2Sizes):
-        from resihp_jax.runtime.run.programs import registered_programs  # noqa: PLC0415
-        return registered_programs(config.model, config.plan.seq_len, config.seed)
-    return config.model, None
+def _model(config: DemoConfig) -> tuple[ModelFacts, ModelPrograms]:
+    """What the trainer and the scheduler know of the model, and its step builder: any
+    registry model's (a preset as a user's model, with its own optimizer), on the one step
+    every model trains through."""
+    from resihp_jax.runtime.run.programs import registered_programs  # noqa: PLC0415
+
+    return registered_programs(config.model, config.plan.seq_len, config.seed)
 
 
 def _check_faults(config: DemoConfig, model: ModelFacts) -> list[str]:

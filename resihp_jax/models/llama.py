@@ -11,7 +11,8 @@ Its math (model/layers.py): RMSNorm with float32 statistics, rotary positions pe
 grouped KV heads, SwiGLU, our packed `segment_attention`, an untied head whose logits are
 float32. It computes in `config.dtype` (float32 masters cast at use; the embedding gathers
 float32 rows and casts only those), or lower where the step hands it weights already cast
-lower. It is what `resihp train` and `resihp demo` train (step/builder.py `build_step`).
+lower. It is what `resihp train` and `resihp demo` train, behind the same contract as a
+user's model (runtime/run/programs.py `preset_programs`).
 """
 
 from __future__ import annotations

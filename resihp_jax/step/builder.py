@@ -1,7 +1,7 @@
 """The one step builder: the jitted train step of any NNX model that keeps the contract
 (step/model_parts.py) under any Plan, as a `StepProgram`, so every split, re-plan and state
-move works alike for every model. `build_step` is it for `rh.models.Llama` from a
-ModelConfig (what `resihp train`, the demo and most benchmarks run).
+move works alike for every model: a user's, and a preset of `rh.models.Llama` behind the same
+contract (runtime/run/programs.py builds both).
 
 The state's parameters are `{"shell": ..., "blocks": ...}` (step/model_parts.py), the blocks
 in the stage layout `[pp, slots, ...]`. The optimizer is the user's optax transformation,
@@ -15,7 +15,6 @@ reach the stage work (step/body.py).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
@@ -24,22 +23,18 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from resihp_jax.attention.check import step_attention
 from resihp_jax.errors import PlanError
 from resihp_jax.meshes import layout
 from resihp_jax.meshes.mesh import make_mesh
 from resihp_jax.plan import Plan
 from resihp_jax.meshes.rules import spread_spec
-from resihp_jax.models.config import ModelConfig
-from resihp_jax.models.llama import Llama
 from resihp_jax.step.config import StepConfig
 from resihp_jax.step.instrument import Instrument
 from resihp_jax.step.pipeline import ALL_AXES, STEP_AXES
 from resihp_jax.step.program import (KNOB_SPEC, Batch, Splits, StepProgram, TrainState,
                                    canonical_state_shapes, fresh_state, step_functions)
-from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES, ModelParts, abstract_model,
-                                         check_divisible, fully_manual, mesh_specs,
-                                         split_model)
+from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES, ModelParts, check_divisible,
+                                         fully_manual, mesh_specs, split_model)
 from resihp_jax.step.body import pipeline_loss_sum
 
 
@@ -76,13 +71,14 @@ def build_model_step(parts: ModelParts, optimizer: optax.GradientTransformation,
     """Compile-ready program of a user's model for `plan` on `devices`.
 
     `example_params`: canonical parameters (arrays or shapes) fixing every leaf's shape;
-    `train` carries the step's slot counts, remat and donation (its optimizer fields are
-    ignored: `optimizer` is applied as given). `compute_dtype` ('bfloat16'): the blocks,
-    embedding and head compute in it from float32 master weights; the loss stays float32.
-    `instrument` (plans with tp == 1 only) brackets each device's stage work with host
-    callbacks that get the step's per-device knob, as `build_step`'s does. `gates`: how the
-    pipeline skips idle work (step/body.py); a "cond" program whose compiled step would
-    hang becomes a "select" one when compiled (`StepProgram.adopt_compiled`)."""
+    `train` carries the step's slot counts, remat, donation and loss chunks; `optimizer` is
+    applied as given. `compute_dtype` ('bfloat16'): the blocks, embedding and head compute
+    in it from float32 master weights; the loss stays float32. `instrument` (plans where
+    the step is manual over every mesh axis: tp == 1, or the model's tensor parallelism
+    manual) brackets each device's stage work with host callbacks that get the step's
+    per-device knob. `gates`: how the pipeline skips idle work (step/body.py); a "cond"
+    program whose compiled step would hang becomes a "select" one when compiled
+    (`StepProgram.adopt_compiled`)."""
     train = train or StepConfig()
     if plan.n_layers != parts.n_layers:
         raise PlanError(f"Plan.layers_per_stage={plan.layers_per_stage} sums to "
@@ -190,29 +186,6 @@ def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, sp
                             out_specs=P(), axis_names=set(STEP_AXES))
     return lambda params, batch, splits, step: run(
         params, *batch, splits.layers_per_stage, splits.microbatches_per_group, step)
-
-
-def build_step(model: ModelConfig, train: StepConfig, plan: Plan,
-               devices: Sequence[jax.Device],
-               instrument: Instrument | None = None) -> StepProgram:
-    """The step of `rh.models.Llama(model)` (what `resihp train` and the demo run) for `plan`
-    on `devices`, with `train`'s optimizer, attention kernel, remat and slots: the one step
-    builder's program, its `init_state(seed)` building the model's parameters straight into
-    their shardings. `instrument`: stage timing and per-device knobs (the model's tensor
-    parallelism is manual, so at any tp)."""
-    plan.check(model, [int(d.id) for d in devices])
-    # the kernel named (or "auto"'s pick) for this platform and shape, refused where it
-    # cannot run and checked against the dense reference before the first step
-    kernel = step_attention(train.attention, model, plan.seq_len, devices[0])
-
-    def make(rngs: Any) -> Llama:
-        return Llama(model, rngs=rngs, attention=kernel)
-
-    parts, shell, blocks = split_model(abstract_model(make, 0))
-    params = {"shell": shell, "blocks": blocks}
-    program = build_model_step(parts, train.optimizer(), plan, devices, params, train=train,
-                              instrument=instrument)
-    return dataclasses.replace(program, initial_params=initializer(program, make, params))
 
 
 def initializer(program: StepProgram, model: Any,

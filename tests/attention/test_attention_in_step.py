@@ -1,5 +1,6 @@
-"""StepConfig.attention reaches the pipeline's layers: the dense kernel selected there gives
-the block-sparse step's loss and gradients, and the block-sparse kernel is never traced."""
+"""A preset's attention kernel (`preset_programs(attention=...)`) reaches the pipeline's
+layers: the dense kernel selected there gives the block-sparse step's loss and gradients, and
+the block-sparse kernel is never traced."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from resihp_jax.plan import Plan
 from resihp_jax.attention import kernels as attention
 from resihp_jax.models.config import get_model_config
 from resihp_jax.step.config import StepConfig
-from resihp_jax.step.builder import build_step
-from tests.helpers import (canonical_grads, llama_params, make_batches, max_relative_error,
-                           reference_loss_and_grads)
+from resihp_jax.runtime.run.programs import preset_programs
+from tests.helpers import (canonical_grads, llama_params, llama_step, make_batches,
+                           max_relative_error, reference_loss_and_grads)
 
 CFG = get_model_config("tiny", n_layers=2)
 M, B, S = 2, 2, 64
@@ -33,8 +34,8 @@ def test_dense_attention_in_the_step_matches_the_block_sparse_reference(monkeypa
     ref_loss, ref_grads = reference_loss_and_grads(CFG, llama_params(CFG, 0), batch)
     plan = Plan.uniform(2, 2, 2, n_layers=CFG.n_layers, n_microbatches=M, microbatch_size=B,
                         seq_len=S)
-    program = build_step(CFG, StepConfig(attention="dense", microbatch_slots=1), plan,
-                         jax.devices())
+    program = llama_step(CFG, StepConfig(microbatch_slots=1), plan, jax.devices(),
+                         attention="dense")
     traced.clear()  # (the reference above is block-sparse)
     state = program.init_state(0)
     loss, grads = program.loss_and_grads(
@@ -49,6 +50,6 @@ def test_pallas_is_refused_for_a_cpu_step_and_unknown_names_at_the_door() -> Non
     plan = Plan.uniform(1, 1, 1, n_layers=CFG.n_layers, n_microbatches=1, microbatch_size=B,
                         seq_len=S)
     with pytest.raises(ConfigError, match="attention='pallas' needs GPUs"):
-        build_step(CFG, StepConfig(attention="pallas"), plan, jax.devices())
-    with pytest.raises(ConfigError, match="StepConfig.attention='flash': valid are auto"):
-        StepConfig(attention="flash")
+        llama_step(CFG, StepConfig(), plan, jax.devices(), attention="pallas")
+    with pytest.raises(ConfigError, match="attention implementation 'flash': valid are auto"):
+        preset_programs(CFG, S, attention="flash")

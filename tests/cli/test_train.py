@@ -123,9 +123,13 @@ def test_a_damaged_newest_checkpoint_falls_back_in_one_line(
 
 
 @pytest.mark.parametrize("change, difference", [
-    (["--model", "tiny-gqa"], "model.name='tiny' in the checkpoint, 'tiny-gqa' in this run"),
-    (["--lr", "0.001"], "optimizer.learning_rate=0.003 in the checkpoint, 0.001 in this run"),
-    (["--dtype", "bfloat16"], "model.dtype='float32' in the checkpoint, 'bfloat16' in this run"),
+    (["--model", "tiny-gqa"],
+     "model.config.name='tiny' in the checkpoint, 'tiny-gqa' in this run"),
+    # (the rate the optimizer starts from: the warm-up's first, a tenth of --lr)
+    (["--lr", "0.001"],
+     "optimizer.hyperparams.1.learning_rate=0.0003 in the checkpoint, 0.0001 in this run"),
+    (["--dtype", "bfloat16"],
+     "model.config.dtype='float32' in the checkpoint, 'bfloat16' in this run"),
 ])
 def test_resuming_another_runs_checkpoint_is_refused(
         tmp_path: Path, three_steps: Path, change: list[str], difference: str, capsys) -> None:
@@ -145,7 +149,8 @@ def test_resume_force_continues_another_runs_checkpoint_and_says_what_differed(
                   steps=4) == 0
     forced = [line for line in capsys.readouterr().out.splitlines() if "resume forced" in line]
     assert len(forced) == 1 and "checkpoint step 3" in forced[0] and \
-        "optimizer.learning_rate=0.003 in the checkpoint, 0.001 in this run" in forced[0], forced
+        "optimizer.hyperparams.1.learning_rate=0.0003 in the checkpoint, 0.0001 in this run" \
+        in forced[0], forced
     assert steps_on_disk(ckpt)[-1] == 4
 
 

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import resihp_jax as rh
-from resihp_jax.step.config import StepConfig
+from resihp_jax.models.optimizer import AdamWConfig
 from resihp_jax.step.model_parts import split_model
 from tests.helpers import llama_loss_sum, llama_params, make_batches, max_relative_error
 
@@ -90,14 +90,14 @@ def _plain_loop(cfg: rh.engine.ModelConfig, optimizer: optax.GradientTransformat
 
 
 def test_fit_trains_it_to_a_plain_loops_losses_and_weights() -> None:
-    cfg, train = rh.engine.get_model_config("tiny-gqa"), StepConfig()
+    cfg, adamw = rh.engine.get_model_config("tiny-gqa"), AdamWConfig()
     batches = make_batches(N_MB, MB_SIZE, SEQ, n_batches=STEPS, seed=3)
-    want_losses, want_params = _plain_loop(cfg, train.optimizer(), batches)
+    want_losses, want_params = _plain_loop(cfg, adamw.optimizer(), batches)
     data = [rh.PackedBatch(*(a.reshape(-1, SEQ) for a in (
         b.tokens_MxBxS, b.segment_ids_MxBxS, b.positions_MxBxS))) for b in batches]
     # `resihp train`'s optimizer (AdamW with warm-up and clipping), applied as given
     result = rh.fit(lambda rngs: rh.models.Llama(cfg, rngs=rngs), data,
-                    optimizer=train.optimizer(), plan=_plan(), steps=STEPS, seed=SEED,
+                    optimizer=adamw.optimizer(), plan=_plan(), steps=STEPS, seed=SEED,
                     progress=False)
     np.testing.assert_allclose(list(result.losses.values()), want_losses, rtol=1e-5)
     assert type(result.model) is rh.models.Llama
@@ -140,11 +140,11 @@ def test_fit_trains_a_model_whose_attention_takes_only_blocks_of_128() -> None:
     plan = rh.Plan.uniform(1, 1, 1, n_layers=cfg.n_layers, n_microbatches=1,
                            microbatch_size=2, seq_len=seq)
     result = rh.fit(lambda rngs: rh.models.Llama(cfg, rngs=rngs), data,
-                    optimizer=StepConfig().optimizer(), plan=plan, steps=2, progress=False)
+                    optimizer=AdamWConfig().optimizer(), plan=plan, steps=2, progress=False)
     assert all(np.isfinite(list(result.losses.values())))
     # against the same model at blocks of 16, read at 64 and 128 tokens: the same weights;
     # more FLOPs per token (the kernel computes whole diagonal blocks of 128)
     small = rh.fit(lambda rngs: rh.models.Llama(cfg.replace(attn_block=16), rngs=rngs), data,
-                   optimizer=StepConfig().optimizer(), plan=plan, steps=1, progress=False)
+                   optimizer=AdamWConfig().optimizer(), plan=plan, steps=1, progress=False)
     assert result.facts.layer_params == small.facts.layer_params
     assert result.facts.layer_flops > small.facts.layer_flops

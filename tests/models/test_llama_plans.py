@@ -1,7 +1,7 @@
 """`rh.models.Llama` with its tensor parallelism left to the shardings ("auto": XLA inserts
 the collectives) computes its own single-device loss and gradients under every plan with
 tp > 1 of the equivalence test (tests/step/test_train_equivalence.py, which holds the
-model's own "manual" mode, `build_step`'s, to a plain jit of it), at the same tolerances.
+model's own "manual" mode, a preset's, to a plain jit of it), at the same tolerances.
 Plans that differ only in their splits share one compiled program, as a re-plan does."""
 
 from __future__ import annotations

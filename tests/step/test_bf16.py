@@ -18,7 +18,7 @@ from resihp_jax.perfmodel import memory_bytes_per_device
 from resihp_jax.perfmodel.memory import static_bytes_S
 from resihp_jax.perfmodel.work import stage_param_counts
 from resihp_jax.step.config import StepConfig
-from resihp_jax.step.builder import build_step
+from tests.helpers import llama_step
 from tests.helpers import make_batches
 
 M, B, S, STEPS = 8, 2, 64, 4
@@ -31,7 +31,7 @@ def runs() -> dict[str, Any]:
     batch = make_batches(M, B, S)[0]
     out = {}
     for dtype in ("float32", "bfloat16"):
-        program = build_step(get_model_config("tiny", dtype=dtype), StepConfig(), PLAN,
+        program = llama_step(get_model_config("tiny", dtype=dtype), StepConfig(), PLAN,
                              jax.devices())
         sharded = program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,
                                       batch.positions_MxBxS)

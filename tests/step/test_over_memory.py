@@ -11,7 +11,7 @@ from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.perfmodel.memory import compiled_bytes
 from resihp_jax.step import program as program_module
-from resihp_jax.step.builder import build_step
+from tests.helpers import llama_step
 from resihp_jax.step.config import StepConfig
 from resihp_jax.step.program import OverMemoryWarning, abstract_args
 
@@ -22,7 +22,7 @@ CFG = get_model_config("tiny")
 def compiled():
     plan = Plan.uniform(1, 1, 1, n_layers=CFG.n_layers, n_microbatches=1, microbatch_size=2,
                         seq_len=64)
-    program = build_step(CFG, StepConfig(remat="projections"), plan, jax.devices()[:1])
+    program = llama_step(CFG, StepConfig(remat="projections"), plan, jax.devices()[:1])
     return program, program.step_fn.lower(*abstract_args(program)).compile()
 
 

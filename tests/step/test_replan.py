@@ -8,26 +8,27 @@ import pytest
 
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
+from resihp_jax.models.optimizer import AdamWConfig
 from resihp_jax.step.config import StepConfig
 from resihp_jax.step.reshard import move_state, to_canonical
 from resihp_jax.step.staging import HostStaging
 from resihp_jax.step.program import route_microbatches, routed_groups
-from resihp_jax.step.builder import build_step
-from tests.helpers import make_batches, max_relative_error
+from tests.helpers import llama_step, make_batches, max_relative_error
 
 CFG = get_model_config("tiny")
 M, B, S = 6, 2, 64
-TRAIN = StepConfig(learning_rate=1e-2, warmup_steps=0)
+TRAIN = StepConfig()
+ADAMW = AdamWConfig(learning_rate=1e-2, warmup_steps=0)
 
 
 def _run(plans: list[Plan], batches: list) -> tuple[list[float], object]:
     """Train one step per batch, switching to plans[i] before step i when it changes."""
-    program = build_step(CFG, TRAIN, plans[0], jax.devices())
+    program = llama_step(CFG, TRAIN, plans[0], jax.devices(), optimizer=ADAMW)
     state = program.init_state(0)
     losses = []
     for plan, batch in zip(plans, batches):
         if plan != program.plan:
-            new = build_step(CFG, TRAIN, plan, jax.devices())
+            new = llama_step(CFG, TRAIN, plan, jax.devices(), optimizer=ADAMW)
             state, program = move_state(state, program, new), new
         arrays = (batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS)
         state, metrics = program.step(state, program.shard_batch(*arrays))
@@ -52,7 +53,7 @@ def test_changing_only_the_splits_does_not_recompile() -> None:
     batch = make_batches(4, B, S)[0]
     arrays = (batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS)
     plan = Plan(2, 2, 2, tuple(range(8)), (1, 3), (3, 1), B, S)
-    program = build_step(CFG, StepConfig(), plan, jax.devices())
+    program = llama_step(CFG, StepConfig(), plan, jax.devices())
     state = program.init_state(0)
     state, _ = program.step(state, program.shard_batch(*arrays))
     for layers, mbs in [((2, 2), (2, 2)), ((3, 1), (1, 3))]:
@@ -66,7 +67,7 @@ def test_changing_only_the_splits_does_not_recompile() -> None:
 
 def test_with_plan_rejects_a_new_mesh() -> None:
     plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=B, seq_len=S)
-    program = build_step(CFG, StepConfig(), plan, jax.devices())
+    program = llama_step(CFG, StepConfig(), plan, jax.devices())
     with pytest.raises(ValueError, match="same mesh"):
         program.with_plan(plan.replace(device_ids=tuple(reversed(range(8)))))
 
@@ -85,7 +86,7 @@ def test_each_dp_group_reads_only_its_own_microbatches() -> None:
     slots = routed_groups(read_microbatch, (B, S), np.int32, plan, 3, range(1, 3))
     assert read == [1, 2, 3, 4, 5]  # group 0 holds micro-batch 0, which is never read
     np.testing.assert_array_equal(slots, route_microbatches(tokens_MxBxS, plan, 3)[1:3])
-    program = build_step(CFG, StepConfig(), plan, jax.devices())
+    program = llama_step(CFG, StepConfig(), plan, jax.devices())
     read.clear()
     lazy = program.shard_microbatches(read_microbatch, tokens_MxBxS, tokens_MxBxS)
     eager = program.shard_batch(tokens_MxBxS, tokens_MxBxS, tokens_MxBxS)
@@ -99,7 +100,7 @@ def test_canonical_state_is_spread_over_the_mesh_not_replicated() -> None:
     """Checkpoints and moves between meshes go through the canonical layout: no device may
     hold more of it than of its own stage state (replicated, a 70B state / tp per GPU)."""
     plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=B, seq_len=S)
-    program = build_step(CFG, TRAIN, plan, jax.devices())
+    program = llama_step(CFG, TRAIN, plan, jax.devices(), optimizer=ADAMW)
     state = program.init_state(0)
     canonical = to_canonical(state, program)
 
@@ -119,9 +120,9 @@ def test_a_move_onto_other_devices_equals_the_canonical_route() -> None:
     from resihp_jax.step.reshard import from_canonical
 
     start = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=B, seq_len=S)
-    src = build_step(CFG, TRAIN, start, jax.devices())
-    dst = build_step(CFG, TRAIN, Plan(1, 3, 2, (7, 6, 0, 1, 3, 2), (1, 2, 1), (4,), B, S),
-                     jax.devices())
+    src = llama_step(CFG, TRAIN, start, jax.devices(), optimizer=ADAMW)
+    dst = llama_step(CFG, TRAIN, Plan(1, 3, 2, (7, 6, 0, 1, 3, 2), (1, 2, 1), (4,), B, S),
+                     jax.devices(), optimizer=ADAMW)
     state = src.init_state(3)
     before = [np.asarray(x) for x in jax.tree.leaves(state)]
     expected = from_canonical(to_canonical(state, src), dst)

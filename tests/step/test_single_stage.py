@@ -27,7 +27,8 @@ from resihp_jax.step.instrument import (BWD_END, BWD_START, FWD_END, FWD_START, 
 from resihp_jax.step.program import matmul_count
 from resihp_jax.step.model_parts import split_model
 from resihp_jax.step.body import token_nll_sum
-from resihp_jax.step.builder import build_step, build_model_step
+from resihp_jax.step.builder import build_model_step
+from tests.helpers import llama_step
 from tests.helpers import (canonical_grads, llama_loss_sum, llama_params, make_batches,
                            max_relative_error, reference_loss_and_grads)
 from tests.step.test_bf16 import _dot_operand_dtypes
@@ -72,14 +73,14 @@ def test_llama_one_stage_step_has_the_plain_steps_matmuls() -> None:
     plan = Plan.uniform(1, 1, 1, n_layers=1, n_microbatches=M, microbatch_size=B, seq_len=S)
     batch = make_batches(M, B, S)[0]
     peer = _llama_peer(cfg, batch)
-    program = build_step(cfg, StepConfig(), plan, jax.devices()[:1])
+    program = llama_step(cfg, StepConfig(), plan, jax.devices()[:1])
     lowered, compiled = _ours(program, program.init_state(0).params, batch)
     assert matmul_count(lowered) == matmul_count(peer)
     peer_compiled = peer.compile()
     assert matmul_count(compiled) == matmul_count(peer_compiled)
     _temp_ratio(compiled, peer_compiled, "Llama tiny (1 block), 1/1/1")
     # a recomputing step is seen: remat re-runs each layer's forward matmuls
-    remat = build_step(cfg, StepConfig(remat=True), plan, jax.devices()[:1])
+    remat = llama_step(cfg, StepConfig(remat=True), plan, jax.devices()[:1])
     remat_lowered, _ = _ours(remat, remat.init_state(0).params, batch)
     assert matmul_count(remat_lowered) > matmul_count(peer)
 
@@ -161,7 +162,7 @@ def test_llama_data_parallel_one_stage_uneven_split_equals_the_reference(dtype: 
     bf16, gradients accumulated in float32) to the bf16 tolerance every plan is held to."""
     batch = make_batches(M, B, S)[0]
     ref_loss, ref_grads = reference_loss_and_grads(CFG, llama_params(CFG, 0), batch)
-    program = build_step(get_model_config("tiny", dtype=dtype), StepConfig(), UNEVEN,
+    program = llama_step(get_model_config("tiny", dtype=dtype), StepConfig(), UNEVEN,
                          jax.devices()[:4])
     params, sharded = program.init_state(0).params, program.shard_batch(
         batch.tokens_MxBxS, batch.segment_ids_MxBxS, batch.positions_MxBxS)
@@ -211,7 +212,7 @@ def test_stage_timing_and_an_injected_slowdown_reach_a_one_stage_step() -> None:
             seen.append((event, (dp, pp, tp), knob, tick))
 
     injector, timer = FaultInjector(UNEVEN, sleep=fake_sleep), StageTimer((2, 1, 2))
-    program = build_step(CFG, StepConfig(), UNEVEN, jax.devices()[:4],
+    program = llama_step(CFG, StepConfig(), UNEVEN, jax.devices()[:4],
                          Instrument(chain_hosts(injector, record, timer)))
     batch = make_batches(M, B, S)[0]
     sharded = program.shard_batch(batch.tokens_MxBxS, batch.segment_ids_MxBxS,

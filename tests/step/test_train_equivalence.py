@@ -10,7 +10,7 @@ from resihp_jax.meshes import layout
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.step.config import StepConfig
-from resihp_jax.step.builder import build_step
+from tests.helpers import llama_step
 from tests.helpers import (canonical_grads, llama_params, make_batches, max_relative_error,
                            reference_loss_and_grads)
 
@@ -51,7 +51,7 @@ def test_plan_matches_single_device_reference(name: str, reference) -> None:
 def _assert_matches(reference, plan: Plan, **train: object) -> None:
     """`plan`'s step (with `train`'s settings) computes the reference loss and gradients."""
     batch, ref_loss, ref_grads = reference
-    program = build_step(CFG, StepConfig(microbatch_slots=max(plan.microbatches_per_group),
+    program = llama_step(CFG, StepConfig(microbatch_slots=max(plan.microbatches_per_group),
                                           **train), plan, jax.devices())
     loss, grads = program.loss_and_grads(
         program.init_state(0).params,
@@ -97,7 +97,7 @@ def bf16_errors(names: tuple[str, ...], reference) -> list[tuple[str, float, flo
     plans = [PLANS[n] for n in names]
     train = StepConfig(layer_slots=max(max(p.layers_per_stage) for p in plans),
                         microbatch_slots=max(max(p.microbatches_per_group) for p in plans))
-    program = build_step(get_model_config("tiny", dtype="bfloat16"), train, plans[0],
+    program = llama_step(get_model_config("tiny", dtype="bfloat16"), train, plans[0],
                          jax.devices())
     masters = llama_params(CFG, 0)  # float32, as the reference's
     rows = []
@@ -123,7 +123,7 @@ def test_plan_trains_in_bfloat16_within_bf16_tolerance_of_float32(names, referen
 def test_init_is_the_same_for_every_plan() -> None:
     params = {}
     for name in ("1/1/1", "2/2/2"):
-        program = build_step(CFG, StepConfig(), PLANS[name], jax.devices())
+        program = llama_step(CFG, StepConfig(), PLANS[name], jax.devices())
         params[name] = canonical_grads(program, program.init_state(3).params)
     assert max_relative_error(params["2/2/2"], params["1/1/1"]) == 0.0
 

@@ -15,7 +15,7 @@ from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.step.aot import compile_program
 from resihp_jax.step.config import StepConfig
 from resihp_jax.step.instrument import Instrument
-from resihp_jax.step.builder import build_step
+from tests.helpers import llama_step
 from resihp_jax.step.warmup import warm_up
 
 
@@ -24,7 +24,7 @@ def test_the_warm_up_runs_the_step_with_no_callback_and_a_real_step_still_calls_
     model = get_model_config("tiny")
     plan = Plan.uniform(1, 2, 1, n_layers=model.n_layers, n_microbatches=2,
                         microbatch_size=1, seq_len=32)
-    program = compile_program(build_step(model, StepConfig(), plan, jax.devices(),
+    program = compile_program(llama_step(model, StepConfig(), plan, jax.devices(),
                                          Instrument(lambda *args: calls.append(args))))
     warm_up(program)
     assert calls == []  # the stage timer and a fault hook see nothing of the warm-up

@@ -73,7 +73,7 @@ class Checkpointer:
     """Saves under `directory` at the cadence `interval` (steps, or 'auto': see cadence.py),
     keeping the newest `keep`.
 
-    With `identity` (see run_identity.run_identity) every save records it and every restore
+    With `identity` (see run_identity.py) every save records it and every restore
     refuses a checkpoint whose identity differs; with `force_identity` too, it continues and
     tells `say` once what differed (a resume forced on purpose). `mtbf_s` (the job's expected
     seconds between failures; default: cadence.GPU_MTBF_S over the job's devices),

@@ -7,50 +7,22 @@ is refused, naming what changed. The Plan (mesh, splits, placement) and compile 
 restoring into another plan is what the checkpoints are for. A resume forced on purpose
 (`resume="force"`, `--resume force`) continues anyway and says what differed.
 
-A run of `build_step` (`resihp train`: `rh.models.Llama` from a ModelConfig) is identified by
-its ModelConfig, StepConfig's optimizer fields and its state's layout (`STATE_LAYOUT`); a
-user's model and optax optimizer describe themselves (runtime/run/model_identity.py).
+Every run describes its own model and optax optimizer (runtime/run/model_identity.py: its
+programs' `identity(data_state)`), a preset of `rh.models.Llama` as any user's model. A
+checkpoint of the retired built-in decoder (`{embed, layers, head}`, identified by its
+ModelConfig) is recognised and refused, naming its converter (runtime/run/convert.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any, Mapping
 
 from resihp_jax.errors import CheckpointError
-from resihp_jax.models.config import ModelConfig
 
-_OPTIMIZER_FIELDS = ("learning_rate", "warmup_steps", "weight_decay", "b1", "b2", "grad_clip")
 _DATA_FIELDS = ("source", "fingerprint", "seed")
 _BATCH_FIELDS = ("n_microbatches", "microbatch_size", "seq_len")
 _MOST_NAMED = 4  # differences spelled out in one line; the rest are counted
-# The state's parameters as the one step builder lays them out; a checkpoint from before it
-# (the retired built-in decoder's {embed, layers, head}) has none: convert.py converts it.
-STATE_LAYOUT = "rh.models.Llama {shell, blocks}"
-
-
-def run_identity(model: ModelConfig, train_cfg: Any, data_state: Mapping[str, Any],
-                 ) -> dict[str, Any]:
-    """The identity of `rh.models.Llama(model)` trained with `train_cfg`'s optimizer, from
-    its configs and a `BatchIterator.state()`."""
-    return json_ready({
-        "state_layout": STATE_LAYOUT,
-        "model": dataclasses.asdict(model),
-        "optimizer": {name: getattr(train_cfg, name) for name in _OPTIMIZER_FIELDS},
-        **data_identity(data_state),
-    })
-
-
-def identity_of(programs: Any, model: Any, train_cfg: Any,
-                data_state: Mapping[str, Any]) -> dict[str, Any]:
-    """A run's identity: its step builder's own, where it has one (a model's programs describe
-    the model and its optax optimizer: runtime/run/model_identity.py), else the ModelConfig
-    `model`'s and `train_cfg`'s (`run_identity`)."""
-    identity = getattr(programs, "identity", None)
-    if identity is not None:
-        return identity(data_state)
-    return run_identity(model, train_cfg, data_state)
 
 
 def data_identity(data_state: Mapping[str, Any]) -> dict[str, Any]:
@@ -86,8 +58,8 @@ def identity_differences(saved: Mapping[str, Any] | None, current: Mapping[str, 
 
 
 def retired_layout(saved: Mapping[str, Any] | None) -> bool:
-    """Whether `saved` is the identity of the retired built-in decoder's run (a ModelConfig
-    identity without a layout; recovery/convert.py converts its checkpoints)."""
+    """Whether `saved` is the identity of the retired built-in decoder's run (its ModelConfig,
+    without a state layout; runtime/run/convert.py converts its checkpoints)."""
     return (saved is not None and "state_layout" not in saved
             and "d_model" in saved.get("model", {}))
 
@@ -106,7 +78,7 @@ def check_identity(saved: Mapping[str, Any] | None, current: Mapping[str, Any],
     differences = identity_differences(saved, current)
     if not differences:
         return None
-    if retired_layout(saved) and current.get("state_layout") == STATE_LAYOUT:
+    if retired_layout(saved):  # no run restores its tree: even a forced resume is refused
         raise CheckpointError(
             f"{where} holds the retired built-in decoder's state ({{embed, layers, head}}, "
             "written by resihp_jax before every model trained through one step): convert it "

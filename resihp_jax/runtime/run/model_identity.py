@@ -33,11 +33,16 @@ _DIGITS = 5  # significant digits kept of each probe value, relative to its leaf
 
 
 def model_run_identity(model_name: str, params: Any, optimizer: optax.GradientTransformation,
-                      data_state: Mapping[str, Any]) -> dict[str, Any]:
+                      data_state: Mapping[str, Any],
+                      config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The identity of a run of `model_name` (the user's class) with canonical `params`
-    (arrays or shapes) under `optimizer`, on the data of a `BatchIterator.state()`."""
+    (arrays or shapes) under `optimizer`, on the data of a `BatchIterator.state()`;
+    `config`: what else decides the model's math that its class and shapes do not say (a
+    preset's ModelConfig: its dtype, rotary base, norm epsilon)."""
+    described = {} if config is None else {"config": dict(config)}
     return json_ready({
-        "model": {"class": model_name, "params": param_shapes(params)},
+        # (a preset's config first: its name heads the differences named)
+        "model": {"class": model_name, **described, "params": param_shapes(params)},
         "optimizer": optimizer_identity(optimizer, params),
         **data_identity(data_state),
     })

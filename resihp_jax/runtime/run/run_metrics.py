@@ -4,8 +4,8 @@ it changes, verdicts, re-plans and what they won, checkpoints), handed to `Metri
 
 What a step's entry adds to its record is read off values the loop has anyway: the detector's
 prediction for that batch, the model's FLOPs against the device's peak (MFU, where the peak
-is known), the learning rate (the built-in schedule's, or an optax `inject_hyperparams`
-state's).
+is known), the learning rate (the optimizer's own, where it is an optax `inject_hyperparams`
+one: every preset's is, models/optimizer.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from resihp_jax.plan import Plan
 from resihp_jax.metrics import Metrics
 from resihp_jax.metrics.entry import (checkpoint_entry, peak_flops, plan_entry, replan_entry,
                                       step_entry, step_flops, verdict_entry)
-from resihp_jax.runtime.run.config import RunConfig
+from resihp_jax.runtime.config import RunConfig
 from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.events import Replan
 
@@ -119,8 +119,9 @@ def state_bytes(state: Any) -> int | None:
 
 
 def optimizer_learning_rate(step: int, state: Any) -> float | None:
-    """The learning rate an optax `inject_hyperparams` optimizer holds in `state` (a float
-    fetched from the device; None when the optimizer exposes none)."""
+    """The learning rate an optax `inject_hyperparams` optimizer holds in `state`, on its own
+    or anywhere inside a chain (the rate of the update that made `state`; a float fetched
+    from the device; None when the optimizer exposes none)."""
     found = _hyperparams(getattr(state, "opt_state", None))
     if found is None:
         return None

@@ -21,12 +21,13 @@ SCRIPT = textwrap.dedent("""
     from resihp_jax.plan import Plan
     from resihp_jax.models.config import get_model_config
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
+    from resihp_jax.runtime.run.programs import preset_programs
     from resihp_jax.step.config import StepConfig
-    from resihp_jax.step.builder import build_step
 
     plan = Plan.uniform(2, 1, 1, n_layers=4, n_microbatches=2, microbatch_size=1, seq_len=32,
                         device_ids=tuple(d.id for d in jax.devices()))
-    program = build_step(get_model_config("tiny"), StepConfig(), plan, jax.devices())
+    _, programs = preset_programs(get_model_config("tiny"), plan.seq_len)
+    program = programs(StepConfig(), plan, jax.devices())
     state = program.init_state(0)
     result = {}
     for name, interval in (("steps", 1), ("auto", "auto")):

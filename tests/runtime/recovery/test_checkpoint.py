@@ -3,6 +3,7 @@ back from a damaged newest step, and refuse another run's steps."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from pathlib import Path
@@ -17,11 +18,12 @@ from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, room_beside_steps
 from resihp_jax.runtime.trainer.records import run_step
-from resihp_jax.runtime.recovery.run_identity import run_identity
+from resihp_jax.runtime.recovery.run_identity import data_identity, json_ready
+from resihp_jax.runtime.run.programs import preset_programs
+from resihp_jax.models.optimizer import AdamWConfig
 from resihp_jax.step.config import StepConfig
 from resihp_jax.step.reshard import to_canonical
-from resihp_jax.step.builder import build_step
-from tests.helpers import AtOnce, max_relative_error, step_program
+from tests.helpers import AtOnce, llama_step, max_relative_error, step_program
 
 CFG = get_model_config("tiny")
 M, B, S = 6, 2, 64
@@ -56,8 +58,8 @@ def test_restore_onto_fewer_devices_continues_exactly(tmp_path: Path) -> None:
 
 
 def test_missing_checkpoints_are_clear_errors(tmp_path: Path) -> None:
-    program = build_step(CFG, StepConfig(), Plan.uniform(
-        1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S), jax.devices())
+    program = llama_step(CFG, StepConfig(), Plan.uniform(
+        1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S))
     with pytest.raises(CheckpointError, match="no checkpoint in"):
         Checkpointer(tmp_path / "empty").restore(program)
     ckpt = Checkpointer(tmp_path / "one", interval=1)
@@ -262,13 +264,16 @@ def test_no_good_step_or_a_damaged_explicit_step_is_an_error(tmp_path: Path) -> 
 def test_another_runs_checkpoint_is_refused_naming_both_values(tmp_path: Path) -> None:
     program = _program()
     data = _data()
-    ours = run_identity(CFG, StepConfig(), data.state())
+    ours = preset_programs(CFG, S)[1].identity(data.state())
     ckpt = Checkpointer(tmp_path / "c", interval=1, identity=ours)
     ckpt.save(1, program.init_state(0), program, data.state())
     ckpt.wait()
-    theirs = run_identity(CFG, StepConfig(learning_rate=1e-3), _data(seed=5).state())
-    with pytest.raises(CheckpointError, match=r"optimizer\.learning_rate=0\.003 in the "
-                                              r"checkpoint, 0\.001 in this run.*"
+    theirs = preset_programs(CFG, S, optimizer=AdamWConfig(learning_rate=1e-3))[1].identity(
+        _data(seed=5).state())
+    # (the warm-up's first rate: a tenth of the peak)
+    with pytest.raises(CheckpointError, match=r"optimizer\.hyperparams\.1\.learning_rate="
+                                              r"0\.0003 in the checkpoint, 0\.0001 in this "
+                                              r"run.*"
                                               r"data\.seed=0 in the checkpoint, 5 in this run"):
         Checkpointer(tmp_path / "c", identity=theirs).restore(program)
     assert Checkpointer(tmp_path / "c", identity=ours).restore(program).step == 1
@@ -281,8 +286,10 @@ def test_a_checkpoint_of_the_retired_builtin_decoder_is_refused_even_when_forced
     restore."""
     program = _program()
     data = _data()
-    ours = run_identity(CFG, StepConfig(), data.state())
-    retired = {k: v for k, v in ours.items() if k != "state_layout"}
+    ours = preset_programs(CFG, S)[1].identity(data.state())
+    retired = json_ready({"model": dataclasses.asdict(CFG),
+                          "optimizer": dataclasses.asdict(AdamWConfig()),
+                          **data_identity(data.state())})
     ckpt = Checkpointer(tmp_path / "c", interval=1, identity=retired)
     ckpt.save(1, program.init_state(0), program, data.state())
     ckpt.wait()
@@ -319,8 +326,8 @@ def test_a_step_beside_an_asynchronous_write_gets_twice_the_longest_write_on_top
         tmp_path: Path) -> None:
     """Not the start-up deadline for every step that overlaps a write (a hang then took
     120 s to catch), only until a write has been timed, and never more than it."""
-    program = build_step(CFG, StepConfig(), Plan.uniform(
-        1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S), jax.devices())
+    program = llama_step(CFG, StepConfig(), Plan.uniform(
+        1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S))
     state, data = program.init_state(0), _data()
     now = [100.0]
     ckpt = Checkpointer(tmp_path / "c", interval=1, asynchronous=True, clock=lambda: now[0],
@@ -351,8 +358,8 @@ def test_a_save_may_take_a_multiple_of_the_longest_save_so_far_before_it_counts_
     """A peer frozen at a step blocks the others' save of it in orbax's barriers: caught at
     3x the longest save call (at least the floor), plus the length of a write the call must
     wait for, not only at the start-up deadline."""
-    program = build_step(CFG, StepConfig(), Plan.uniform(
-        1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S), jax.devices())
+    program = llama_step(CFG, StepConfig(), Plan.uniform(
+        1, 1, 1, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S))
     state, data = program.init_state(0), _data()
     now = [0.0]
     ckpt = Checkpointer(tmp_path / "c", interval=1, asynchronous=True, clock=lambda: now[0],

@@ -4,12 +4,14 @@ parameter and Adam statistic, the step, the data position; bad input is one line
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 
@@ -17,9 +19,11 @@ from resihp_jax.data import BatchIterator
 from resihp_jax.errors import CheckpointError
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
+from resihp_jax.models.optimizer import AdamWConfig
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
-from resihp_jax.runtime.recovery.convert import convert_checkpoint
-from resihp_jax.runtime.recovery.run_identity import run_identity
+from resihp_jax.runtime.recovery.run_identity import data_identity, json_ready
+from resihp_jax.runtime.run.convert import convert_checkpoint
+from resihp_jax.runtime.run.programs import preset_programs
 from resihp_jax.step.config import StepConfig
 from resihp_jax.step.program import TrainState
 from resihp_jax.step.reshard import to_canonical
@@ -59,9 +63,23 @@ def _names(path: tuple) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def _old_name(new: tuple[str, ...]) -> tuple[str, ...]:
+# The retired optimizer's state was `(clip, (adam, decay, schedule))`; the presets' optimizer
+# injects its hyper-parameters: `(clip, inject(count, hyperparams, hyperparams_states,
+# inner_state=(adam, decay, scale)))`.
+_INJECTED = ("opt_state", "1")
+
+
+def _old_name(new: tuple[str, ...]) -> tuple[str, ...] | None:
     """The retired layout's path of the leaf at `new` (a parameter, or an optimizer statistic
-    of one: the parameter's path ends it), by RETIRED_LAYOUT alone."""
+    of one: the parameter's path ends it), by RETIRED_LAYOUT alone; Adam's state sits inside
+    the injected one, whose counts are the schedule's. None: an injected hyper-parameter,
+    which the retired state held none of."""
+    if new[:3] == (*_INJECTED, "inner_state"):
+        new = (*_INJECTED, *new[3:])
+    elif new[:3] == (*_INJECTED, "hyperparams"):
+        return None
+    elif new[:2] == _INJECTED and new[-1] == "count":  # its own and its schedule's
+        return (*_INJECTED, "2", "count")
     for old, _, new_param in RETIRED_LAYOUT:
         if new[-len(new_param):] == new_param:
             return new[:-len(new_param)] + old
@@ -83,7 +101,10 @@ def _decoder_state() -> TrainState:
     of every leaf (parameters and the optimizer's statistics alike): a leaf restored at
     another leaf's place cannot match."""
     params = _nested({old: np.zeros(shape, np.float32) for old, shape, _ in RETIRED_LAYOUT})
-    state = TrainState(np.int32(3), params, StepConfig().optimizer().init(params))
+    # its optimizer: clipped AdamW, the learning rate scheduled (values replaced below)
+    retired = optax.chain(optax.clip_by_global_norm(1.0),
+                          optax.adamw(optax.linear_schedule(3e-4, 3e-3, 10)))
+    state = TrainState(np.int32(3), params, retired.init(params))
     leaves, treedef = jax.tree.flatten(tuple(state[1:]))
     distinct = [np.asarray(1000 * (i + 1) + np.arange(np.size(leaf)).reshape(np.shape(leaf)),
                            np.asarray(leaf).dtype) for i, leaf in enumerate(leaves)]
@@ -100,8 +121,11 @@ def decoder_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     for _ in range(3):
         data.next_batch()
     old = _decoder_state()
-    identity = run_identity(CFG, StepConfig(), data.state())
-    retired = {k: v for k, v in identity.items() if k != "state_layout"}
+    # its run's identity: its ModelConfig and optimizer fields, with no state layout
+    retired = json_ready({"model": dataclasses.asdict(CFG),
+                          "optimizer": dataclasses.asdict(AdamWConfig()),
+                          **data_identity(data.state())})
+    identity = preset_programs(CFG, S)[1].identity(data.state())  # the preset's run now
     meta = {"step": 3, "data_state": data.state(), "plan": plan.to_dict(), "model": CFG.name,
             "identity": retired}
     root = tmp_path_factory.mktemp("decoder") / "old"
@@ -130,16 +154,26 @@ def test_the_tool_converts_and_the_one_step_restores_every_value(
                for p, leaf in jax.tree_util.tree_flatten_with_path(old)[0]}
     got = {_names(p): np.asarray(leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(
         jax.device_get(to_canonical(restored.state, program)))[0]}
-    # every new leaf is the retired leaf RETIRED_LAYOUT names for it, and every retired leaf
-    # has its place: the 12 parameters, each with Adam's mu and nu; the step and the counts
-    assert sorted(map(_old_name, got)) == sorted(written)
-    renamed = [path for path in got if _old_name(path) != path]
+    # every new leaf but the injected hyper-parameters is the retired leaf RETIRED_LAYOUT
+    # names for it, and every retired leaf has its place: the 12 parameters, each with Adam's
+    # mu and nu; the step and the counts
+    olds = {path: _old_name(path) for path in got}
+    assert sorted({old for old in olds.values() if old is not None}) == sorted(written)
+    renamed = [path for path, old in olds.items() if old not in (None, path)
+               and path[-1] != "count"]
     assert len(renamed) == 3 * len(RETIRED_LAYOUT)
-    for path, leaf in got.items():
-        want = written[_old_name(path)]
-        assert leaf.shape == want.shape, path
-        np.testing.assert_array_equal(leaf, want, err_msg=f"{'/'.join(path)} is not the "
-                                      f"retired {'/'.join(_old_name(path))}")
+    for path, old in olds.items():
+        if old is None:
+            continue
+        want = written[old]
+        assert got[path].shape == want.shape, path
+        np.testing.assert_array_equal(got[path], want, err_msg=f"{'/'.join(path)} is not the "
+                                      f"retired {'/'.join(old)}")
+    # the hyper-parameters are those of the last update the schedule's count says was made
+    count = int(written[(*_INJECTED, "2", "count")])
+    hyper = {path[-1]: float(leaf) for path, leaf in got.items() if olds[path] is None}
+    assert hyper["learning_rate"] == pytest.approx(float(AdamWConfig().schedule()(count - 1)))
+    assert (hyper["b1"], hyper["b2"], hyper["weight_decay"]) == pytest.approx((0.9, 0.95, 0.1))
 
 
 def test_what_cannot_be_converted_is_one_line_and_nothing_is_written(

@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent("""
     from resihp_jax.runtime.trainer.records import run_step
     from resihp_jax.step.config import StepConfig
     from resihp_jax.step.reshard import to_canonical
-    from resihp_jax.step.builder import build_step
+    from resihp_jax.runtime.run.programs import preset_programs
 
     def data(state=None):
         return BatchIterator("synthetic:bimodal", n_microbatches=4, microbatch_size=2,
@@ -45,7 +45,8 @@ SCRIPT = textwrap.dedent("""
 
     plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=4, microbatch_size=2, seq_len=64,
                         device_ids=tuple(d.id for d in jax.devices()))
-    program = build_step(get_model_config("tiny"), StepConfig(), plan, jax.devices())
+    _, programs = preset_programs(get_model_config("tiny"), plan.seq_len)
+    program = programs(StepConfig(), plan, jax.devices())
     state, batches = program.init_state(0), data()
     state, _ = run_step(program, state, batches.next_batch())
     node = root / f"node{pid}"
@@ -60,8 +61,7 @@ SCRIPT = textwrap.dedent("""
     restored, filled = local_copies.restore_in_place(copies, program, mine)
     in_place = same(restored, state)
 
-    other = build_step(get_model_config("tiny"), StepConfig(),
-                       plan.replace(layers_per_stage=(1, 3)), jax.devices())
+    other = programs(StepConfig(), plan.replace(layers_per_stage=(1, 3)), jax.devices())
     out = io.StringIO()
     start = start_state(other, ckpt, data(), resume=True, seed=0, primary=pid == 0, out=out)
     canonical = same(to_canonical(start.state, other), to_canonical(state, program))

@@ -18,7 +18,7 @@ from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
 from resihp_jax.step.config import StepConfig
-from resihp_jax.step.builder import build_step
+from tests.helpers import llama_step
 from tests.xla_flags import child_env
 
 SCRIPT = textwrap.dedent("""
@@ -40,11 +40,12 @@ SCRIPT = textwrap.dedent("""
     from resihp_jax.plan import Plan
     from resihp_jax.models.config import get_model_config
     from resihp_jax.runtime.recovery.checkpoint import Checkpointer
+    from resihp_jax.runtime.run.programs import preset_programs
     from resihp_jax.step.config import StepConfig
-    from resihp_jax.step.builder import build_step
     import jax
     plan = Plan.uniform(1, 1, 1, n_layers=8, n_microbatches=1, microbatch_size=1, seq_len=64)
-    program = build_step(get_model_config("small"), StepConfig(), plan, jax.devices()[:1])
+    _, programs = preset_programs(get_model_config("small"), plan.seq_len)
+    program = programs(StepConfig(), plan, jax.devices()[:1])
     state = program.init_state(0)
     ckpt = Checkpointer(sys.argv[1], interval=1, asynchronous=True)
     ckpt.save(1, state, program, {"position": 1})
@@ -58,7 +59,7 @@ SCRIPT = textwrap.dedent("""
 
 def _program():  # noqa: ANN202
     plan = Plan.uniform(1, 1, 1, n_layers=8, n_microbatches=1, microbatch_size=1, seq_len=64)
-    return build_step(get_model_config("small"), StepConfig(), plan, jax.devices()[:1])
+    return llama_step(get_model_config("small"), StepConfig(), plan, jax.devices()[:1])
 
 
 def test_kill_during_a_save_leaves_a_restorable_checkpoint(tmp_path: Path) -> None:

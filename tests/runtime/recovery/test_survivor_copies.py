@@ -27,7 +27,7 @@ from resihp_jax.runtime.trainer.records import run_step
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.step.config import StepConfig
 from resihp_jax.step.reshard import to_canonical
-from resihp_jax.step.builder import build_step
+from tests.helpers import llama_step
 from tests.helpers import max_relative_error, step_program
 
 CFG = get_model_config("tiny")
@@ -218,7 +218,7 @@ def test_copies_of_another_model_are_refused(tmp_path: Path) -> None:
     plan = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=M, microbatch_size=B, seq_len=S)
     program, state, data = _trained(plan, 1)
     _survivors_write(tmp_path, program, state, data, dead=set())
-    other = build_step(get_model_config("tiny", d_ff=96), StepConfig(), plan, jax.devices())
+    other = llama_step(get_model_config("tiny", d_ff=96), StepConfig(), plan, jax.devices())
     [copies] = survivor_copies.find(tmp_path)
     with pytest.raises(CheckpointError, match="do not match this model"):
         survivor_copies.restore(copies, other, canonical_target(other))

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     import resihp_jax as rh
     from resihp_jax.data import BatchIterator
     from resihp_jax.models.config import get_model_config
-    from resihp_jax.step.config import StepConfig
+    from resihp_jax.models.optimizer import AdamWConfig
     out, steps, ckpt, term_at = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     cfg = get_model_config("tiny")
     it = BatchIterator("synthetic:lognormal", n_microbatches=1, microbatch_size=2, seq_len=64,
@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent("""
         if record.step == term_at:
             os.kill(os.getpid(), signal.SIGTERM)  # the scheduler preempts the job
 
-    rh.fit(lambda rngs: rh.models.Llama(cfg, rngs=rngs), data, optimizer=StepConfig().optimizer(),
+    rh.fit(lambda rngs: rh.models.Llama(cfg, rngs=rngs), data, optimizer=AdamWConfig().optimizer(),
            plan=plan, steps=steps, progress=False, on_step=on_step,
            resilience=rh.ResilienceConfig(checkpoint_dir=ckpt or None, compile_cache_dir=None))
 """)

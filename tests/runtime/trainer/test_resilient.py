@@ -21,7 +21,9 @@ from resihp_jax.runtime.trainer.resilient import ResilientTrainer
 from resihp_jax.runtime.events import Replan
 from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.step.config import StepConfig
-from resihp_jax.step.builder import build_step
+from resihp_jax.models.optimizer import AdamWConfig
+from resihp_jax.runtime.run.programs import preset_programs
+from tests.helpers import llama_step
 
 CFG = get_model_config("tiny")
 PLAN = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=6, microbatch_size=2, seq_len=64)
@@ -36,7 +38,7 @@ def _data() -> BatchIterator:
 @pytest.fixture(scope="module")
 def reference() -> list[float]:
     """The first 5 steps' losses of PLAN's step run plainly: every run below must equal them."""
-    program = build_step(CFG, TRAIN, PLAN, jax.devices())
+    program = llama_step(CFG, TRAIN, PLAN, jax.devices())
     state, data, losses = program.init_state(0), _data(), []
     for _ in range(5):
         state, record = run_step(program, state, data.next_batch())
@@ -156,9 +158,10 @@ def test_hang_deadline_follows_the_predicted_time_of_the_batch() -> None:
 def test_a_non_finite_step_stops_the_trainer_unsaved(tmp_path: Path) -> None:
     config = ResilienceConfig(precompile=0, compile_cache_dir=None,
                               checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=1)
-    trainer = ResilientTrainer(CFG, StepConfig(microbatch_slots=3, learning_rate=1e30,
-                                                warmup_steps=0), PLAN, jax.devices(),
-                               _data(), config)
+    diverging = AdamWConfig(learning_rate=1e30, warmup_steps=0)
+    trainer = ResilientTrainer(CFG, StepConfig(microbatch_slots=3), PLAN, jax.devices(),
+                               _data(), config, programs=preset_programs(
+                                   CFG, PLAN.seq_len, optimizer=diverging)[1])
     with pytest.raises(TrainingDiverged, match=r"step (\d+).*not finite.*newest checkpoint"):
         list(trainer.run(6))
     trainer.close()

@@ -4,9 +4,13 @@ Before every model trained through one step builder, `resihp train` and the demo
 built-in decoder whose canonical state was `{embed, layers, head}`; `rh.models.Llama`'s is
 `{shell, blocks}`. Both hold the same arrays (the layers stacked `[n_layers, ...]` alike),
 so a checkpoint converts by renaming its leaves, in the parameters and in every optimizer
-statistic that mirrors them (Adam's mu and nu). The step, the data position and the plan it
-was written under carry over unchanged, and the converted run identity gains the layout, so
-`resihp train --resume` continues it exactly where it stopped.
+statistic that mirrors them (Adam's mu and nu). Its optimizer was the presets' AdamW with
+the learning rate scheduled, not injected: the converted state holds Adam's statistics and
+counts as written, inside the injected optimizer's state (`AdamWConfig.optimizer()`, its
+hyper-parameters those of the last update the checkpoint made). The step, the data position
+and the plan it was written under carry over unchanged, and the checkpoint gains the identity
+of the preset's run (`preset_programs(...).identity`), so `resihp train --resume` continues
+it exactly where it stopped.
 
 The conversion reads every array onto the host: a machine with host memory for one copy of the
 state runs it (`tools/convert_decoder_checkpoint.py`).
@@ -18,13 +22,16 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 from resihp_jax.errors import CheckpointError
 from resihp_jax.models.config import ModelConfig
+from resihp_jax.models.optimizer import AdamWConfig
 from resihp_jax.runtime.recovery.checksum import leaf_shapes, state_checksums
-from resihp_jax.runtime.recovery.run_identity import STATE_LAYOUT, retired_layout
-from resihp_jax.step.config import StepConfig
+from resihp_jax.runtime.recovery.run_identity import retired_layout
+from resihp_jax.runtime.run.programs import ModelPrograms, preset_programs
 from resihp_jax.step.program import TrainState
 
 # the built-in decoder's name of each block leaf -> its path in rh.models.Llama's blocks
@@ -60,15 +67,36 @@ def path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
     return tuple(names)
 
 
-def target_state(model: ModelConfig, train_cfg: StepConfig) -> TrainState:
-    """Shapes of `rh.models.Llama(model)`'s canonical state under `train_cfg`'s optimizer."""
-    from resihp_jax.models.registry import factory  # noqa: PLC0415
-    from resihp_jax.step.model_parts import abstract_model, split_model  # noqa: PLC0415
+def retired_optimizer(adamw: AdamWConfig) -> optax.GradientTransformation:
+    """The decoder's optimizer: `adamw`'s, its learning rate scheduled rather than injected
+    (its state's tree is `(clip, (adam, decay, schedule))`)."""
+    return optax.chain(optax.clip_by_global_norm(adamw.grad_clip),
+                       optax.adamw(adamw.schedule(), b1=adamw.b1, b2=adamw.b2,
+                                   weight_decay=adamw.weight_decay))
 
-    _, shell, blocks = split_model(abstract_model(factory(model, model.attn_block), seed=0))
-    params = {"shell": shell, "blocks": blocks}
-    opt_state = jax.eval_shape(train_cfg.optimizer().init, params)
-    return TrainState(jax.ShapeDtypeStruct((), np.int32), params, opt_state)
+
+def target_state(programs: ModelPrograms, adamw: AdamWConfig) -> TrainState:
+    """Shapes of the decoder's state as `programs`' canonical parameters lay it out, under
+    its optimizer (`retired_optimizer`)."""
+    opt_state = jax.eval_shape(retired_optimizer(adamw).init, programs.params)
+    return TrainState(jax.ShapeDtypeStruct((), np.int32), programs.params, opt_state)
+
+
+def injected_state(retired: TrainState, optimizer: optax.GradientTransformation) -> TrainState:
+    """`retired` (under `retired_optimizer`) as the state of `optimizer`, the presets'
+    `(clip, inject_hyperparams(adamw))`: Adam's statistics as written; the injected counts
+    the schedule's, and the hyper-parameters of the last update it made (those updates
+    replayed on no parameters: the counts and hyper-parameters alone)."""
+    clip, (adam, _, schedule) = retired.opt_state
+    count = int(schedule.count)
+    counts = jax.jit(optimizer.init)({})
+    if count > 0:
+        before = jax.tree.map(lambda x: jnp.full_like(x, count - 1) if x.ndim == 0 and
+                              jnp.issubdtype(x.dtype, jnp.integer) else x, counts)
+        counts = jax.jit(optimizer.update)({}, before, {})[1]
+    inject = jax.device_get(counts[1])
+    inject = inject._replace(inner_state=(adam, *inject.inner_state[1:]))
+    return TrainState(retired.step, retired.params, (clip, inject))
 
 
 def converted_state(raw: Any, target: TrainState, where: str) -> TrainState:
@@ -121,12 +149,16 @@ def convert_checkpoint(source: Path, destination: Path, step: int | None = None,
                             is_leaf=lambda x: hasattr(x, "shape"))
         raw = reader.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(restore_args=host)))["state"]
-    model = ModelConfig(**identity["model"])
-    train_cfg = StepConfig(**identity["optimizer"])
-    state = converted_state(raw, target_state(model, train_cfg), where)
+    model, adamw = ModelConfig(**identity["model"]), AdamWConfig(**identity["optimizer"])
+    # the kernel is no part of the state: "dense" checks none
+    _, programs = preset_programs(model, identity["batch"]["seq_len"], optimizer=adamw,
+                                  attention="dense")
+    retired = converted_state(raw, target_state(programs, adamw), where)
+    state = injected_state(retired, programs.optimizer)
     on_host = jax.device_put(state, jax.devices("cpu")[0])
-    new_meta = {**meta, "identity": {"state_layout": STATE_LAYOUT, **identity},
-                "leaves": leaf_shapes(on_host), "checksums": state_checksums(on_host)}
+    run = programs.identity({**identity["data"], **identity["batch"]})
+    new_meta = {**meta, "identity": run, "leaves": leaf_shapes(on_host),
+                "checksums": state_checksums(on_host)}
     handlers = {"state": state_handler(), "meta": ocp.JsonCheckpointHandler()}
     with ocp.CheckpointManager(destination.absolute(), item_handlers=handlers) as writer:
         writer.save(step, args=ocp.args.Composite(state=save_args(on_host),
@@ -141,7 +173,7 @@ def _decoder_identity(meta: Mapping[str, Any], where: str) -> dict[str, Any]:
     identity = meta.get("identity")
     if not isinstance(identity, dict) or not retired_layout(identity):
         held = ("no run identity" if not isinstance(identity, dict) else
-                f"state_layout {identity.get('state_layout', 'of a user model')!r}")
+                f"a run of {identity.get('model', {}).get('class', 'another model')!r}")
         raise CheckpointError(f"{where} is not a checkpoint of the retired built-in decoder "
                               f"({held}); it needs no conversion")
     return identity

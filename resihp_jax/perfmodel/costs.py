@@ -33,7 +33,7 @@ MASTER_BYTES = 4
 # mean "full" and "none"; the cost model charges a recomputed forward for "full" only.
 REMAT_POLICIES = ("none", "projections", "full")
 # "auto": per plan, the least recomputing of REMAT_POLICIES whose step fits the devices'
-# memory (runtime/trainer/remat_choice.py). Planning takes it as "full": a plan is admitted
+# memory (runtime/programs/remat_choice.py). Planning takes it as "full": a plan is admitted
 # where some policy fits it, and charged the most recomputation it may need.
 REMAT_AUTO = "auto"
 

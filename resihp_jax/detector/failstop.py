@@ -8,6 +8,7 @@ having started stage work that never ended.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from typing import Any, Callable
@@ -65,12 +66,12 @@ def run_guarded(step_fn: Callable[[], Any], step: int, timeout_s: float | Callab
     wait(worker, timeout_s)
     if worker.is_alive():
         devices = tuple(sorted(in_flight())) if in_flight is not None else ()
-        raise StepFailed(Verdict(step, devices, "stopped", math_inf(), 0.9 if devices else 0.5,
+        raise StepFailed(Verdict(step, devices, "stopped", math.inf, 0.9 if devices else 0.5,
                                  "failstop"), f"no result after {timeout_s:g} s", hung=True)
     if "err" in box:
         err = box["err"]
         devices = devices_in_error(err)
-        raise StepFailed(Verdict(step, devices, "stopped", math_inf(), 1.0 if devices else 0.5,
+        raise StepFailed(Verdict(step, devices, "stopped", math.inf, 1.0 if devices else 0.5,
                                  "failstop"), f"{type(err).__name__}: {err}") from err
     return box["out"]
 
@@ -78,7 +79,3 @@ def run_guarded(step_fn: Callable[[], Any], step: int, timeout_s: float | Callab
 def _check_timeout(timeout_s: float) -> None:
     if not timeout_s > 0:
         raise ConfigError(f"timeout_s={timeout_s!r}: must be > 0")
-
-
-def math_inf() -> float:
-    return float("inf")

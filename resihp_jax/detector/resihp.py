@@ -34,18 +34,7 @@ from typing import Any
 import numpy as np
 
 from resihp_jax.detector.base import Detector, register
-# the signals' own constants, importable from here as before
-from resihp_jax.detector.signals import (  # noqa: F401
-    HOST_MIN_CORES,
-    MIN_RESIDUALS,
-    OWN_BOUND,
-    RMS_CLIP,
-    STAGE_PERSIST,
-    CpuAccounting,
-    SharedLevel,
-    StageShares,
-    StepSignal,
-)
+from resihp_jax.detector.signals import CpuAccounting, SharedLevel, StageShares, StepSignal
 from resihp_jax.detector.verdict import StepObservation
 from resihp_jax.errors import ConfigError
 from resihp_jax.plan import Plan

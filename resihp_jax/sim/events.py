@@ -5,6 +5,7 @@ detections, clearances and deferred switches), stalls taken out of the timeline.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass
@@ -126,8 +127,8 @@ class _Run:
 
     def _slow_event(self, t: float, kind: int, index: int) -> float:
         tr, live, policy = self.trace, self.live, self.policy
+        dev = int(tr.slow_dev_E[index])
         if kind == SLOW_START:
-            dev = int(tr.slow_dev_E[index])
             if dev in live.dead or dev in live.slow:
                 return 0.0
             live.slow[dev] = (float(tr.slow_factor_E[index]), int(tr.slow_kind_E[index]))
@@ -136,7 +137,6 @@ class _Run:
             if math.isfinite(delay):
                 heapq.heappush(self.pending, (t + delay, DETECT, dev, index))
             return 0.0
-        dev = int(tr.slow_dev_E[index])  # SLOW_END
         if self.active.get(dev) != index:
             return 0.0
         live.slow.pop(dev)
@@ -146,17 +146,17 @@ class _Run:
         return 0.0
 
     def internal(self, t: float, kind: int, dev: int, episode: int) -> None:
-        if kind == DETECT and self.active.get(dev) == episode and dev not in self.policy.known:
-            self.clock.advance(t)
-            self.switch_stall += self.clock.stall(t, self.policy.on_detect(dev))
-        elif kind == CLEAR and dev in self.policy.known and dev not in self.live.slow:
-            self.clock.advance(t)
-            self.switch_stall += self.clock.stall(t, self.policy.on_clear(dev))
-        elif kind == READY and dev == self.policy.generation:
-            self.clock.advance(t)
-            self.switch_stall += self.clock.stall(t, self.policy.on_ready())
+        policy = self.policy
+        if kind == DETECT and self.active.get(dev) == episode and dev not in policy.known:
+            hook = functools.partial(policy.on_detect, dev)
+        elif kind == CLEAR and dev in policy.known and dev not in self.live.slow:
+            hook = functools.partial(policy.on_clear, dev)
+        elif kind == READY and dev == policy.generation:
+            hook = policy.on_ready
         else:
             return
+        self.clock.advance(t)
+        self.switch_stall += self.clock.stall(t, hook())
         self._after_hook(t)
 
     def run(self) -> None:

@@ -149,10 +149,6 @@ class FtHsdp(SimPolicy):
         scale = sync_restart_s(self.cm.n_gpus) / sync_restart_s(100_000)
         return {"drop replica": FT_HSDP_STALL_100K_S * scale}
 
-    def on_stop(self, device: int, replace_at_s: float, now_s: float) -> float:
-        self.known.pop(device, None)
-        return sum(self.stop_terms().values())
-
     def rate(self) -> float:
         dropped = {self.replica_of(d) for d in self.live.dead}
         kept = self.cm.base_dp - len(dropped)
@@ -172,15 +168,8 @@ class _InProcessReconfig(SimPolicy):
         return {"detect": HEARTBEAT_S, "reconfigure": self.reconfig_s,
                 "lost work": 0.5 * self.cm.ref_step_s}
 
-    def _stall(self) -> float:
-        return sum(self.stop_terms().values())
-
-    def on_stop(self, device: int, replace_at_s: float, now_s: float) -> float:
-        self.known.pop(device, None)
-        return self._stall()
-
     def on_replace(self, device: int) -> float:
-        return self._stall()
+        return sum(self.stop_terms().values())
 
 
 class Oobleck(_InProcessReconfig):

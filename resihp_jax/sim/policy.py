@@ -54,7 +54,8 @@ class SimPolicy:
 
     # ---- hooks (return stall seconds) ------------------------------------------------
     def on_stop(self, device: int, replace_at_s: float, now_s: float) -> float:
-        raise NotImplementedError
+        self.known.pop(device, None)
+        return sum(self.stop_terms().values())
 
     def stop_terms(self) -> dict[str, float]:
         """What one fail-stop stalls, term by term, when its replacement is already there:

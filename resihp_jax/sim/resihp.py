@@ -36,6 +36,7 @@ fit memory (the stage's shards grow by tp / (tp - lost)).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -215,9 +216,8 @@ class Ours(SimPolicy):
     def _switch_s(self, option: Option) -> tuple[float, float]:
         """Stall of switching to `option` (another mesh: every option but the current one is),
         and its compile in the background (0: none)."""
-        plan_s = planning_s(self.cm.n_gpus)
         compile_s = 0.0 if _mesh(option) in self.compiled else OUR_RESTART.compile_s
-        return plan_s + self._reshard_s(), compile_s
+        return planning_s(self.cm.n_gpus) + self._reshard_s(), compile_s
 
     def _reshard_s(self) -> float:
         return (self.cm.params_per_device * OUR_RESTART.state_bytes_per_param
@@ -252,11 +252,8 @@ class Ours(SimPolicy):
 
     def _thin_hosts(self, lost: set[int], option: Option, cap: int) -> list[float]:
         """Slowdowns of the replicas whose TP group runs short-handed."""
-        per_group: dict[int, int] = {}
-        for d in lost:
-            per_group[d // option.tp] = per_group.get(d // option.tp, 0) + 1
         out = []
-        for count in per_group.values():
+        for count in Counter(d // option.tp for d in lost).values():
             if count < option.tp:
                 factor = option.tp / (option.tp - count)
                 out.append(layer_rebalanced(round(factor, 3), option.pp, self.cm.model.n_layers,

@@ -75,9 +75,9 @@ def test_the_trainer_compiles_the_policy_whose_step_fits_the_given_memory() -> N
     from resihp_jax.perfmodel.memory import (compiled_bytes,  # noqa: PLC0415
                                              memory_bytes_per_device)
     from resihp_jax.runtime.programs.deferred import compile_step  # noqa: PLC0415
+    from resihp_jax.runtime.run.programs import preset_programs  # noqa: PLC0415
     from resihp_jax.runtime.trainer.resilient import ResilientTrainer
     from resihp_jax.runtime.config import ResilienceConfig
-    from resihp_jax.step.builder import build_step  # noqa: PLC0415
     from resihp_jax.step.config import StepConfig  # noqa: PLC0415
 
     model = get_model_config("tiny").replace(vocab_size=256)
@@ -86,9 +86,11 @@ def test_the_trainer_compiles_the_policy_whose_step_fits_the_given_memory() -> N
                         seq_len=128, device_ids=(int(devices[0].id),))
     train = StepConfig(remat="auto", loss_chunks=1, microbatch_slots=1)
 
+    _, programs = preset_programs(model, plan.seq_len)
+
     def need(policy: str) -> int:  # what XLA says the step asks for under `policy`
-        return compiled_bytes(compile_step(build_step(
-            model, train.replace(remat=policy), plan, devices)).step_fn)
+        return compiled_bytes(compile_step(programs(
+            train.replace(remat=policy), plan, devices)).step_fn)
 
     none, projections = need("none"), need("projections")
     if projections < none:  # just under none's: projections fits
@@ -99,7 +101,8 @@ def test_the_trainer_compiles_the_policy_whose_step_fits_the_given_memory() -> N
     data = BatchIterator("synthetic:lognormal", n_microbatches=1, microbatch_size=1,
                          seq_len=128, seed=0)
     trainer = ResilientTrainer(model, train, plan, devices, data, ResilienceConfig(
-        device_memory_gb=limit / GIB, precompile=0, compile_cache_dir=None))
+        device_memory_gb=limit / GIB, precompile=0, compile_cache_dir=None),
+        programs=programs)
     try:
         assert trainer.program.train.remat == expected
         policy, why = trainer.remat_chosen[plan.mesh_key()]
@@ -115,11 +118,11 @@ def test_a_step_built_directly_refuses_auto_by_name() -> None:
     from resihp_jax.plan import Plan  # noqa: PLC0415
     from resihp_jax.models.config import get_model_config  # noqa: PLC0415
     from resihp_jax.runtime.programs.deferred import compile_step  # noqa: PLC0415
-    from resihp_jax.step.builder import build_step  # noqa: PLC0415
     from resihp_jax.step.config import StepConfig  # noqa: PLC0415
+    from tests.helpers import llama_step  # noqa: PLC0415
 
     model = get_model_config("tiny")
     plan = Plan.uniform(1, 1, 1, n_layers=model.n_layers, n_microbatches=1, microbatch_size=1,
                         seq_len=32, device_ids=(int(jax.devices()[0].id),))
     with pytest.raises(ConfigError, match="remat='auto' is chosen per plan by the trainer"):
-        compile_step(build_step(model, StepConfig(remat="auto"), plan, jax.devices()[:1]))
+        compile_step(llama_step(model, StepConfig(remat="auto"), plan, jax.devices()[:1]))

@@ -22,6 +22,7 @@ from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilientTrainer
 from resihp_jax.runtime.events import Replan
 from resihp_jax.runtime.config import ResilienceConfig
+from resihp_jax.runtime.run.programs import preset_programs
 from resihp_jax.runtime.trainer.timing import StageTimer, timed_step
 from resihp_jax.step.config import StepConfig
 
@@ -58,7 +59,8 @@ def _trainer(log: list[tuple], monkeypatch: pytest.MonkeyPatch, **spy: int
     data = BatchIterator("synthetic:lognormal", n_microbatches=1, microbatch_size=2,
                          seq_len=32, seed=0)
     trainer = ResilientTrainer(CFG, StepConfig(), PLAN, jax.devices()[:1], data,
-                               ResilienceConfig(precompile=0, compile_cache_dir=None))
+                               ResilienceConfig(precompile=0, compile_cache_dir=None),
+                               programs=preset_programs(CFG, PLAN.seq_len)[1])
     trainer.detector = _Spy(log, **spy)
     real = step_runner.timed_step
 

@@ -13,6 +13,7 @@ from resihp_jax.faults.injector import FaultInjector
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.config import ResilienceConfig
+from resihp_jax.runtime.run.programs import preset_programs
 from resihp_jax.runtime.trainer import step_runner
 from resihp_jax.runtime.trainer.resilient import ResilientTrainer
 from resihp_jax.runtime.events import StepRecord
@@ -36,7 +37,8 @@ def _callbacks(monkeypatch: pytest.MonkeyPatch, n_devices: int, hook: bool) -> i
                          seq_len=32, seed=0)
     config = ResilienceConfig(precompile=0, compile_cache_dir=None)
     trainer = ResilientTrainer(CFG, StepConfig(), plan, jax.devices()[:n_devices], data,
-                               config, fault_hook=FaultInjector(plan) if hook else None)
+                               config, fault_hook=FaultInjector(plan) if hook else None,
+                               programs=preset_programs(CFG, plan.seq_len)[1])
     records = [r for r in trainer.run(2) if isinstance(r, StepRecord)]
     trainer.close()
     assert len(records) == 2

@@ -3,6 +3,7 @@ switch compiles only what was not prepared."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -28,6 +29,8 @@ from tests.helpers import llama_step
 CFG = get_model_config("tiny")
 PLAN = Plan.uniform(2, 2, 2, n_layers=4, n_microbatches=6, microbatch_size=2, seq_len=64)
 TRAIN = StepConfig(microbatch_slots=3)
+# the preset's programs, built once (the kernel check is a compile of its own)
+PROGRAMS = functools.cache(lambda: preset_programs(CFG, PLAN.seq_len)[1])
 
 
 def _data() -> BatchIterator:
@@ -52,7 +55,7 @@ def _resilient_run(tmp_path: Path | None, steps: int) -> tuple[list, list]:
     config = ResilienceConfig(checkpoint_dir=str(tmp_path) if tmp_path else None,
                               checkpoint_interval=2, precompile=0, compile_cache_dir=None)
     trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(), config,
-                               fault_hook=injector)
+                               fault_hook=injector, programs=PROGRAMS())
     items = list(trainer.run(steps))
     return ([i for i in items if isinstance(i, StepRecord)],
             [i for i in items if isinstance(i, Replan)])
@@ -84,7 +87,8 @@ def test_switches_compile_only_what_was_not_prepared(reference: list[float]) -> 
     """Split-only: the program is reused; a prepared mesh: compiled ahead in the background;
     only an unforeseen mesh compiles on the training thread. Losses stay the reference's."""
     trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(),
-                               ResilienceConfig(precompile=0, compile_cache_dir=None))
+                               ResilienceConfig(precompile=0, compile_cache_dir=None),
+                               programs=PROGRAMS())
     split = PLAN.replace(layers_per_stage=(1, 3))
     warm = Plan.uniform(2, 1, 2, n_layers=4, n_microbatches=6, microbatch_size=2,
                         seq_len=64).replace(device_ids=(0, 1, 2, 4))
@@ -113,7 +117,8 @@ def test_a_slow_device_trains_an_interim_split_while_the_new_mesh_compiles(
     reference's losses (the move writing into host buffers reserved ahead, the new program
     having run once on zeros in the background: `warm_prepared`, which only adds that run)."""
     config = ResilienceConfig(precompile=0, compile_cache_dir=None, warm_prepared=True)
-    trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(), config)
+    trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(), config,
+                               programs=PROGRAMS())
     records = list(trainer.run(2))
     first = trainer.react(Verdict(2, (5,), "compute", 4.0, 1.0))
     target = trainer.pending_plan
@@ -145,7 +150,8 @@ class _Predicts:
 def test_hang_deadline_follows_the_predicted_time_of_the_batch() -> None:
     config = ResilienceConfig(precompile=0, compile_cache_dir=None, step_timeout_s=120.0,
                               hang_factor=3.0, hang_floor_s=10.0)
-    trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(), config)
+    trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(), config,
+                               programs=PROGRAMS())
     batch = _data().next_batch()
     deadlines = []
     for seconds in (None, 2.0, 5.0):

@@ -17,6 +17,7 @@ from resihp_jax.models.config import get_model_config
 from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilientTrainer
 from resihp_jax.runtime.config import ResilienceConfig
+from resihp_jax.runtime.run.programs import preset_programs
 from resihp_jax.runtime.trainer.sampling import (FIRST_EVERY, MAX_EVERY, TimingSampler,
                                                  choose_every)
 from resihp_jax.step.config import StepConfig
@@ -79,7 +80,8 @@ def test_untimed_steps_run_no_stage_callbacks_but_an_injected_fault_acts_on_ever
     config = ResilienceConfig(detector="off", stage_timing_every=3, precompile=0,
                               compile_cache_dir=None)
     trainer = ResilientTrainer(get_model_config("tiny"), StepConfig(), plan, jax.devices(),
-                               data, config, fault_hook=injector)
+                               data, config, fault_hook=injector,
+                               programs=preset_programs(get_model_config("tiny"), 32)[1])
     timed, injected = [], []
     for item in trainer.run(7):
         assert isinstance(item, StepRecord)

@@ -24,10 +24,12 @@ from resihp_jax.runtime.programs.compiles import counting, foreground_hits_since
 from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.trainer.resilient import ResilientTrainer
 from resihp_jax.runtime.config import ResilienceConfig
+from resihp_jax.runtime.run.programs import preset_programs
 from resihp_jax.step.config import StepConfig
 
 cache = sys.argv[3]
 cfg = get_model_config("tiny")
+_, programs = preset_programs(cfg, 32)
 plan = Plan.uniform(1, 1, 1, n_layers=cfg.n_layers, n_microbatches=2, microbatch_size=2,
                     seq_len=32)
 
@@ -37,7 +39,8 @@ def run(untimed):
     config = ResilienceConfig(precompile=0, compile_cache_dir=cache, untimed_start=untimed)
     since = time.time()
     with counting() as built:
-        trainer = ResilientTrainer(cfg, StepConfig(), plan, jax.devices(), data, config)
+        trainer = ResilientTrainer(cfg, StepConfig(), plan, jax.devices(), data, config,
+                                   programs=programs)
     started_timed = trainer.timed
     losses = [r.loss for r in trainer.run(2) if isinstance(r, StepRecord)]
     trainer.precompiler.wait()

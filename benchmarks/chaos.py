@@ -55,7 +55,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from resihp_jax.errors import ConfigError  # noqa: E402
-from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor  # noqa: E402
+from resihp_jax.faults.processes import Fault  # noqa: E402
+from resihp_jax.runtime.job.launch_types import LaunchConfig  # noqa: E402
+from resihp_jax.runtime.job.supervisor import Supervisor  # noqa: E402
 from benchmarks.invariants import batches_match, every_step_once, step_gaps, verdict  # noqa: E402
 from train_subprocess import read_records, run_train  # noqa: E402
 

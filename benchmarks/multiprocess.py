@@ -24,7 +24,7 @@ completed step on SIGTERM), start (fresh: new processes to the start of `resihp 
 standby: the go file seen), JAX initialization, plan, compile, restore and the first step;
 "compiles" counts the executables built on that path. With the standby a fault waits until
 the standby is ready, as a failure in a long job finds it (the job holds after the fault's
-step until then: every fault lands on its step, heartbeat.py's fault gates); the standby's
+step until then: every fault lands on its step, at its gate: faults/processes.py); the standby's
 own preparation (done while the job ran) is listed apart, with what it cost the running job:
 its first step and step times against the run without a standby. Steps lost are steps completed
 before the fault but after the restored state (run again with the same batches): 0 when the
@@ -56,7 +56,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor  # noqa: E402
+from resihp_jax.faults.processes import Fault  # noqa: E402
+from resihp_jax.runtime.job.launch_types import LaunchConfig  # noqa: E402
+from resihp_jax.runtime.job.supervisor import Supervisor  # noqa: E402
 from benchmarks.invariants import every_step_once, max_rel_diff, step_gaps, verdict  # noqa: E402
 
 TARGETS = {"kill_detect_s": 5.0, "hang_floor_s": 10.0, "slow_gain": 1.3,

@@ -45,7 +45,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from resihp_jax.runtime.job.supervisor import Fault, LaunchConfig, Supervisor  # noqa: E402
+from resihp_jax.faults.processes import Fault  # noqa: E402
+from resihp_jax.runtime.job.launch_types import LaunchConfig  # noqa: E402
+from resihp_jax.runtime.job.supervisor import Supervisor  # noqa: E402
 from benchmarks.invariants import every_step_once, max_rel_diff, step_gaps, verdict  # noqa: E402
 
 SLOW_PROCESS = 2

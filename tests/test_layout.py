@@ -21,7 +21,7 @@ MAX_MODULES_PER_FOLDER = 15
 # (`import resihp_jax as rh`) and `rh.engine` (the building blocks for one's own loop), may
 # import anything, lazily; no module of the library imports them.
 LAYERS: list[set[str]] = [
-    {"errors", "vma"},
+    {"errors", "vma", "env_vars"},
     {"plan"},  # the Plan: what every layer above takes
     {"attention"},
     {"data"},

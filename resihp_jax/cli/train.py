@@ -29,6 +29,7 @@ from resihp_jax.cli.args import (METRICS_HELP, add_compile_cache_arguments,
                                  add_metrics_argument, compile_cache_dir, model_from_args,
                                  parse_int_list, parse_mesh)
 from resihp_jax.cli.train_checks import check_train_args, checkpoint_every, read_metrics_args
+from resihp_jax.env_vars import JOB_SPEC_ENV, METRICS_ENV
 from resihp_jax.errors import CheckpointFallbackWarning, ConfigError
 from resihp_jax.plan import Plan
 from resihp_jax.models.registry import MODELS, check_plan
@@ -71,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "outputs, recompute the rest) or full (each stage's forward; "
                              "--remat alone)")
     add_metrics_argument(parser, METRICS_HELP + " (a JSON lines file is appended to when "
-                         "resuming; default: $RESIHP_METRICS, which resihp launch --metrics sets)")
+                         f"resuming; default: ${METRICS_ENV}, which resihp launch --metrics sets)")
     parser.add_argument("--profile", default=None, metavar="FIRST:END",
                         help="trace steps FIRST..END-1 with jax.profiler into the metrics "
                              "directory (the tensorboard:DIR of --metrics; TensorBoard's "
@@ -150,7 +151,7 @@ def resume_mode(text: str) -> str:
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """How this process joins a job of several processes (flags or RESIHP_* variables)."""
-    env = distributed.ENV
+    env = JOB_SPEC_ENV
     parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                         help="address of process 0's coordination service, for a job of "
                              f"several processes (or ${env['coordinator']}); with none given "

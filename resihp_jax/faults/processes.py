@@ -68,7 +68,7 @@ class Fault:
         return f"{what} {who} at step {self.step}{until}"
 
 
-def _signal_group(pid: int, sig: int) -> None:
+def signal_group(pid: int, sig: int) -> None:
     """`sig` to the process group `pid` leads (each launched process leads its own), if it
     is still there."""
     try:
@@ -90,7 +90,7 @@ class ProcessFaults:
                  clock: Callable[[], float] = time.monotonic,
                  hold: Callable[[], bool] | None = None,
                  injected: list[str] | None = None, throttled: list[dict] | None = None,
-                 send: Callable[[int, int], None] = _signal_group,
+                 send: Callable[[int, int], None] = signal_group,
                  throttle: Callable[[int, float], Any] = Throttle) -> None:
         self.faults, self.gates = tuple(faults), Path(gates)
         self.out, self.clock, self._hold = out, clock, hold

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from resihp_jax.env_vars import STANDBY_GO_FILE_ENV
+from resihp_jax.faults.processes import signal_group
 
 GO_FILE = "go.json"
 POLL_S = 0.02  # the go's latency; idle standby processes wake this often
@@ -142,15 +143,6 @@ def foreground(pid: int) -> str | None:
         if why is not None:
             return why
     return None
-
-
-def signal_group(pid: int, sig: int) -> None:
-    """Send `sig` to the process group `pid` leads (each launched process leads its own), if
-    it is still there."""
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 @dataclass

@@ -43,14 +43,14 @@ from typing import Any, Callable, TextIO
 from resihp_jax.env_vars import (CHECKPOINT_DIR_ENV, EXTERNAL_SERVICE_ENV, HEARTBEAT_DIR_ENV,
                                  JOB_SPEC_ENV, METRICS_ENV, PEER_LOST_ENV)
 from resihp_jax.errors import ConfigError
-from resihp_jax.faults.processes import ProcessFaults
+from resihp_jax.faults.processes import ProcessFaults, signal_group
 from resihp_jax.metrics import Destination, Metrics, parse_destinations
 from resihp_jax.metrics.entry import relaunch_entry
 from resihp_jax.runtime.job import distributed, heartbeat
 from resihp_jax.runtime.job.blame import PLANNED_EXITS, Blame
 from resihp_jax.runtime.job.exits import USER_ERROR
 from resihp_jax.runtime.job.launch_types import Failure, LaunchConfig, Summary
-from resihp_jax.runtime.job.standby import StandbyKeeper, signal_group
+from resihp_jax.runtime.job.standby import StandbyKeeper
 from resihp_jax.runtime.recovery import health_record
 
 
@@ -206,7 +206,7 @@ class Supervisor:
                 # every process waits at the step's gate for a fault held back (a standby
                 # not ready yet): the job is not stalled, it is held
                 advanced_at = self.clock()
-            if started and self._readmission_due(step):
+            if started and self._repaired(self._record, step):
                 return Failure("readmit", None, step, None, "excluded host(s) repaired: "
                                "restarting to take them in"), step, beats
             # the deadline the processes publish for the step in flight (from the cost
@@ -326,21 +326,17 @@ class Supervisor:
                               f"last: {failure.detail}")
         self._incarnation += 1
 
-    def _readmission_due(self, step: int) -> bool:
+    def _repaired(self, record: health_record.HealthRecord, step: int) -> list[str]:
+        """Hosts excluded long enough ago to come back, as repaired nodes rejoin a cluster."""
         after = self.config.readmit_after_steps
-        return after is not None and any(step - e.step >= after
-                                         for e in self._record.excluded.values())
+        return [] if after is None else [h for h, e in record.excluded.items()
+                                         if step - e.step >= after]
 
     def _readmit(self, record: health_record.HealthRecord, step: int) -> None:
-        """Hosts excluded long enough ago come back, as repaired nodes rejoin a cluster."""
-        after = self.config.readmit_after_steps
-        if after is None:
-            return
-        for host, exclusion in list(record.excluded.items()):
-            if step - exclusion.step >= after:
-                del record.excluded[host]
-                print(f"launch: host {host} readmitted (excluded at step {exclusion.step})",
-                      file=self.out)
+        for host in self._repaired(record, step):
+            exclusion = record.excluded.pop(host)
+            print(f"launch: host {host} readmitted (excluded at step {exclusion.step})",
+                  file=self.out)
 
     def _end(self, procs: dict[str, subprocess.Popen], failure: Failure | None,
              beats: dict[str, heartbeat.Beat]) -> None:

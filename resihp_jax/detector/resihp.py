@@ -99,7 +99,6 @@ class ResiHPDetector(Detector):
         self._learned = 0
         # steps held back from learning: (observation, excess, unexplained)
         self._held: list[tuple[StepObservation, float, float]] = []
-        self.last_excess = 0.0
         # the last steps judged: (step, log excess over the prediction, unexplained excess in
         # noise sigmas), what an alarm rests on (benchmarks/detection.py prints it)
         self.evidence: deque[tuple[int, float, float]] = deque(maxlen=REACH_STEPS)
@@ -264,7 +263,6 @@ class ResiHPDetector(Detector):
         predicted = self.predict(obs)
         self.last_prediction_s = predicted
         excess = math.log(obs.step_time_s / predicted)
-        self.last_excess = excess
         stage_dev = self._stage_deviation(obs)
         stage_hot = self.stage_shares.hot(stage_dev)
         cpu = obs.host_cpu

@@ -20,6 +20,7 @@ trained meanwhile, before a poll saw the step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -71,10 +72,8 @@ class Fault:
 def signal_group(pid: int, sig: int) -> None:
     """`sig` to the process group `pid` leads (each launched process leads its own), if it
     is still there."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class ProcessFaults:

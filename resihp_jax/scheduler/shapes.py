@@ -40,10 +40,9 @@ class ShapeSpace:
 
 def mesh_shapes(model: ModelFacts, space: ShapeSpace) -> list[Shape]:
     """Every (dp, pp, tp) worth considering, widest first within a (pp, tp)."""
-    shapes: list[Shape] = []
-    for tp in tp_degrees(model):
-        for pp in range(1, min(space.n_layers, space.n_usable // tp) + 1):
-            shapes.extend((dp, pp, tp) for dp in _dp_options(pp * tp, space))
+    shapes = [(dp, pp, tp) for tp in tp_degrees(model)
+              for pp in range(1, min(space.n_layers, space.n_usable // tp) + 1)
+              for dp in _dp_options(pp * tp, space)]
     redundant = [shape for shape in shapes if shape[0] >= space.min_dp]
     return redundant or shapes
 

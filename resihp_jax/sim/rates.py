@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 
 import numpy as np
 
@@ -93,7 +94,5 @@ def usable_groups(unusable: set[int] | frozenset[int], tp: int, n_gpus: int,
     """TP groups of degree `tp` that fit inside hosts, leaving out the unusable GPUs."""
     per_node = node_size // tp
     total = (n_gpus // node_size) * per_node
-    hit: dict[int, int] = {}
-    for d in unusable:
-        hit[d // node_size] = hit.get(d // node_size, 0) + 1
+    hit = Counter(d // node_size for d in unusable)
     return total - sum(per_node - (node_size - c) // tp for c in hit.values())

@@ -31,6 +31,7 @@ works, only louder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -189,10 +190,8 @@ class Standby:
                       file=sys.stderr)
         for index, host in enumerate(hosts):
             target = self.logs[index].with_name(f"incarnation{self.incarnation}-{host}.log")
-            try:
+            with contextlib.suppress(OSError):
                 self.logs[index].rename(target)  # the process keeps writing to it
-            except OSError:
-                pass
         write_go(self.go, Go(tuple(hosts), self.incarnation, time.time()))
         return dict(zip(hosts, self.procs))
 

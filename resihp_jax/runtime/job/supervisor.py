@@ -58,13 +58,10 @@ def _launch_destinations(metrics: tuple[str, ...]) -> tuple[Destination, ...]:
     """Where the supervisor writes its relaunches: a TensorBoard directory's `launch` run
     (beside the job's, never in the same files), W&B runs named `launch`; JSON lines files
     hold steps only."""
-    out = []
-    for d in parse_destinations(metrics, "--metrics"):
-        if d.kind == "tensorboard":
-            out.append(Destination("tensorboard", str(Path(d.target) / "launch")))
-        elif d.kind == "wandb":
-            out.append(d)
-    return tuple(out)
+    return tuple(Destination("tensorboard", str(Path(d.target) / "launch"))
+                 if d.kind == "tensorboard" else d
+                 for d in parse_destinations(metrics, "--metrics")
+                 if d.kind in ("tensorboard", "wandb"))
 
 
 def free_port() -> int:

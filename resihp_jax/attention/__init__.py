@@ -3,7 +3,3 @@
 the fused Pallas kernel), the fused kernel's block sizes fitted to the GPU (`fit`) and the
 start-up check of the chosen kernel against the reference (`check`). Below every model: it
 needs only arrays and a few integers."""
-
-from resihp_jax.attention.kernels import IMPLEMENTATIONS, dense_attention, segment_attention
-
-__all__ = ["IMPLEMENTATIONS", "dense_attention", "segment_attention"]

@@ -19,17 +19,15 @@ from resihp_jax.errors import ConfigError, PlanError
 from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.perfmodel import CostParams, Health, fits_memory, memory_bytes_per_device
+from resihp_jax.perfmodel.health_spec import build_health, parse_dead, parse_slowdowns
 from resihp_jax.scheduler import (
     BASELINES,
     OURS,
     POLICIES,
     PlanningContext,
     SwitchCosts,
-    build_health,
     compare,
     get_policy,
-    parse_dead,
-    parse_slowdowns,
     run_policy,
 )
 from resihp_jax.scheduler.candidates import layouts

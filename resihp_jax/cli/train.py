@@ -220,6 +220,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     model = model_from_args(args)
     plan = plan_from_args(args, model.n_layers)  # the requested plan
     check_plan(model, plan, f"--plan {args.plan}")
+    plan.check(model)  # its layers, tp dimensions and attention block, before JAX starts
     if spec.single:
         request_host_devices(devices_to_request(args.devices, plan.n_devices, args.plan))
     elif args.devices is not None:

@@ -93,22 +93,16 @@ class FaultInjector:
 
     def factor(self, device_id: int, step: int) -> float:
         """Compute slowdown of a device at a step (product of the active faults on it)."""
-        out = 1.0
-        for fault in self._slow:
-            if fault.device_id == device_id and fault.active(step):
-                out *= fault.factor
-        return out
+        return math.prod((f.factor for f in self._slow
+                          if f.device_id == device_id and f.active(step)), start=1.0)
 
     def knobs(self, step: int) -> np.ndarray:
         """[dp, pp, tp] float32 slowdown factors for `program.step`; raises if one is dead."""
         dead = [d for d in self.dead(step) if d in self.plan.device_ids]
         if dead:
             raise DeviceStoppedError(tuple(dead), step)
-        grid = self.plan.device_grid()
-        out = np.ones(grid.shape, np.float32)
-        for coord, device_id in np.ndenumerate(grid):
-            out[coord] = self.factor(int(device_id), step)
-        return out
+        factor = np.vectorize(lambda d: self.factor(int(d), step), otypes=[np.float32])
+        return factor(self.plan.device_grid())
 
     # ---- the Instrument host function -----------------------------------------------------
     def __call__(self, event: int, dp: int, pp: int, tp: int, knob: float, busy: bool,

@@ -72,21 +72,16 @@ def layout_rows(lengths_per_row: Lengths, seq_len: int) -> tuple[np.ndarray, np.
 
 def row_tokens(pieces: Sequence[np.ndarray], seq_len: int) -> np.ndarray:
     """int32 [S]: the pieces' tokens side by side, zero padded."""
-    tokens_S = np.zeros(seq_len, np.int32)
-    start = 0
-    for piece in pieces:
-        tokens_S[start:start + piece.size] = piece
-        start += piece.size
-    return tokens_S
+    tokens_T = np.concatenate([np.zeros(0, np.int32), *pieces]).astype(np.int32)
+    return np.pad(tokens_T, (0, seq_len - tokens_T.size))
 
 
 def pack_rows(pieces_per_row: Sequence[Sequence[np.ndarray]], seq_len: int) -> PackedRows:
     """Lay pieces out row by row: segment ids 1, 2, ... per row, positions restart per piece."""
     doc_lengths = tuple(tuple(int(p.size) for p in pieces) for pieces in pieces_per_row)
     segment_ids_NxS, positions_NxS = layout_rows(doc_lengths, seq_len)
-    tokens_NxS = np.zeros((len(pieces_per_row), seq_len), np.int32)
-    for row, pieces in enumerate(pieces_per_row):
-        tokens_NxS[row] = row_tokens(pieces, seq_len)
+    tokens_NxS = np.array([row_tokens(pieces, seq_len) for pieces in pieces_per_row],
+                          np.int32).reshape(-1, seq_len)
     return PackedRows(tokens_NxS, segment_ids_NxS, positions_NxS, doc_lengths)
 
 

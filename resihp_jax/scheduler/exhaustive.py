@@ -31,9 +31,7 @@ def exhaustive_best(current: Plan, health: Health, ctx: PlanningContext,
     """The fastest plan of the whole plan space (None if nothing fits); PlanError past
     `max_plans` simulations, so it is never run by accident on a big cluster."""
     best: Candidate | None = None
-    n_simulated = 0
-    for plan in _plans(current, health, ctx):
-        n_simulated += 1
+    for n_simulated, plan in enumerate(_plans(current, health, ctx), start=1):
         if n_simulated > max_plans:
             raise PlanError(f"exhaustive search exceeded max_plans={max_plans}; it is meant "
                             "for a few devices, layers and micro-batches")

@@ -69,9 +69,7 @@ class LaunchConfig:
             raise ConfigError(f"--procs={self.procs} and --devices-per-proc="
                               f"{self.devices_per_proc}: both must be >= 1")
         for fault in self.faults:
-            if fault.by_rank:
-                continue
-            if not 0 <= fault.process < self.procs:
+            if not fault.by_rank and not 0 <= fault.process < self.procs:
                 raise ConfigError(f"--{fault.kind} names process {fault.process}; valid: 0.."
                                   f"{self.procs - 1}")
         if self.platform == "gpu":

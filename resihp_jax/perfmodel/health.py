@@ -57,10 +57,6 @@ class Health:
         return hash((tuple(sorted(self.compute.items())), tuple(sorted(self.link.items())),
                      self.dead))
 
-    @classmethod
-    def healthy(cls) -> Health:
-        return cls()
-
     def is_healthy(self) -> bool:
         return not (self.compute or self.link or self.dead)
 

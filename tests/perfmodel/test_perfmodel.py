@@ -54,8 +54,8 @@ def test_health_helpers() -> None:
     assert h.speed(0) == 1.0 and h.speed(1) == 0.5 and h.speed(4) == 0.0
     assert h.link_speed(3) == 0.25 and not h.alive(4) and h.alive(1)
     assert h.capacity(range(5)) == pytest.approx(3.5)
-    assert Health.healthy().is_healthy() and not h.is_healthy()
-    assert Health(compute={2: 1.0}) == Health.healthy()  # factor 1.0 means absent
+    assert Health().is_healthy() and not h.is_healthy()
+    assert Health(compute={2: 1.0}) == Health()  # factor 1.0 means absent
     assert hash(h) == hash(Health(compute={1: 0.5}, link={3: 0.25}, dead={4}))
 
 

@@ -45,7 +45,7 @@ def plan_for_devices(requested: Plan, model: ModelConfig, device_ids: Sequence[i
     top = max(ids) + 1
     stand_ins = list(range(top, top + max(0, n - len(ids))))
     current = requested.replace(device_ids=tuple((ids + stand_ins)[:n]))
-    health = Health.healthy().with_changes(dead=stand_ins,
+    health = Health().with_changes(dead=stand_ins,
                                            compute={d: 1.0 / f for d, f in slow.items()})
     # a job asked to run with DP replicas keeps two where it can: a relaunch on one plan
     # with a single copy of each shard would lose steps at the next death (survivor_copies)

@@ -39,7 +39,7 @@ def auto_plan(model: ModelFacts, device_ids: Sequence[int], rows: int, seq_len: 
                             microbatch_size=size, seq_len=seq_len, device_ids=ids[:1])
         context = PlanningContext(model, CostParams.for_model(model), device_memory_gb * 2**30,
                                   ids, remat=remat)
-        for candidate in search_plans(seed, Health.healthy(), context)[:1]:
+        for candidate in search_plans(seed, Health(), context)[:1]:
             if best is None or candidate.step_time_s < best[0]:
                 best = (candidate.step_time_s, candidate.plan)
     if best is None:

@@ -58,7 +58,7 @@ class Replanner:
         self.model, self.config, self.devices, self.data = model, config, devices, data
         self.keeper, self.detector, self.checkpointer = keeper, detector, checkpointer
         self.staging, self.clock, self.on_long_work = staging, clock, on_long_work
-        self.health = Health.healthy()
+        self.health = Health()
         self.replans: list[Replan] = []
         # a switch waiting for its program to compile in the background: the plan, and the
         # verdict and reason that chose it

@@ -67,12 +67,9 @@ class SyntheticSource:
     def items_per_epoch(self) -> int | None:
         return None
 
-    def length(self, index: int) -> int:
+    def item_size(self, epoch: int, index: int) -> int:
         """Length of document `index` without generating its tokens."""
         return self._sample_length(np.random.default_rng([self.seed, index]), self.seq_len)
-
-    def item_size(self, epoch: int, index: int) -> int:
-        return self.length(index)
 
     def item(self, epoch: int, index: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, index])

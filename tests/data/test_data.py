@@ -175,7 +175,7 @@ def test_state_is_small_and_json() -> None:
 
 def _lengths(name: str, seq_len: int = 512, n: int = 3000) -> np.ndarray:
     source = SyntheticSource(name, seed=0, seq_len=seq_len)
-    return np.array([source.length(i) for i in range(n)])
+    return np.array([source.item_size(0, i) for i in range(n)])
 
 
 def test_uniform_lengths_are_flat() -> None:

@@ -95,7 +95,7 @@ class OnlineCostModel:
         self._version = 0
         self._theta: np.ndarray | None = None  # pipeline-only coefficients [6]
         self._fit: RobustFit | None = None  # the model used for predictions
-        self._uses_contention = False
+        self.uses_contention = False
         # the newest predictions of this fit: a step's deadline and its judgement after it
         # ask for the same batch (one pipeline simulation, not two, on the step loop's path)
         self._predicted: dict[tuple, float] = {}
@@ -125,10 +125,6 @@ class OnlineCostModel:
         fit = self._fit
         n, p = len(fit.weights), int(fit.active.sum())  # type: ignore[union-attr]
         return fit.scale * math.sqrt(n / max(n - p, 1))  # type: ignore[union-attr]
-
-    @property
-    def uses_contention(self) -> bool:
-        return self._uses_contention
 
     def observe(self, plan: Plan, mb_tokens: np.ndarray | None, mb_sum_l2: np.ndarray | None,
                 step_time_s: float, *, mb_slots: int | None = None) -> None:
@@ -172,7 +168,7 @@ class OnlineCostModel:
         coef = self._fit.coef  # type: ignore[union-attr]
         costs = self._costs(coef[:N_PATH])
         step_s = self._simulate(plan, costs, mb_tokens, mb_sum_l2, mb_slots, health).step_time_s
-        if not self._uses_contention:
+        if not self.uses_contention:
             return step_s
         data = group_data(plan, mb_tokens, mb_sum_l2, mb_slots)
         tok_N, l2_N = _global(data.tokens_GxM, data), _global(data.sum_l2_GxM, data)
@@ -244,7 +240,7 @@ class OnlineCostModel:
 
     def _apply(self, refit: _Refit) -> None:
         self._theta, self._version, self._fit = refit.theta, refit.version, refit.fit
-        self._uses_contention, self._refit_gap = refit.uses_contention, refit.refit_gap
+        self.uses_contention, self._refit_gap = refit.uses_contention, refit.refit_gap
         self._predicted.clear()  # (a prediction made meanwhile used the old fit)
 
     def _computed_refit(self, window: list[_Obs]) -> _Refit:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import warnings
 from typing import Any, Mapping, TextIO
 
@@ -226,16 +227,25 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     elif args.devices is not None:
         raise ConfigError(f"--devices={args.devices}: in a job of several processes each "
                           "process uses the devices it was given; remove --devices")
+    from resihp_jax.runtime.programs.compiles import install  # noqa: PLC0415
     from resihp_jax.runtime.recovery.restore import orbax_read_noise_silenced  # noqa: PLC0415
-    from resihp_jax.runtime.run.training import TrainingRun  # noqa: PLC0415 - JAX from here
+    from resihp_jax.runtime.run.programs import registered_programs  # noqa: PLC0415
+    from resihp_jax.runtime.run.training import TrainingRun, ladder_of  # noqa: PLC0415
     from resihp_jax.step.config import StepConfig  # noqa: PLC0415
 
-    from resihp_jax.runtime.run.programs import registered_programs  # noqa: PLC0415
+    ladder = ladder_of(config.resilience)
 
-    # any registry model, a preset as any other, with its own optimizer at --lr
-    model, programs = registered_programs(model, plan.seq_len, args.seed, args.lr)
-    training = TrainingRun(model, StepConfig(remat=args.remat), plan, config, spec, out,
-                           programs=programs)
+    def train() -> None:
+        install()  # the start-up's count of compiles includes the programs' own, below
+        started = time.time()
+        # a job's process joins before the model's programs first touch a device (the
+        # attention kernel is picked and checked on one); alone, a no-op
+        distributed.initialize(spec, ladder.init_timeout_s, ladder.heartbeat_timeout_s)
+        # any registry model, a preset as any other, with its own optimizer at --lr
+        facts, programs = registered_programs(model, plan.seq_len, args.seed, args.lr)
+        TrainingRun(facts, StepConfig(remat=args.remat), plan, config, spec, out,
+                    programs=programs, compiles_from=started).run()
+
     original_showwarning = warnings.showwarning
 
     def one_line(message: Any, category: type, *rest: Any, **kw: Any) -> None:
@@ -248,6 +258,6 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         warnings.simplefilter("always", CheckpointFallbackWarning)
         warnings.showwarning = one_line  # catch_warnings puts the original back
         if spec.single:
-            training.run()
+            train()
             return 0
-        return run_as_job_process(training.run, "resihp train")
+        return run_as_job_process(train, "resihp train")

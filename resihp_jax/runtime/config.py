@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from pathlib import Path
 
-from resihp_jax.detector.base import DETECTORS
 from resihp_jax.env_vars import COMPILE_CACHE_ENV
 from resihp_jax.errors import ConfigError
 from resihp_jax.metrics.destinations import metrics_directory, parse_destinations
@@ -22,6 +21,10 @@ from resihp_jax.metrics.profile import check_steps
 from resihp_jax.runtime.recovery.cadence import MAX_INTERVAL_S, check_interval
 
 DETECTOR_OFF = "off"  # ResilienceConfig.detector: watch nothing (a failed step still re-plans)
+# the detectors' registered names (detector/base.py DETECTORS, which tests/runtime/run/
+# test_config_tree.py holds this to): named here because the command line builds this config
+# before it may start JAX, and the detectors' package imports it
+DETECTOR_NAMES = ("greyhound", "mad", "resihp")
 OVERHEAD_BUDGET = 0.02  # the share of wall time resilience may take
 # what ResilienceConfig.stage_timing_every's two kinds of value mean ('auto', an integer)
 EVERY_MEANS = ("1 step in K, K from the measured cost and the overhead budget",
@@ -109,9 +112,9 @@ class ResilienceConfig:
             if getattr(self, name) not in (True, False):
                 raise ConfigError(f"ResilienceConfig.{name}={getattr(self, name)!r}: must be "
                                   "True or False")
-        if self.detector != DETECTOR_OFF and self.detector not in DETECTORS:
+        if self.detector != DETECTOR_OFF and self.detector not in DETECTOR_NAMES:
             raise ConfigError(f"ResilienceConfig.detector={self.detector!r}: valid are "
-                              f"{', '.join(sorted(DETECTORS))}, {DETECTOR_OFF!r} (none)")
+                              f"{', '.join(DETECTOR_NAMES)}, {DETECTOR_OFF!r} (none)")
         if self.untimed_start not in (None, True, False):
             raise ConfigError(f"ResilienceConfig.untimed_start={self.untimed_start!r}: must be "
                               "True, False or None (in a job of several processes only)")

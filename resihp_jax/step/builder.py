@@ -54,9 +54,13 @@ def _state_specs(optimizer: optax.GradientTransformation, shapes: TrainState,
                  params: dict[str, Any]) -> TrainState:
     """Specs of a whole state: optimizer moments are sharded like the parameters they mirror,
     everything else (counts) replicated."""
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    opt = optax.tree_map_params(optimizer, lambda _, spec: spec, shapes.opt_state, params,
-                                transform_non_params=lambda _: P(), is_leaf=is_spec)
+    # a part of the optimizer's state shaped like the parameters mirrors them (optax's
+    # tree_map_params tells them apart by running `init` eagerly: an injected hyper-parameter
+    # then compiles a dozen one-op executables before the first step)
+    layout = jax.tree.structure(shapes.params)
+    mirrors = lambda x: jax.tree.structure(x) == layout  # noqa: E731
+    opt = jax.tree.map(lambda x: params if mirrors(x) else P(), shapes.opt_state,
+                       is_leaf=mirrors)
     return TrainState(P(), params, opt)
 
 

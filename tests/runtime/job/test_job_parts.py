@@ -431,7 +431,7 @@ def test_a_standby_keeps_its_programs_unless_the_health_record_changes_its_plan(
     training = TrainingRun(get_model_config("tiny"), StepConfig(), plan,
                            RunConfig(resilience=ResilienceConfig.unwatched(
                                checkpoint_dir=str(tmp_path), compile_cache_dir=None)),
-                           out=out)
+                           out=out, programs=None)  # (never built: `_build` is replaced)
     waiting = Job(distributed.JobSpec(host_id="standby0"), ("standby0",))
 
     def take_over(replanned: Plan) -> object:

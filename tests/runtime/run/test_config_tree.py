@@ -98,3 +98,25 @@ def test_the_resilience_flags_of_resihp_train_reach_the_trainer(tmp_path: Path) 
         local_copy_dir=str(tmp_path / "local"), compile_cache_dir=str(tmp_path / "cache"))
     plain = run_config_from_args(build_parser().parse_args(["train"]), None).resilience
     assert not plain.watching and not plain.stage_timing and plain.precompile == 0
+
+
+def test_the_configs_detector_names_are_the_registered_detectors() -> None:
+    """The config names them without importing the detectors (whose package starts JAX),
+    so the command line can build it before it asks for its devices."""
+    from resihp_jax.detector.base import DETECTORS
+    from resihp_jax.runtime.config import DETECTOR_NAMES
+
+    assert DETECTOR_NAMES == tuple(sorted(DETECTORS))
+
+
+def test_the_command_lines_settings_start_no_jax() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from resihp_jax.cli.commands import build_parser; "
+            "from resihp_jax.cli.train import run_config_from_args; "
+            "run_config_from_args(build_parser().parse_args(['train', '--adapt']), None); "
+            "print('jax' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "False"

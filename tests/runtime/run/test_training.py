@@ -31,7 +31,9 @@ def _script_run(tmp_path: Path, adapt: bool) -> tuple[list, str]:
     config = rh.engine.RunConfig(steps=3, seed=7, progress=False, resilience=resilience,
                                  metrics=str(tmp_path / "script.jsonl"))
     out = io.StringIO()
-    records = rh.engine.TrainingRun(model, rh.engine.StepConfig(), plan, config, out=out).run()
+    facts, programs = rh.engine.preset_programs(model, plan.seq_len, seed=7)
+    records = rh.engine.TrainingRun(facts, rh.engine.StepConfig(), plan, config, out=out,
+                                    programs=programs).run()
     return records, out.getvalue()
 
 

@@ -11,7 +11,7 @@ import json
 from typing import TYPE_CHECKING, Any, TextIO
 
 from resihp_jax.demo.config import DemoConfig
-from resihp_jax.demo.loop import DemoLog, run_demo
+from resihp_jax.demo.display import DemoLog, run_demo
 from resihp_jax.demo.plot import save_timeline
 from resihp_jax.demo.scenario import DetectorTiming, check_fault_timing, check_kill_survivable
 from resihp_jax.demo.summary import FaultOutcome, match_faults, write_summary

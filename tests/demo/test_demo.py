@@ -17,7 +17,7 @@ from resihp_jax.plan import Plan
 from resihp_jax.models.config import get_model_config
 from resihp_jax.demo.scenario import (DetectorTiming, KillSpec, SlowSpec, check_faults,
                                       check_kill_survivable, parse_kill, parse_slow)
-from resihp_jax.demo.loop import replan_text
+from resihp_jax.demo.display import replan_text
 from resihp_jax.demo.plot import save_timeline
 from resihp_jax.demo.progress import Progress, progress_mode
 from resihp_jax.demo.summary import (ReplanPoint, StepPoint, false_alarms, match_faults,

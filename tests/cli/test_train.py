@@ -186,7 +186,7 @@ def test_the_registrys_gpt2_trains_a_plain_run_and_resumes_it_loss_for_loss(
 
 @pytest.mark.parametrize("argv, message", [
     (["--plan", "dp=2,pp=2", "--devices", "3"], r"needs dp\*pp\*tp=4 devices; --devices=3"),
-    (["--plan", "dp=2,pp=2,tp=2", "--layers", "1,1"], "sums to 2 layers; the model has 4 blocks"),
+    (["--plan", "dp=2,pp=2,tp=2", "--layers", "1,1"], "sums to 2; the model has 4"),
     (["--plan", "dp=2,pp=2,tp=2", "--microbatches", "3"], "dp=2 are needed"),
     (["--plan", "dp=2,qq=2"], "bad mesh term"),
     (["--steps", "0"], "--steps=0"),

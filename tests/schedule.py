@@ -33,6 +33,7 @@ PROCESS_FILES = frozenset({
     "tests/runtime/job/test_user_slow.py",
     "tests/runtime/recovery/test_cadence_multiprocess.py",
     "tests/runtime/recovery/test_local_copies_multiprocess.py",
+    "tests/runtime/replicas/test_torchft_engine.py",
     "tests/runtime/trainer/test_agreement.py",
 })
 

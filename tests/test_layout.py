@@ -33,6 +33,7 @@ LAYERS: list[set[str]] = [
     {"sim", "runtime.recovery", "metrics"},
     {"runtime.config", "runtime.events"},  # the run's settings and what it reports: public types
     {"runtime.programs"},  # the steps compiled, kept and prepared: below the loop that runs them
+    {"runtime.replicas"},  # replicas as failure domains: the split, the cross-replica engine
     {"runtime.job", "runtime.trainer"},
     {"runtime.run", "runtime"},  # "runtime": the package's own __init__ (its map)
     {"demo"},

@@ -17,7 +17,7 @@ from tests.doc_blocks import CODE_LANGUAGES, NO_RUN, ROOT, RUNNABLE, Block, bloc
 
 README = ROOT / "README.md"
 QUICKSTART = ('pip install -e . && resihp demo',
-              'pip install -e ".[test]" && python -m pytest -q')
+              'pip install -e ".[test,ft]" && python -m pytest -q')
 
 
 def _lines() -> list[str]:

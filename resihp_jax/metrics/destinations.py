@@ -1,10 +1,5 @@
-"""Where a run's metrics go: `tensorboard:DIR`, `wandb:PROJECT`, `jsonl:PATH` (a bare path is
-JSON lines too, the format `--metrics PATH` always wrote), or an object with a `write` method.
-
-Each destination is checked when it is given, before any device starts: an unknown form is
-refused naming the valid ones, and one whose library is not installed names the `pip install`
-that brings it.
-"""
+"""Where a run's metrics go (`tensorboard:DIR`, `wandb:PROJECT`, `jsonl:PATH` or a bare path,
+an object with `write`), each checked when given, before any device starts."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""What is written: one `MetricsEntry` per step and per event, with the scalars and the text
-every destination shows at that step.
-
-A step gives the loss, its time against the time the detector predicted for that batch on
-healthy devices, tokens/s, MFU where the device's peak is known, and the learning rate where
-the optimizer exposes it. Events (a verdict, a re-plan, a re-plan's measured gain, a relaunch,
-a checkpoint, the plan whenever it changes) are text, plus scalars where they are numbers.
+"""What is written: one `MetricsEntry` per step and per event (a verdict, a re-plan and its
+measured gain, a relaunch, a checkpoint, a new plan): scalars by tag, and the event's text.
 """
 
 from __future__ import annotations

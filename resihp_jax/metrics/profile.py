@@ -1,9 +1,6 @@
-"""A profile on demand: a `jax.profiler` trace of chosen steps, written into the metrics
-directory where TensorBoard's profile plugin (XProf) shows it.
-
-Asked for by steps (`profile_steps=(10, 13)`: steps 10, 11 and 12, the end excluded as in a
-slice) or by a signal: `kill -USR2 PID` traces the next SIGNAL_STEPS steps. The handler only
-sets a flag that the loop reads between steps; nothing is traced unless asked.
+"""A `jax.profiler` trace of chosen steps (`profile_steps=(10, 13)`: 10 to 12) or, on
+`kill -USR2 PID`, of the next SIGNAL_STEPS, into the metrics directory (TensorBoard's profile
+tab). The handler only sets a flag that the loop reads between steps.
 """
 
 from __future__ import annotations

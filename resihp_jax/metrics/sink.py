@@ -1,14 +1,9 @@
-"""Metrics: process 0's entries, written to every destination by a thread of their own.
+"""Metrics: process 0's entries, queued by the loop and written by a thread of their own.
 
-The training loop only builds an entry and puts it on a queue; the metrics thread opens the
-writers (a W&B run takes a moment to start) and writes. What the loop spent handing entries
-over, and what the thread spent writing them (it shares the interpreter with the loop), is
-the run's metrics cost (`seconds`), counted in its resilience budget report; opening the
-writers (start-up) and closing them (after the last step) are not.
-
-Besides the steps' scalars it follows each re-plan: the mean tokens/s of the steps before
-it against the steps after it (the first after the switch left out) is the gain it measured,
-written as an event once GAIN_STEPS steps have run on the new plan (or at the end).
+The loop's hand-over and the thread's writes are the run's metrics cost (`seconds`): the
+thread shares the interpreter with the loop. Each re-plan's measured gain (mean tokens/s of
+GAIN_STEPS steps after it, the first after the switch left out, over those before) follows
+as an event.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.metrics.destinations import Destination, metrics_directory, parse_destinations
 from resihp_jax.metrics.entry import MetricsEntry, gain_entry
 from resihp_jax.metrics.profile import Profiler, check_steps
-from resihp_jax.metrics.writers import JsonlWriter, open_writer
+from resihp_jax.metrics.writers import JsonlWriter, first_line, open_writer
 
 GAIN_STEPS = 3  # steps averaged on each side of a re-plan for its measured gain
 _STOP = object()
@@ -129,7 +124,7 @@ class Metrics:
                 self._writers.append(open_writer(destination, name=self._name, say=self.say))
             except Exception as err:  # noqa: BLE001 - training goes on without it
                 self.say(f"metrics: {destination.describe()} is not written: "
-                         f"{_first_line(err)}")
+                         f"{first_line(err)}")
         while True:
             entry = self._queue.get()
             if entry is _STOP:
@@ -151,14 +146,9 @@ class Metrics:
             fn(*args)
         except Exception as err:  # noqa: BLE001 - a failing writer must not stop training
             self.say(f"metrics: {type(writer).__name__}.{method} failed, no more entries go "
-                     f"to it: {_first_line(err)}")
+                     f"to it: {first_line(err)}")
             return False
         return True
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _stderr(line: str) -> None:

@@ -1,9 +1,5 @@
-"""The writers behind each destination: TensorBoard event files (tensorboardX, no TensorFlow),
-a Weights & Biases run (offline where no API key is set up), JSON lines (one step record a
-line, the format `--metrics PATH` always wrote), and a user's object with `write(entry)`.
-
-Each takes MetricsEntry values on the metrics thread, never on the training loop's.
-"""
+"""The writers behind each destination (tensorboardX, wandb, JSON lines, a user's object),
+called on the metrics thread, never on the loop's."""
 
 from __future__ import annotations
 
@@ -15,6 +11,11 @@ from typing import Any, TextIO
 from resihp_jax.errors import ConfigError
 from resihp_jax.metrics.destinations import Destination
 from resihp_jax.metrics.entry import MetricsEntry
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def text_tag(kind: str) -> str:
@@ -61,8 +62,7 @@ class WandbWriter:
                                   reinit="create_new",
                                   settings=wandb.Settings(console="off", x_disable_stats=True))
         except Exception as err:  # noqa: BLE001 - wandb raises its own kinds
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConfigError(f"metrics wandb:{project}: {first}") from None
+            raise ConfigError(f"metrics wandb:{project}: {first_line(err)}") from None
 
     def write(self, entry: MetricsEntry) -> None:
         data: dict[str, Any] = dict(entry.scalars)

@@ -1,11 +1,6 @@
-"""`rh.models`: ready-made models behind the user's-model contract (step/model_parts.py), written
-as plain Flax NNX models, so `rh.fit` trains them like a user's own: `rh.models.Llama`, built
-from a `ModelConfig` or a preset's name (`rh.models.get_model_config('tiny')`, or just 'tiny'),
-and `rh.models.GPT2`, a GPT-2 written as a user writes one (examples/user_model/train_gpt2.py,
-`resihp demo --model gpt2`).
-
-`config` (the sizes and presets) and `registry` (every model a command can name) import no
-JAX: the planner and the simulator read them. The models themselves load on first use.
+"""`rh.models`: ready-made plain Flax NNX models that `rh.fit` trains like a user's own:
+`Llama` (from a `ModelConfig` or a preset's name, e.g. 'tiny') and `GPT2`, written as a user
+writes one. `config` and `registry` import no JAX; the models load on first use.
 """
 
 from __future__ import annotations
@@ -15,8 +10,7 @@ from typing import Any
 
 from resihp_jax.models.config import ModelConfig, get_model_config
 
-# a name -> the module that defines it, imported when the name is first asked for, so
-# `resihp plan` can read the presets without starting JAX
+# a name -> its module, imported on first use (`resihp plan` reads presets without JAX)
 _LAZY = {"GPT2": "gpt2", "GPT2Block": "gpt2", "Llama": "llama", "LlamaBlock": "llama"}
 
 __all__ = ["GPT2", "GPT2Block", "Llama", "LlamaBlock", "ModelConfig",

@@ -1,12 +1,7 @@
-"""GPT-2 as a user writes it: a plain Flax NNX model behind the user's-model contract
-(step/model_parts.py), the model of examples/user_model/train_gpt2.py and of `resihp demo
---model gpt2`. Learned positions, pre-norm blocks with one fused qkv projection, a GELU MLP
-4x wide, our block-sparse `segment_attention` (packed documents never see each other), and
-the input embedding tied to the output head. Kernels carry logical axis names only; the
-library maps them to the mesh (`vocab`, `heads`, `mlp` go on `tp` by default).
-
-It lives in the package so that the demo (an installed command) can train it; copy it into
-your own script to make it yours: nothing in it is private to the library.
+"""GPT-2 as a user writes it (examples/user_model/train_gpt2.py, `resihp demo --model gpt2`):
+learned positions, a fused qkv projection, a GELU MLP, `segment_attention`, tied embeddings;
+kernels carry logical axis names only. It lives in the package so that the demo can train
+it; nothing in it is private to the library.
 """
 
 from __future__ import annotations

@@ -1,31 +1,22 @@
-"""Llama as a plain Flax NNX model behind the user's-model contract (step/model_parts.py):
-`embed`, `blocks` (identical `LlamaBlock`s), `head`, kernels named with logical axes, so it
-trains through the same generic step as any user's model. Its tensor parallelism is manual
-(`tensor_parallel = "manual"`): under tp > 1 each block sees its own heads and MLP columns
-and finishes their sums with `rh.nn.tp_sum`, the embedding is vocab-parallel
-(`rh.nn.vocab_embed`) and the head returns this device's slice of the vocabulary, so its step
-is manual over every mesh axis (stage timing, injected slowdowns and the fused attention
-kernels reach it at any tp). Outside such a step the helpers are the plain operations.
+"""Llama as a plain Flax NNX model behind the user's-model contract (docs/DESIGN.md).
 
-Its math (model/layers.py): RMSNorm with float32 statistics, rotary positions per document,
-grouped KV heads, SwiGLU, our packed `segment_attention`, an untied head whose logits are
-float32. It computes in `config.dtype` (float32 masters cast at use; the embedding gathers
-float32 rows and casts only those), or lower where the step hands it weights already cast
-lower. It is what `resihp train` and `resihp demo` train, behind the same contract as a
-user's model (runtime/run/programs.py `preset_programs`).
+Its tensor parallelism is manual (`tensor_parallel = "manual"`): under tp > 1 each block
+sees its own heads and MLP columns and sums them with `rh.nn.tp_sum`, the embedding is
+vocab-parallel and the head returns this device's vocabulary slice, so its step is manual
+over every mesh axis (stage timing, injected slowdowns and fused kernels reach it at any tp).
+It computes in `config.dtype` from float32 masters cast at use (nn/layers.py holds the math).
 """
 
 from __future__ import annotations
-
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from resihp_jax.nn import layers
 from resihp_jax.models.config import ModelConfig, get_model_config
-from resihp_jax.nn import segment_attention, tp_sum, vocab_embed
+from resihp_jax.nn import layers, segment_attention, tp_sum, vocab_embed
+
 
 def _param(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
     # Logical names only: the train step shards from them, nothing is placed at creation.

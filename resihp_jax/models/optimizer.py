@@ -1,11 +1,7 @@
-"""AdamWConfig: the presets' optimizer (what `resihp train` and `resihp demo` train
-`rh.models.Llama` with), frozen and self-validating, as the optax transformation any user's
-model takes.
+"""AdamWConfig: the presets' optimizer, as an optax transformation like any user's.
 
 Its learning rate is injected (`optax.inject_hyperparams`), so the rate each step applied is
-read off the optimizer's state (runtime/run/run_metrics.py `optimizer_learning_rate`) exactly
-as for a user's optax optimizer, and a run's identity names it (runtime/run/model_identity.py).
-Pure Python until `optimizer()` is called: importing it starts no JAX.
+read off the optimizer's state as for a user's optimizer. Importing it starts no JAX.
 """
 
 from __future__ import annotations

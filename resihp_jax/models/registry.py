@@ -1,16 +1,5 @@
-"""Every model a command can name: one registry, read by `resihp train --model`, `resihp demo
---model` and the planner (`resihp plan --model`, the simulator), and importable without JAX.
-
-An entry is one of two kinds:
-- a preset of `rh.models.Llama` (a `ModelConfig`): the model states its own facts (parameter
-  counts, FLOPs and bytes per layer, analytic from its sizes), so the planner and the
-  simulator plan it without building it;
-- `gpt2` (`GPT2Sizes`): `rh.models.GPT2`, the GPT-2 example's own model written as a user writes
-  one. It states no facts: XLA measures them once it is built (step/facts.py), as for any
-  user's model, so the planner cannot plan it ahead.
-
-`factory(entry, seq_len)` is the function `nnx.Rngs -> model` the step builder builds sharded,
-never whole on one device.
+"""Every model a command can name, importable without JAX (docs/DESIGN.md, "One registry"):
+the Llama presets, which state their facts, and `gpt2`, whose facts XLA measures once built.
 """
 
 from __future__ import annotations

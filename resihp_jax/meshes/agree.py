@@ -1,11 +1,8 @@
 """Keeping the processes of a job in agreement: one set of observations, one decision.
 
-Each process times only its own devices, so its view of a step is partial. `max_over_jobs`
-combines every process's view (an all-gather of a small array); the detector on every
-process then sees the same observations. Decisions (a verdict, a new plan) are taken from
+`max_over_processes` combines every process's partial view of a step; decisions come from
 process 0 (`from_primary`), so a numerical tie or a timing-dependent input (which programs a
-background compile has finished) can never split the job. In a one-process job both are
-the identity and cost nothing.
+background compile has finished) can never split the job. Alone, both are the identity.
 """
 
 from __future__ import annotations

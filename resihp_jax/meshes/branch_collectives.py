@@ -1,19 +1,10 @@
 """Collectives inside a compiled program's branches that not every device reaches.
 
-A pipeline step skips idle work with `lax.cond` gates whose predicate differs between
-stages (and between data-parallel groups with different micro-batch counts), so only some
-devices run a branch. A collective inside a branch is safe only when each of its groups is
-joined or skipped whole: every member of a tensor-parallel group takes the same branch, so an
-all-reduce over tp groups is safe. A collective permute is not: XLA (CPU and GPU alike)
-rendezvouses a permute over every device of the program, whatever its source-target pairs,
-and the devices that skipped the branch never arrive: the step hangs ("Expected 8 threads
-... only 4 of them arrived"). Sharding propagation inserts such a permute where a user's
-block moves data across a tp-sharded axis, e.g. `jnp.split` of a fused qkv projection whose
-`3 * heads` axis is split over tp.
-
-This module reads a compiled program's HLO text and names every collective that lies in a
-branch (or in anything a branch calls) and is not confined to tp groups, so the step builder
-can gate that model by selection instead of by branches, never run a program that hangs.
+Only some devices run a pipeline gate's branch; every member of a tp group takes the same
+one, so a collective confined to tp groups is safe, but XLA rendezvouses a collective
+permute over every device of the program and the step hangs (docs/DESIGN.md). This module
+reads a compiled program's HLO text and names every collective in a branch (or in anything a
+branch calls) that is not confined to tp groups, so the step builder gates by selection.
 """
 
 from __future__ import annotations

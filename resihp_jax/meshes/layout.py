@@ -19,35 +19,32 @@ from resihp_jax.plan import Plan
 from resihp_jax.meshes.rules import is_layer_leaf
 
 
-def _slots_with_headroom(total: int, parts: int) -> int:
-    """Even share plus ~25% headroom (at least one), capped by what any valid split needs."""
+def default_layer_slots(total: int, parts: int) -> int:
+    """Slots per stage for `total` layers over `parts` stages (as default_microbatch_slots:
+    per DP group, for micro-batches): the even share plus ~25% headroom (at least one),
+    capped by what any valid split needs."""
     share = math.ceil(total / parts)
     return min(total - parts + 1, share + max(1, share // 4))
 
 
-def default_layer_slots(n_layers: int, pp: int) -> int:
-    return _slots_with_headroom(n_layers, pp)
+default_microbatch_slots = default_layer_slots
 
 
-def default_microbatch_slots(n_microbatches: int, dp: int) -> int:
-    return _slots_with_headroom(n_microbatches, dp)
+def _slots_for(split: tuple[int, ...], field: str, per: str, slots: int) -> int:
+    if max(split) > slots:
+        raise PlanError(f"Plan.{field}={split} needs {max(split)} {per}; the step has {slots}")
+    return slots
 
 
 def layer_slots_for(plan: Plan, requested: int | None = None) -> int:
-    slots = requested or default_layer_slots(plan.n_layers, plan.pp)
-    if max(plan.layers_per_stage) > slots:
-        raise PlanError(f"Plan.layers_per_stage={plan.layers_per_stage} needs "
-                        f"{max(plan.layers_per_stage)} layer slots per stage; the step has {slots}")
-    return slots
+    return _slots_for(plan.layers_per_stage, "layers_per_stage", "layer slots per stage",
+                      requested or default_layer_slots(plan.n_layers, plan.pp))
 
 
 def microbatch_slots_for(plan: Plan, requested: int | None = None) -> int:
-    slots = requested or default_microbatch_slots(plan.n_microbatches, plan.dp)
-    if max(plan.microbatches_per_group) > slots:
-        raise PlanError(
-            f"Plan.microbatches_per_group={plan.microbatches_per_group} needs "
-            f"{max(plan.microbatches_per_group)} micro-batch slots per group; the step has {slots}")
-    return slots
+    return _slots_for(plan.microbatches_per_group, "microbatches_per_group",
+                      "micro-batch slots per group",
+                      requested or default_microbatch_slots(plan.n_microbatches, plan.dp))
 
 
 def stage_index(layers_per_stage: tuple[int, ...], slots: int) -> np.ndarray:

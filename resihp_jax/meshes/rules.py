@@ -1,9 +1,6 @@
-"""Which leaves of a training state are layer leaves, stacked `[n_layers, ...]` (canonical) or
-`[pp, slots, ...]` (stage layout), and how the canonical layout spreads them over the mesh.
-
-A model trains as {"shell": ..., "blocks": ...} (step/model_parts.py): every leaf under
-"blocks", in the parameters and in each optimizer moment that mirrors them, is a layer leaf.
-The mesh specs themselves come from the parameters' logical names (step/model_parts.py mesh_specs).
+"""Which leaves of a training state are layer leaves (every leaf under "blocks" of the
+{"shell", "blocks"} state, in the parameters and each optimizer moment), and how the
+canonical layout `[n_layers, ...]` spreads them over the mesh.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The `resihp` command line: every subcommand's parser and entry, and nothing else.
-
-Each subcommand module turns its flags into the library's typed configs at the door and
-calls the same objects a training script would; no module outside this package parses
-arguments or takes an `argparse.Namespace`.
-"""
+"""The `resihp` command line: every subcommand's parser and entry, turning flags into the
+typed configs a script would build (no module outside it parses arguments)."""
 
 from resihp_jax.cli.commands import build_parser, main
 

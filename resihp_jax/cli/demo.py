@@ -1,10 +1,5 @@
-"""`resihp demo`: a resilient run with injected faults, end to end.
-
-Trains under a Plan on the local text corpus; from chosen steps one device runs slower and
-another stops. The detector names them, the scheduler re-plans, the state moves, training
-goes on. Ends with a summary (tokens/s before each fault, while degraded and after each
-re-plan; detection delays; false alarms; steps lost) and a timeline figure. Every input a
-user can get wrong is checked before JAX starts.
+"""`resihp demo`: a resilient run with injected faults, end to end (the run is demo/app.py);
+every flag a user can get wrong is checked here, before JAX starts.
 """
 
 from __future__ import annotations
@@ -129,15 +124,15 @@ def _metrics(values: list[str] | None) -> tuple[str | None, tuple[str, ...]]:
     from resihp_jax.metrics.destinations import parse_destinations  # noqa: PLC0415
 
     given = values or []
-    kinds = [d.kind for d in parse_destinations(given, "--metrics")]
-    files = [d.target for d in parse_destinations(given) if d.kind == "jsonl"]
-    for d in parse_destinations(given):
+    parsed = parse_destinations(given, "--metrics")
+    files = [d.target for d in parsed if d.kind == "jsonl"]
+    for d in parsed:
         if d.kind == "tensorboard":
             check_output_dir(d.target, "--metrics")
     if len(files) > 1:
         raise ConfigError(f"--metrics: {len(files)} JSON lines files given; the demo writes one")
     return (files[0] if files else None,
-            tuple(v for v, kind in zip(given, kinds) if kind != "jsonl"))
+            tuple(v for v, d in zip(given, parsed) if d.kind != "jsonl"))
 
 
 def _check_outputs(args: argparse.Namespace, plot: str | None, metrics: str | None) -> None:
@@ -161,8 +156,7 @@ def plan_text(args: argparse.Namespace) -> str:
 
 def demo_plan(args: argparse.Namespace, model: Entry) -> Plan:
     text = plan_text(args)
-    mesh = parse_mesh(text)
-    dp, pp, tp = mesh["dp"], mesh["pp"], mesh["tp"]
+    dp, pp, tp = parse_mesh(text).values()  # in that order
     per_group = (parse_int_list(args.microbatches, "--microbatches") if args.microbatches
                  else (4,) * dp)
     if len(per_group) != dp:

@@ -1,8 +1,6 @@
 """`resihp plan`: the next plan for a health map, with every baseline's, from the command line.
 
 Pure numpy (no JAX import), so planning a 16k-device cluster answers in seconds on a laptop.
-Defaults: Llama-2-70B sizes with --layers layers, micro-batches of 1 row of 4096 tokens, and
-4 * pp * dp micro-batches per step (4 per pipeline stage per DP group).
 """
 
 from __future__ import annotations
@@ -65,8 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_inputs(args: argparse.Namespace) -> tuple[Plan, Health, PlanningContext]:
     """The current plan, the health map and the planning context the flags describe."""
     model = _model(args)
-    mesh = parse_mesh(args.plan)
-    dp, pp, tp = mesh["dp"], mesh["pp"], mesh["tp"]
+    dp, pp, tp = parse_mesh(args.plan).values()  # in that order
     n_devices = dp * pp * tp if args.devices is None else args.devices
     if n_devices < dp * pp * tp:
         raise PlanError(f"--plan {args.plan} needs {dp * pp * tp} devices but --devices is "
@@ -97,9 +94,8 @@ def _model(args: argparse.Namespace) -> ModelConfig:
 def run(args: argparse.Namespace) -> int:
     current, health, ctx = build_inputs(args)
     outcomes = compare(current, health, ctx, (OURS,) + BASELINES)
-    result = to_json(outcomes)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(to_json(outcomes)))
     else:
         print(render(current, health, ctx, outcomes))
     return 0

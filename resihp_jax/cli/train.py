@@ -1,20 +1,10 @@
 """`resihp train`: flags -> typed configs -> the library's TrainingRun (runtime/run/).
 
-`--checkpoint-dir DIR` saves at the `--checkpoint-every` cadence (default 'auto': seconds
-from a save's measured cost, see runtime/recovery/cadence.py) and after the last step
-(asynchronously, with orbax); `--resume` continues from the newest good checkpoint in DIR
-with the same data position, onto any plan. `--steps` counts from the start of the run, so
-`--steps 6 --resume` after a run of 3 trains steps 4 to 6. `--resume` on a directory with no
-checkpoint yet starts from step 0 (a requeued cluster job runs the same command again).
-
-The same command is one process of a multi-controller job (see job/distributed.py): every
-process runs it, joins the job, reads the job's health record beside the checkpoints, and
-trains on the devices the record leaves usable, with the requested plan when they allow it
-and the scheduler's plan when they do not (a relaunch on the survivors). Each step runs
-under a deadline from the cost model (job/deadline.py); a step past it ends the process
-with exit code 75 so the job restarts instead of hanging. Every flag becomes a field of
-ModelConfig, the model's optimizer (--lr), StepConfig, Plan, RunConfig or JobSpec here, so a
-script that builds the same configs runs exactly what this command runs.
+`--steps` counts from the start of the run (`--steps 6 --resume` after a run of 3 trains
+steps 4 to 6), and `--resume` with no checkpoint yet starts from step 0, so a requeued
+cluster job runs the same command again. The same command is one process of a job of
+several (runtime/job/distributed.py). Every flag becomes a field of a typed config here, so
+a script that builds the same configs runs exactly what this command runs.
 """
 
 from __future__ import annotations
@@ -174,12 +164,8 @@ def job_spec_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os
 
 
 def plan_from_args(args: argparse.Namespace, n_layers: int) -> Plan:
-    mesh = parse_mesh(args.plan)
-    dp, pp, tp = mesh["dp"], mesh["pp"], mesh["tp"]
-    if args.microbatches:
-        mbs = parse_int_list(args.microbatches, "--microbatches")
-    else:
-        mbs = (2,) * dp
+    dp, pp, tp = parse_mesh(args.plan).values()  # in that order
+    mbs = parse_int_list(args.microbatches, "--microbatches") if args.microbatches else (2,) * dp
     plan = Plan.uniform(dp, pp, tp, n_layers=n_layers, n_microbatches=max(sum(mbs), dp),
                         microbatch_size=args.microbatch_size, seq_len=args.seq_len)
     changes: dict[str, object] = {"microbatches_per_group": mbs}

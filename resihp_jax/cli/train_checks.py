@@ -1,9 +1,5 @@
-"""`resihp train` argument checks that need no JAX: they run before any device starts.
-
-Every mistake a user can make on the command line (a number out of range, an output path
-that cannot be written, a checkpoint directory holding another run) is reported here as one
-ConfigError naming the flag, instead of surfacing minutes later as a traceback.
-"""
+"""`resihp train` argument checks that need no JAX: each mistake is one ConfigError naming
+the flag before any device starts, not a traceback minutes later."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""One whole demo run from a DemoConfig: the fault checks that need the detector, the data,
-the training loop, the summary, the metrics' fault rows and the timeline figure; returns the
-exit status `resihp demo` ends with.
+"""One whole demo run from a DemoConfig, to the exit status `resihp demo` ends with.
 
 Importing this module starts no JAX: `request_host_devices` must run first, inside `run`.
 """
@@ -18,8 +16,6 @@ from resihp_jax.demo.summary import FaultOutcome, match_faults, write_summary
 
 if TYPE_CHECKING:
     from resihp_jax.data import BatchIterator
-    from resihp_jax.perfmodel.facts import ModelFacts
-    from resihp_jax.runtime.run.programs import ModelPrograms
 
 DEVICE_MEMORY_GB = 4.0  # what the trainer's scheduler assumes per fake device
 EXIT_UNDETECTED = 1  # an injected fault slowed the run and was never detected
@@ -32,8 +28,16 @@ def run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     from resihp_jax.runtime.job.devices import request_host_devices
 
     request_host_devices(config.n_devices)  # before anything imports JAX
-    model, programs = _model(config)
-    warnings = _check_faults(config, model)
+    from resihp_jax.runtime.run.programs import registered_programs  # noqa: PLC0415
+
+    # any registry model (a preset as a user's model, with its own optimizer), one step
+    model, programs = registered_programs(config.model, config.plan.seq_len, config.seed)
+    # refuse a fault the run cannot show (its timing against the detector's warm-up, a stop
+    # no plan survives); warn about risky ones
+    warnings = check_fault_timing(config.slow, config.kill, steps=config.steps,
+                                  timing=DetectorTiming.from_detector())
+    check_kill_survivable(config.kill, config.plan, model, range(config.n_devices),
+                          DEVICE_MEMORY_GB)
     data = _data(config)
     for line in warnings:
         print(f"resihp demo: warning: {line}", file=err)
@@ -48,25 +52,6 @@ def run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     if log.interrupted:
         return EXIT_INTERRUPTED
     return EXIT_UNDETECTED if missed else 0
-
-
-def _model(config: DemoConfig) -> tuple[ModelFacts, ModelPrograms]:
-    """What the trainer and the scheduler know of the model, and its step builder: any
-    registry model's (a preset as a user's model, with its own optimizer), on the one step
-    every model trains through."""
-    from resihp_jax.runtime.run.programs import registered_programs  # noqa: PLC0415
-
-    return registered_programs(config.model, config.plan.seq_len, config.seed)
-
-
-def _check_faults(config: DemoConfig, model: ModelFacts) -> list[str]:
-    """Refuse a fault the run cannot show (its timing against the detector's warm-up, a stop
-    no plan survives); return the warnings about risky ones."""
-    warnings = check_fault_timing(config.slow, config.kill, steps=config.steps,
-                                  timing=DetectorTiming.from_detector())
-    check_kill_survivable(config.kill, config.plan, model, range(config.n_devices),
-                          DEVICE_MEMORY_GB)
-    return warnings
 
 
 def _data(config: DemoConfig) -> BatchIterator:

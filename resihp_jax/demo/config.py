@@ -1,11 +1,7 @@
-"""What one demo run is: every value its loop, summary and figure use, checked on creation.
+"""What one demo run is, checked on creation, before any device starts (no JAX import).
 
-`resihp demo` builds a DemoConfig from its flags (its command-line module), naming the flags in
-its own errors first; code and tests may build one directly. Either way an impossible value
-fails here, before any device starts. The checks shared with the command line take the name
-to report, so each caller's message names what its user typed (a flag or a field).
-
-Pure Python: importing this module starts no JAX.
+The checks shared with the command line take the name to report, so each caller's message
+names what its user typed (a flag or a field).
 """
 
 from __future__ import annotations

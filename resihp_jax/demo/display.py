@@ -1,7 +1,5 @@
 """The demo's run: the run `rh.fit` runs, with a FaultInjector as its fault hook and the
-demo's display listening to its loop: each record and re-plan turned into plain values for
-the summary and the figure, told as it happens (progress, event lines, a JSON line per step
-and per event)."""
+demo's display (`Display`) listening to its loop."""
 
 from __future__ import annotations
 
@@ -39,10 +37,8 @@ class DemoLog:
 
 def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO, *,
              model: ModelFacts, programs: ModelPrograms) -> DemoLog:
-    """Train under the config's faults: the run `rh.fit` runs (runtime/run/training.py), with
-    the faults injected through its fault hook and the demo's display as one more listener;
-    `model` and `programs`: the model's facts and step builder (a preset's Llama or a user's
-    model, both behind the user's contract)."""
+    """Train under the config's faults; `model` and `programs`: the model's facts and step
+    builder (a preset's Llama or a user's model, both behind the user's contract)."""
     from resihp_jax.runtime.config import RunConfig
     from resihp_jax.runtime.job.devices import select_devices
     from resihp_jax.runtime.run.training import TrainingRun

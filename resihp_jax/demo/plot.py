@@ -1,8 +1,6 @@
-"""The demo's timeline figure: observed step time beside the predicted healthy time, with fault
-onsets, verdicts and re-plans marked and the plan written over each segment.
-
-matplotlib is imported only here and only when a figure is saved, through its object API with
-the Agg canvas (no pyplot, no global backend switch), so it runs on headless cluster nodes.
+"""The demo's timeline figure: observed against predicted healthy step time, faults,
+verdicts and re-plans marked. matplotlib is imported only when a figure is saved, through its
+object API with the Agg canvas (no pyplot, no global backend switch): headless nodes work.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""`resihp demo` fault flags: parse `--slow`/`--kill` and check them against the run.
-
-Everything here is pure Python and numpy (the feasibility check asks the scheduler, which
-needs no JAX), so a fault the run cannot show is refused before any device starts.
+"""`resihp demo` fault flags: parse `--slow`/`--kill` and check them against the run, without
+JAX (the feasibility check asks the scheduler), before any device starts.
 """
 
 from __future__ import annotations
@@ -137,11 +135,8 @@ def check_fault_timing(slow: SlowSpec | None, kill: KillSpec | None, *, steps: i
                        timing: DetectorTiming) -> list[str]:
     """Raise ConfigError for a slowdown inside the detector's warm-up that its probe checks
     cannot find (too small); return warnings for risky timings."""
-    return [] if slow is None else _check_slow(slow, kill, steps, timing)
-
-
-def _check_slow(slow: SlowSpec, kill: KillSpec | None, steps: int,
-                timing: DetectorTiming) -> list[str]:
+    if slow is None:
+        return []
     if slow.step <= timing.warmup:
         return _check_slow_in_warmup(slow, steps, timing)
     out = []

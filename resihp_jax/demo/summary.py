@@ -1,10 +1,8 @@
 """What a `resihp demo` run showed: each injected fault matched to the verdict that found it,
 throughput before it, while degraded and after the re-plan, and the false alarms.
 
-Pure values in, text out: the demo turns the trainer's records into `StepPoint`s and
-`ReplanPoint`s, so every combination of faults and outcomes is testable with made-up runs.
-Positions (`index`, `at`) count steps as they ran, so a step re-run after a checkpoint
-restore is a new point with an old step number.
+Pure values in (testable with made-up runs), text out. Positions (`index`, `at`) count steps
+as they ran: a step re-run after a checkpoint restore is a new point with an old step number.
 """
 
 from __future__ import annotations
@@ -193,8 +191,7 @@ def _num(value: float | None) -> str:
 
 def _row(o: FaultOutcome) -> list[str]:
     r = o.replan
-    found = "-" if r is None else f"{r.step} {list(r.devices)} {r.kind}" + (
-        "" if r.kind == "stopped" else f" {r.slowdown:.2f}x")
+    found = "-" if r is None else _verdict_text(r)
     degraded = "0 (stops)" if isinstance(o.fault, KillSpec) and r else _num(o.degraded)
     return [o.fault.describe(), str(o.fault.step), o.status, found,
             "-" if o.delay is None else str(o.delay), "-" if r is None else str(r.steps_lost),
@@ -243,5 +240,9 @@ def _wrong_text(wrong: list[ReplanPoint]) -> str:
     if not wrong:
         return ""
     return "; verdicts naming no injected fault: " + ", ".join(
-        f"step {r.step} {list(r.devices)} {r.kind}"
-        + ("" if r.kind == "stopped" else f" {r.slowdown:.2f}x") for r in wrong)
+        f"step {_verdict_text(r)}" for r in wrong)
+
+
+def _verdict_text(r: ReplanPoint) -> str:
+    return f"{r.step} {list(r.devices)} {r.kind}" + (
+        "" if r.kind == "stopped" else f" {r.slowdown:.2f}x")

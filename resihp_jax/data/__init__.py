@@ -1,8 +1,5 @@
-"""Documents -> packed micro-batches: length distributions, sources, packing, resumable iterator;
-the user's own data as documents (in memory, a token file, a map-style dataset) or as batches
-they packed themselves.
-
-Pure numpy; nothing here needs JAX.
+"""`rh.data`: documents -> packed micro-batches through a resumable iterator, from the
+library's sources or the user's own data (documents or batches they packed). Pure numpy.
 """
 
 from resihp_jax.data.corpus import CorpusSource, default_corpus_dir, index_files

@@ -1,13 +1,9 @@
 """The user's own documents as document sources for `BatchIterator`, which packs them.
 
-`from_documents` wraps in-memory token arrays; `from_hf_dataset` and `from_grain` wrap any
-map-style dataset (`len(ds)` and `ds[i]`: a Hugging Face `datasets.Dataset`, a Grain
-`MapDataset` or `RandomAccessDataSource`), duck-typed so neither package is imported. Every
-epoch visits the
-documents in the given order (shuffle them yourself if you want another order); a document
-longer than a row continues in the next row as a new segment. Token ids are non-negative and
-fit int32. A fingerprint names the content so a saved position is never restored into other
-data: over every token for `from_documents`, over a few sampled records for the adapters.
+`from_hf_dataset` and `from_grain` take any map-style dataset (`len(ds)`, `ds[i]`), duck-typed
+so neither package is imported. Every epoch visits the documents in the given order. A
+fingerprint names the content so a saved position is never restored into other data: over
+every token for `from_documents`, over a few sampled records for the adapters.
 """
 
 import hashlib
@@ -45,6 +41,16 @@ def as_document(tokens: Any, where: str) -> np.ndarray:
         raise ConfigError(f"{where} holds token id {int(array_L[column])} at position {column}; "
                           f"valid ids are 0 .. {MAX_TOKEN_ID}")
     return array_L.astype(np.int32)
+
+
+def checked_documents(docs: Any, what: str) -> list[np.ndarray]:
+    """`docs` (a sequence of token arrays) as int32 documents; ConfigError naming `what`
+    unless they are valid and hold at least one token."""
+    n = check_map_style(docs, what)
+    checked = [as_document(docs[i], f"document {i}") for i in range(n)]
+    if not any(doc_L.size for doc_L in checked):
+        raise ConfigError(f"{what} got {n} documents, all empty; it needs at least one token")
+    return checked
 
 
 def documents_digest(docs: Iterable[np.ndarray]) -> str:
@@ -119,12 +125,7 @@ def from_documents(docs: Any) -> DocumentsSource:
     """A DocumentSource over a sequence of 1-D integer token arrays (copied, so later edits
     of the arrays cannot change a running job's data); `BatchIterator(from_documents(docs),
     ...)` packs them."""
-    n = check_map_style(docs, "from_documents")
-    checked = [as_document(docs[i], f"document {i}") for i in range(n)]
-    if not any(doc_L.size for doc_L in checked):
-        raise ConfigError(f"from_documents got {n} documents, all empty; "
-                          "it needs at least one token")
-    return DocumentsSource(checked)
+    return DocumentsSource(checked_documents(docs, "from_documents"))
 
 
 # record, index -> the record's tokens (anything as_document accepts)

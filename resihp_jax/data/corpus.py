@@ -1,10 +1,8 @@
 """A local text corpus as a document source: every text file under a directory, byte-level.
 
-The index holds paths and sizes (sorted relative paths, so the order is the same on every
-machine); it opens each file once to read its first 8 KiB and keeps only text files (no NUL
-byte, valid UTF-8 so far), the rule git uses. A file's tokens are read when a micro-batch
-placed on this host needs them. Each epoch visits the files in a fresh seeded order; hidden
-entries are ignored.
+The index holds sorted relative paths and sizes (the same order on every machine) of text
+files only (git's rule: no NUL byte, valid UTF-8 in the first 8 KiB); a file is read when a
+micro-batch on this host needs it. Each epoch visits the files in a fresh seeded order.
 """
 
 import codecs

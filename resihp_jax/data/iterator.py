@@ -1,8 +1,7 @@
 """The resumable batch iterator: a document source -> packed global batches.
 
-Its whole state is a position in the source (epoch, item index, token offset inside the item),
-so saving and restoring never skips or repeats a token. What a batch contains depends only on
-the source spec, the seed and the batch shape, never on how a Plan spreads micro-batches.
+Its whole state is a position in the source (epoch, item, token offset), so a restore never
+skips or repeats a token; a batch depends on the source, seed and batch shape, not the Plan.
 """
 
 import zlib

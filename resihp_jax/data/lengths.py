@@ -1,7 +1,5 @@
-"""Document-length distributions and the length statistics the benchmarks report.
-
-Attention cost grows with the sum of squared piece lengths, so how lengths are spread
-decides how much step times swing; each named distribution stresses that differently.
+"""Document-length distributions and the length statistics the benchmarks report (attention
+cost grows with the sum of squared lengths, so their spread decides how step times swing).
 """
 
 from collections.abc import Callable, Iterable, Sequence

@@ -1,11 +1,8 @@
 """Packing documents into fixed rows of tokens, segment ids and positions; the global batch.
 
-Rows are filled greedily: documents sit contiguously, and one longer than the space left
-continues in the next row as a new segment, so only the last rows of a finite source pad.
-
-Where a row's pieces sit depends only on their lengths, so a batch's layout (segment ids,
-positions, lengths) is known before any token is read; a `GlobalBatch` reads the tokens of a
-micro-batch only when asked, so each host of a multi-host job reads only its own micro-batches.
+Rows are filled greedily (a document longer than the space left continues in the next row),
+and a layout depends only on lengths, so a `GlobalBatch` reads a micro-batch's tokens only
+when asked: each host of a multi-host job reads only its own micro-batches.
 """
 
 import functools

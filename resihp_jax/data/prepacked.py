@@ -1,12 +1,8 @@
 """Batches the user packed themselves, served like `BatchIterator` serves the library's.
 
-`packed_batches(data, ...)` takes a sequence of `PackedBatch` (int [rows, seq_len] tokens,
-segment ids and positions, rows = n_microbatches x microbatch_size) or a zero-argument
-function returning a fresh iterator of them, checks each batch (a document is a run of one
-positive segment id, 0 is padding, positions count 0, 1, ... from each document's start),
-and serves GlobalBatch values with the same `next_batch`/`state`/`restore` surface. The data
-repeats endlessly (epoch after epoch); the position is (epoch, batch index), so a restore
-re-creates a function's iterator and skips the batches already served.
+`packed_batches(data, ...)` takes a sequence of `PackedBatch` or a function returning a fresh
+iterator of them, checks each batch and repeats the data endlessly; the position is (epoch,
+batch index), so a restore re-creates a function's iterator and skips the batches served.
 """
 
 import zlib

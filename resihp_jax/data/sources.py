@@ -1,8 +1,6 @@
-"""Document sources: deterministic, seeded, random-access streams of byte-level documents.
-
-A source is a sequence of *items* (a synthetic document, or a file of a corpus), addressed by
-(epoch, index), so a reader's position is three small integers and resuming needs no data.
-Items longer than the source's `max_doc_len` are read as several documents.
+"""Document sources: deterministic, seeded, random-access streams of byte-level documents,
+whose *items* are addressed by (epoch, index), so resuming needs no data. An item longer
+than the source's `max_doc_len` is read as several documents.
 """
 
 from typing import Protocol

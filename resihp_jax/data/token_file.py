@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from resihp_jax.data.adapters import MAX_TOKEN_ID, as_document, check_map_style, documents_digest
+from resihp_jax.data.adapters import MAX_TOKEN_ID, checked_documents, documents_digest
 from resihp_jax.errors import ConfigError
 
 MAGIC = b"RHTOKv1\0"
@@ -47,14 +47,10 @@ def write_token_file(path: str | os.PathLike, docs: Any) -> Path:
     """Write a sequence of 1-D integer token arrays as a token file at `path` (replaced
     whole, never left half-written); returns the path."""
     path = as_path(path, "write_token_file")
-    n = check_map_style(docs, "write_token_file")
-    checked = [as_document(docs[i], f"document {i}") for i in range(n)]
+    checked = checked_documents(docs, "write_token_file")
     offsets_D = np.concatenate([[0], np.cumsum([doc_L.size for doc_L in checked])])
-    if offsets_D[-1] == 0:
-        raise ConfigError(f"write_token_file got {n} documents, all empty; "
-                          "it needs at least one token")
     width = token_width(checked)
-    header = HEADER.pack(MAGIC, width, n, int(offsets_D[-1]),
+    header = HEADER.pack(MAGIC, width, len(checked), int(offsets_D[-1]),
                          bytes.fromhex(documents_digest(checked)))
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:  # written beside it, then renamed over it: readers never see a partial file

@@ -92,8 +92,7 @@ if TYPE_CHECKING:
     from resihp_jax.runtime.job.devices import devices, use_cpu_devices
     from resihp_jax.runtime.job.join import join_job
     from resihp_jax.runtime.run.fit import FitResult, fit
-    from resihp_jax.runtime.events import StepRecord
-    from resihp_jax.runtime.events import Replan
+    from resihp_jax.runtime.events import Replan, StepRecord
     from resihp_jax.runtime.config import ResilienceConfig
 
 

@@ -1,13 +1,6 @@
-"""`rh.engine`: the building blocks behind `rh.fit`, for writing one's own training loop.
-
-A model's step programs (`ModelPrograms`: a preset of `rh.models.Llama` behind the user's
-contract from `preset_programs`, called for each plan) and `move_state`, the run `resihp
-train` performs (`TrainingRun`, `RunConfig`, `JobSpec`, `job_spec`), the resilient loop
-(`ResilientTrainer`, `Checkpointer`), detectors and scheduler policies on their own
-(`make_detector`, `Health`, `run_policy`) and the configs and data of a step (`ModelConfig`,
-`get_model_config`, `AdamWConfig`, `StepConfig`, `BatchIterator`). A script that trains its
-own model needs none of them: it calls `rh.fit`. Like the package, this module imports
-nothing until a name is used, so importing it starts no JAX backend.
+"""`rh.engine`: the building blocks behind `rh.fit`, for writing one's own training loop
+(grouped in `_EXPORTS` below). A script that trains its own model needs none of them: it
+calls `rh.fit`. Like the package, this module imports nothing until a name is used.
 """
 
 from __future__ import annotations

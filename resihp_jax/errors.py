@@ -27,16 +27,15 @@ class JobStepFailed(RuntimeError):
 
 
 class StepHung(JobStepFailed):
-    """A step of a one-process run passed its deadline and no device was named: its devices
-    are held by a program that will never return (a collective some devices never reach, or
-    a device that stopped), so nothing can run on them again in this process. The process
-    says so in one line and exits like a job process whose step hung (job/exits.py)."""
+    """A one-process run's step passed its deadline naming no device: a program that never
+    returns holds its devices, so the process says so in one line and exits like a job
+    process whose step hung (job/exits.py)."""
 
 
 class Preempted(RuntimeError):
-    """SIGTERM reached a one-process run: the step under way finished, its state was saved
-    (and written) to the checkpoint directory, and the process exits with EXIT, the code a
-    cluster script requeues without counting a failure (job/exits.py PREEMPTED_EXIT)."""
+    """SIGTERM reached a one-process run: the step under way was saved to the checkpoint
+    directory, and the process exits with EXIT, which a cluster script requeues without
+    counting a failure (job/exits.py PREEMPTED_EXIT)."""
 
     EXIT = 74
 
@@ -47,13 +46,11 @@ class Preempted(RuntimeError):
 
 
 class HostsLeftOut(RuntimeError):
-    """A job of several processes re-planned onto a mesh that holds no device of the slow
-    host(s) `processes` (a slow host excluded whole). A process without devices could take
-    no part in the state's move (orbax restores nothing into a process without shards) nor
-    in the steps, yet every per-step agreement would still wait on it; so every process
-    writes its copy of the last step and exits, the slow ones with LEFT_OUT_EXIT and the
-    rest with REPLAN_EXIT, and the job restarts without the slow ones (the health record
-    excludes them). Healthy processes the plan also left out come back at the restart."""
+    """A job re-planned onto a mesh holding no device of the slow host(s) `processes`. A
+    process without devices could take no part in the state's move (orbax restores nothing
+    into a process without shards), yet every per-step agreement would wait on it; so every
+    process writes its copy of the last step and exits (LEFT_OUT_EXIT on the slow ones,
+    REPLAN_EXIT elsewhere), and the job restarts without them."""
 
     LEFT_OUT_EXIT = 76
     REPLAN_EXIT = 77

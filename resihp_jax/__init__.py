@@ -42,9 +42,7 @@ _EXPORTS: dict[str, str] = {
     "TrainingDiverged": "resihp_jax.errors",
 }
 
-# namespaces a user reaches as attributes: rh.data.from_documents(...), rh.nn.segment_attention,
-# rh.models.Llama (ready-made models behind the same contract as a user's own), and rh.engine
-# (the building blocks for one's own loop)
+# namespaces a user reaches as attributes (rh.data.from_documents, rh.engine.TrainingRun, ...)
 _SUBMODULES = {"data": "resihp_jax.data", "nn": "resihp_jax.nn", "models": "resihp_jax.models",
                "engine": "resihp_jax.engine"}
 

@@ -83,19 +83,16 @@ class Plan:
             dupes = sorted(d for d, k in Counter(self.device_ids).items() if k > 1)
             raise PlanError(f"Plan.device_ids repeats device(s) {dupes}: each device holds one "
                             "mesh coordinate")
-        if len(self.layers_per_stage) != self.pp:
-            raise PlanError(f"Plan.layers_per_stage={self.layers_per_stage} has "
-                            f"{len(self.layers_per_stage)} entries; pp={self.pp} are needed")
-        if min(self.layers_per_stage) < 1:
-            raise PlanError(f"Plan.layers_per_stage={self.layers_per_stage}: every stage needs "
-                            "at least one layer")
-        if len(self.microbatches_per_group) != self.dp:
-            raise PlanError(
-                f"Plan.microbatches_per_group={self.microbatches_per_group} has "
-                f"{len(self.microbatches_per_group)} entries; dp={self.dp} are needed")
-        if min(self.microbatches_per_group) < 1:
-            raise PlanError(f"Plan.microbatches_per_group={self.microbatches_per_group}: every "
-                            "data-parallel group needs at least one micro-batch")
+        for name, axis, needs in (
+                ("layers_per_stage", "pp", "every stage needs at least one layer"),
+                ("microbatches_per_group", "dp",
+                 "every data-parallel group needs at least one micro-batch")):
+            split, parts = getattr(self, name), getattr(self, axis)
+            if len(split) != parts:
+                raise PlanError(f"Plan.{name}={split} has {len(split)} entries; "
+                                f"{axis}={parts} are needed")
+            if min(split) < 1:
+                raise PlanError(f"Plan.{name}={split}: {needs}")
 
     # ---- construction -------------------------------------------------------------------
     @classmethod

@@ -43,7 +43,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Preempted as err:  # a one-process run saved its step on SIGTERM
         print(f"resihp {args.command}: {err}", file=sys.stderr)
         return err.EXIT
-
-
-if __name__ == "__main__":
-    sys.exit(main())

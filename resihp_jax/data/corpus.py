@@ -31,10 +31,6 @@ class CorpusFile:
     size: int
 
 
-def _wanted(name: str, suffixes: tuple[str, ...] | None) -> bool:
-    return not name.startswith(".") and (suffixes is None or name.endswith(suffixes))
-
-
 def looks_like_text(path: Path) -> bool:
     """Readable, and its first 8 KiB hold no NUL byte and decode as (the start of) UTF-8."""
     try:
@@ -58,21 +54,13 @@ def index_files(root: Path, suffixes: tuple[str, ...] | None = None) -> tuple[Co
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in EXCLUDED_DIRS]
         for name in filenames:
             path = Path(dirpath, name)
-            if not _wanted(name, suffixes) or not path.is_file():
+            wanted = suffixes is None or name.endswith(suffixes)
+            if name.startswith(".") or not wanted or not path.is_file():
                 continue
             size = path.stat().st_size
             if size > 0:
                 found.append(CorpusFile(path.relative_to(root).as_posix(), size))
     return tuple(sorted(found, key=lambda f: f.rel_path))
-
-
-def read_tokens(path: Path) -> np.ndarray | None:
-    """A file's bytes as int32 tokens; None if it cannot be read."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
 
 
 class CorpusSource:
@@ -119,7 +107,10 @@ class CorpusSource:
     def item(self, epoch: int, index: int) -> np.ndarray:
         indexed = self.file(epoch, index)
         path = self.root / indexed.rel_path
-        tokens = read_tokens(path)
+        try:
+            tokens = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.int32)
+        except OSError:
+            tokens = None
         if tokens is None or tokens.size != indexed.size:
             now = "cannot be read" if tokens is None else f"has {tokens.size} bytes"
             raise ConfigError(

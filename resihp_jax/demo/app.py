@@ -6,16 +6,14 @@ Importing this module starts no JAX: `request_host_devices` must run first, insi
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
+from resihp_jax.data import BatchIterator
 from resihp_jax.demo.config import DemoConfig
 from resihp_jax.demo.display import DemoLog, run_demo
 from resihp_jax.demo.plot import save_timeline
 from resihp_jax.demo.scenario import DetectorTiming, check_fault_timing, check_kill_survivable
 from resihp_jax.demo.summary import FaultOutcome, match_faults, write_summary
-
-if TYPE_CHECKING:
-    from resihp_jax.data import BatchIterator
 
 DEVICE_MEMORY_GB = 4.0  # what the trainer's scheduler assumes per fake device
 EXIT_UNDETECTED = 1  # an injected fault slowed the run and was never detected
@@ -30,15 +28,17 @@ def run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     request_host_devices(config.n_devices)  # before anything imports JAX
     from resihp_jax.runtime.run.programs import registered_programs  # noqa: PLC0415
 
+    plan = config.plan
     # any registry model (a preset as a user's model, with its own optimizer), one step
-    model, programs = registered_programs(config.model, config.plan.seq_len, config.seed)
+    model, programs = registered_programs(config.model, plan.seq_len, config.seed)
     # refuse a fault the run cannot show (its timing against the detector's warm-up, a stop
     # no plan survives); warn about risky ones
     warnings = check_fault_timing(config.slow, config.kill, steps=config.steps,
                                   timing=DetectorTiming.from_detector())
-    check_kill_survivable(config.kill, config.plan, model, range(config.n_devices),
-                          DEVICE_MEMORY_GB)
-    data = _data(config)
+    check_kill_survivable(config.kill, plan, model, range(config.n_devices), DEVICE_MEMORY_GB)
+    data = BatchIterator(config.data, n_microbatches=plan.n_microbatches,
+                         microbatch_size=plan.microbatch_size, seq_len=plan.seq_len,
+                         seed=config.seed)
     for line in warnings:
         print(f"resihp demo: warning: {line}", file=err)
     log = run_demo(config, data, out, err, model=model, programs=programs)
@@ -52,15 +52,6 @@ def run(config: DemoConfig, out: TextIO, err: TextIO) -> int:
     if log.interrupted:
         return EXIT_INTERRUPTED
     return EXIT_UNDETECTED if missed else 0
-
-
-def _data(config: DemoConfig) -> BatchIterator:
-    from resihp_jax.data import BatchIterator
-
-    plan = config.plan
-    return BatchIterator(config.data, n_microbatches=plan.n_microbatches,
-                         microbatch_size=plan.microbatch_size, seq_len=plan.seq_len,
-                         seed=config.seed)
 
 
 def _save_figure(config: DemoConfig, log: DemoLog, out: TextIO) -> None:

@@ -11,6 +11,7 @@ imports either.
 from __future__ import annotations
 
 import importlib
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence
@@ -21,6 +22,7 @@ from resihp_jax.errors import ConfigError
 from resihp_jax.runtime.replicas.engine import HostState, Quorum, StateFns
 from resihp_jax.runtime.replicas.split import majority
 
+QUORUM_RETRIES = 50
 INSTALL = 'pip install "resihp_jax[ft]"  (torch==2.13.0 and torchft==0.2.0)'
 
 
@@ -56,8 +58,9 @@ class TorchftEngine:
 
     def __init__(self, *, replica: int, n_replicas: int, group_rank: int, group_size: int,
                  lighthouse: str, store_host: str, store_port: int, state: StateFns,
-                 timeouts: Timeouts = Timeouts(), gpu: bool = False) -> None:
+                 timeouts: Timeouts | None = None, gpu: bool = False) -> None:
         torch, torchft = _modules()
+        timeouts = timeouts or Timeouts()
         self._torch = torch
         save_state, load_state = state
         timeout = timedelta(seconds=timeouts.collective_s)
@@ -79,9 +82,12 @@ class TorchftEngine:
             lighthouse_addr=lighthouse, replica_id=f"replica_{replica}",
             # every replica starts from the same seeded state; a late one is behind in step
             # and heals anyway
-            init_sync=False)
+            init_sync=False,
+            # the Manager asks the Lighthouse again after a broken request (its restart)
+            quorum_retries=QUORUM_RETRIES)
         self._last: Quorum | None = None
         self._n_replicas = n_replicas
+        self._timeouts = timeouts
 
     @property
     def step(self) -> int:
@@ -90,7 +96,7 @@ class TorchftEngine:
 
     def start_step(self) -> Quorum:
         before = self.step
-        self._manager.start_quorum()
+        self._quorum_with_retries()
         rank = self._manager.participating_rank()
         quorum = Quorum(quorum_id=int(self._manager._quorum_id),
                         rank=-1 if rank is None else int(rank),
@@ -98,6 +104,23 @@ class TorchftEngine:
                         healed=self.step != before)
         self._last = quorum
         return quorum
+
+    def _quorum_with_retries(self) -> None:
+        """The step's quorum; one the Lighthouse's restart broke (its connection reset, a
+        TimeoutError) is asked again until the quorum timeout: the replicas keep their state
+        and step, and the restarted Lighthouse forms a new quorum from their requests."""
+        deadline = time.monotonic() + self._timeouts.quorum_s
+        while True:
+            try:
+                self._manager.start_quorum()
+                return
+            except Exception:  # noqa: BLE001  (torchft raises its transport's errors as-is)
+                if time.monotonic() > deadline:
+                    raise
+                # the failed request stays the Manager's pending quorum and would be raised
+                # again by the next start_quorum: forget it
+                self._manager._quorum_future = None
+                time.sleep(0.1)
 
     def sum_pieces(self, pieces: Sequence[Any]) -> list[np.ndarray]:
         """Sums over the quorum, by dtype in one flat buffer each (one collective per dtype)."""
@@ -131,10 +154,11 @@ class TorchftEngine:
         self._manager.shutdown(wait=False)
 
 
-def lighthouse(n_replicas: int, *, bind: str = "[::]:0", timeouts: Timeouts = Timeouts(),
+def lighthouse(n_replicas: int, *, bind: str = "[::]:0", timeouts: Timeouts | None = None,
                tick_ms: int = 50) -> Any:
     """A Lighthouse for a job of `n_replicas`: quorums take a majority."""
-    _, torchft = _modules()
+    _modules()
+    timeouts = timeouts or Timeouts()
     from torchft._torchft import LighthouseServer  # noqa: PLC0415  (the extra's own module)
     return LighthouseServer(bind=bind, min_replicas=majority(n_replicas),
                             join_timeout_ms=int(timeouts.join_s * 1000),

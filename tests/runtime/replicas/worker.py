@@ -102,6 +102,8 @@ def main() -> int:
                     time.sleep(0.01)
             quorum = engine.start_step()
             step = engine.step
+            if quorum.healed:  # a peer's state, at the quorum's step
+                out.write(json.dumps({"step": step, "committed": False, "healed": True}) + "\n")
             counts = split_counts(N_MICROBATCHES, np.ones(quorum.live), 1, slots)
             share = share_of(quorum.rank, counts, 1)
             x, y = global_batch(step)

@@ -92,7 +92,9 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
     """Validate every flag (pure: no JAX) into the run's DemoConfig; ConfigError/PlanError name
     the bad value. With several bad values the first check to fail is reported, so the checks
     keep the order users have seen (numbers, output files, model and plan, faults)."""
-    _check_numbers(args)
+    for name in ("steps", "seq_len", "microbatch_size"):
+        check_at_least(getattr(args, name), 1, f"--{name.replace('_', '-')}")
+    check_at_least(args.seed, 0, "--seed")
     plot = None if args.plot.strip().lower() == "none" else args.plot
     jsonl, dashboards = _metrics(args.metrics)
     _check_outputs(args, plot, jsonl)
@@ -111,12 +113,6 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
                       checkpoint_dir=args.checkpoint_dir, precompile=args.precompile,
                       background_compile=not args.no_background_compile,
                       progress=not args.no_progress, compile_cache=compile_cache_dir(args))
-
-
-def _check_numbers(args: argparse.Namespace) -> None:
-    for name in ("steps", "seq_len", "microbatch_size"):
-        check_at_least(getattr(args, name), 1, f"--{name.replace('_', '-')}")
-    check_at_least(args.seed, 0, "--seed")
 
 
 def _metrics(values: list[str] | None) -> tuple[str | None, tuple[str, ...]]:

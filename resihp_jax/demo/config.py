@@ -45,16 +45,13 @@ class DemoConfig:
         check_plot_name(self.plot, "plot", off="None")
         check_two_files(self.plot, self.metrics, ("plot", "metrics"))
         parse_destinations(self.dashboards, "dashboards")
-        self._check_pool()
-        check_fault_range(self.slow, self.kill, steps=self.steps,
-                          plan_devices=self.plan.device_ids)
-
-    def _check_pool(self) -> None:
         if self.n_devices < self.plan.n_devices:
             raise ConfigError(f"n_devices={self.n_devices}: the plan {self.plan.describe()} "
                               f"needs dp*pp*tp={self.plan.n_devices} devices")
         check_plan(self.model, self.plan, "plan")
         self.plan.check(self.model, range(self.n_devices))
+        check_fault_range(self.slow, self.kill, steps=self.steps,
+                          plan_devices=self.plan.device_ids)
 
     @property
     def faults(self) -> list[Fault]:

@@ -141,18 +141,14 @@ class Display(Listener):
 
 
 def step_point(record: Any, trainer: Any) -> StepPoint:
-    plan = trainer.plan
     return StepPoint(record.step, record.step_time_s, record.tokens,
-                     trainer.last_prediction_s,
-                     plan_label(plan.describe(), plan.device_ids), record.loss)
+                     trainer.last_prediction_s, plan_label(trainer.plan), record.loss)
 
 
 def replan_point(item: Any, at: int) -> ReplanPoint:
     v = item.verdict
     return ReplanPoint(at, v.step, v.detector, tuple(int(d) for d in v.devices), v.kind,
-                       float(v.slowdown), plan_label(item.old_plan.describe(),
-                                                     item.old_plan.device_ids),
-                       plan_label(item.new_plan.describe(), item.new_plan.device_ids),
+                       float(v.slowdown), plan_label(item.old_plan), plan_label(item.new_plan),
                        item.restored_from_step, float(item.switch_s), item.kind,
                        int(item.compiles), int(item.step))
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from resihp_jax.demo.scenario import Fault, KillSpec, SlowSpec
+from resihp_jax.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,8 @@ class FaultOutcome:
         return None if self.replan is None else self.replan.step - self.fault.step
 
 
-def plan_label(describe: str, device_ids: tuple[int, ...]) -> str:
-    return f"{describe} devices={','.join(map(str, device_ids))}"
+def plan_label(plan: Plan) -> str:
+    return f"{plan.describe()} devices={','.join(map(str, plan.device_ids))}"
 
 
 def _plan_devices(label: str) -> set[int]:

@@ -94,29 +94,25 @@ def _user_command(raw: list[str]) -> tuple[str, ...] | None:
     return tuple(args)
 
 
-def _train_args(raw: list[str]) -> tuple[str, ...]:
-    args = raw[1:] if raw[:1] == ["--"] else raw
-    for owned in ("--coordinator", "--num-processes", "--process-id", "--host-id",
-                  "--checkpoint-dir", "--devices"):
-        if owned in args:
-            raise ConfigError(f"train argument {owned} is set by resihp launch; remove it")
-    _check_parses(args)
-    return tuple(args)
-
-
 class _RefusingParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"train argument refused: {message}")
 
 
-def _check_parses(args: list[str]) -> None:
-    """Refuse train arguments `resihp train` would refuse, before any process starts: each
-    process would otherwise fail the same way, relaunch after relaunch."""
+def _train_args(raw: list[str]) -> tuple[str, ...]:
+    """The arguments of `resihp train`, refused here if it would refuse them: each process
+    would otherwise fail the same way, relaunch after relaunch."""
     from resihp_jax.cli import train as train_cli  # noqa: PLC0415
 
+    args = raw[1:] if raw[:1] == ["--"] else raw
+    for owned in ("--coordinator", "--num-processes", "--process-id", "--host-id",
+                  "--checkpoint-dir", "--devices"):
+        if owned in args:
+            raise ConfigError(f"train argument {owned} is set by resihp launch; remove it")
     parser = _RefusingParser(prog="resihp train")
     train_cli.add_arguments(parser)
     parser.parse_args(args)
+    return tuple(args)
 
 
 def devices(args: argparse.Namespace,

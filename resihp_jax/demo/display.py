@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from resihp_jax.runtime.run.programs import ModelPrograms
     from resihp_jax.faults.injector import FaultInjector
     from resihp_jax.step.config import StepConfig
-    from resihp_jax.runtime.config import ResilienceConfig
 
 CHECKPOINT_INTERVAL = 8
 
@@ -39,7 +38,7 @@ def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO, 
              model: ModelFacts, programs: ModelPrograms) -> DemoLog:
     """Train under the config's faults; `model` and `programs`: the model's facts and step
     builder (a preset's Llama or a user's model, both behind the user's contract)."""
-    from resihp_jax.runtime.config import RunConfig
+    from resihp_jax.runtime.config import ResilienceConfig, RunConfig
     from resihp_jax.runtime.job.devices import select_devices
     from resihp_jax.runtime.run.training import TrainingRun
 
@@ -54,7 +53,11 @@ def run_demo(config: DemoConfig, data: BatchIterator, out: TextIO, err: TextIO, 
     # its dashboards are the run's metrics (TensorBoard, W&B), written as rh.fit writes them
     run = RunConfig(steps=config.steps, seed=config.seed, data=config.data, progress=False,
                     survivor_copies="off", metrics=config.dashboards or None,
-                    resilience=_resilience(config))
+                    resilience=ResilienceConfig(
+                        checkpoint_dir=config.checkpoint_dir,
+                        checkpoint_interval=CHECKPOINT_INTERVAL, precompile=config.precompile,
+                        compile_cache_dir=config.compile_cache,
+                        background_compile=config.background_compile))
     training = TrainingRun(model, _step_config(config), config.plan, run, out=out, data=data,
                            programs=programs, devices=devices, fault_hook=_injector(config),
                            listeners=[Display(log, progress, rows)])
@@ -87,16 +90,6 @@ def _injector(config: DemoConfig) -> FaultInjector:
     if config.kill is not None:
         injector.kill(config.kill.device, at_step=config.kill.step)
     return injector
-
-
-def _resilience(config: DemoConfig) -> ResilienceConfig:
-    from resihp_jax.runtime.config import ResilienceConfig
-
-    return ResilienceConfig(checkpoint_dir=config.checkpoint_dir,
-                            checkpoint_interval=CHECKPOINT_INTERVAL,
-                            precompile=config.precompile,
-                            compile_cache_dir=config.compile_cache,
-                            background_compile=config.background_compile)
 
 
 def _step_config(config: DemoConfig) -> StepConfig:

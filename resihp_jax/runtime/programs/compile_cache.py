@@ -1,11 +1,6 @@
-"""JAX's persistent compilation cache, on by default for every resihp job.
-
-A mesh change builds a new executable; with the cache, the second time any process of any
-incarnation builds the same program for the same devices it loads it from disk instead. The
-directory defaults to `$RESIHP_COMPILE_CACHE`, else `~/.cache/resihp_jax/xla`; on a cluster,
-point it at storage every host of the job can reach: JAX writes entries from the job's
-process 0 only, and every process reads them (`cache_layout`).
-"""
+"""JAX's persistent compilation cache, on by default for every resihp job: the second time
+any process of any incarnation builds a program for the same devices, it loads it from disk.
+The directory defaults to `$RESIHP_COMPILE_CACHE`, else `~/.cache/resihp_jax/xla`."""
 
 from __future__ import annotations
 
@@ -40,11 +35,9 @@ def cache_layout(backend: str, device_count: int, process_count: int,
 
 
 def enable_compilation_cache(directory: str | None) -> str | None:
-    """Cache every compiled program under `directory` (None: leave the cache off); on a
-    cluster, `directory` must be one every process of the job reaches.
-
-    Returns the directory in use. Thresholds are zero: on CPU even sub-second compiles are
-    worth caching, and a re-plan's budget is counted in seconds.
+    """Cache every compiled program under `directory` (None: off; on a cluster, one every
+    process of the job reaches); returns the directory in use. Thresholds are zero: on CPU
+    even sub-second compiles are worth caching, and a re-plan's budget is counted in seconds.
     """
     if directory is None:
         return None

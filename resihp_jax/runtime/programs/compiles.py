@@ -1,11 +1,9 @@
 """Count XLA compilations, per thread, from JAX's own monitoring events.
 
-Every executable JAX builds (a fresh compile or a load from the persistent compilation cache)
-records one backend-compile event; persistent-cache hits record a second event. Counting them
-per thread tells a re-plan's critical path (the training thread) apart from compiles prepared
-ahead of time in a background thread. `foreground_since(t)` counts every thread but the
-background compiler's, from a moment on: what a process compiled on its way to a step (the
-step itself may run in a worker thread of its own, see detector/failstop.py).
+Every executable JAX builds (compiled, or loaded from the persistent cache) records one
+backend-compile event; a cache hit records a second. Per thread, they tell a re-plan's
+critical path apart from the background compiler's work; `foreground_since` counts every
+thread but the background compiler's (the step may run in a worker thread of its own).
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ _compiles: Counter[int] = Counter()  # thread ident -> executables built
 _hits: Counter[int] = Counter()  # thread ident -> persistent-cache hits
 # (wall clock at the end, seconds) of each executable built outside the background compiler
 _foreground: list[tuple[float, float]] = []
-_foreground_hits: list[float] = []  # wall clock of each of their persistent-cache hits
+_foreground_hits: list[tuple[float, float]] = []  # (wall clock, 0) of their cache hits
 # (wall clock at the end, seconds) of each executable the background compiler built
 _background: list[tuple[float, float]] = []
 _installed = False
@@ -46,7 +44,7 @@ def _on_event(event: str, **_: object) -> None:
         with _lock:
             _hits[threading.get_ident()] += 1
             if not background:
-                _foreground_hits.append(time.time())
+                _foreground_hits.append((time.time(), 0.0))
 
 
 def install() -> None:
@@ -63,8 +61,7 @@ def install() -> None:
 
 
 def _built_since(built: list[tuple[float, float]], start: float) -> list[tuple[float, float]]:
-    """The (end, seconds) of `built` that finished after wall-clock time `start`
-    (time.time()); counted once `install` has run."""
+    """The (end, seconds) of `built` that finished after `start` (time.time())."""
     install()
     with _lock:
         return [(end, seconds) for end, seconds in built if end > start]
@@ -112,6 +109,4 @@ def counting() -> Iterator[CompileCount]:
 def foreground_hits_since(start: float) -> int:
     """How many of `foreground_since(start)`'s executables were loaded from the persistent
     compilation cache rather than compiled."""
-    install()
-    with _lock:
-        return sum(1 for end in _foreground_hits if end > start)
+    return len(_built_since(_foreground_hits, start))

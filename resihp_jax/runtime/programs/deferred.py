@@ -1,11 +1,7 @@
-"""What a run compiles before its first step, and what it leaves for later.
-
-The first step needs its train step and nothing else. A StepProgram's layout moves (to the
-canonical layout for a checkpoint, back for a restore, between splits for a re-plan) serve
-only later work, so a run compiles its step alone (`compile_step`) and the moves in a
-background thread once the first step is done (`compile_layouts`, which warms the jitted
-functions' own caches: a later call with the same shardings runs the executable built here).
-Until then a move compiles on first use, in whatever thread calls it, and is counted there.
+"""What a run compiles before its first step (its step alone, `compile_step`), and what it
+leaves for later: the layout moves, compiled in the background after the first step
+(`compile_layouts` warms the jitted functions' own caches: a later call with the same
+shardings runs the executable built here); until then a move compiles on first use.
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ from resihp_jax.step.program import StepProgram, canonical_state_shapes
 
 
 def compile_step(program: StepProgram, warn_over_memory: bool = True) -> StepProgram:
-    """`program` with its step compiled now; its layout moves compile when first used (or in
-    the background, `compile_layouts`). `warn_over_memory`: see StepProgram.adopt_compiled."""
+    """`program` with its step compiled now (`warn_over_memory`: StepProgram.adopt_compiled)."""
     state, batch, splits = abstract_args(program)
     return program.adopt_compiled(program.step_fn.lower(state, batch, splits).compile(),
                                   warn_over_memory=warn_over_memory)

@@ -1,16 +1,12 @@
 """The trainer's programs: the one that runs now, and every other it compiled or will.
 
-`ProgramKeeper` builds each plan's step through the model's programs (runtime/run/programs.py
-`ModelPrograms`, called `programs(step_cfg, plan, devices, instrument)`), compiles it (under
-`remat="auto"`'s policy for that mesh, remat_choice.py), keeps the programs the trainer left
-and prepares those of the likely next plans in the background `Precompiler`, so that a
-switch compiles nothing where it can (`program_for`). It also runs a run's untimed start:
+`ProgramKeeper` builds each plan's step through the model's programs, compiles it, keeps the
+programs the trainer left and prepares those of the likely next plans in the background, so
+that a switch compiles nothing where it can (`program_for`). It also runs the untimed start:
 where a persistent compilation cache is on, the first steps may run the step without stage
-timing (which JAX can load from the cache, compile_cache.py) while the stage-timed step
-compiles in the background and takes over at a step boundary (`timed_ready`, `take_timed`).
-
-Which program runs now (`program`, `plan`, `timed`) is the keeper's alone: `install` changes
-it and tells `on_install` (the trainer's stage timer, fault hook and probe follow the plan).
+timing (which JAX can load from the cache) while the stage-timed step compiles in the
+background and takes over at a step boundary (`timed_ready`, `take_timed`). Which program
+runs now is the keeper's alone: `install` changes it and tells `on_install`.
 """
 
 from __future__ import annotations
@@ -60,11 +56,10 @@ class StepPrograms(Protocol):
 class ProgramKeeper:
     """Compiles, keeps and prepares a trainer's programs; holds the one running now.
 
-    `instrument`: the Instrument every program calls (the trainer's one host, so a program
-    compiled ahead needs no rebuild when its plan becomes current); `faults`: a fault hook
-    acts through its callbacks; `staging`: the host buffers a move onto a prepared mesh fills,
-    touched while it is prepared. Builds and installs `plan`'s program now: the step alone,
-    its layout moves wait for `start_background`."""
+    `instrument`: the Instrument every program calls (one host, so a program compiled ahead
+    needs no rebuild when its plan becomes current); `faults`: a fault hook acts through its
+    callbacks; `staging`: the host buffers a move onto a prepared mesh fills. Builds and
+    installs `plan`'s step now; its layout moves wait for `start_background`."""
 
     def __init__(self, model: ModelFacts, train_cfg: StepConfig, plan: Plan,
                  devices: Sequence[jax.Device], programs: StepPrograms, config: ResilienceConfig,
@@ -97,10 +92,9 @@ class ProgramKeeper:
     # ---- building ------------------------------------------------------------------------
     def compiled(self, plan: Plan, timed: bool | None = None,
                  layouts: bool = True) -> StepProgram:
-        """`plan`'s program, built and compiled now (any thread); `timed`: with the stage
-        timing (and fault) callbacks, else without (the persistent cache can hold it;
-        default: `config.stage_timing`); `layouts`: its layout moves too, else they compile
-        on first use (deferred.py)."""
+        """`plan`'s program, compiled now (any thread); `timed`: with the stage timing (and
+        fault) callbacks (default: `config.stage_timing`), else without (the persistent cache
+        can hold it); `layouts`: its layout moves too, else they compile on first use."""
         timed = self.config.stage_timing if timed is None else timed
         slots = max(self.train_cfg.microbatch_slots or layout.default_microbatch_slots(
             plan.n_microbatches, plan.dp), max(plan.microbatches_per_group))
@@ -121,8 +115,7 @@ class ProgramKeeper:
 
     def _within_memory(self, plan: Plan, train_cfg: StepConfig,
                        build: Callable[[StepConfig], StepProgram]) -> StepProgram:
-        """`plan`'s step compiled under `remat="auto"`'s policy for it (remat_choice.py): the
-        memory model's choice, stepped up while XLA says the compiled step does not fit."""
+        """`plan`'s step compiled under `remat="auto"`'s policy for it (remat_choice.py)."""
         first = remat_for_memory(self.model, plan, self.memory_gb or DEFAULT_DEVICE_MEMORY_GB)
         program, policy, why = within_memory(
             lambda policy, last: compile_step(build(train_cfg.replace(remat=policy)),
@@ -145,10 +138,9 @@ class ProgramKeeper:
 
     # ---- in the background ---------------------------------------------------------------
     def start_background(self, *, watching: bool, saving: bool) -> None:
-        """Start what the first step does not need, in the background thread: the current
-        program's layout moves (those `watching` and `saving` call for, `moves_ahead`), the
-        stage-timed step of an untimed start, the untimed step for the compile cache.
-        Once; the likely next plans are the caller's to prepare (`prepare_next`)."""
+        """Start, once, what the first step does not need, in the background thread: the
+        layout moves `moves_ahead` names, the stage-timed step of an untimed start, the
+        untimed step for the compile cache (the likely next plans: `prepare_next`)."""
         if self.background_started:
             return
         self.background_started = True
@@ -160,14 +152,12 @@ class ProgramKeeper:
         self.cache_untimed()
 
     def await_layouts(self) -> None:
-        """Wait for the first program's layout moves, where they compile in the background
-        (a save and a switch move the layout)."""
+        """Wait for the first program's layout moves compiling in the background."""
         await_started(self._layouts)
 
     def cache_untimed(self) -> None:
         """Compile the current plan's untimed program once, in the background, so that JAX
-        writes it to the persistent cache: a later start on this plan (a relaunch onto the
-        same plan, a spare in the failed node's place) then loads it."""
+        writes it to the persistent cache for a later start on this plan (a relaunch)."""
         key = self.plan.mesh_key()
         if self._cache_dir and self._untimed_wanted and key not in self._untimed_cached:
             self._untimed_cached.add(key)
@@ -191,9 +181,9 @@ class ProgramKeeper:
         return not self.timed and self.config.stage_timing
 
     def timed_ready(self, agree: Callable[[bool], bool]) -> bool:
-        """The untimed start may end: the stage-timed program is compiled, as `agree` (process
-        0's answer on every process: every process must run the same program in a step)
-        says; False, and nothing agreed, where no untimed start lasts."""
+        """The untimed start may end: the stage-timed program is compiled, as `agree`
+        (process 0's answer on every process) says; False, and nothing agreed, where no
+        untimed start lasts."""
         if not self.untimed_start:
             return False
         if not self.precompiler.has(self.plan):  # cancelled for a switch's program: again
@@ -236,9 +226,8 @@ class ProgramKeeper:
         self.cache_untimed()
 
     def switch_costs(self) -> SwitchCosts:
-        """What a switch away from the current program costs, as the scheduler charges it:
-        the compile measured on the spot (until then `config.recompile_s`), taking a
-        prepared program, and the splits the current program runs as it is."""
+        """What a switch away from the current program costs, as the scheduler charges it
+        (a compile: measured on the spot, until then `config.recompile_s`)."""
         measured = self.compile_s if self.compile_s is not None else self.config.recompile_s
         return SwitchCosts(recompile_s=measured, warm_s=self.warm_s,
                            prepared=self.precompiler.ready(),
@@ -249,8 +238,7 @@ class ProgramKeeper:
 
     # ---- the likely next plans -----------------------------------------------------------
     def prepare_next(self, health: Health, context: PlanningContext) -> None:
-        """Compile in the background the programs of the plans likely after the current one
-        under `health` and `context` (`likely_next_plans`; `config.precompile` of them)."""
+        """Compile in the background the programs of `likely_next_plans`."""
         if self.config.precompile > 0:
             # a snapshot: the background thread must not see a switch half-way
             program = self.program

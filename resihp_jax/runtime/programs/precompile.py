@@ -1,14 +1,10 @@
 """Compile, in one background thread while training runs, the programs of the plans the
 scheduler would pick next, so that a verdict is followed by a switch that compiles nothing.
 
-Programs are keyed by `Plan.mesh_key()`: a prepared program serves any split of its mesh
-that fits its slots. A switch that needs a program still being compiled waits for it (less
-than compiling again); one still queued is cancelled and compiled on the spot.
-
-Programs the trainer leaves are kept (`keep`), so going back to a mesh (the healthy plan
-once a slow device recovers) compiles nothing; `prepare_first` puts the program a switch
-is waiting for ahead of the speculative ones. An optional `stage` runs, in the same thread,
-after each prepared program (e.g. to reserve the host memory a move onto its mesh writes).
+Programs are keyed by `Plan.mesh_key()`: one serves any split of its mesh that fits its
+slots. A switch that needs a program still compiling waits for it (less than compiling
+again); one still queued is cancelled and compiled on the spot. An optional `stage` runs in
+the same thread after each prepared program (e.g. reserving the host memory of a move).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """One view and one decision in a job of several processes: process 0's.
 
-Every process of a job judges the same steps with the same detector, so identical inputs give
-identical verdicts; but a split decision (two processes running different programs in a step,
-or switching to different plans) must be impossible, not merely unlikely. So what decides the
-job's next step (a verdict, a plan, whether a program compiled in the background is ready)
-is process 0's on every process, and a step's timing is the job's (the slowest process's).
-In a one-process run each of these is the identity and costs nothing.
+Identical inputs give every process identical verdicts, but a split decision (two processes
+running different programs in a step) must be impossible, not merely unlikely: what decides
+the job's next step (a verdict, a plan, a background program ready) is process 0's on every
+process, and a step's timing the slowest process's. In one process each is the identity.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ from resihp_jax.runtime.trainer.timing import StepTiming
 
 
 def primary_says(ready: bool) -> bool:
-    """Process 0's `ready` on every process (it decides for all: every process must run the
-    same program in a step)."""
+    """Process 0's `ready` on every process."""
     return bool(from_primary(ready or None)) if multi_process() else ready
 
 
@@ -55,10 +52,8 @@ def primary_plans(new: Plan, interim: Plan | None) -> tuple[Plan, Plan | None]:
 
 
 def warm_up_agreement(plan: Plan) -> None:
-    """Build now the small programs of a job's per-step agreement (gathering a step's
-    timings with process 0's verdict, process 0's broadcast of a decision), so the first step
-    compiles none of them: a relaunch's first step is on its critical path. A no-op in a
-    one-process run."""
+    """Build now the small programs of a job's per-step agreement, so the first step (on a
+    relaunch's critical path) compiles none of them. A no-op in a one-process run."""
     if multi_process():
         agreed_step(StepTiming(0.0, np.zeros((plan.dp, plan.pp, plan.tp))), None)
         from_primary(None)  # (the last step's verdict, the checkpoints' decisions)

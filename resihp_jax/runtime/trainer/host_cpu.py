@@ -1,15 +1,10 @@
 """How much CPU this process and every other one on its host used while a step ran.
 
-Another process that takes the host's cores (a data loader of another job, a compile, a
-busy neighbour) slows every step alike, and at the step level it looks like a slow device
-until the probes clear it. The host's own accounting tells the two apart where the step
-needs the host's cores: other processes' CPU seconds during the step rise when they take
-cores from us, and stay where they were when a device of ours is slow. The detector turns
-that into the part of a step's excess the host explains (`ResiHPDetector`).
-
-Linux only: `/proc/stat` holds the host's busy time (user, nice, system, irq, softirq and
-steal: the hypervisor running other guests on our virtual CPUs). Elsewhere the meter says
-nothing (None) and the detector does without it. Readers and clock are injected.
+Another process taking the host's cores slows every step alike and, at the step level, looks
+like a slow device until the probes clear it. Other processes' CPU seconds during the step
+rise when they take our cores and stay put when a device of ours is slow; the detector turns
+that into the part of a step's excess the host explains. Linux only (`/proc/stat`, steal
+included: the hypervisor running other guests on our CPUs); elsewhere the meter says None.
 """
 
 from __future__ import annotations
@@ -29,10 +24,9 @@ _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
 class HostBusy:
     """Callable: CPU seconds the whole host has been busy since boot (None: not readable).
 
-    The file stays open and each call is one `pread` from its start, which /proc answers
-    with fresh counters: about 8 us a read against 28 us for an open, a read and a close
-    (on the 2-core machine; /proc/stat grows with the cores). A step reads it twice, just
-    before its dispatch and at its end, so the read is on the step's path and kept small.
+    The file stays open and each call is one `pread` from its start (fresh counters): about
+    8 us against 28 us for an open, a read and a close on the 2-core machine. A step reads it
+    twice, on its path, so the read is kept small.
     """
 
     def __init__(self, path: str = PROC_STAT) -> None:

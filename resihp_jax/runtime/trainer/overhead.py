@@ -1,15 +1,9 @@
 """What resilience cost a run: its parts' seconds against the run's wall time and its budget.
 
-Resilience is paid for while nothing fails, so a run accounts for it: the seconds the step
-loop was blocked in checkpoint saves, in the detector's judgement of each step (its cost
-model's predictions and fits), in its probes, in the stage-timing callbacks and the host CPU
-counters, in the survivors' per-step host copies, and where metrics are written in handing
-them over and writing them (a thread of their own, sharing the interpreter). Each part is
-measured where it is spent (the checkpointer's save calls, the trainer's calls into the
-detector and its probe runs, the stage timer's own callbacks, each step's copy, the metrics'
-hand-over and writes), and the total is their sum, shown
-against the training's wall time (from the end of the first, compiling step to the end of
-the last).
+Resilience is paid for while nothing fails, so a run accounts for the seconds its step loop
+was blocked in each part (PARTS: checkpoint saves, the detector's judgement, its probes, the
+stage-timing callbacks and CPU counters, the survivors' host copies, and where metrics are
+written their hand-over and writes), each measured where it is spent, against `wall_s`.
 """
 
 from __future__ import annotations
@@ -74,8 +68,8 @@ def run_overhead(records: Sequence[Any], *, budget: float, checkpoints_s: float 
                  counts: Mapping[str, int] | None = None,
                  checkpoint: Mapping[str, Any] | None = None,
                  metrics_s: float | None = None) -> Overhead:
-    """The run's Overhead from its records (their per-step host copies, after the first
-    step) and the seconds the checkpointer, the probes and the stage timer measured."""
+    """The run's Overhead from its records (their host copies after the first step) and the
+    seconds each other part measured."""
     copies = float(sum(r.host_copy_s for r in records[1:]))
     seconds = {"checkpoints": checkpoints_s, "detector": detector_s, "probes": probes_s,
                "timing": timing_s, "copies": copies}

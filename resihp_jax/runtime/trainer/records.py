@@ -1,7 +1,6 @@
 """The parts of running one step that every loop shares: the batch on the mesh, one timed
-step, and the error that stops a run at a non-finite loss or gradient norm (checked on the
-host, where they are fetched for the record anyway) before that step is checkpointed, so
-the newest checkpoint always holds a finite state.
+step, and the error that stops a run at a non-finite loss or gradient norm before that step
+is checkpointed, so the newest checkpoint always holds a finite state.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Re-planning on a verdict: the health map, the scheduler's next plan, the switch onto it.
 
-`Replanner.react` updates the health map from a verdict, asks the scheduler (the policy) for
-the best plan under it and, if it differs, switches: the program is reused for a new split of
-the same mesh, taken from the background `Precompiler` where it prepared the new mesh, or
-compiled on the spot (see `Replan.kind`); the state moves onto it in memory, or is restored
-from the newest checkpoint after a device stopped. After a fail-slow verdict whose mesh is
-not prepared it does not compile on the spot (`ResilienceConfig.background_compile`): the
-scheduler's interim plan (the best split the current program runs) trains while the new
-mesh's program compiles in the background, and `finish_pending` switches to it at the first
-step boundary after it is ready. The scheduler is charged these measured costs
-(`context`). In a job of several processes process 0's plans are every process's.
-
-The state is the caller's: it is handed in and the state on the new plan handed back.
+After a fail-slow verdict whose mesh is not prepared nothing compiles on the spot
+(`ResilienceConfig.background_compile`): the scheduler's interim plan (the best split the
+current program runs) trains while the new mesh compiles in the background, and
+`finish_pending` switches at the first step boundary after it is ready. In a job of several
+processes process 0's plans are every process's. The state is handed in and the state on
+the new plan handed back.
 """
 
 from __future__ import annotations
@@ -68,10 +62,10 @@ class Replanner:
               data_before: dict[str, Any] | None = None, cause: str = "",
               hint: str = "") -> tuple[TrainState, Replan]:
         """Update the health map from `verdict`, re-plan, and switch `state` if the plan
-        changes; (the state to train on, the re-plan). `data_before`: the data position to
+        changes: (the state to train on, the re-plan). `data_before`: the data position to
         rewind to (the failed step's batch re-runs). PlanError when a step failed and no
-        plan avoids the cause (re-running it would fail the same way forever); `hint`: why
-        the step may have named no device (the step runner's `untimed_hint`)."""
+        plan avoids the cause (re-running it would fail the same way forever); `hint`:
+        StepRunner.untimed_hint."""
         if verdict.kind == "stopped" and not verdict.devices:
             raise PlanError(f"step {verdict.step} failed without naming a device, so no plan "
                             f"can avoid it: {cause or 'no cause given'}{hint}")
@@ -187,8 +181,8 @@ class Replanner:
         return replan
 
     def _predicted_gain(self, old: Plan, new: Plan) -> float | None:
-        """The simulated step time of `old` over `new`'s under the current health map (what
-        the re-plan is expected to win; a report, decided on nothing)."""
+        """The simulated step time of `old` over `new`'s under the current health map (a
+        report, decided on nothing)."""
         if new == old:
             return None
         try:
@@ -212,8 +206,7 @@ class Replanner:
             schedule="gpipe", remat=program.train.remat, switch=self.keeper.switch_costs())
 
     def prepare_next(self) -> None:
-        """Compile in the background the programs of the plans likely after the current one,
-        under the health map and planning context of now."""
+        """ProgramKeeper.prepare_next under the health map and planning context of now."""
         self.keeper.prepare_next(self.health, self.context())
 
 

@@ -1,32 +1,20 @@
 """ResilientTrainer: train, watch every step, and re-plan around slow or stopped devices.
 
-Each step: take the next global batch, run it (guarded by a timeout), hand its timing and
-its exact batch to the detector. A verdict updates the health map; the scheduler proposes a
-plan; if it differs, the state moves onto it (in memory, or from the latest checkpoint when
-a device stopped and a checkpoint exists) and training continues from the same data
-position. A step that failed is re-run on the new plan with the same batch, so no data is
-skipped or repeated.
+A verdict updates the health map, the scheduler proposes a plan, and the state moves onto it
+(in memory, or from the latest checkpoint after a device stopped); a failed step re-runs on
+the new plan with the same batch, so no data is skipped or repeated. The trainer is the loop
+(`run`) and the object wiring its parts (docs/DESIGN.md, "trainer/"); the train state is the
+step runner's, which `state` reads and sets.
 
-The trainer is the loop (`run`) and the object that wires its parts, each with one job and
-handed what it needs: the programs (runtime/programs/keeper.py: compiled, kept, prepared in
-the background, the one running now), the step runner (step_runner.py: one guarded, timed
-step, the probe, the stage-timing sampler), the re-planner (replanner.py: a verdict's plan and
-the switch onto it), the detector, the checkpointer and the cross-replica collaborator
-(replicas.py). The train state is the step runner's; `state` reads and sets it.
-
-While the loop runs, a thread that wants the interpreter's lock gets it within 0.1 ms
-(`responsive_loop`). A training process runs Python besides its step loop: the background
-compiles of the likely next plans and the layout moves (tracing and lowering are pure
-Python), orbax's write threads, the survivors' copy writers, the step guard. Each time the
-loop waits on the devices it lets go of the GIL, and each time it wants it back it waits until
-the thread that took it is made to let go: by default after 5 ms (`sys.getswitchinterval`). A
-loop that waits ten times a step then loses up to 50 ms a step while a background thread
-traces: on a GPU, where the step itself is 40 ms, that halves the throughput for as long as
-the compiles last (what an all-Python background thread did to a 2,000-GPU job;
-benchmarks/gil_contention.py shows it here, 21 ms steps taking 60-64). With a 0.1 ms interval
-the loop gets the lock back within 0.1 ms; the price, a thread switch every 0.1 ms between
-threads that both want to run, falls on the background work, whose seconds are off the
-step's path.
+While the loop runs, a thread that wants the GIL gets it within 0.1 ms (`responsive_loop`).
+A training process runs Python beside its loop (the background compiles and layout moves,
+orbax's writers, the survivors' copy writers, the step guard). Each time the loop waits on
+the devices it lets go of the GIL, and gets it back only once the thread that took it is made
+to let go: by default after 5 ms (`sys.getswitchinterval`). A loop that waits ten times a
+step then loses up to 50 ms a step while a background thread traces: on a GPU, whose step is
+40 ms, that halves the throughput while the compiles last (what an all-Python background
+thread did to a 2,000-GPU job; benchmarks/gil_contention.py: 21 ms steps taking 60-64 here).
+The price of 0.1 ms, a thread switch every 0.1 ms, falls on the background work.
 """
 
 from __future__ import annotations
@@ -91,9 +79,7 @@ class ResilientTrainer:
         if fault_hook is not None and not config.stage_timing:
             raise ConfigError("a fault_hook acts through the stage-timing callbacks: "
                               "ResilienceConfig(stage_timing=True)")
-        self.model, self.train_cfg, self.devices, self.data = model, train_cfg, devices, data
-        self.config, self.fault_hook, self.clock = config, fault_hook, clock
-        self.on_long_work, self.programs = on_long_work, programs
+        self.data, self.config, self.clock = data, config, clock
         # what resilience spent on the step loop's path (see overhead.py): saves (every
         # call, put-off checks included), probe runs, stage timing (the timers' own time)
         self.spent_s = {"checkpoints": 0.0, "detector": 0.0, "probes": 0.0, "timing": 0.0}
@@ -135,8 +121,7 @@ class ResilientTrainer:
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self, steps: int, seed: int = 0) -> Iterator[StepRecord | Replan]:
-        """Train `steps` steps, yielding each step's record and each re-plan; meanwhile a
-        background thread's Python cannot hold the step loop up for long."""
+        """Train `steps` steps, yielding each step's record and each re-plan."""
         with responsive_loop():
             yield from self._run(steps, seed)
 
@@ -156,8 +141,12 @@ class ResilientTrainer:
                     # in place, so the job restarts on the survivors (see resihp launch)
                     raise JobStepFailed(str(failed)) from failed
                 if failed.hung and not failed.verdict.devices:
-                    raise StepHung(hung_line(failed, self.plan,
-                                             self.runner.untimed_hint())) from failed
+                    raise StepHung(
+                        f"step {failed.verdict.step} of plan {self.plan.describe()} hung: "
+                        f"{failed.cause} and no device named{self.runner.untimed_hint()}. A "
+                        "collective inside the model's program that some devices never reach, "
+                        "or a device that stopped, holds the step's devices, so this process "
+                        "cannot go on") from failed
                 judging = None  # the failure's re-plan decides now
                 yield self.react(failed.verdict, data_before, cause=str(failed))
                 continue  # the data iterator was rewound: the same batch runs again
@@ -205,26 +194,23 @@ class ResilientTrainer:
     def react(self, verdict: Verdict, data_before: dict[str, Any] | None = None,
               cause: str = "") -> Replan:
         """Update the health map from `verdict`, re-plan, and switch if the plan changes
-        (replanner.py). `data_before`: the data position to rewind to (the failed step's
-        batch re-runs). PlanError when a step failed and no plan avoids the cause."""
+        (Replanner.react)."""
         self.state, replan = self.replanner.react(verdict, self.state, data_before, cause,
                                                   hint=self.runner.untimed_hint())
         return replan
 
     def switch_to(self, new: Plan, *, from_checkpoint: bool = False,
                   data_before: dict[str, Any] | None = None) -> Switch:
-        """Run `new` from now on, the state moved onto it (or restored from the newest
-        checkpoint when `from_checkpoint` and one exists), see Replanner.switch_to."""
+        """Run `new` from now on, the state moved onto it (Replanner.switch_to)."""
         self.state, switch = self.replanner.switch_to(new, self.state,
                                                       from_checkpoint=from_checkpoint,
                                                       data_before=data_before)
         return switch
 
     def start_background(self) -> None:
-        """Start what the first step does not need, in the background thread: the current
-        program's layout moves, the stage-timed step of an untimed start, the untimed step
-        for the compile cache, the likely next plans. Once; `run` calls it after the first
-        step (a warm standby before its go, which it waits for anyway)."""
+        """Start, once, what the first step does not need (ProgramKeeper.start_background)
+        and the likely next plans; `run` calls it after the first step (a warm standby
+        before its go, which it waits for anyway)."""
         if not self.keeper.background_started:
             self.keeper.start_background(watching=watches(self.config),
                                          saving=self.checkpointer is not None)
@@ -243,11 +229,6 @@ class ResilientTrainer:
     def planning_context(self) -> PlanningContext:
         """What the scheduler plans with now (Replanner.context)."""
         return self.replanner.context()
-
-    def likely_next_plans(self, program: StepProgram, health: Health,
-                          context: PlanningContext) -> list[Plan]:
-        """The plans the background compiles prepare for (ProgramKeeper.likely_next_plans)."""
-        return self.keeper.likely_next_plans(program, health, context)
 
     def overhead(self, records: Sequence[StepRecord], metrics_s: float | None = None
                  ) -> Overhead:
@@ -323,14 +304,6 @@ class ResilientTrainer:
     def last_timing(self) -> StepTiming | None:
         """The last step's timing (its stage times None when it ran without the callbacks)."""
         return self.runner.last_timing
-
-
-def hung_line(failed: StepFailed, plan: Plan, hint: str) -> str:
-    """What a one-process run says when a step of `plan` hung without naming a device."""
-    return (f"step {failed.verdict.step} of plan {plan.describe()} hung: "
-            f"{failed.cause} and no device named{hint}. A collective "
-            "inside the model's program that some devices never reach, or a device that "
-            "stopped, holds the step's devices, so this process cannot go on")
 
 
 @contextlib.contextmanager

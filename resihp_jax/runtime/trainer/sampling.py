@@ -1,23 +1,15 @@
 """Which steps carry the stage-timing host callbacks: 1 in K, and every step while in doubt.
 
 A host callback stalls its device's stream while Python runs (on XLA:CPU about 0.7 ms per
-call with 8 fake devices on 2 cores; on a GPU the stream waits for the host), so a step that
-times its stages costs more than one that does not. The trainer turns the callbacks off on
-a step by setting every healthy device's knob to `OFF` (instrument.py): the same compiled
-program, no recompile. A device the fault hook slows keeps its callbacks, so an injected
-fault acts on every step.
+call with 8 fake devices on 2 cores; on a GPU the stream waits for the host). The callbacks
+are turned off on a step by setting every healthy device's knob to `OFF` (instrument.py): no
+recompile; a device the fault hook slows keeps them, so an injected fault acts every step.
 
-`every="auto"` picks K so that the timed steps' extra cost, measured in this run (the median
-timed step against the median untimed one, at least the timer's own host seconds), stays
-within `TIMING_SHARE` of the run's overhead budget: K = cost / (share x step). The detector
-asks for every step while its step-level evidence is in doubt (`Detector.wants_stage_times`:
-its warm-up, a step over the slack, a stage in excess), so a slow device is localized from
-consecutive stage times, and a load on the host is told from a device by the stages' common
-level, as when every step was timed. An integer K times every K-th step (1: every step).
-
-What an untimed step cannot do: name a device that hangs in it (no region was opened, see
-timing.py `in_flight`), so in one process a hang on an untimed step stops the run with a
-PlanError that says so; `every=1` names it.
+`every="auto"` picks K = cost / (share x step), keeping the timed steps' measured extra cost
+within `TIMING_SHARE` of the overhead budget. The detector asks for every step while in doubt
+(`Detector.wants_stage_times`), so a slow device is localized from consecutive stage times.
+An untimed step cannot name a device that hangs in it (no region was opened), so in one
+process such a hang stops the run with a PlanError that says so; `every=1` names it.
 """
 
 from __future__ import annotations
@@ -33,7 +25,6 @@ from resihp_jax.runtime.recovery.cadence import AUTO, check_interval
 TIMING_SHARE = 0.25  # of ResilienceConfig.overhead_budget: stage timing's part of it
 MAX_EVERY = 64  # stage baselines stay fresh with one timed step in this many at least
 FIRST_EVERY = 4  # until both kinds of steps were measured
-# what 'auto' and an integer K mean (check_interval's message)
 WINDOW = 32  # recent step times of each kind the cost is measured over
 MIN_SEEN = 4  # of each kind before the cost is trusted
 

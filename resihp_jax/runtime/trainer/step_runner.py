@@ -1,17 +1,9 @@
 """One step of the resilient loop, guarded and timed, and what runs beside it.
 
-`StepRunner.step` puts the batch on the devices and runs the current program under a hang
-deadline (detector/failstop.py `run_guarded`); while the devices work, the loop's thread
-judges the step before (watching.py `Judging`) and predicts this batch's healthy time, which
-becomes its deadline. The stage-timing callbacks run on the steps the sampler picks
-(sampling.py), turned off on the others through the devices' knobs, so no program is
-recompiled. Once the step is done on the devices its state is the trainer's (`state`, a step
-a later collective fails still counts as `completed`), and in a job of several processes its
-timing and process 0's verdict on the step before are agreed in one collective
-(agreement.py). The cross-replica collaborator is called at its three points (replicas.py).
-
-`Host` is what the current plan's programs call back into (its fault hook, its stage timer);
-`Probe` is the detector's prober of the same plan, timed into the run's account.
+`StepRunner.step` runs the current program under a hang deadline (detector/failstop.py
+`run_guarded`); while the devices work, the loop's thread judges the step before (watching.py)
+and predicts this batch's healthy time, its deadline. `Host` is what the current plan's
+programs call back into (its fault hook, its stage timer); `Probe` is the detector's prober.
 """
 
 from __future__ import annotations
@@ -89,9 +81,8 @@ class Host:
 
 
 class Probe:
-    """The detector's prober: times each device of the current plan (its program compiled at
-    the first alarm on a plan, a one-off, not a run's cost). `spent["probes"]` and `runs`
-    count what the probes cost the step loop."""
+    """The detector's prober: times each device of the current plan. `spent["probes"]` and
+    `runs` count what the probes cost the step loop."""
 
     def __init__(self, devices: Sequence[jax.Device], host: Host, spent: dict[str, float],
                  clock: Callable[[], float],
@@ -144,10 +135,9 @@ class StepRunner:
     def step(self, step: int, batch: GlobalBatch, beside: Judging | None = None
              ) -> tuple[StepRecord, Verdict | None] | None:
         """Run step `step` on `batch` to completion; `beside`: the previous step's judgement,
-        made while the devices run this one, whose verdict (agreed by every process) comes
-        back with the step's record. None: the replicas did not commit the step, and `state`
-        is again the one before it (its batch is the caller's to run again; `beside` was
-        not concluded). StepFailed where the step failed or hung."""
+        made meanwhile, whose agreed verdict comes back with the step's record. None: the
+        replicas did not commit the step, and `state` is again the one before it (the caller
+        runs its batch again; `beside` was not concluded). StepFailed: it failed or hung."""
         program, plan, timer = self.keeper.program, self.keeper.plan, self.host.timer
         self.replicas.before_step(step)
         arrays = device_batch(program, batch)
@@ -210,8 +200,7 @@ class StepRunner:
 
     def deadline_s(self, batch: GlobalBatch, l2_M: np.ndarray | None = None) -> float:
         """How long this batch's step may take before it counts as hung (worked out while
-        the devices run the step: not on the step loop's path, nor in its account).
-        `l2_M`: the batch's attention work per micro-batch, when already known."""
+        the devices run the step); `l2_M`: the batch's attention work, when already known."""
         plan = self.keeper.plan
         l2_M = mb_attention_l2(self.model, batch) if l2_M is None else l2_M
         predicted = self.detector.healthy_time_s(plan, mb_tokens(plan), l2_M)
@@ -229,9 +218,8 @@ class StepRunner:
                                self.last_timing.host_cpu)
 
     def verdict(self, judging: Judging | None, agree: bool = True) -> Verdict | None:
-        """`judging`'s verdict, the same on every process (this process's own, not `agree`d:
-        the caller agrees on it); the time the step loop waited for it (a judgement not made
-        beside a step, the probes excluded) is the detector's."""
+        """`judging`'s verdict, the same on every process (not `agree`d: this process's own);
+        the time the loop waited for it, the probes excluded, is the detector's."""
         if judging is None:
             return None
         judging_from, probes_before = self.clock(), self.spent["probes"]
@@ -245,16 +233,15 @@ class StepRunner:
         return verdict
 
     def untimed_hint(self) -> str:
-        """Why a failed step named no device, where the cause is that it ran untimed ('' where
-        it ran timed): said both by a hang and by a re-plan that cannot avoid the failure."""
+        """Why a failed step named no device, where it ran untimed ('' where it ran timed)."""
         return ("; it ran without stage timing, which names a device that hangs "
                 "(ResilienceConfig(stage_timing_every=1) times every step)"
                 if not self._step_timed and self.keeper.instrumented else "")
 
 
 def watches(config: ResilienceConfig) -> bool:
-    """Does a detector watch the steps (the same on every process)? Off, each process times
-    its own steps for its own deadlines, and no verdict needs agreeing."""
+    """Does a detector watch the steps? Off, each process times its own steps for its own
+    deadlines, and no verdict needs agreeing."""
     return config.detector != DETECTOR_OFF
 
 

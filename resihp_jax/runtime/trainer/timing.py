@@ -1,13 +1,11 @@
 """Per-step host time and per-stage busy times from the Instrument's host callbacks.
 
-`StageTimer` is an Instrument host function: it reads the clock at the start and end of the
-one region the train step times on each device, the forward of the group's micro-batch slot
-`TIMED_SLOT` through the stage's layers (tick = stage + TIMED_SLOT), and ignores every other
-event (a slowed device's markers fire on all its ticks, for the fault injector). Each
-device's callbacks arrive in order from one thread and every device writes only its own
-slot, so no lock is needed; the cost is two callbacks and two clock reads per device and step.
-Given a `CpuMeter`, the timer also says what CPU this process and the rest of its host used
-over the step (two reads of /proc/stat per step).
+`StageTimer` is an Instrument host function timing the one region the train step times on
+each device, the forward of micro-batch slot `TIMED_SLOT` through the stage's layers (tick =
+stage + TIMED_SLOT); it ignores every other event (a slowed device's markers fire on all its
+ticks, for the fault injector). Each device's callbacks arrive in order from one thread and
+each device writes only its own slot, so no lock is needed: two callbacks and two clock
+reads per device and step (with a `CpuMeter`, two reads of /proc/stat per step).
 """
 
 from __future__ import annotations
@@ -34,12 +32,9 @@ class StepTiming:
 
     def gathered_with(self, values: Sequence[float]) -> tuple[StepTiming, np.ndarray]:
         """This step as the whole job saw it, and each of `values`' maximum over the
-        processes, in the same all-gather (a step's other agreement rides along instead of a
-        collective of its own). Each process times only its own devices, and the step took
-        as long as its slowest process waited for it. The host CPU is each field's maximum
-        over the processes that measured it (the most others' cores: a load on any one host
-        slows the whole step); with several processes no one host's cores run every device
-        (`HostCpu.every_device`)."""
+        processes, in one all-gather (a step's other agreement rides along). The step took as
+        long as its slowest process waited for it; the host CPU is each field's maximum over
+        the processes that measured it (a load on any one host slows the whole step)."""
         from resihp_jax.meshes.agree import max_over_processes  # noqa: PLC0415
 
         cpu = self.host_cpu
@@ -120,10 +115,9 @@ def timed_step(program: Any, state: Any, batch: Any, knobs_DxPxT: np.ndarray | N
                on_dispatch: Callable[[dict[str, Any]], None] | None = None
                ) -> tuple[Any, dict[str, Any], StepTiming]:
     """Run one step to completion and time it with `timer` (per-stage times too when it is
-    the program's Instrument host, or part of it; a fresh one times the step alone).
-    `dispatched` is set once the step is on its way to the devices (the caller's host work
-    may then run beside it); `on_dispatch` is then called with the step's metrics, still on
-    the devices (the cross-replica point of replicas.py), inside the timed region."""
+    the program's Instrument host; None: the step alone). `dispatched` is set once the step
+    is on its way to the devices; `on_dispatch` is then called with its metrics, still on the
+    devices (replicas.py), inside the timed region."""
     if timer is None:
         timer = StageTimer((program.plan.dp, program.plan.pp, program.plan.tp))
     timer.begin()

@@ -1,24 +1,16 @@
 """The detector beside the step loop: a step judged while the devices run the next one
 (`Judging`), and the detector of a run that watches nothing (`Unwatched`).
 
-A step judged beside the next one. The detector's judgement of a step (its prediction, its
-evidence, what its cost model learns) is host work, and a step loop that judged between two
-steps kept the devices waiting for it: about 1 ms a step on an H200's host, 2% of a 38 ms
-step (docs/gpu/, resilience_price). So the trainer judges step n while the devices run step
-n+1 (the loop's thread waits for them anyway), and the probes, which need the devices, run
-after step n+1: a verdict comes one step later, and no step waits for the detector's
-arithmetic.
+A loop that judged between two steps kept the devices waiting for the host work: about 1 ms
+a step on an H200's host, 2% of a 38 ms step (docs/gpu/, resilience_price). So step n is
+judged while the devices run step n+1, and its probes, which need the devices, run after it.
 
-The detector of a run that watches nothing (`ResilienceConfig(detector="off")`, and
-`resihp train` without `--adapt`): it never suspects a step and never probes. It still learns
-what a healthy step of this plan costs, so a step's hang deadline is `hang_factor` times what
-that batch should take, not the start-up's long limit: a frozen peer is caught as fast as
-under the full detector. A step that fails or hangs is still re-planned around (that verdict
-comes from the failure, not from a detector). The estimate is a straight line in the batch's
-attention work (sum of l^2 over its documents) fitted to the plan's recent steps:
-microseconds of host time a step, where the full detector's cost model re-simulates the
-pipeline over its window (a fifth of a second a refit). A deadline is three times the
-estimate, floored at seconds; it needs no more.
+`Unwatched` still learns what a healthy step of this plan costs, so a frozen peer is caught by
+a deadline `hang_factor` times what the batch should take, as under the full detector. Its
+estimate is a straight line in the batch's attention work (sum of l^2 over its documents)
+fitted to the plan's recent steps: microseconds a step, where the full detector's cost model
+re-simulates the pipeline over its window (a fifth of a second a refit); a deadline (three
+times the estimate, floored at seconds) needs no more.
 """
 
 from __future__ import annotations

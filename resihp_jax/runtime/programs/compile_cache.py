@@ -13,18 +13,15 @@ def cache_layout(backend: str, device_count: int, process_count: int,
                  directory: Path) -> Path | None:
     """The directory this process caches under, or None where the cache must stay off.
 
-    - Several CPU devices: off. With JAX 0.10.2 a train step loaded from the persistent
-      cache deadlocked XLA:CPU's collective rendezvous in a job of several processes (an
-      all-reduce and a collective permute of one step waited for each other until XLA aborted
-      the process), while the same step compiled afresh runs; and there the cache key holds
-      each process's device assignment, so only process 0 (the one process JAX lets write)
-      would ever find an entry.
+    - Several CPU devices: off. With JAX 0.10.2 a step loaded from the cache deadlocked
+      XLA:CPU's collective rendezvous in a job of several processes (an all-reduce and a
+      collective permute of one step waited for each other until XLA aborted), while the same
+      step compiled afresh runs; and there the key holds each process's device assignment, so
+      only process 0 (the one JAX lets write) would ever find an entry.
     - A job of several processes elsewhere: one directory per job size, shared by its
-      processes. JAX writes entries from process 0 only, and on GPUs strips the device
-      assignment from the key so that every process finds them (a directory per process would
-      leave all but process 0 compiling at every start). Per job size, because an executable
-      of a job of several processes talks to its peers: loaded by a run of another size with
-      the same program (same shapes, same logical devices, same key) it aborts.
+      processes (JAX writes from process 0 only, and on GPUs strips the device assignment from
+      the key so every process finds them). Per size: a job's executable talks to its peers,
+      and loaded by a run of another size with the same key it aborts.
     - One process: `directory` itself.
     """
     if backend == "cpu" and device_count > 1:

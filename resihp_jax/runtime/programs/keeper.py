@@ -77,8 +77,12 @@ class ProgramKeeper:
         self._untimed_wanted = bool(wanted)
         # remat="auto": each mesh's policy and why (written by whichever thread compiles it)
         self.remat_chosen: dict[tuple, tuple[str, str]] = {}
-        # the memory of a device every process fits its steps and plans into, agreed now
-        self.memory_gb = agreed_memory_gb(config.device_memory_gb, devices)
+        # GiB a device has for a step: as given, else the least this process's devices report
+        # (0: none does, as CPU devices); in a job the least over its processes, so that each
+        # picks the same remat policy and plans (one collective, where every process builds)
+        own = config.device_memory_gb or devices_memory_gb(
+            [d for d in devices if d.process_index == jax.process_index()], default_gb=0.0)
+        self.memory_gb = float(-max_over_processes(np.array([-own]))[0])
         self.compile_s: float | None = None  # measured cost of a mesh compiled on the spot
         self.warm_s = 0.0  # measured cost of taking a prepared program
         self.warmed: set[int] = set()  # ids of the step executables run once ahead
@@ -107,23 +111,18 @@ class ProgramKeeper:
         def build(cfg: StepConfig) -> StepProgram:
             return self.programs(cfg, plan, self.devices, instrument)
 
-        if train_cfg.remat == REMAT_AUTO:
-            program = self._within_memory(plan, train_cfg, build)
-        else:
+        if train_cfg.remat != REMAT_AUTO:
             program = compile_step(build(train_cfg))
+        else:  # the policy that fits this mesh (remat_choice.py)
+            memory_gb = self.memory_gb or DEFAULT_DEVICE_MEMORY_GB
+            program, policy, why = within_memory(
+                lambda policy, last: compile_step(build(train_cfg.replace(remat=policy)),
+                                                  warn_over_memory=last),
+                remat_for_memory(self.model, plan, memory_gb),
+                self.memory_gb * 2**30 if self.memory_gb else None,
+                lambda program: compiled_bytes(program.step_fn))
+            self.remat_chosen[plan.mesh_key()] = (policy, why)  # any thread: one key, one write
         return compile_program(program) if layouts else program
-
-    def _within_memory(self, plan: Plan, train_cfg: StepConfig,
-                       build: Callable[[StepConfig], StepProgram]) -> StepProgram:
-        """`plan`'s step compiled under `remat="auto"`'s policy for it (remat_choice.py)."""
-        first = remat_for_memory(self.model, plan, self.memory_gb or DEFAULT_DEVICE_MEMORY_GB)
-        program, policy, why = within_memory(
-            lambda policy, last: compile_step(build(train_cfg.replace(remat=policy)),
-                                              warn_over_memory=last),
-            first, self.memory_gb * 2**30 if self.memory_gb else None,
-            lambda program: compiled_bytes(program.step_fn))
-        self.remat_chosen[plan.mesh_key()] = (policy, why)  # any thread: one key, one write
-        return program
 
     @property
     def instrumented(self) -> bool:
@@ -138,13 +137,16 @@ class ProgramKeeper:
 
     # ---- in the background ---------------------------------------------------------------
     def start_background(self, *, watching: bool, saving: bool) -> None:
-        """Start, once, what the first step does not need, in the background thread: the
-        layout moves `moves_ahead` names, the stage-timed step of an untimed start, the
-        untimed step for the compile cache (the likely next plans: `prepare_next`)."""
+        """Start, once, what the first step does not need, in the background thread: layout
+        moves, the stage-timed step of an untimed start, the untimed step for the cache."""
         if self.background_started:
             return
         self.background_started = True
-        program, moves = self.program, moves_ahead(watching, saving)
+        # the moves worth compiling ahead: all where a detector may call for a re-plan; with
+        # nothing watched a save's only (a failed step's re-plan compiles its own: four
+        # processes on two cores compiling every move beside the first steps ran 3x slower)
+        program = self.program
+        moves = MOVES if watching else ("to_canonical_fn",) if saving else ()
         if self.config.background_compile and moves:
             self._layouts = self.precompiler.run_later(lambda: compile_layouts(program, moves))
         if self.untimed_start:  # the stage-timed step, for a step boundary once compiled
@@ -165,8 +167,8 @@ class ProgramKeeper:
             self.precompiler.run_later(lambda: self.compiled(plan, timed=False))
 
     def _stage_prepared(self, program: StepProgram) -> None:
-        """In the background: touch the host buffers a move onto `program`'s mesh fills, and
-        (with `warm_prepared`) run the program once."""
+        """Touch the host buffers a move onto `program`'s mesh fills; with `warm_prepared`,
+        run it once."""
         if self.staging.budget_bytes:
             self.staging.reserve(program.abstract_state())
         if self.config.warm_prepared and not multi_process() and \
@@ -182,8 +184,7 @@ class ProgramKeeper:
 
     def timed_ready(self, agree: Callable[[bool], bool]) -> bool:
         """The untimed start may end: the stage-timed program is compiled, as `agree`
-        (process 0's answer on every process) says; False, and nothing agreed, where no
-        untimed start lasts."""
+        (process 0's answer) says; False, and nothing agreed, where no untimed start lasts."""
         if not self.untimed_start:
             return False
         if not self.precompiler.has(self.plan):  # cancelled for a switch's program: again
@@ -212,7 +213,7 @@ class ProgramKeeper:
 
     def switched(self, program: StepProgram, plan: Plan, kind: str, took_s: float) -> None:
         """Run `program` (had by `program_for` as `kind`, in `took_s`) for `plan` from now on;
-        the program left is kept, so going back to its mesh later compiles nothing."""
+        the program left is kept for a switch back."""
         if kind == "mesh_cold":
             self.compile_s = took_s
         elif kind == "mesh_warm":
@@ -230,10 +231,9 @@ class ProgramKeeper:
         (a compile: measured on the spot, until then `config.recompile_s`)."""
         measured = self.compile_s if self.compile_s is not None else self.config.recompile_s
         return SwitchCosts(recompile_s=measured, warm_s=self.warm_s,
-                           prepared=self.precompiler.ready(),
+                           prepared=self.precompiler.ready(), horizon_s=self.config.horizon_s,
                            layer_slots=self.program.layer_slots,
                            microbatch_slots=self.program.mb_slots,
-                           horizon_s=self.config.horizon_s,
                            background=self.config.background_compile)
 
     # ---- the likely next plans -----------------------------------------------------------
@@ -248,9 +248,9 @@ class ProgramKeeper:
     def likely_next_plans(self, program: StepProgram, health: Health,
                           context: PlanningContext) -> list[Plan]:
         """The scheduler's picks for any one more device slow, then any one dead, that need a
-        program other than `program`: at most `config.precompile` of them. Slow devices come
-        first: a fail-slow is handled in place, while on a real cluster a dead device takes
-        its process down and the job restarts anyway."""
+        program other than `program` (at most `config.precompile`). Slow devices first: a
+        fail-slow is handled in place; a dead device takes its process down and the job
+        restarts anyway."""
         out: dict[tuple, Plan] = {}
         ids = program.plan.device_ids
         faults = [health.with_changes(compute={d: 1 / f}) for f in LIKELY_SLOWDOWNS
@@ -265,23 +265,3 @@ class ProgramKeeper:
 
     def close(self) -> None:
         self.precompiler.close()
-
-
-def moves_ahead(watching: bool, saving: bool) -> tuple[str, ...]:
-    """The layout moves worth compiling ahead: all of them where a detector may call for a
-    re-plan (`watching`); with nothing watched only a save's, where saves are made (a failed
-    step's re-plan compiles its moves when it comes: four processes on two cores compiling
-    every move beside the first steps slowed them threefold)."""
-    if watching:
-        return MOVES
-    return ("to_canonical_fn",) if saving else ()
-
-
-def agreed_memory_gb(given_gb: float | None, devices: Sequence[jax.Device]) -> float:
-    """GiB a device has for a step: `given_gb` (`config.device_memory_gb`), else the least
-    this process's devices report (0: none does, as CPU devices); in a job the least over its
-    processes, so that each picks the same remat policy and plans for a figure (one
-    collective, made where every process builds its first program)."""
-    own = given_gb or devices_memory_gb(
-        [d for d in devices if d.process_index == jax.process_index()], default_gb=0.0)
-    return float(-max_over_processes(np.array([-own]))[0])

@@ -1,20 +1,14 @@
 """ResilientTrainer: train, watch every step, and re-plan around slow or stopped devices.
 
-A verdict updates the health map, the scheduler proposes a plan, and the state moves onto it
-(in memory, or from the latest checkpoint after a device stopped); a failed step re-runs on
-the new plan with the same batch, so no data is skipped or repeated. The trainer is the loop
-(`run`) and the object wiring its parts (docs/DESIGN.md, "trainer/"); the train state is the
-step runner's, which `state` reads and sets.
+A failed step re-runs on the new plan with the same batch, so no data is skipped or
+repeated. The trainer is the loop (`run`) wiring its parts (docs/DESIGN.md, "trainer/").
 
-While the loop runs, a thread that wants the GIL gets it within 0.1 ms (`responsive_loop`).
-A training process runs Python beside its loop (the background compiles and layout moves,
-orbax's writers, the survivors' copy writers, the step guard). Each time the loop waits on
-the devices it lets go of the GIL, and gets it back only once the thread that took it is made
-to let go: by default after 5 ms (`sys.getswitchinterval`). A loop that waits ten times a
-step then loses up to 50 ms a step while a background thread traces: on a GPU, whose step is
-40 ms, that halves the throughput while the compiles last (what an all-Python background
-thread did to a 2,000-GPU job; benchmarks/gil_contention.py: 21 ms steps taking 60-64 here).
-The price of 0.1 ms, a thread switch every 0.1 ms, falls on the background work.
+`responsive_loop`: the loop lets go of the GIL at each wait on the devices and by default
+gets it back from a background thread (compiles, layout moves, orbax's and the copies'
+writers, the step guard) only after 5 ms (`sys.getswitchinterval`): ten waits a step lose up
+to 50 ms, half the throughput of a 40 ms GPU step while compiles last (as on a 2,000-GPU
+job; benchmarks/gil_contention.py: 21 ms steps taking 60-64 here). At 0.1 ms the price, a
+thread switch every 0.1 ms, falls on the background work.
 """
 
 from __future__ import annotations
@@ -60,13 +54,11 @@ SWITCH_INTERVAL_S = 1e-4  # the interpreter's default is 5e-3
 class ResilientTrainer:
     """Trains `plan` on `devices`, watching every step; `run(n)` yields StepRecords and Replans.
 
-    `model`: the facts of the model (perfmodel/facts.py; a ModelConfig states its own);
-    `programs`: what builds its step for each plan, `programs(step_cfg, plan, devices,
-    instrument)` (runtime/run/programs.py `ModelPrograms`), whose `identity(data_state)` is
-    the run's identity its checkpoints record. `fault_hook`: tests, benchmarks and the demo
-    inject faults here; `on_long_work`: told before work between steps that may take long
-    (a probe, a switch), so a supervisor watching for progress can allow for it;
-    `replicas`: the collaborator across replica groups (replicas.py; default: none)."""
+    `model`: the facts of the model (perfmodel/facts.py); `programs`: what builds its step
+    for each plan (keeper.py `StepPrograms`); `fault_hook`: where tests, benchmarks and the
+    demo inject faults; `on_long_work`: told before work between steps that may take long (a
+    probe, a switch), so a supervisor watching for progress can allow for it; `replicas`:
+    the collaborator across replica groups (replicas.py; default: none)."""
 
     def __init__(self, model: ModelFacts, train_cfg: StepConfig, plan: Plan,
                  devices: Sequence[jax.Device], data: BatchIterator,

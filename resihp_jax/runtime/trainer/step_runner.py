@@ -173,8 +173,12 @@ class StepRunner:
         self.state, metrics, timing = run_guarded(run_once, step, deadline,
                                                   in_flight=self.host.in_flight)
         self.spent["timing"] += timer.spent_s - spent_before
-        if not self.replicas.should_commit(step):
-            self._drop(step, before)
+        if not self.replicas.should_commit(step):  # back to the state before the step
+            if program.train.donate_state:
+                raise ConfigError(f"the replicas did not commit step {step}, and the step "
+                                  "donated the state to go back to: "
+                                  "StepConfig(donate_state=False) keeps it")
+            self.state = before
             return None
         # done on the devices: should a later collective of this step fail (a peer died
         # meanwhile), this process can still keep it, as peers that got further did
@@ -190,13 +194,6 @@ class StepRunner:
         self._last_l2_M = l2_M[0]
         return StepRecord.of(int(self.state.step), plan, jax.device_get(metrics),
                              timing.step_time_s, batch), verdict
-
-    def _drop(self, step: int, before: TrainState) -> None:
-        """Go back to the state before step `step`, which the replicas did not commit."""
-        if self.keeper.program.train.donate_state:
-            raise ConfigError(f"the replicas did not commit step {step}, and the step donated "
-                              "the state to go back to: StepConfig(donate_state=False) keeps it")
-        self.state = before
 
     def deadline_s(self, batch: GlobalBatch, l2_M: np.ndarray | None = None) -> float:
         """How long this batch's step may take before it counts as hung (worked out while

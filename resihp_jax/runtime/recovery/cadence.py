@@ -1,16 +1,10 @@
 """When a run saves: every N steps, or `auto`: an interval in seconds from what a save costs.
 
-`auto` follows Young's rule, T = sqrt(2 C M): C is this run's measured blocking cost of one
-save (the seconds the step loop waits in `Checkpointer.save`), M the job's expected time
-between failures (a per-GPU figure divided by the devices in the job). The interval is kept
-at least as long as the measured background write (saves due faster than the disk takes
-them would only be put off) and at least C / budget (the blocking stays within the run's
-resilience budget), and at most a ceiling on the work a failure can lose.
-
-A time-based cadence must not split a job of several processes: each process's clock reads
-differently. So the seconds are turned into a step number once per save (the next step at
-which a save falls due), by process 0, and every process takes that number (`agree`);
-between saves the decision is a comparison of step numbers, with no communication.
+`auto` follows Young's rule, T = sqrt(2 C M), C this run's measured blocking cost of one save,
+M the job's expected time between failures, bounded as `choose_interval` says. The seconds
+must not split a job of several processes (each process's clock reads differently): process
+0 turns them into the step of the next save once per save and every process takes that
+number, so between saves the decision is a comparison of step numbers, with no message.
 """
 
 from __future__ import annotations
@@ -40,8 +34,7 @@ INTERVAL_MEANS = ("an interval in seconds from a save's measured cost",
 def check_interval(interval: object, where: str,
                    means: tuple[str, str] = INTERVAL_MEANS) -> int | str:
     """`interval` if it is 'auto' or an integer >= 1; else ConfigError naming `where` and
-    what 'auto' and an integer `means` there (a checkpoint interval's by default; the stage
-    timing's 1 step in K is checked here too)."""
+    what 'auto' and an integer `means` there (the stage timing's 1 step in K too)."""
     if interval == AUTO:
         return AUTO
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
@@ -83,8 +76,9 @@ class Choice:
 def choose_interval(cost_s: float, write_s: float, mtbf_s: float, *,
                     max_interval_s: float = MAX_INTERVAL_S,
                     budget: float | None = None) -> Choice:
-    """The `auto` interval: Young's, at least C / `budget`, at most `max_interval_s`, and
-    never shorter than the background write (`write_s`)."""
+    """The `auto` interval: Young's, at least C / `budget` (the blocking stays within the
+    budget), at most `max_interval_s`, and never shorter than the background write
+    (`write_s`: saves due faster than the disk takes them would only be put off)."""
     young = young_interval_s(cost_s, mtbf_s)
     interval, bound = young, "young"
     if budget is not None and cost_s / budget > interval:
@@ -99,10 +93,8 @@ def choose_interval(cost_s: float, write_s: float, mtbf_s: float, *,
 class Cadence:
     """Which steps save. `interval`: steps (int), or 'auto' (see the module doc).
 
-    `step_ended(step)` is called once a step (the checkpointer does, on every `save` call);
-    `due(step)` says whether a save falls due there; `saved(cost_s)` and `wrote(write_s)`
-    feed the measurements; `plan_next(step)` proposes the step of the next save when one is
-    wanted (`needs_plan`), which the caller agrees on and sets with `set_next`.
+    The caller agrees on `plan_next`'s proposal (when `needs_plan`) and sets it with
+    `set_next`; `saved` and `wrote` feed the measurements.
     """
 
     def __init__(self, interval: int | str, *, mtbf_s: float,

@@ -1,14 +1,10 @@
 """Orbax checkpoints that restore into any Plan, with the data position beside the weights.
 
 The state is saved in the canonical layout (layers `[n_layers, ...]`), so a checkpoint is
-independent of the mesh it was written from: restore builds the target shardings of the new
-plan (possibly on fewer devices) and asks orbax for exactly those. Orbax writes each step to
-a temporary directory and renames it when complete, so a crash mid-write leaves the last
-good checkpoint as the latest one. Beside the state, each step records the run identity,
-the leaf shapes and per-leaf checksums: restore (restore.py) refuses another run's
-checkpoints, tells a model mismatch from damage, and falls back from a damaged newest step
-to an older good one (one `CheckpointFallbackWarning`), setting the damaged steps aside as
-`<step>.corrupt`.
+independent of the mesh it was written from. Orbax writes each step to a temporary
+directory and renames it when complete, so a crash mid-write leaves the last good
+checkpoint as the latest one. Beside the state each step records the run identity, the
+leaf shapes and per-leaf checksums, which restore.py checks.
 """
 
 from __future__ import annotations
@@ -71,15 +67,10 @@ class SaveStats:
 
 class Checkpointer:
     """Saves under `directory` at the cadence `interval` (steps, or 'auto': see cadence.py),
-    keeping the newest `keep`.
+    keeping the newest `keep` (docs/api.md lists every argument).
 
-    With `identity` (see run_identity.py) every save records it and every restore
-    refuses a checkpoint whose identity differs; with `force_identity` too, it continues and
-    tells `say` once what differed (a resume forced on purpose). `mtbf_s` (the job's expected
-    seconds between failures; default: cadence.GPU_MTBF_S over the job's devices),
-    `max_interval_s` and `budget` shape the 'auto' interval. `say` is told once which
-    cadence 'auto' chose. `handoff` runs the saves a one-process run hands off (default: a
-    thread of their own; a test may run them at once, on its fake clock).
+    `mtbf_s` defaults to cadence.GPU_MTBF_S over the job's devices. `handoff` runs the saves
+    a one-process run hands off (default: a thread of their own).
     """
 
     def __init__(self, directory: str | Path, *, interval: int | str = 10, keep: int = 2,
@@ -101,10 +92,8 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.identity = identity
         self.force_identity = force_identity
-        # what a forced resume found different (said once, not per source); None: nothing
-        self.forced: str | None = None
-        # where the survivors' copies of this run go on each node (local_copies.py; None:
-        # under `directory`, on shared storage)
+        self.forced: str | None = None  # what a forced resume found different (said once)
+        # the survivors' copies' node-local directory (None: under `directory`)
         self.local_copies = (None if local_copy_dir is None
                              else local_copies.local_root(local_copy_dir, self.directory))
         self._clock = clock
@@ -113,18 +102,13 @@ class Checkpointer:
         self._write_step = self._step_now = 0  # the step it saves; the newest step seen
         self._longest_write_s: float | None = None  # of the asynchronous writes seen to end
         self._longest_call_s: float | None = None  # of the `save` calls that saved
-        # a due save that finds the previous write under way is put off (never a stall)
         self._put_off = put_off_while_writing
         self._owed = False  # a due save put off while the previous write was under way
         self._preempted = False  # SIGTERM in a one-process run (see preemption.py)
         self._stopping: Preempted | None = None  # its save is written: the run stops
         self.stats = SaveStats()
-        # In a one-process run a cadence save is handed to a thread once its canonical copy
-        # is dispatched: the device-to-host copy (through pinned host memory on GPUs) and
-        # orbax's start of the write then run beside the next steps, off the step loop. The
-        # copy is a fresh output of the layout move, which no step donates. In a job of
-        # several processes orbax's save holds device-collective barriers, which must keep
-        # their order among the step's collectives: there it stays on the step loop.
+        # A job's orbax save holds device-collective barriers, which must keep their order
+        # among the steps' collectives: only a one-process run hands saves to a thread.
         self._hands_off = asynchronous and jax.process_count() == 1
         self._handing: tuple[int, Future] | None = None  # (step, its save) under way
         self._pool, self._own_pool = handoff, handoff is None
@@ -157,12 +141,9 @@ class Checkpointer:
         yet; returns whether it saved. Call it after every step: the cadence counts them.
 
         Asynchronous saves first copy the state on its devices (the canonical layout, which
-        no step donates), so the caller may donate `state` to the next step; in a one-process
-        run the copy to host and orbax's write then run in a thread beside the next steps
-        (elsewhere orbax copies to host before `save` returns). A due
-        save that finds the previous write still under way is put off to the first later
-        step that finds it done (never a stall of the step); in a job of several processes
-        process 0's view decides for all. `force` and a preemption save and wait.
+        no step donates), so the caller may donate `state` to the next step. A due save that
+        finds the previous write under way is put off (process 0's view decides for a job);
+        `force` and a preemption save and wait.
         """
         self.cadence.step_ended(step)
         self._step_now = step
@@ -227,9 +208,8 @@ class Checkpointer:
         return saved
 
     def _write(self, step: int, canonical: TrainState, meta: dict[str, Any]) -> bool:
-        """Start orbax's write of `canonical` (its checksums first: they wait for the copy on
-        the devices), returning once the arrays are on the host; CheckpointError if it fails.
-        """
+        """Start orbax's write of `canonical` (its checksums first), returning once the arrays
+        are on the host; CheckpointError if it fails."""
         try:
             meta = {**meta, "checksums": state_checksums(canonical)}
             return bool(self._manager.save(step, args=ocp.args.Composite(
@@ -308,13 +288,10 @@ class Checkpointer:
             self._write_started = None
 
     def save_deadline_s(self, floor_s: float, factor: float, limit_s: float) -> float:
-        """How long the next `save` call may take before the process counts as hung.
-
-        The call holds the copy to host and orbax's barriers with the other processes (where
-        a frozen peer blocks it): `factor` times the longest call that saved so far, at
-        least `floor_s`. It also waits for a write still under way, so that write's length
-        is added as for a step beside it (`deadline_beside_write`). Never past `limit_s`
-        (the start-up deadline), and `limit_s` before a call has been timed.
+        """How long the next `save` call may take before the process counts as hung: `factor`
+        times the longest call that saved so far (it holds orbax's barriers, where a frozen
+        peer blocks it), at least `floor_s`, widened for a write under way as a step beside
+        it is; never past `limit_s` (the start-up deadline), which holds until one is timed.
         """
         if self._longest_call_s is None:
             return limit_s
@@ -322,13 +299,10 @@ class Checkpointer:
         return min(limit_s, self.deadline_beside_write(own, limit_s))
 
     def deadline_beside_write(self, deadline_s: float, limit_s: float) -> float:
-        """The deadline of a step starting now whose own is `deadline_s`.
-
-        An asynchronous write under way competes with the step for the host, for at most as
-        long as it lasts: the step gets WRITE_MARGIN times the longest write timed so far on
-        top, never past `limit_s` (the start-up deadline), and `limit_s` while no write has
-        been timed yet. A hang during a write is thus caught about as soon as one between
-        writes, not only at the start-up deadline.
+        """The deadline of a step starting now whose own is `deadline_s`: while a write is
+        under way (it competes for the host), WRITE_MARGIN times the longest write timed so
+        far on top, never past `limit_s`, and `limit_s` until a write is timed. A hang during
+        a write is thus caught about as soon as one between writes.
         """
         if not self.saving():
             return deadline_s
@@ -337,11 +311,8 @@ class Checkpointer:
         return max(deadline_s, min(limit_s, deadline_s + WRITE_MARGIN * self._longest_write_s))
 
     def restore(self, program: StepProgram, step: int | None = None) -> Restored:
-        """The checkpoint at `step` (default: the newest good one) placed into `program`'s plan.
-
-        With `step=None`, damaged newer steps are skipped with one CheckpointFallbackWarning
-        and set aside; an explicit `step` that is damaged raises CheckpointError instead.
-        """
+        """The checkpoint at `step` (default: the newest good one, see restore.py) placed
+        into `program`'s plan; an explicit `step` that is damaged raises CheckpointError."""
         self._finish_handoff()
         return restore_from(self._manager, self.directory, program, step, self.check_identity)
 
@@ -357,8 +328,8 @@ class Checkpointer:
                 self.say(forced)
 
     def reload(self) -> None:
-        """Read the directory's list of steps again (it is read once, when this object is
-        built): a standby built its checkpointer long before the job wrote its newest steps."""
+        """Read the directory's list of steps again: a standby built its checkpointer long
+        before the job wrote its newest steps."""
         self._finish_handoff()
         self._manager.reload()
 

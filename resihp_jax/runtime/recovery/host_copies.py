@@ -1,30 +1,18 @@
 """The state of the last completed step, kept by every process and written out when it must stop.
 
-Two ways to keep it, both leaving the state a failed step consumed recoverable:
-- `keep` (what `auto` picks wherever it fits): the step does not donate the state's
-  buffers, so the states of the last two steps simply stay on the devices; the shards are
-  copied to host only when written. No time per step (a step without donation is even
-  3-4% faster on XLA:CPU and on an H100, see benchmarks/survivor_copies_cost.py), two more
+Two ways to keep it (docs/DESIGN.md, step 8, tells the whole path):
+- `keep` (what `auto` picks wherever it fits): the step does not donate the state, so the
+  last two steps' states stay on the devices. No time per step (a step without donation is
+  even 3-4% faster on XLA:CPU and on an H100, benchmarks/survivor_copies_cost.py), two more
   states in device memory.
-- `host` (what `auto` falls back to when two more states would not fit): after each step
-  the shards this process's devices hold are copied to host memory, and the step donates
-  as usual. One device-to-host copy of the local state per step, no device memory; it
-  stalls the device for the copy (4.5x the step time of `llama-1b` on an H100), so it is
-  the last resort before `off`.
-Nothing is written during healthy training. When the job fails (a peer died and a
-collective errs, the step deadline passes, or whatever runs the job sends SIGTERM, as the
-supervisor, SLURM and Kubernetes do before they kill), the process writes its newest copy
-under `<checkpoint dir>/survivors/step<S>/<host>-<pid>/` and exits: of each shard, only if
-it is one of the shard's two writers among the processes holding it (copy_writers.py), so
-the exit writes 2/dp of the replicated state rather than dp copies. With data parallelism
-the survivors together hold every shard of the state of the last completed step after any
-one process is lost; a relaunch rebuilds it from their files into its own plan (see
-survivor_copies.py).
-
-SIGTERM is caught through `signal.set_wakeup_fd`, read by a thread of our own: the main
-thread may be blocked in a collective that never returns, where a Python signal handler
-would never run. The process then exits with PREEMPTED_EXIT, its own code, so a cluster
-script can requeue a preempted job without counting it as a failure.
+- `host` (`auto`'s fallback): after each step the local shards are copied to host memory
+  and the step donates as usual; it stalls the device for the copy (4.5x the step time of
+  `llama-1b` on an H100), the last resort before `off`.
+When the job fails the process writes its newest copy under
+`<checkpoint dir>/survivors/step<S>/<host>-<pid>/` (of each shard only if it is one of its
+two writers, copy_writers.py) and exits. SIGTERM is caught through `signal.set_wakeup_fd`,
+read by a thread of our own: the main thread may be blocked in a collective that never
+returns, where a Python signal handler would never run.
 """
 
 from __future__ import annotations
@@ -107,10 +95,6 @@ def _holders_by_box(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
     return {box: tuple(owners) for box, owners in out.items()}
 
 
-def leaf_key(path: tuple[Any, ...]) -> str:
-    return jax.tree_util.keystr(path)
-
-
 def set_prog(prog: str) -> None:
     """Name this process in the messages of its exit paths ("resihp train", "rh.fit")."""
     _PROG[0] = prog
@@ -131,13 +115,10 @@ class HostCopies:
                  node_of: Callable[[Any], Any] | None = None,
                  local_root: str | Path | None = None) -> None:
         """`mode`: "keep" (the caller's step must not donate the state) or "host".
-        `devices`: ids of the devices whose shards count as this process's (default: its
-        addressable devices; tests pose as several processes with it, and with `owner_of`,
-        the process a device belongs to, which decides who writes each shard). `node_of`:
-        the node an owner runs on (default: each its own), so a shard's two writers are on
-        two nodes where it has holders on two. `local_root`: this run's node-local directory
-        (local_copies.local_root): the shards go there, and only the manifest naming them
-        to the checkpoint directory."""
+        `devices` (ids) and `owner_of` (a device's process) let tests pose as several
+        processes; `node_of`: an owner's node (default: each its own). `local_root`: this
+        run's node-local directory (local_copies.local_root), where the shards go; only the
+        manifest naming them goes to the checkpoint directory."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; valid: {', '.join(MODES)}")
         self.root = Path(checkpoint_dir).absolute() / SUBDIR
@@ -174,7 +155,7 @@ class HostCopies:
         `start_copies`: start every device-to-host copy first (not while a step may be stuck
         on the devices, which such a request could queue behind)."""
         flat, _ = jax.tree_util.tree_flatten_with_path(state)
-        shards = [(leaf_key(path), leaf, shard, shard_box(shard.index, leaf.shape))
+        shards = [(jax.tree_util.keystr(path), leaf, shard, shard_box(shard.index, leaf.shape))
                   for path, leaf in flat for shard in leaf.addressable_shards
                   if self.devices is None or shard.device.id in self.devices]
         shards = [(key, leaf, shard, box) for key, leaf, shard, box in shards

@@ -1,21 +1,11 @@
 """Survivors' copies on each node's own storage, and the relaunch that restores from them.
 
-Writing the copies through shared storage puts the whole exit on its bandwidth: at the
-Llama 3 paper's share per GPU (122 MB/s) a 70B shard pair takes over a minute. With a
-node-local directory (`--local-copy-dir /dev/shm`: memory, kept across the job steps of one
-allocation) each process writes its copy at memory speed and only a small manifest goes to
-the shared directory, so every process still learns which shards exist and where.
-
-A relaunch onto the same stages and tensor split (the same plan, each rank back on its node
-and the failed node's ranks on a spare; or fewer data-parallel replicas) restores in place:
-every process loads the shards its devices hold from its own node's files, and the shards
-nobody on the node kept (a spare node has none; a process that was not one of a shard's two
-writers has none) are filled from a data-parallel replica that has them, by one
-collective: per leaf, the lowest replica holding the shard sends it (a sum over the replica
-axes in which only that replica contributes, on the values' bits, so it is exact). When
-that cannot work (another split, or some shard that no replica holds locally), every
-process publishes its node's files into the shared directory and the relaunch reads them
-there, as without local copies: slower, but nothing is lost.
+Through shared storage the whole exit waits on its bandwidth: at the Llama 3 paper's share
+per GPU (122 MB/s) a 70B shard pair takes over a minute. With a node-local directory
+(`--local-copy-dir /dev/shm`) only a small manifest goes to the shared directory. A relaunch
+onto the same stages and tensor split restores in place, filling the shards nobody on the
+node kept from a data-parallel replica by one collective; otherwise every node publishes
+its files to the shared directory and the relaunch reads them there (docs/DESIGN.md, step 8).
 """
 
 from __future__ import annotations
@@ -33,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resihp_jax.meshes import layout
-from resihp_jax.runtime.recovery.host_copies import leaf_key, remove_steps, shard_box
+from resihp_jax.runtime.recovery.host_copies import remove_steps, shard_box
 
 PUBLISHED = "published"  # in a shared copy directory: the node's files are there too
 _CLAIM = ".publishing"  # in a local copy directory: one process of the node publishes it
@@ -47,17 +37,15 @@ def local_root(local_dir: str | Path, checkpoint_dir: str | Path) -> Path:
 
 
 def same_layout(copies: Any, program: Any) -> bool:
-    """Is every shard of `program`'s state a shard the copies hold (the same layer placement,
-    and every device's box one of theirs)? The state is replicated over 'data', so a device's
-    shard depends only on its pipeline stage and tensor slice: a plan with fewer (or more)
-    data-parallel replicas and the same stages and tensor split qualifies, whichever devices
-    it runs on."""
+    """Is every shard of `program`'s state one the copies hold? The state is replicated over
+    'data', so a plan with other data-parallel replicas but the same layer placement, stages
+    and tensor split qualifies, whichever devices it runs on."""
     if (copies.layer_slots != program.layer_slots or list(copies.positions)
             != layout.canonical_index(program.stage_index()).tolist()):
         return False
     flat, _ = jax.tree_util.tree_flatten_with_path(program.abstract_state())
     for (path, shape), sharding in zip(flat, jax.tree_util.tree_leaves(program.state_shardings)):
-        held = copies.leaves.get(leaf_key(path))
+        held = copies.leaves.get(jax.tree_util.keystr(path))
         if held is None or tuple(held[0]) != tuple(shape.shape) \
                 or jnp.dtype(held[1]) != jnp.dtype(shape.dtype):
             return False
@@ -72,10 +60,10 @@ def restore_in_place(copies: Any, program: Any,
                      can_read: Callable[[Path, jax.Device], bool] | None = None,
                      ) -> tuple[Any, int] | None:
     """`copies`' state in `program`'s plan from this node's files and a fill from replicas,
-    and how many device shards the fill supplied; None when the copies are not in this
-    plan's layout or some shard is held by no replica (every process gets the same answer:
-    the check is one collective). `can_read(path, device)`: whether `device`'s process sees
-    that file (default: it exists here; tests pose as several nodes with it)."""
+    and how many device shards the fill supplied; None (on every process alike: one
+    collective decides) when the layout differs or some shard is held by no replica.
+    `can_read(path, device)`: whether `device`'s process sees that file (tests pose as
+    several nodes with it)."""
     if not same_layout(copies, program):
         return None
     can_read = can_read or (lambda path, _device: path.exists())
@@ -85,7 +73,7 @@ def restore_in_place(copies: Any, program: Any,
     arrays, have_DxL = [], np.zeros((len(program.mesh.devices.flat), len(flat)), np.bool_)
     position = {d.id: i for i, d in enumerate(program.mesh.devices.flat)}
     for i, ((path, shape), sharding) in enumerate(zip(flat, shardings)):
-        boxes = files.get(leaf_key(path), {})
+        boxes = files.get(jax.tree_util.keystr(path), {})
         buffers = []
         for device, index in sharding.addressable_devices_indices_map(shape.shape).items():
             box = shard_box(index, shape.shape)
@@ -124,9 +112,8 @@ def _have_array(have_DxL: np.ndarray, mesh: jax.sharding.Mesh) -> jax.Array:
 
 @functools.lru_cache(maxsize=8)
 def _fill_fn(mesh: jax.sharding.Mesh, specs: tuple[P, ...]) -> Callable[..., Any]:
-    """(leaves, have) -> (leaves with every shard filled from a replica that had it,
-    whether every shard had one, how many device shards were filled), compiled once per
-    plan."""
+    """(leaves, have) -> (leaves filled from a replica that had each shard, whether every
+    shard had one, how many device shards were filled), compiled once per plan."""
     axes = tuple(mesh.axis_names)
 
     def body(leaves: tuple[jax.Array, ...], have: jax.Array) -> tuple[Any, jax.Array]:
@@ -178,8 +165,7 @@ def _sum_bits(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 def publish(step_dir: Path, manifests: list[tuple[dict[str, Any], Path]]) -> int:
     """Copy this node's files of the local copies listed in `step_dir` into their shared
-    directories (one process per copy: whichever claims it first); how many it copied.
-    Every process calls it, then waits for all (a barrier) before reading."""
+    directories (whichever process of the node claims a copy first); how many it copied."""
     done = 0
     for manifest, shared in manifests:
         local = Path(manifest["local_dir"])

@@ -2,8 +2,7 @@
 completed step, the newest good periodic checkpoint, or a fresh initialization.
 
 The survivors' copies win when they are newer than the newest checkpoint and complete;
-incomplete ones (every copy of some shard was lost, or of a whole leaf) are reported and
-passed over for older copies or the checkpoint. Every process of a job reaches the same
+incomplete ones are reported and passed over. Every process of a job reaches the same
 choice from the same files.
 """
 
@@ -17,6 +16,7 @@ from resihp_jax.meshes.agree import barrier
 from resihp_jax.plan import Plan
 from resihp_jax.runtime.recovery import local_copies, survivor_copies
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
+from resihp_jax.runtime.recovery.host_copies import SUBDIR, remove_steps
 from resihp_jax.runtime.recovery.restore import canonical_target
 
 
@@ -95,6 +95,6 @@ def _tidy(ckpt: Checkpointer, step: int, primary: bool) -> None:
     """Copies older than the state resumed from are of no further use: process 0 removes
     the shared ones, every process its node's own."""
     if primary:
-        survivor_copies.remove_older_than(ckpt.directory, step)
+        remove_steps(ckpt.directory / SUBDIR, before=step)
     if ckpt.local_copies is not None:
         local_copies.remove_local(ckpt.local_copies, older_than=step)

@@ -1,12 +1,10 @@
 """Rebuild a training state from the copies surviving processes wrote (host_copies.py),
 directly in a new plan's layout and shardings.
 
-The copies of one step, from every process that wrote one, are usable when together they
-cover every element of every leaf (with dp >= 2 each shard has a copy in another DP group,
-so one lost process loses no shard). Each process of the relaunched job then reads only
-the parts its own devices hold under the new plan (`jax.make_array_from_callback` over
-memory-mapped files): layers are re-ordered from the old stage layout into the canonical
-one on the way, and the new program places them into its own stages.
+The copies of one step are usable when together they cover every element of every leaf.
+Each process of the relaunched job reads only the parts its own devices hold under the new
+plan (`jax.make_array_from_callback` over memory-mapped files), re-ordering layers from the
+old stage layout into the canonical one on the way.
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ import numpy as np
 
 from resihp_jax.errors import CheckpointError
 from resihp_jax.meshes.rules import is_layer_leaf
-from resihp_jax.runtime.recovery.host_copies import (MANIFEST, SUBDIR, VERSION, Box, leaf_key,
-                                              remove_steps, shard_box, step_of)
+from resihp_jax.runtime.recovery.host_copies import (MANIFEST, SUBDIR, VERSION, Box,
+                                                     shard_box, step_of)
 from resihp_jax.runtime.recovery.local_copies import PUBLISHED
 
 
@@ -183,7 +181,7 @@ def restore(copies: SurvivorCopies, program: Any, target: Any) -> Any:
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     arrays = []
     for path, want in flat:
-        key = leaf_key(path)
+        key = jax.tree_util.keystr(path)
         if key not in copies.leaves:
             raise CheckpointError(f"survivors' copies of step {copies.step} in "
                                   f"{copies.directory} lack leaf {key} of this model")
@@ -195,16 +193,11 @@ def restore(copies: SurvivorCopies, program: Any, target: Any) -> Any:
                                   f"model: leaf {key} is {expect} {dtype} there, "
                                   f"{tuple(want.shape)} {want.dtype} here")
         reader = _LeafReader(dtype, pieces)
-        fetch = _layer_fetch(reader, copies, shape) if layer else _plain_fetch(reader, shape)
+        fetch = (_layer_fetch(reader, copies, shape) if layer
+                 else lambda index: reader.read(shard_box(index, shape)))  # noqa: B023 (run now)
         arrays.append(jax.make_array_from_callback(want.shape, want.sharding, fetch))
     canonical = jax.tree_util.tree_unflatten(treedef, arrays)
     return program.to_stage_fn(canonical, program.stage_index_array())
-
-
-def _plain_fetch(reader: _LeafReader, shape: tuple[int, ...]) -> Any:
-    def fetch(index: tuple[slice, ...]) -> np.ndarray:
-        return reader.read(shard_box(index, shape))
-    return fetch
 
 
 def _layer_fetch(reader: _LeafReader, copies: SurvivorCopies, shape: tuple[int, ...]) -> Any:
@@ -219,8 +212,3 @@ def _layer_fetch(reader: _LeafReader, copies: SurvivorCopies, shape: tuple[int, 
             rows.append(reader.read(((stage, stage + 1), (slot, slot + 1)) + rest)[0, 0])
         return np.stack(rows)
     return fetch
-
-
-def remove_older_than(checkpoint_dir: str | Path, step: int) -> None:
-    """Drop copies a newer checkpoint or newer copies supersede (process 0 only calls it)."""
-    remove_steps(Path(checkpoint_dir) / SUBDIR, before=step)

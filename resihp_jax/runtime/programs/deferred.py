@@ -6,15 +6,11 @@ shardings runs the executable built here); until then a move compiles on first u
 
 from __future__ import annotations
 
-import warnings
-from concurrent.futures import Future
-
 import jax
 import jax.numpy as jnp
 
 from resihp_jax.runtime.recovery.checksum import tree_sums
-from resihp_jax.step.program import abstract_args
-from resihp_jax.step.program import StepProgram, canonical_state_shapes
+from resihp_jax.step.program import StepProgram, abstract_args, canonical_state_shapes
 
 
 def compile_step(program: StepProgram, warn_over_memory: bool = True) -> StepProgram:
@@ -45,15 +41,3 @@ def compile_layouts(program: StepProgram, moves: tuple[str, ...] = MOVES) -> Non
             fn.lower(*args[name]).compile()
     if "to_canonical_fn" in moves:  # a save's checksums, off the first save's blocking time
         tree_sums.lower(canonical).compile()
-
-
-def await_started(future: Future | None) -> None:
-    """Wait for background work started earlier (compiling it again here would cost more; it
-    is first in its thread's queue: started after the first step, before anything else)."""
-    if future is None or future.cancelled():
-        return
-    try:
-        future.result()
-    except Exception as err:  # noqa: BLE001 - a failed background compile: compile on use
-        warnings.warn(f"compiling the layout moves in the background failed ({err!r}); "
-                      "they compile when first used", stacklevel=2)

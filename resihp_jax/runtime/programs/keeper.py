@@ -11,6 +11,7 @@ runs now is the keeper's alone: `install` changes it and tells `on_install`.
 
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import Future
 from typing import Any, Callable, Protocol, Sequence
 
@@ -27,8 +28,7 @@ from resihp_jax.perfmodel.memory import (DEFAULT_DEVICE_MEMORY_GB, compiled_byte
 from resihp_jax.plan import Plan
 from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.runtime.programs.compile_cache import enable_compilation_cache
-from resihp_jax.runtime.programs.deferred import (MOVES, await_started, compile_layouts,
-                                                  compile_step)
+from resihp_jax.runtime.programs.deferred import MOVES, compile_layouts, compile_step
 from resihp_jax.runtime.programs.precompile import Precompiler
 from resihp_jax.runtime.programs.remat_choice import within_memory
 from resihp_jax.scheduler import PlanningContext, SwitchCosts, run_policy
@@ -154,8 +154,15 @@ class ProgramKeeper:
         self.cache_untimed()
 
     def await_layouts(self) -> None:
-        """Wait for the first program's layout moves compiling in the background."""
-        await_started(self._layouts)
+        """Wait for the first program's layout moves compiling in the background (compiling
+        them here would cost more: they are first in the thread's queue)."""
+        if self._layouts is None or self._layouts.cancelled():
+            return
+        try:
+            self._layouts.result()
+        except Exception as err:  # noqa: BLE001 - a failed background compile: compile on use
+            warnings.warn(f"compiling the layout moves in the background failed ({err!r}); "
+                          "they compile when first used", stacklevel=2)
 
     def cache_untimed(self) -> None:
         """Compile the current plan's untimed program once, in the background, so that JAX

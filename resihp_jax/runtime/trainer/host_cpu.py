@@ -75,9 +75,7 @@ class CpuMeter:
         self._start = None if host is None else (self.clock(), host, self.own())
 
     def end(self) -> HostCpu | None:
-        if self._start is None:
-            return None
-        host = self.host()
+        host = None if self._start is None else self.host()
         if host is None:
             return None
         t0, host0, own0 = self._start

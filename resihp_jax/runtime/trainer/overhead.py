@@ -3,7 +3,7 @@
 Resilience is paid for while nothing fails, so a run accounts for the seconds its step loop
 was blocked in each part (PARTS: checkpoint saves, the detector's judgement, its probes, the
 stage-timing callbacks and CPU counters, the survivors' host copies, and where metrics are
-written their hand-over and writes), each measured where it is spent, against `wall_s`.
+written their hand-over and writes), each measured where it is spent, against wall time.
 """
 
 from __future__ import annotations
@@ -55,14 +55,6 @@ class Overhead:
                 "counts": dict(self.counts), "checkpoint": dict(self.checkpoint)}
 
 
-def wall_s(records: Sequence[Any]) -> float:
-    """Training's wall time: from the end of the first (compiling) step to the end of the
-    last (everything between steps counts); the one step's time when there is one."""
-    if len(records) < 2:
-        return float(records[0].step_time_s) if records else 0.0
-    return float(records[-1].end_unix_s - records[0].end_unix_s)
-
-
 def run_overhead(records: Sequence[Any], *, budget: float, checkpoints_s: float = 0.0,
                  detector_s: float = 0.0, probes_s: float = 0.0, timing_s: float = 0.0,
                  counts: Mapping[str, int] | None = None,
@@ -75,5 +67,8 @@ def run_overhead(records: Sequence[Any], *, budget: float, checkpoints_s: float 
                "timing": timing_s, "copies": copies}
     if metrics_s is not None:  # (a part only where metrics are written)
         seconds["metrics"] = metrics_s
-    return Overhead(seconds, wall_s(records), budget, dict(counts or {}),
-                    dict(checkpoint or {}))
+    # training's wall time: from the end of the first (compiling) step to the end of the last
+    # (everything between steps counts); the one step's time when there is one
+    wall_s = (float(records[-1].end_unix_s - records[0].end_unix_s) if len(records) >= 2
+              else float(records[0].step_time_s) if records else 0.0)
+    return Overhead(seconds, wall_s, budget, dict(counts or {}), dict(checkpoint or {}))

@@ -42,9 +42,8 @@ from resihp_jax.step.program import TrainState
 
 
 class Host:
-    """The one Instrument host every program of a trainer calls: it forwards to the current
-    plan's fault hook and stage timer, so programs compiled ahead of time need no rebuild
-    when the plan they serve becomes current."""
+    """The one Instrument host every program of a trainer calls: the current plan's fault hook
+    and stage timer, so a program compiled ahead needs no rebuild when its plan is current."""
 
     def __init__(self, fault_hook: FaultHook | None) -> None:
         self.fault_hook = fault_hook
@@ -99,10 +98,9 @@ class Probe:
     def __call__(self, step: int) -> ProbeResult:
         if self.on_long_work is not None:
             self.on_long_work("probe")
-        started = self.clock()
         if self._prober is None:  # (its compile is a one-off, not a run's cost)
             self._prober = Prober(self.host.plan, self.devices, host=self.host.hook)
-            started = self.clock()
+        started = self.clock()
         result = self._prober.run(self.host.knobs(step))
         if multi_process():
             result = gathered_probe(result, self.host.plan.device_ids)
@@ -112,9 +110,8 @@ class Probe:
 
 
 class StepRunner:
-    """Runs the trainer's steps on `keeper`'s current program: each guarded, timed, judged
-    beside the next. `state`: the state the steps advance (the trainer's); `spent`: the step
-    loop's account of what resilience cost (overhead.py)."""
+    """Runs the trainer's steps on `keeper`'s current program, each guarded, timed, judged
+    beside the next; `spent`: the step loop's account of what resilience cost (overhead.py)."""
 
     def __init__(self, model: ModelFacts, config: ResilienceConfig, keeper: ProgramKeeper,
                  host: Host, detector: Detector, checkpointer: Checkpointer | None,
@@ -125,8 +122,7 @@ class StepRunner:
         self.spent, self.replicas, self.clock = spent, replicas, clock
         self.state: TrainState | None = None
         self.completed: int | None = None  # the newest step done on the devices
-        # the healthy time the newest step will be judged against (None: none yet), worked
-        # out beside that step: its judgement comes a step later
+        # what the newest step will be judged against, worked out beside it (None: none yet)
         self.last_prediction_s: float | None = None
         self.last_timing: StepTiming | None = None  # (its stage times None: ran untimed)
         self._last_l2_M = np.zeros(0)  # the newest step's attention work per micro-batch

@@ -43,3 +43,13 @@ STANDBY_GO_FILE_ENV = "RESIHP_STANDBY"
 LOCAL_COPY_DIR_ENV = "RESIHP_LOCAL_COPY_DIR"
 # JAX's persistent compilation cache's directory; the user; runtime/config.py (--compile-cache)
 COMPILE_CACHE_ENV = "RESIHP_COMPILE_CACHE"
+
+# ---- a replica of a job of several (`resihp launch --replicas R`: runtime/replicas/) -------
+# this process's replica, 0..R-1; the launcher; rh.fit and resihp train (replicas/launched.py)
+REPLICA_ENV = "RESIHP_REPLICA"
+# the job's number of replicas R; set and read as REPLICA_ENV
+REPLICAS_ENV = "RESIHP_REPLICAS"
+# the job's Lighthouse (torchft's quorum server), http://HOST:PORT; set and read as REPLICA_ENV
+LIGHTHOUSE_ENV = "RESIHP_LIGHTHOUSE"
+# HOST:PORT of the replica's own store, served by its process 0; set and read as REPLICA_ENV
+REPLICA_STORE_ENV = "RESIHP_REPLICA_STORE"

@@ -168,3 +168,9 @@ def lighthouse(n_replicas: int, *, bind: str = "[::]:0", timeouts: Timeouts | No
 
 def host_state_size(state: HostState) -> int:
     return int(sum(v.nbytes for v in state.values()))
+
+
+def store_server(host: str, port: int) -> Any:
+    """The replica's key-value store (torch's TCPStore), which its Managers meet at."""
+    torch, _ = _modules()
+    return torch.distributed.TCPStore(host, port, is_master=True, wait_for_workers=False)

@@ -138,7 +138,7 @@ def build_model_step(parts: ModelParts, optimizer: optax.GradientTransformation,
                            shardings, batch_sharding, replicated, step_fn, grads_fn,
                            canonical_sh, to_canonical_fn, to_stage_fn, restage_fn,
                            param_specs=canonical_specs, state_shapes=shapes,
-                           initial_params=initial_params, gates=gates,
+                           initial_params=initial_params, gates=gates, loss_sum_fn=loss_sum,
                            selecting=None if gates == "select" else functools.partial(
                                build_model_step, parts, optimizer, plan, devices,
                                example_params, axis_rules=axis_rules, train=train,

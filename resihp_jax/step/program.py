@@ -120,6 +120,9 @@ class StepProgram:
     # seed -> canonical parameters: what `init_state(seed)` starts from (the user's model)
     initial_params: Callable[[int], Any] | None = None
     gates: str = "cond"  # how the pipeline skips idle work (step/body.py: GATES)
+    # (params, batch, splits, step) -> the batch's summed token losses: what the step
+    # differentiates, and what replicas build their two-program step on (runtime/replicas/)
+    loss_sum_fn: Callable[..., Any] | None = None
     # the same program with gates by selection: what a compiled step whose branches hold a
     # collective some devices never reach is replaced by (`adopt_compiled`)
     selecting: Callable[[], StepProgram] | None = None

@@ -44,7 +44,7 @@ class Precompiler:
                         self._pool.submit(self._staged, self._futures[plan.mesh_key()])]
 
     def prepare_first(self, plan: Plan) -> None:
-        """Compile `plan`'s program next: speculative work not yet started is cancelled (the
+        """Compile `plan`'s program next, cancelling speculative work not yet started (the
         trainer proposes it again after its next switch)."""
         with self._lock:
             for key, future in list(self._futures.items()):
@@ -65,8 +65,7 @@ class Precompiler:
                 self._futures[program.plan.mesh_key()] = done
 
     def prepare_later(self, propose: Callable[[], list[Plan]]) -> Future[None]:
-        """Run `propose` (e.g. the scheduler over likely faults) in the background too, then
-        prepare what it returns."""
+        """Run `propose` in the background too, then prepare what it returns."""
         future = self._pool.submit(lambda: self.prepare(propose()))
         with self._lock:  # finished proposals have queued their work: forget them
             self._proposals = [f for f in self._proposals if not f.done()] + [future]
@@ -111,8 +110,7 @@ class Precompiler:
         return program.with_plan(plan) if program.accepts(plan) else None
 
     def wait(self) -> None:
-        """Block until everything queued so far is compiled and staged (benchmarks and
-        tests)."""
+        """Block until everything queued so far is compiled and staged."""
         while True:
             with self._lock:
                 pending = [f for f in (*self._proposals, *self._futures.values(),

@@ -53,7 +53,7 @@ def primary_plans(new: Plan, interim: Plan | None) -> tuple[Plan, Plan | None]:
 
 def warm_up_agreement(plan: Plan) -> None:
     """Build now the small programs of a job's per-step agreement, so the first step (on a
-    relaunch's critical path) compiles none of them. A no-op in a one-process run."""
+    relaunch's critical path) compiles none of them."""
     if multi_process():
         agreed_step(StepTiming(0.0, np.zeros((plan.dp, plan.pp, plan.tp))), None)
         from_primary(None)  # (the last step's verdict, the checkpoints' decisions)

@@ -46,8 +46,7 @@ class Judging:
                 self.error = err
 
     def verdict(self) -> Verdict | None:
-        """The step's verdict: judged now if it was not beside a step, then concluded (the
-        probes, where the judgement or the detector's schedule asks for them)."""
+        """The step's verdict: judged now if it was not beside a step, then concluded."""
         self.judge()
         if self.error is not None:
             raise self.error

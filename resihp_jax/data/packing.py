@@ -165,6 +165,17 @@ class GlobalBatch:
         """int32 [B, S]: the tokens of micro-batch m (read now)."""
         return self.read_microbatch(m)
 
+    def microbatches(self, first: int, count: int) -> "GlobalBatch":
+        """Micro-batches [first, first + count): one replica's share of the batch (its
+        tokens still read per micro-batch, its CRC the whole batch's)."""
+        if not (0 <= first and count >= 1 and first + count <= self.shape[0]):
+            raise ValueError(f"micro-batches [{first}, {first + count}) of a batch of "
+                             f"{self.shape[0]}")
+        part = slice(first, first + count)
+        return GlobalBatch(self.segment_ids_MxBxS[part], self.positions_MxBxS[part],
+                           self.doc_lengths[part], lambda m: self.read_microbatch(first + m),
+                           self.content_crc)
+
     @functools.cached_property
     def tokens_MxBxS(self) -> np.ndarray:
         """All tokens (reads every micro-batch: one process, or tests)."""

@@ -127,9 +127,7 @@ class Checkpointer:
 
     def _newest(self) -> int | None:
         """The newest step saved or being saved, without waiting for a handed-off save."""
-        if self._handing is not None:
-            return self._handing[0]
-        return self._manager.latest_step()
+        return self._manager.latest_step() if self._handing is None else self._handing[0]
 
     def due(self, step: int) -> bool:
         """Whether a save may fall due after `step` (its cadence's, or one put off)."""
@@ -220,10 +218,9 @@ class Checkpointer:
 
     def _finish_handoff(self) -> None:
         """Wait until a save handed to the thread is with orbax; its error, if it failed."""
-        if self._handing is not None:
-            future = self._handing[1]
-            self._handing = None
-            future.result()  # CheckpointError from `_write`
+        handing, self._handing = self._handing, None
+        if handing is not None:
+            handing[1].result()  # CheckpointError from `_write`
 
     def preempt(self) -> None:
         """A preemption was signalled (preemption.py): the next `save` is forced and written

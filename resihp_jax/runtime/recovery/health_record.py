@@ -64,10 +64,7 @@ def path_in(directory: str | Path) -> Path:
 def load(directory: str | Path | None) -> HealthRecord:
     """The record in `directory` (an empty one if there is none yet, or no directory: a run
     without checkpoints keeps no record)."""
-    if directory is None:
-        return HealthRecord()
-    path = path_in(directory)
-    if not path.exists():
+    if directory is None or not (path := path_in(directory)).exists():
         return HealthRecord()
     try:
         data = json.loads(path.read_text())

@@ -275,12 +275,11 @@ def step_of(step_dir: Path) -> int:
         return -1
 
 
-def remove_steps(root: Path, before: int | None = None) -> None:
-    """Remove the `step<N>` directories under `root` (the shared copies' or a node's local
-    ones): all, or those of steps before `before`."""
+def remove_steps(root: Path, before: int) -> None:
+    """Remove the `step<N>` directories of steps before `before` under `root` (the shared
+    copies' or a node's local ones; none there if it does not exist)."""
     for step_dir in root.glob("step*"):
-        step = step_of(step_dir)
-        if step >= 0 and (before is None or step < before):
+        if 0 <= step_of(step_dir) < before:
             shutil.rmtree(step_dir, ignore_errors=True)
 
 

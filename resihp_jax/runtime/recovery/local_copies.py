@@ -188,8 +188,7 @@ def publish(step_dir: Path, manifests: list[tuple[dict[str, Any], Path]]) -> int
 
 def remove_local(root: Path, older_than: int | None = None) -> None:
     """This node's local copies of the run: all, or those of steps before `older_than`."""
-    if not root.is_dir():
-        return
-    remove_steps(root, before=older_than)
     if older_than is None:
         shutil.rmtree(root, ignore_errors=True)
+    else:
+        remove_steps(root, before=older_than)

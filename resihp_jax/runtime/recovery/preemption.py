@@ -1,15 +1,12 @@
 """A one-process run's preemption: SIGTERM saves the step under way, then the run stops.
 
-A job of several processes answers SIGTERM with the survivors' copies (host_copies.py),
-which a relaunch rebuilds the last step from. A one-process run keeps no such copies (it has
-no survivor to serve them), so without this a preemption would lose the training since its
-last checkpoint, up to the 'auto' cadence's ceiling. Here SIGTERM only marks the
-checkpointer: the step under way finishes, its `save` is forced and written to the end, and
-the checkpointer raises `Preempted` (the process then exits PREEMPTED_EXIT, 74). The handler
-runs in the main thread between bytecodes, also while it waits for a step's thread.
-
-Here too, JAX-free and below both, the codes a job's SIGTERM ends a process with and the
-launcher's file naming a failure: host_copies.py exits with them, job/exits.py lists them.
+A one-process run keeps no survivors' copies (no survivor would serve them), so without
+this a preemption would lose the training since its last checkpoint, up to the 'auto'
+cadence's ceiling. SIGTERM only marks the checkpointer: the step under way finishes, its
+`save` is forced and written to the end, and the checkpointer raises `Preempted`. The
+handler runs in the main thread between bytecodes, also while it waits for a step's thread.
+Here too, JAX-free and below both users (host_copies.py, job/exits.py): the codes a job's
+SIGTERM ends a process with.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from typing import Any, Mapping
 from resihp_jax.env_vars import PEER_LOST_ENV
 
 # SIGTERM: the scheduler preempts the job, or a failure ends it (srun, resihp launch). Its
-# own code, so a job script tells a preemption from a failure (job/exits.py lists every code)
+# own code, so a job script tells a preemption from a failure
 PREEMPTED_EXIT = 74
 # A launcher that ends the job after another process failed (resihp launch) names the failure
 # in the file PEER_LOST_ENV points to before its SIGTERM: the process then exits 75 (a peer

@@ -1,18 +1,11 @@
 """Reading an orbax checkpoint back into any Plan, telling damage from a model mismatch.
 
 A step is read in the canonical layout straight into the target shardings of the new plan
-(possibly on fewer devices). The leaf shapes recorded beside it tell a checkpoint of another
-model (CheckpointError naming the first leaf that differs) from damage: a step whose files
-cannot be read, or whose values differ from the checksums recorded when it was written. The
-newest good step wins; damaged newer ones are set aside as `<step>.corrupt` with one
+(possibly on fewer devices). The leaf shapes recorded beside it tell another model's
+checkpoint (CheckpointError naming the first leaf that differs) from damage: files that
+cannot be read, or values that differ from the recorded checksums. The newest good step
+wins; damaged newer ones are set aside as `<step>.corrupt` with one
 `CheckpointFallbackWarning`.
-
-When one array of a damaged step fails to read, orbax abandons its other reads: their
-coroutines are dropped un-awaited and tensorstore later completes them on a closed event
-loop. Python reports each of those (dozens of tracebacks, some after the restore returned)
-through `sys.unraisablehook` and the `asyncio` logger, burying the one line that says what
-happened. Commands run inside `orbax_read_noise_silenced()`, which drops exactly those
-reports; every other report still goes to the previous hook.
 """
 
 from __future__ import annotations
@@ -159,29 +152,31 @@ def first_line(err: BaseException) -> str:
     return line if len(line) <= 200 else line[:197] + "..."
 
 
-def _is_abandoned_read(report: Any) -> bool:
-    exc, obj = report.exc_value, report.object
-    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
-        return True
-    return isinstance(obj, types.CoroutineType) and "orbax" in obj.cr_code.co_filename
-
-
-class _DropUnretrievedFutures(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Future exception was never retrieved")
-
-
 @contextlib.contextmanager
 def orbax_read_noise_silenced() -> Iterator[None]:
-    """Within the block, drop the reports of reads orbax abandoned (and absl warnings)."""
+    """Within the block, drop the reports of reads orbax abandoned (and absl warnings).
+
+    When one array of a damaged step fails to read, orbax abandons its other reads: their
+    coroutines are dropped un-awaited and tensorstore later completes them on a closed event
+    loop. Python reports each (dozens of tracebacks, some after the restore returned) through
+    `sys.unraisablehook` and the `asyncio` logger, burying the one line that says what
+    happened; every other report still goes to the previous hook.
+    """
     previous_hook = sys.unraisablehook
 
     def hook(report: Any) -> None:
-        if not _is_abandoned_read(report):
+        exc, obj = report.exc_value, report.object
+        closed_loop = isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+        orbax_read = isinstance(obj, types.CoroutineType) and "orbax" in obj.cr_code.co_filename
+        if not (closed_loop or orbax_read):
             previous_hook(report)
 
     asyncio_log, absl_log = logging.getLogger("asyncio"), logging.getLogger("absl")
-    futures_filter, absl_level = _DropUnretrievedFutures(), absl_log.level
+    absl_level = absl_log.level
+
+    def futures_filter(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Future exception was never retrieved")
+
     sys.unraisablehook = hook
     asyncio_log.addFilter(futures_filter)
     absl_log.setLevel(logging.ERROR)  # orbax warns about optional files it does not need

@@ -1,16 +1,11 @@
 """A run's identity: what must match for a checkpoint to be resumed by this run.
 
 The model, the optimizer, the data source and seed, and the global batch shape decide the
-training math; a checkpoint written under other values would continue a different run, so it
-is refused, naming what changed. The Plan (mesh, splits, placement) and compile settings
-(remat, slot counts) are deliberately left out: every plan computes the same steps, and
-restoring into another plan is what the checkpoints are for. A resume forced on purpose
-(`resume="force"`, `--resume force`) continues anyway and says what differed.
-
-Every run describes its own model and optax optimizer (runtime/run/model_identity.py: its
-programs' `identity(data_state)`), a preset of `rh.models.Llama` as any user's model. A
-checkpoint of the retired built-in decoder (`{embed, layers, head}`, identified by its
-ModelConfig) is recognised and refused, naming its converter (runtime/run/convert.py).
+training math, so a checkpoint written under other values is refused, naming what changed.
+The Plan and compile settings are deliberately left out: every plan computes the same
+steps, and restoring into another plan is what the checkpoints are for. A resume forced on
+purpose (`resume="force"`, `--resume force`) continues anyway and says what differed. A
+checkpoint of the retired built-in decoder is refused, naming its converter (docs/DESIGN.md).
 """
 
 from __future__ import annotations
@@ -64,13 +59,6 @@ def retired_layout(saved: Mapping[str, Any] | None) -> bool:
             and "d_model" in saved.get("model", {}))
 
 
-def _summary(differences: list[str]) -> str:
-    # a wider model changes every parameter's shape: name the first few, count the rest
-    named = "; ".join(differences[:_MOST_NAMED])
-    more = len(differences) - _MOST_NAMED
-    return named + (f"; and {more} more" if more > 0 else "")
-
-
 def check_identity(saved: Mapping[str, Any] | None, current: Mapping[str, Any],
                    where: str, force: bool = False) -> str | None:
     """CheckpointError naming what differs between the two runs; with `force`, the one line
@@ -84,10 +72,13 @@ def check_identity(saved: Mapping[str, Any] | None, current: Mapping[str, Any],
             "written by resihp_jax before every model trained through one step): convert it "
             "first with `python tools/convert_decoder_checkpoint.py SOURCE_DIR NEW_DIR`, then "
             "resume from NEW_DIR")
+    # a wider model changes every parameter's shape: name the first few, count the rest
+    more = len(differences) - _MOST_NAMED
+    summary = "; ".join(differences[:_MOST_NAMED]) + (f"; and {more} more" if more > 0 else "")
     if force:
         return (f"resume forced: continuing from {where} though it was written by a different "
-                f"run: {_summary(differences)}")
+                f"run: {summary}")
     raise CheckpointError(
-        f"{where} was written by a different run: {_summary(differences)}. Resume with the "
+        f"{where} was written by a different run: {summary}. Resume with the "
         "same model, optimizer, data, seed and batch shape, use another checkpoint directory, "
         "or force the resume (rh.fit(resume='force'), resihp train --resume force)")

@@ -59,13 +59,11 @@ def find(checkpoint_dir: str | Path,
          check: Callable[[Mapping[str, Any] | None, str], None] | None = None,
          published_only: bool = False, step: int | None = None) -> Iterator[SurvivorCopies]:
     """Every step with copies under `checkpoint_dir`, newest first (complete or not), read
-    lazily: the caller stops at the first it can use, and process 0 may meanwhile remove
-    older steps (a step that vanished is passed over). Copies of one step written under
-    different plans (a relaunch that failed again before its first step rewrote them) are
-    judged apart, a complete plan's first: their shards do not tile each other.
-    `published_only`: node-local copies count only once published to the shared directory
-    (local_copies.publish); `step`: that step only. `check` is shown the run identity each
-    copy recorded, and where, and raises to refuse it (Checkpointer.check_identity)."""
+    lazily (process 0 may meanwhile remove older steps: a step that vanished is passed over).
+    Copies of one step written under different plans (a relaunch that failed again before
+    its first step) are judged apart, a complete plan's first: their shards do not tile.
+    `published_only`: node-local copies count only once published (local_copies.publish);
+    `step`: that step only; `check(identity, where)` raises to refuse a copy."""
     root = Path(checkpoint_dir) / SUBDIR
     for step_dir in sorted(root.glob("step*"), key=step_of, reverse=True):
         if step is not None and step_of(step_dir) != step:
@@ -78,11 +76,10 @@ def find(checkpoint_dir: str | Path,
                      if d.is_dir() and not d.name.endswith(".tmp") and (d / MANIFEST).exists()]
         manifests = [m for m in manifests if m is not None and not (
             published_only and m[0].get("local_dir") and not (m[1] / PUBLISHED).exists())]
-        for manifest, _ in manifests:
-            if check is not None:
-                check(manifest.get("identity"), f"the survivors' copies in {step_dir}")
         by_plan: dict[str, list[tuple[dict[str, Any], Path]]] = {}
         for manifest, directory in manifests:
+            if check is not None:
+                check(manifest.get("identity"), f"the survivors' copies in {step_dir}")
             key = json.dumps(manifest.get("plan"), sort_keys=True)
             by_plan.setdefault(key, []).append((manifest, directory))
         combined = [_combine(step_dir, group) for group in by_plan.values()]

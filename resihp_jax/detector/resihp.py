@@ -1,28 +1,13 @@
 """ResiHP's detector: judge each step against the predicted healthy time of that exact batch.
 
-The OnlineCostModel (fitted online from steps judged healthy) predicts what this batch's
-sequence lengths should cost under this plan; a tracked scale (EWMA of healthy steps' log
-error, rate `drift`) absorbs machine-wide drift such as other jobs sharing the host, within a
-few steps. What is left of a step, r = log(observed / predicted), less the part the whole
-machine explains, is judged by four signals (detector/signals.py, each class's docstring
-says how and why): the step signal (`StepSignal`: r in units of the plan's own noise sigma,
-summed by a one-sided CUSUM, a suspicion at its decision); when per-stage times come with
-the steps, the stage shares (`StageShares`: a slow device moves only its own stage's share,
-a persistent excess there is also a suspicion) and the stages' shared level (`SharedLevel`:
-a load on the whole host moves every stage alike, and that part of the excess is drift);
-when the host's CPU accounting comes with them, what other processes taking cores, or the
-host's cores running slower, explain (`CpuAccounting`). A suspicion is then confirmed and
-localized by the probes. The stated margin: a step-level slowdown of `REACH_SIGMAS` (4)
-sigmas is caught within `REACH_STEPS` (5) steps. A step over the slack is held back from
-learning until the CUSUM returns to zero (then it was noise, and its residual widens the
-plan's sigma) or the probes clear it.
-
-The baseline is only as healthy as the devices were while the warm-up learned it: a device
-that turned slow during the warm-up is in it, and later steps never stand out against it
-(a user's job slowed at step 12 of a 24-step warm-up ran on unnoticed). So CHECK_AFTER steps
-after the warm-up, and every CHECK_PERIOD steps after that, the probes check every device
-(`Detector.checks`, not alarms): where the host's own swings hide a slow host's share of
-the step, they are what finds it.
+The OnlineCostModel (fitted online from steps judged healthy) predicts what the batch should
+cost under its plan; a tracked scale (EWMA of healthy steps' log error, rate `drift`) absorbs
+machine-wide drift such as other jobs sharing the host within a few steps. What is left of a
+step, less what the whole machine explains, is judged by the four signals of
+detector/signals.py; the probes confirm and localize a suspicion. A step over the slack is
+held back from learning until the CUSUM returns to zero (then it was noise, and its residual
+widens the plan's sigma) or the probes clear it. The probes also check every device on a
+schedule of their own (`_check_due`; docs/DESIGN.md, data flow step 4).
 """
 
 from __future__ import annotations
@@ -45,7 +30,7 @@ from resihp_jax.perfmodel.online import OnlineCostModel
 # Steps learned as healthy before any step is judged (callers scheduling faults need it).
 WARMUP_STEPS = 24
 # The stated margin: a step-level slowdown of exp(REACH_SIGMAS x the plan's noise sigma) or
-# more is caught within REACH_STEPS steps (see the module docstring for why the defaults do).
+# more is caught within REACH_STEPS steps (`StepSignal` says why the defaults do).
 REACH_SIGMAS = 4.0
 REACH_STEPS = 5
 LOAD_DRIFT = 0.5  # the drift scale's rate while the stages show a load on the whole host
@@ -118,24 +103,14 @@ class ResiHPDetector(Detector):
         return self.step_signal.noise_of(plan, self.cost.noise if self.cost.ready else None)
 
     @property
-    def noise(self) -> float:
-        """The noise sigma of the plan last judged."""
-        return self.noise_of(self._plan)
-
-    @property
     def slack(self) -> float:
         """Noise sigmas a step may exceed its prediction by before it adds to the CUSUM."""
         return self.step_signal.slack
 
     @property
-    def cusum(self) -> float:
-        """The step signal's accumulated excess beyond the slack, in noise sigmas."""
-        return self.step_signal.cusum
-
-    @property
     def threshold(self) -> float:
-        """Log excess per step beyond which a step adds to the suspicion."""
-        return self.slack * self.noise
+        """Log excess per step beyond which a step adds to the suspicion (the last plan's)."""
+        return self.slack * self.noise_of(self._plan)
 
     def reach(self, plan: Plan) -> float:
         """The step-level slowdown this detector catches within REACH_STEPS steps on `plan`."""
@@ -160,11 +135,9 @@ class ResiHPDetector(Detector):
         return self.healthy_time_s(plan, mb_tokens, mb_sum_l2)
 
     def wants_stage_times(self) -> bool:
-        """Every step while the evidence is in doubt: the warm-up (the stage baselines are
-        learned there), the steps after a re-plan, and while a step over the slack, a
-        stage in excess or a suspicion is unresolved. A slow device is then localized from
-        consecutive stage times (STAGE_PERSIST of them in a row), and a load on the host
-        is told by the stages' common level, as when every step was timed."""
+        """Every step while the evidence is in doubt (the warm-up, the steps after a re-plan,
+        an unresolved step over the slack, stage excess or suspicion): the stage signals
+        then see consecutive steps (STAGE_PERSIST in a row), as when every step was timed."""
         return (self._warming() or self._rebase_left > 0 or self.step_signal.cusum > 0
                 or bool(self._held) or self.stage_shares.in_doubt())
 
@@ -190,22 +163,16 @@ class ResiHPDetector(Detector):
         self.cpu_accounting.reset()  # the new plan uses the cores its own way
 
     def _check_due(self) -> bool:
-        """CHECK_AFTER steps after the warm-up, then every CHECK_PERIOD steps. The baseline
-        is only as healthy as the devices were while it was learned: a device that turned
-        slow during the warm-up (or was slow from the start) is in it, and the steps never
-        stand out against it (a user's job slowed at step 12 of a 24-step warm-up ran on
-        unnoticed); and where the host's own swings are as large as a slow host's share of
-        the step (4 processes on 2 loaded cores: a 3x process lengthened the step ~1.4x
-        against a noise sigma of ~25%) no step stands out either. The probes compare the
-        devices with each other and need neither. Not in the warm-up, nor at its end: a job's
-        first steps share the cores with its compiles (a standby's included; the trainer
-        starts compiling the likely next plans when the warm-up ends), and on shared cores a
-        process busy compiling makes its devices' probes slow (checks from step 6, 12 or 18
-        named healthy hosts of a 4-process job at 1.5x-3x in every run of a check). Every
-        input here is the same in every process of a job (the steps seen), so they all run
-        the probes' collectives alike. In a job of several processes (`job_checks`), from
-        JOB_CHECK_START on, warm-up or not: each process times its own devices there, all at
-        once, which a compile elsewhere does not single out (probes.py `_LocalProbe`)."""
+        """CHECK_AFTER steps after the warm-up, then every `check_period()` steps. A device
+        slow since the warm-up is in the baseline (a user's job slowed at step 12 of a 24-step
+        warm-up ran on unnoticed), and where the host's swings are as large as a slow host's
+        share of the step no step stands out either: the probes compare the devices with each
+        other and need neither. Not in the warm-up, nor at its end: a job's first steps share
+        the cores with its compiles (the trainer's standby and likely next plans), which make
+        its probes slow (figures: docs/DESIGN.md, data flow step 4). Every input is the same
+        in every process of a job, so all run the probes' collectives alike. With
+        `job_checks`, from JOB_CHECK_START on, warm-up or not: each process times its own
+        devices, all at once, which a compile elsewhere does not single out (`_LocalProbe`)."""
         if self.job_checks:
             self._since_warm += 1
             if self.steps < JOB_CHECK_START or self._since_warm < self.check_period(
@@ -288,9 +255,8 @@ class ResiHPDetector(Detector):
         return False
 
     def _learn_healthy(self, obs: StepObservation, excess: float, unexplained: float) -> None:
-        """The step was healthy: its error is noise of this plan (the part the machine does
-        not explain), all of its excess is drift (the stage baselines absorb a load at the
-        same rate, so a load keeps being explained while the scale catches up)."""
+        """The step was healthy: the part of its error the machine does not explain is noise
+        of this plan, all of its excess is drift."""
         self.step_signal.learn(obs.plan, unexplained)
         # under a load (the stages or the counters show it), catch up fast: the stage
         # baselines absorb the load too, and what the scale had not caught when they have

@@ -1,12 +1,5 @@
-"""The signals ResiHPDetector (detector/resihp.py) composes, one job each: the step signal
-(`StepSignal`: a step's unexplained excess in its plan's noise sigmas, summed by a CUSUM), the
-stage shares (`StageShares`: a slow device moves only its own stage's share), the stages'
-shared level (`SharedLevel`: a load on the whole machine moves every stage alike) and the
-host's CPU accounting (`CpuAccounting`: what other processes, or slower cores, explain).
-
-Each is handed what it needs (its settings at construction, the step's figures per call) and
-keeps only its own state; the detector decides what a step's excess is made of and when the
-signals learn.
+"""The four signals ResiHPDetector (detector/resihp.py) composes, one job each. Each keeps
+only its own state; the detector decides what a step's excess is made of and when they learn.
 """
 
 from __future__ import annotations
@@ -38,23 +31,18 @@ OWN_BOUND = 0.8
 
 
 class StepSignal:
-    """The step signal. What the prediction leaves of a step, r = log(observed / predicted),
-    less what the machine explains, is measured in units of the plan's own noise sigma: the
-    spread of r over the steps this plan ran healthy, its RMS included (clipped at RMS_CLIP
-    robust sigmas), so the host's own swings of a few steps, which a robust spread leaves out
-    and which the machine's noise floor (the CV of one batch timed again and again) takes in,
-    widen it as they widen that floor: the thresholds follow the machine the job runs on
-    rather than fixed factors. A one-sided CUSUM of those units (slack `slack` sigmas per
-    step, one step counting at most `decision` / 2, a suspicion at `decision`) raises a
-    suspicion, which the probes then confirm and localize. The stated margin: a step-level
-    slowdown of `REACH_SIGMAS` (4) sigmas is caught within `REACH_STEPS` (5) steps. With the
-    defaults and normal noise, 4 sigmas reach the decision within 5 steps all but 46 times in
-    10,000 (4.5 sigmas: all but 1 in 10,000; 3 sigmas: only 68 in 100), and healthy steps
-    raise no suspicion within 500 steps in 20,000 runs (t-distributed noise with 4 degrees of
-    freedom: 1 run in 240); no single step (a load spike) can raise a suspicion alone. (Slack
-    1.25 with a robust sigma alone caught even 3 sigmas 98 times in 100, more than the margin
-    asks, and raised suspicions on the host's swings of 2-8 steps at 3-4 robust sigmas:
-    `benchmarks/detection.py`.)"""
+    """The step signal: a step's log excess the machine does not explain, in units of its
+    plan's noise sigma, summed by a one-sided CUSUM (`slack` sigmas a step, one step counting
+    at most `decision` / 2, a suspicion at `decision`). The sigma takes in the RMS of healthy
+    steps' errors (clipped at RMS_CLIP robust sigmas): the host's swings of a few steps, which
+    a robust spread leaves out, widen it as they widen the machine's noise floor, so the
+    thresholds follow the machine, not fixed factors. With the defaults and normal noise, 4
+    sigmas (the stated margin) reach the decision within 5 steps all but 46 times in 10,000
+    (4.5 sigmas: 1 in 10,000; 3 sigmas: only 68 in 100), and healthy steps raise no suspicion
+    within 500 steps in 20,000 runs (t-distributed noise of 4 degrees of freedom: 1 run in
+    240); no single step (a load spike) raises one alone. (Slack 1.25 with a robust sigma
+    alone caught even 3 sigmas 98 times in 100, and raised suspicions on the host's swings of
+    2-8 steps at 3-4 robust sigmas: `benchmarks/detection.py`.)"""
 
     def __init__(self, slack: float, decision: float, min_noise: float) -> None:
         self.slack, self.decision, self.min_noise = slack, decision, min_noise
@@ -63,15 +51,10 @@ class StepSignal:
         self._sigma: dict[Plan, float] = {}
 
     def noise_of(self, plan: Plan | None, fit_noise: float | None) -> float:
-        """Sigma of the log prediction error of healthy steps under `plan`: the largest of
-        1.4826 x MAD, the distance from the median to the 90th percentile / 1.28 (load bursts
-        on a shared host make the upper tail heavier than a normal one) and the RMS of the
-        errors clipped at RMS_CLIP of those (the host's swings of a few steps, which the two
-        robust figures leave out and which raised false alarms). A plan with fewer than
-        MIN_RESIDUALS of its own (the first steps after a re-plan) gets twice the largest sigma
-        known (other plans', the cost model's fit noise `fit_noise`, None while it has no
-        fit), or what its own first steps show if that is more: its noise is not known yet,
-        and a false alarm then costs a probe."""
+        """Sigma of healthy steps' log prediction error under `plan` (`learn`). A plan with
+        fewer than MIN_RESIDUALS of its own (just after a re-plan) gets twice the largest sigma
+        known (other plans', the cost model's `fit_noise`), or its first steps' if more: its
+        noise is not known yet, and a false alarm then costs a probe."""
         own = self._sigma.get(plan)
         if own is not None:
             return own
@@ -88,8 +71,10 @@ class StepSignal:
         return bool(self._sigma)
 
     def learn(self, plan: Plan, resid: float) -> None:
-        """A healthy step's residual under `plan` (its log excess the machine does not
-        explain): its noise."""
+        """A healthy step's residual under `plan`: its sigma is the largest of 1.4826 x MAD,
+        (90th percentile - median) / 1.28 (load bursts on a shared host make the upper tail
+        heavy) and the RMS clipped at RMS_CLIP of those (the host's swings of a few steps,
+        which the robust figures leave out, raised false alarms)."""
         window = self._resid.setdefault(plan, deque(maxlen=128))
         window.append(resid)
         if len(window) >= MIN_RESIDUALS:
@@ -104,8 +89,7 @@ class StepSignal:
             self._sigma[plan] = max(robust, float(np.sqrt(np.mean(clipped ** 2))))
 
     def add(self, units: float) -> bool:
-        """One judged step's unexplained excess, in noise sigmas, into the CUSUM: has it
-        reached the decision (a suspicion)?"""
+        """A judged step's unexplained excess (noise sigmas) into the CUSUM: a suspicion?"""
         self.cusum = max(0.0, self.cusum + min(units - self.slack, self.decision / 2))
         return self.cusum >= self.decision
 
@@ -115,15 +99,11 @@ class StepSignal:
 
 
 class StageShares:
-    """The stage-share signal. When per-stage times come with the steps (the forward of one
-    micro-batch per stage), it watches each stage's share of them against the share its
-    layers and its DP group's micro-batch predict (and its own healthy baseline): a
-    machine-wide slowdown moves every stage together, a slow device moves only its own
-    stage. A persistent stage excess (STAGE_PERSIST steps in a row) is also a suspicion; a
-    stage counts as in excess past `k` (4) of its healthy spreads (at 3, the swings of one
-    micro-batch's forward on shared cores, 10-20%, raised false alarms in healthy runs of
-    `benchmarks/detection.py`). Stage baselines are learned from the first fit of the cost
-    model on, so the stage signal is armed when the step signal is.
+    """The stage-share signal: each stage's share of the step's per-stage times (one
+    micro-batch's forward) against the share its work predicts and its healthy baseline. A
+    machine-wide slowdown moves every stage together, a slow device only its own. A stage past
+    `k` (4) healthy spreads for STAGE_PERSIST steps in a row is a suspicion (at 3, one
+    forward's 10-20% swings on shared cores raised false alarms in `benchmarks/detection.py`).
 
     Stage times are not fitted as cost-model rows: on shared host cores one micro-batch's
     forward mostly measures what the other devices run at the same moment (an 18% robust
@@ -201,15 +181,14 @@ class StageShares:
 
 
 class SharedLevel:
-    """The stages' common level: a low quantile of their times against their own healthy
-    baselines, so one slow stage does not move it. It tells how much of a step's excess the
-    whole machine shares: other processes loading the host slow every stage alike, and that
-    part of the excess is drift, not a fault (without it, a load switched on raised an alarm
-    the probes then cleared). Where the host's CPU counters are known, the level counts only
-    while they show other processes taking cores: a slow device can lift every stage's time
-    by itself (the stages wait on each other's transfers), and taken as load, a 1.2x device's
-    1.12x step slowdown was learned as drift in a full run of `benchmarks/detection.py`
-    (corpus, seed 3) and never caught."""
+    """The stages' common level: a low quantile of their times against their healthy
+    baselines (one slow stage does not move it), the part of a step's excess the whole
+    machine shares: a load on the host slows every stage alike, and that is drift (without
+    it, a load switched on raised an alarm the probes then cleared). Where the host's CPU
+    counters are known it counts only while they show other processes taking cores: a slow
+    device can lift every stage by itself (the stages wait on its transfers), and taken as
+    load, a 1.2x device's 1.12x step slowdown was learned as drift in a full run of
+    `benchmarks/detection.py` (corpus, seed 3) and never caught."""
 
     def __init__(self, warmup: int, k: float, min_excess: float) -> None:
         self.armed_after = warmup // 2  # steps its baseline learns before the level counts
@@ -234,10 +213,8 @@ class SharedLevel:
         self.level = float(np.sort(self.dev.ravel())[self.dev.size // 4])
 
     def explains(self, cpu_known: bool, host: float) -> float:
-        """The part of this step's log excess the level explains as a load on the whole
-        machine (also kept as `explained`). Where the host's CPU counters are known
-        (`cpu_known`), only while they show other processes taking cores (`host`, the log
-        slowdown they explain, > 0): a slow device can lift every stage's time by itself."""
+        """The part of this step's log excess the level explains (kept as `explained`); with
+        the counters known (`cpu_known`), only while other processes take cores (`host` > 0)."""
         self.explained = self._standing_out() if not cpu_known or host > 0.0 else 0.0
         return self.explained
 
@@ -267,33 +244,23 @@ class SharedLevel:
 class CpuAccounting:
     """The host's CPU accounting (`StepObservation.host_cpu`), where it comes with the steps.
 
-    It tells how much of an excess other processes explain (`host_level`): they ran on more
-    cores than on healthy steps, so this process got fewer of the cores it uses (min(its
-    healthy use, cores - others) against the same with the others' healthy level). That part
-    is drift too, and it is known the very step a load switches on, where the stages' shared
+    Other processes running on more cores than on healthy steps explain part of an excess
+    (`host_level`): drift, known the very step a load switches on, where the stages' shared
     level needs several steps to stand out of its noise (each switch-on otherwise cost a
     probe). A slow device does not raise the others' use by itself; on a saturated host they
-    take what the slow device leaves idle, so a fault under a load shows partly as host load,
-    and the stage shares (which no load moves) still see it.
+    take what it leaves idle, so a fault under a load shows partly as host load, and the stage
+    shares (which no load moves) still see it.
 
-    Where the process keeps the host's cores busy (its step is CPU-bound, as 8 fake devices on
-    2 cores are), the same counters tell a slow device from a slow machine (`own_level`). A
-    slow device leaves cores idle while the others wait for it, so this process's cores fall
-    as its step lengthens (`benchmarks/detection.py` prints them per trial; `--data
+    Where the process keeps the host's cores busy (a CPU-bound step, as 8 fake devices on 2
+    cores), the counters tell a slow device from a slow machine (`own_level`): a slow device
+    leaves cores idle while the others wait for it (`benchmarks/detection.py --data
     synthetic:bimodal --seed 6`: a 1.2x device's steps at 0.91-0.96x the cores, a 2x device's
-    at 0.64-0.71x). When the cores themselves run slower (the machine's own swings, which
-    raised both false alarms of a full `benchmarks/detection.py --data synthetic:lognormal
-    --seed 12` run: steps 6% to 16% slower over 4-5 steps, the process at its healthy cores
-    throughout, nothing else running), the process burns more CPU seconds for the same batch.
-    The part of an excess those extra seconds explain (excess + log(cores now / healthy
-    cores)) is the machine's, not a device's, while the process holds its healthy cores
-    (within HOST_MIN_CORES) and up to the stated margin (REACH_SIGMAS sigmas, handed in):
-    devices sharing the cores keep them busy while a slow one sleeps, so a step slower than
-    that is left for the probe to tell. It counts only in a job of one process (with several,
-    one host's slower cores are a slow device of the job) whose healthy use is at least
-    OWN_BOUND of the cores the others leave it: on a GPU host the process uses a few of many
-    cores, and a host thread spin-waiting on a slow GPU would burn CPU in step with the wall
-    time."""
+    at 0.64-0.71x), while slower cores (the machine's own swings, which raised both false
+    alarms of a full `--data synthetic:lognormal --seed 12` run: steps 6% to 16% slower over
+    4-5 steps at the healthy cores, nothing else running) burn more CPU seconds for the same
+    batch. Not with several processes (one host's slower cores are a slow device of the job),
+    nor under OWN_BOUND of the cores (on a GPU host a thread spin-waiting on a slow GPU would
+    burn CPU in step with the wall time)."""
 
     def __init__(self, warmup: int) -> None:
         self.armed_after = warmup // 2  # steps of healthy use learned before it counts
@@ -305,11 +272,9 @@ class CpuAccounting:
         return cpu is not None and self.base is not None and self.seen >= self.armed_after
 
     def host_level(self, cpu: HostCpu | None) -> float:
-        """The log slowdown other processes explain by running on more cores than they do
-        on healthy steps: this process got min(own, cores - others) cores against
-        min(own, cores - healthy others), `own` its healthy use. 0 within HOST_MIN_CORES
-        of their healthy use (tick noise), and where the host has cores to spare (a GPU
-        host whose process needs few)."""
+        """The log slowdown other processes explain: this process got min(own, cores -
+        others) cores against the same at their healthy level (`own`: its healthy use); 0
+        within HOST_MIN_CORES of it (tick noise) or where the host has cores to spare."""
         if not self.known(cpu):
             return 0.0
         own, others = self.base
@@ -321,14 +286,9 @@ class CpuAccounting:
         return max(0.0, math.log(healthy / now))
 
     def own_level(self, cpu: HostCpu | None, excess: float, margin: float) -> float:
-        """The log slowdown this process's own extra CPU seconds explain of a step's log
-        `excess`: excess + log(its cores now / its healthy cores), >= 0 (a slow device leaves
-        cores idle: its excess comes with fewer cores and stays unexplained; slower cores
-        take more seconds at the same cores). 0 where the counters are unknown, where these
-        cores do not run every device of the job (with several processes, one host's slower
-        cores are a slow device), where the step is not CPU-bound (healthy use under
-        OWN_BOUND of the cores the others leave) or where the process's cores fell (a device
-        left them idle); at most `margin` (the stated margin, in log excess)."""
+        """The part of a step's log `excess` this process's extra CPU seconds explain: excess
+        + log(its cores now / healthy), >= 0, at most `margin` (the stated margin); 0 where
+        the class docstring says the counters cannot tell, or where its cores fell."""
         if not self.known(cpu) or not cpu.every_device:
             return 0.0
         own, others = self.base

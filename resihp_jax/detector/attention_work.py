@@ -1,15 +1,9 @@
 """The attention feature the runtime hands the detector: what the kernel really computes.
 
 The block-sparse attention skips (query block, key block) pairs that share no segment, so its
-cost is proportional to the number of computed block pairs, not to sum l_i^2 (a document that
-straddles a block boundary costs whole blocks; short documents cost at least a block each).
-`mb_block_pair_l2` expresses that count in sum-l^2 units (pairs x block^2) so it can be fed
-wherever the cost model takes `mb_sum_l2`; the runtime computes it from the segment ids it
-already holds, with the same skip rule as the kernel.
-
-`mb_attention_l2` is the feature a model's `attention_cost` (perfmodel.facts.ModelFacts) asks
-for: the sum of squared document lengths ('document'), or every row's full length squared
-('row': dense masked attention computes every pair of the row whatever its documents).
+cost follows the computed block pairs, not sum l_i^2 (a document straddling a block boundary
+costs whole blocks; a short document at least one); dense masked attention ('row') computes
+every pair of the row whatever its documents.
 """
 
 from __future__ import annotations
@@ -33,7 +27,8 @@ class _Batch(Protocol):
 
 
 def mb_block_pair_l2(segment_ids_MxBxS: np.ndarray, block_size: int) -> np.ndarray:
-    """[M] computed attention block pairs of each micro-batch, times block_size^2."""
+    """[M] computed attention block pairs of each micro-batch, times block_size^2: in
+    sum-l^2 units, to go wherever the cost model takes `mb_sum_l2`."""
     seg = np.asarray(segment_ids_MxBxS)
     return np.array([computed_block_pairs(seg[m], block_size) for m in range(seg.shape[0])],
                     dtype=np.float64) * float(block_size) ** 2

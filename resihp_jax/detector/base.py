@@ -1,8 +1,8 @@
 """The detector interface shared by ours and the baselines: observe a step, maybe suspect,
 validate the suspicion with probes, emit a verdict. Registry by name.
 
-Every alarm (suspicion) stalls training for a probe, so `alarms` counts them whether or not
-the probe finds a culprit. Time is injected (`clock`), so is the probe (`prober(step)`).
+Every alarm stalls training for a probe, so `alarms` counts them whether or not the probe
+finds a culprit. Time (`clock`) and the probe (`prober(step)`) are injected.
 """
 
 from __future__ import annotations
@@ -187,15 +187,14 @@ class Detector:
 
 
 def _whole_host(found: Localization | None, result: ProbeResult) -> Localization | None:
-    """In a job of several processes, what a check names: the devices of the one host whose
-    devices it found slow, all of them (their slowdown against the other hosts' devices), or
-    nobody. What slows a host (a throttled process, a hot node) slows every device it drives,
-    while load on shared cores pulls on single devices here and there: in a job's first steps
-    (4 processes on 2 cores, a standby compiling beside them) a device of each of p0, p1 and
-    p3 stood out at 1.68x in every run of one check, and p2's second device alone at 2.3x to
-    3.1x in others, long before p2 was slowed; with p2 slowed 3x, one check found both its
-    devices and one of p1's. A check has no slow step behind it; a suspicion's probes
-    (`validate`) still name any devices. One process (hosts unknown): `found` as it is."""
+    """In a job of several processes, what a check names: every device of the one host whose
+    devices it found slow (their slowdown against the other hosts'), or nobody. What slows a
+    host slows every device it drives, while load on shared cores pulls on single devices:
+    in a job's first steps (4 processes on 2 cores, a standby compiling) a device of each of
+    p0, p1 and p3 stood out at 1.68x in every run of one check, and p2's second device alone
+    at 2.3x-3.1x in others, long before p2 was slowed; with p2 slowed 3x, one check found both
+    its devices and one of p1's. A suspicion's probes (`validate`) still name any devices;
+    one process (hosts unknown): `found` as it is."""
     hosts = result.hosts
     if found is None or not hosts:
         return found

@@ -1,13 +1,10 @@
 """Validation probes: time a compute kernel on each device and point-to-point transfers between
 pipeline neighbours, then localize the slow device(s).
 
-The probe is a small shard_map program on the plan's mesh. In one process its rounds run one
-device's kernel at a time (a psum after each round is the barrier), so on shared host cores
-every device is timed alone, by host callbacks. In a job of several processes each process
-times its own devices' kernels in programs of their own, all processes at once
-(`_LocalProbe`); transfers are not timed there. Kernel and transfers are
-bracketed by the same Instrument markers as the train step, so an injected fail-slow delay
-slows the probe exactly as it slows training.
+In one process a shard_map program on the plan's mesh runs one device's kernel a round (a
+psum after each is the barrier), so on shared cores every device is timed alone, by host
+callbacks; a job of several processes times compute only, locally (`_LocalProbe`). The same
+Instrument markers as the train step bracket the work: an injected delay slows it alike.
 """
 
 from __future__ import annotations
@@ -259,20 +256,14 @@ class _LocalProbe:
     """Each of this process's devices timed alone in a program of its own, by this process's
     clock, while every other process times its devices the same way at the same moment.
 
-    Why not one collective program per device (the job waiting while one device works): a
-    process that is held up (a throttle's stop, a burst of its other threads) stalls every
-    collective program it takes part in, so it lengthened its peers' times as much as its
-    own, and a process slowed 3x read 1.1x-1.3x on 4 processes of 2 shared cores. Here no
-    program waits for another process; and with all processes working at once, load from
-    elsewhere on shared cores falls on all of them alike instead of on whichever device
-    happened to be working alone when it came.
-
-    Each device works for a window of about `target_s` of wall time, in runs of the kernel
-    (`_window`), and its rate counts: every process stays busy for the same window, so the
-    load they put on shared cores stays even until all are done (with a fixed amount of work
-    the healthy ones finish first and leave a slow one the cores: a 3x process read 2x); and
-    the window is long against what a process's clock adds (a Python thread holding the
-    interpreter delays a return by milliseconds) and against a throttle's period."""
+    Not one collective program per device: a held-up process stalls every collective program
+    it takes part in, lengthening its peers' times as much as its own (a process slowed 3x
+    read 1.1x-1.3x on 4 processes of 2 shared cores). With all processes working at once,
+    load from elsewhere falls on all alike. Each device works for a window of about
+    `target_s` (`_window`) and its rate counts: every process stays busy as long, so the load
+    on shared cores stays even (with a fixed amount of work the healthy ones finish first and
+    leave a slow one the cores: a 3x process read 2x), and the window is long against a
+    process's clock delays (a thread holding the interpreter) and a throttle's period."""
 
     def __init__(self, plan: Plan, x_NxN: np.ndarray, inst: Instrument,
                  step: Callable[[jax.Array], jax.Array], target_s: float) -> None:

@@ -2,8 +2,8 @@
 
 Forward time of one layer on one micro-batch (healthy device, tp=1) is
 `c + alpha * tokens + beta * sum_i l_i**2`; backward is `bwd_ratio` times that. `for_model`
-derives GPU-like defaults from FLOP counts for planning and cluster simulation; `fit.py` learns
-the coefficients from observed steps instead.
+derives GPU-like defaults from FLOP counts for planning and cluster simulation; `online.py`
+learns the coefficients from observed steps instead.
 """
 
 from __future__ import annotations

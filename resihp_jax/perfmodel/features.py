@@ -1,6 +1,6 @@
 """Linear features of a simulated step: for a fixed critical path, the step time is
 `units @ (c, alpha, beta, head_alpha, tick_overhead, step_overhead)`, which is what lets
-`fit.py` learn the coefficients by least squares. Healthy devices and free communication are
+`online.py` learn the coefficients by least squares. Healthy devices and free communication are
 assumed (the fitted coefficients fold communication in).
 """
 
@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from resihp_jax.plan import Plan
+from resihp_jax.plan import TIMED_SLOT, Plan
 from resihp_jax.perfmodel.simulator import StepSim
-from resihp_jax.plan import TIMED_SLOT
 from resihp_jax.perfmodel.costs import recomputes_forward
 from resihp_jax.perfmodel.work import GroupData
 
 PATH_FEATURES = ("c", "alpha", "beta", "head_alpha", "tick_overhead", "step_overhead")
-
-
-def bwd_multiplier(bwd_ratio: float, remat: bool | str) -> float:
-    return bwd_ratio + (1.0 if recomputes_forward(remat) else 0.0)
 
 
 def path_units(sim: StepSim, plan: Plan, tokens_N: np.ndarray, sum_l2_N: np.ndarray,
@@ -34,7 +29,8 @@ def path_units(sim: StepSim, plan: Plan, tokens_N: np.ndarray, sum_l2_N: np.ndar
     mb_K = np.array([n[3] for n in work])
     valid_K = mb_K >= 0
     safe_K = np.where(valid_K, mb_K, 0)
-    mult_K = np.where(kind_K, bwd_multiplier(bwd_ratio, remat), 1.0) * valid_K / plan.tp
+    bwd = bwd_ratio + (1.0 if recomputes_forward(remat) else 0.0)  # a recomputed forward
+    mult_K = np.where(kind_K, bwd, 1.0) * valid_K / plan.tp
     layers_K = np.asarray(plan.layers_per_stage, dtype=np.float64)[stage_K]
     tok_K, l2_K = tokens_N[safe_K], sum_l2_N[safe_K]
     units[0] = np.sum(mult_K * layers_K)

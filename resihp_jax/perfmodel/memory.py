@@ -41,13 +41,13 @@ def devices_memory_gb(devices: Sequence[Any], default_gb: float = DEFAULT_DEVICE
     return min(limits) if limits else default_gb
 
 
-
 def compiled_bytes(compiled: Any) -> int:
     """Bytes a device needs to run a compiled program (XLA's memory analysis: its arguments,
     its outputs less those that reuse donated arguments, its temporaries)."""
     stats = compiled.memory_analysis()
     return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
                - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+
 
 def static_bytes_S(plan: Plan, model: ModelFacts, layer_slots: int | None) -> np.ndarray:
     """[S] parameters + gradients + optimizer state (Adam's two moments) per device of each

@@ -27,7 +27,7 @@ from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.perfmodel.health import Health
 from resihp_jax.perfmodel.robust import RobustFit, robust_relative_fit
 from resihp_jax.perfmodel.simulator import StepSim, check_schedule, simulate_step
-from resihp_jax.perfmodel.work import GroupData, group_data
+from resihp_jax.perfmodel.work import group_data
 
 MODES = ("auto", "pipeline", "contention")
 N_PATH = len(features.PATH_FEATURES)
@@ -105,7 +105,6 @@ class OnlineCostModel:
         # it takes effect)
         self._pending: tuple[threading.Thread | None, dict[str, Any], int] | None = None
 
-    # ---- public API ----------------------------------------------------------------------
     @property
     def ready(self) -> bool:
         return self._fit is not None and len(self._obs) >= self.min_steps
@@ -135,8 +134,7 @@ class OnlineCostModel:
             step_s = math.nan
         if not (math.isfinite(step_s) and step_s > 0):
             raise ConfigError(f"step_time_s={step_time_s!r}: must be a finite time > 0")
-        data = group_data(plan, mb_tokens, mb_sum_l2, mb_slots)
-        tok_N, l2_N = _global(data.tokens_GxM, data), _global(data.sum_l2_GxM, data)
+        tok_N, l2_N = _global(plan, mb_tokens, mb_sum_l2, mb_slots)
         self._obs.append(_Obs(plan, tok_N, l2_N, mb_slots, step_s,
                               features.total_units(plan, tok_N, l2_N)))
         self._since_fit += 1
@@ -170,8 +168,7 @@ class OnlineCostModel:
         step_s = self._simulate(plan, costs, mb_tokens, mb_sum_l2, mb_slots, health).step_time_s
         if not self.uses_contention:
             return step_s
-        data = group_data(plan, mb_tokens, mb_sum_l2, mb_slots)
-        tok_N, l2_N = _global(data.tokens_GxM, data), _global(data.sum_l2_GxM, data)
+        tok_N, l2_N = _global(plan, mb_tokens, mb_sum_l2, mb_slots)
         shared_s = float(features.total_units(plan, tok_N, l2_N) @ coef[N_PATH:])
         if health is None:
             return step_s + shared_s
@@ -186,7 +183,6 @@ class OnlineCostModel:
     def _simulate(self, plan: Plan, costs: CostParams, tokens: np.ndarray | None,
                   sum_l2: np.ndarray | None, mb_slots: int | None,
                   health: Health | None = None, trace: bool = False) -> StepSim:
-        """The pipeline simulation of one step under these costs."""
         return simulate_step(plan, self._model_for(plan), costs,
                              mb_tokens=tokens, mb_sum_l2=sum_l2, health=health,
                              schedule=self.schedule, remat=self.remat, mb_slots=mb_slots,
@@ -266,7 +262,6 @@ class OnlineCostModel:
         fit, uses_contention = self._chosen_model(pipe, window)
         return _Refit(theta, version, fit, uses_contention, gap)
 
-    # ---- internals -----------------------------------------------------------------------
     def _chosen_model(self, pipe: RobustFit, window: list[_Obs]) -> tuple[RobustFit, bool]:
         if self.mode == "pipeline":
             return pipe, False
@@ -320,9 +315,11 @@ def _key(values: np.ndarray | None) -> tuple | None:
     return (array.shape, array.dtype.str, array.tobytes())
 
 
-def _global(values_GxM: np.ndarray, data: GroupData) -> np.ndarray:
-    """Back from per-group slots to the global micro-batch order."""
-    return values_GxM[data.valid_GxM > 0]
+def _global(plan: Plan, mb_tokens: np.ndarray | None, mb_sum_l2: np.ndarray | None,
+            mb_slots: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's (validated) tokens and sum l^2 in global micro-batch order."""
+    data = group_data(plan, mb_tokens, mb_sum_l2, mb_slots)
+    return data.tokens_GxM[data.valid_GxM > 0], data.sum_l2_GxM[data.valid_GxM > 0]
 
 
 def _relative_move(x_NxF: np.ndarray, y_N: np.ndarray, old: np.ndarray, new: np.ndarray

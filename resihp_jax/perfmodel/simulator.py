@@ -56,7 +56,7 @@ def simulate_step(plan: Plan, model: ModelFacts, costs: CostParams, *,
     data = group_data(plan, mb_tokens, mb_sum_l2, mb_slots)
     factors = device_factors(plan, health)
     rep_U, inverse_G = _distinct_groups(data, factors)
-    sub_data, sub_factors = _take(data, rep_U), _take_factors(factors, rep_U)
+    sub_data, sub_factors = _take(data, factors, rep_U)
     work = stage_work(plan, model, costs, sub_data, sub_factors, remat)
     if schedule == "gpipe":
         end_U, path = _run_gpipe(work, costs, sub_data, sub_factors, rep_U, trace)
@@ -84,17 +84,13 @@ def _distinct_groups(data: GroupData, factors: Factors) -> tuple[np.ndarray, np.
     return first_U, inverse_G.reshape(-1)
 
 
-def _take(data: GroupData, rep_U: np.ndarray) -> GroupData:
+def _take(data: GroupData, factors: Factors, rep_U: np.ndarray) -> tuple[GroupData, Factors]:
+    """The data and factors of the representative groups only."""
     if len(rep_U) == len(data.counts_G) and (rep_U == np.arange(len(rep_U))).all():
-        return data
-    return GroupData(data.tokens_GxM[rep_U], data.sum_l2_GxM[rep_U], data.valid_GxM[rep_U],
-                     data.counts_G[rep_U], data.offsets_G[rep_U], data.uniform)
-
-
-def _take_factors(factors: Factors, rep_U: np.ndarray) -> Factors:
-    if len(rep_U) == factors.inv_speed_GxS.shape[0] and (rep_U == np.arange(len(rep_U))).all():
-        return factors
-    return Factors(factors.inv_speed_GxS[rep_U], factors.link_GxS[rep_U], factors.link_SxT)
+        return data, factors
+    return (GroupData(data.tokens_GxM[rep_U], data.sum_l2_GxM[rep_U], data.valid_GxM[rep_U],
+                      data.counts_G[rep_U], data.offsets_G[rep_U], data.uniform),
+            Factors(factors.inv_speed_GxS[rep_U], factors.link_GxS[rep_U], factors.link_SxT))
 
 
 def _run_gpipe(work: StageWork, costs: CostParams, data: GroupData, factors: Factors,

@@ -99,10 +99,6 @@ def _allreduce_s(n_bytes: np.ndarray | float, width: int, bandwidth: float, late
     return volume / (bandwidth * np.asarray(link)) + 2.0 * (width - 1) * latency
 
 
-def activation_bytes(plan: Plan, model: ModelFacts) -> float:
-    return float(plan.microbatch_size * plan.seq_len * model.d_model * dtype_bytes(model.dtype))
-
-
 def stage_param_counts(plan: Plan, model: ModelFacts, layer_slots: int | None = None
                        ) -> np.ndarray:
     """[S] parameters held by one device of each stage (before TP sharding)."""
@@ -134,7 +130,7 @@ def stage_work(plan: Plan, model: ModelFacts, costs: CostParams, data: GroupData
     compute[:, -1, :] += costs.head_alpha * data.tokens_GxM
     compute[:, 0, :] += costs.embed_alpha * data.tokens_GxM
     compute *= scale_GxS[:, :, None]
-    act = activation_bytes(plan, model)
+    act = float(plan.microbatch_size * plan.seq_len * model.d_model * dtype_bytes(model.dtype))
     tp_ar_GxS = _allreduce_s(act, plan.tp, costs.tp_bandwidth, costs.tp_latency, factors.link_GxS)
     tp_fwd = (2.0 * layers_S[None, :] * tp_ar_GxS)[:, :, None] * data.valid_GxM[:, None, :]
     fwd = compute + tp_fwd

@@ -1,17 +1,8 @@
 """The per-device body of the train step: the GPipe schedule of pipeline.py over the model's
-shell and blocks.
-
-With tensor parallelism (tp > 1) the shard_map is manual over 'dp' and 'pp'; 'tp' stays
-automatic, so the tensor parallelism comes from the parameters' shardings (logical names ->
-'tp') and XLA inserts its collectives itself, also inside the layer gates: every member of a
-tp group takes the same branch of a gate (the predicate depends on 'dp' and 'pp' only), so a
-collective inside a branch is always joined by the whole group. The user's code has no
-collectives of its own.
-
-Without it (tp == 1) nothing is left for XLA to split: the shard_map is manual over every
-mesh axis, and the stage work can be bracketed by an `Instrument`
-(host callbacks run only where every axis is manual): per-stage timing and injected
-per-device slowdowns reach the user's model exactly as they reach the built-in one.
+shell and blocks (docs/DESIGN.md, "The user's own model"). At tp > 1 the shard_map leaves
+'tp' to XLA, whose collectives inside a gate the whole tp group joins (the predicate depends
+on 'dp' and 'pp' only); at tp == 1 it is manual over every axis, where an `Instrument`'s host
+callbacks can run.
 """
 
 from __future__ import annotations
@@ -54,7 +45,7 @@ def token_nll_sum(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
 def vocab_parallel_partials(logits_BxSxV: jax.Array,
                             targets_BxS: jax.Array) -> layers.LossPartials:
     """This device's softmax statistics of its slice of the vocabulary (a manual model's head
-    returns that slice, rows split over 'tp'), to be combined over 'tp' outside any gate."""
+    returns that slice), to be combined over 'tp' outside any gate."""
     offset = layers.vocab_offset(logits_BxSxV.shape[-1], "tp")
     return layers.loss_partials(logits_BxSxV.astype(jnp.float32), targets_BxS, offset)
 
@@ -100,10 +91,9 @@ def _divisors(n: int) -> list[int]:
 
 def over_token_chunks(fn: Callable[..., Any], chunks: int, x_BxSxD: jax.Array,
                       *tokens_BxS: jax.Array) -> Any:
-    """`fn(x_BxCxD, *tokens_BxC)` on each of `chunks` slices of the sequence, one after
-    another, each recomputed in the backward (jax.checkpoint): one chunk's logits are alive
-    at a time, forward and backward, never the micro-batch's whole. Returns the chunks'
-    results stacked on a leading axis (`from_token_chunks` puts per-token ones back)."""
+    """`fn(x_BxCxD, *tokens_BxC)` on each of `chunks` slices of the sequence in turn, each
+    recomputed in the backward (jax.checkpoint): one chunk's logits are alive at a time.
+    Returns the results stacked on a leading axis (`from_token_chunks` undoes it)."""
     if chunks == 1:
         return jax.tree.map(lambda y: y[None], fn(x_BxSxD, *tokens_BxS))
     rows, seq = x_BxSxD.shape[:2]
@@ -148,8 +138,7 @@ def _run_stage(parts: ModelParts, layers: Any, compute: Any, active: jax.Array,
                pos_BxS: jax.Array, axes: tuple[str, ...], select: bool,
                noise: Callable[[jax.Array], Noise | None]) -> jax.Array:
     """This stage's first `n_layers` slots when `active`; the others are skipped. `layers`
-    are the float32 masters [slots, ...], `compute` the same in the compute dtype;
-    `noise(slot)`: what slot's random draws are folded with."""
+    are the float32 masters [slots, ...], `compute` the same in the compute dtype."""
     slot_ids = jnp.arange(jax.tree.leaves(layers)[0].shape[0])
 
     def one_slot(x: jax.Array, slot: tuple[jax.Array, Any, Any]) -> tuple[jax.Array, None]:
@@ -181,19 +170,16 @@ def _narrow(x: Any) -> bool:
 
 
 def widened(params: Any) -> Any:
-    """Parameters kept in a narrow float (bfloat16) as float32 masters for the step: their
-    gradients are summed over micro-batches, stages and data-parallel groups in float32 and
-    rounded to the parameter's dtype once, where the step's differentiation leaves this cast
-    (a plain loop rounds once too). XLA:CPU cannot promote some bf16 reductions of the
-    pipeline's gradient sums either (a compile abort)."""
+    """Narrow-float (bfloat16) parameters as float32 masters: their gradients are summed in
+    float32 and rounded once, where differentiation leaves this cast (as a plain loop rounds
+    once). XLA:CPU also aborts compiling some bf16 reductions of the pipeline's sums."""
     return jax.tree.map(lambda x: x.astype(jnp.float32) if _narrow(x) else x, params)
 
 
 def compute_copy(params: Any, dtype: str | None, own: Any = None) -> Any:
-    """The float32 masters cast to the compute dtype (None: each in its own dtype, `own`'s
-    leaves: the parameters as the model keeps them, before `widened`). Taken once per step,
-    outside the tick scan; gradients reach the masters through the gates, never through
-    this cast."""
+    """The float32 masters cast to the compute dtype (None: each to its dtype in `own`, the
+    parameters before `widened`). Taken once per step, outside the tick scan; gradients
+    reach the masters through the gates, never through this cast."""
     if dtype is None and (own is None or not any(map(_narrow, jax.tree.leaves(own)))):
         return params
     return jax.lax.stop_gradient(jax.tree.map(
@@ -212,19 +198,15 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
     """Sum of token losses over all DP groups' micro-batches (same value on every device).
 
     Local shapes: tokens/seg/pos [1, mb_slots, B, S]; layer leaves [1, slots, ...]; knob
-    [1, 1, 1] (this device's runtime value for `instrument`'s host callbacks).
-    `axes`: the shard_map's manual axes: ALL_AXES (tp == 1: fully manual, the only case that
-    takes an `instrument`), STEP_AXES ('tp' automatic), or () outside any shard_map (dp = pp
-    = 1 with tp > 1: XLA:SPMD refuses a partially manual program whose manual axes all have
-    one device, as its reductions over them become cross-partition all-reduces).
-    `gates`: how idle work is skipped: "cond" (branches: idle work costs nothing) or
-    "select" (computed everywhere and dropped: for a model whose blocks hold collectives
-    that a branch would leave some devices out of, meshes/branch_collectives.py).
-    `step`: the state's step (the random streams of a model that has some draw from it).
-    `vocab_tp` > 1: a model with manual tensor parallelism over that many devices (axes
-    ALL_AXES): its head returns this device's slice of the vocabulary's logits, the loss is
-    combined over 'tp' outside the gates, whole on each device, and summed over dp and pp.
-    `loss_chunks`: the token chunks the head and loss run in (`head_chunks`)."""
+    [1, 1, 1] (this device's value for `instrument`'s host callbacks).
+    `axes`: ALL_AXES (fully manual, the only case that takes an `instrument`), STEP_AXES
+    ('tp' automatic), or () outside any shard_map (dp = pp = 1 with tp > 1: XLA:SPMD refuses
+    a partially manual program whose manual axes all have one device).
+    `gates`: "cond" (idle work costs nothing) or "select" (computed and dropped: for blocks
+    holding collectives a branch would leave some devices out of).
+    `step`: what a model's random streams draw from.
+    `vocab_tp` > 1: manual tensor parallelism (axes ALL_AXES): the head returns this
+    device's vocabulary slice, the loss is combined over 'tp' outside the gates."""
     _check_axes(axes, instrument, knob)
     if gates not in GATES:
         raise ValueError(f"gates={gates!r}: expected one of {GATES}")
@@ -310,11 +292,9 @@ def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],
                            select: bool, own: Any, step: jax.Array | None,
                            first_microbatch: jax.Array, vocab_tp: int,
                            loss_chunks: int | str) -> jax.Array:
-    """A one-stage plan: gradient accumulation over micro-batches, with no tick schedule
-    and no layer gates (pipeline.py: `accumulated_loss_sum`). `remat` recomputes each
-    block in its backward. The `instrument`'s markers bracket each micro-batch's blocks,
-    forward and (through their VJPs) backward, keyed on tick = slot, as the built-in
-    model's one-stage step does."""
+    """A one-stage plan: gradient accumulation over micro-batches, no tick schedule and no
+    layer gates (pipeline.py: `accumulated_loss_sum`). The `instrument`'s markers bracket
+    each micro-batch's blocks, forward and backward, keyed on tick = slot."""
     masters = (params["shell"],
                # slots past the model's depth (a larger requested slot count) are padding
                jax.tree.map(lambda a: a[0, :parts.n_layers], params["blocks"]))

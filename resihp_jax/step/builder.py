@@ -1,16 +1,8 @@
 """The one step builder: the jitted train step of any NNX model that keeps the contract
 (step/model_parts.py) under any Plan, as a `StepProgram`, so every split, re-plan and state
-move works alike for every model: a user's, and a preset of `rh.models.Llama` behind the same
-contract (runtime/run/programs.py builds both).
-
-The state's parameters are `{"shell": ..., "blocks": ...}` (step/model_parts.py), the blocks
-in the stage layout `[pp, slots, ...]`. The optimizer is the user's optax transformation,
-applied as given. Shardings come from the parameters' logical names and `axis_rules`.
-
-A plan with tp == 1, or a model with `tensor_parallel = "manual"` at any tp, runs a step
-manual over every mesh axis, which takes an `Instrument` (stage timing, injected
-slowdowns); otherwise, with tp > 1, 'tp' is left to XLA and no Instrument can
-reach the stage work (step/body.py).
+move works alike for a user's model and a preset of `rh.models.Llama`. The state's blocks
+are in the stage layout `[pp, slots, ...]`; shardings come from the parameters' logical
+names and `axis_rules`.
 """
 
 from __future__ import annotations
@@ -38,20 +30,16 @@ from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES, ModelParts, check_d
 from resihp_jax.step.body import pipeline_loss_sum
 
 
-def _layer_spec(spec: P, stage_layout: bool) -> P:
-    return P(*(("pp", None) if stage_layout else (None,)), *spec)
-
-
 def param_specs(parts: ModelParts, rules: Sequence[tuple[str, str | None]],
                 stage_layout: bool) -> dict[str, Any]:
-    blocks = mesh_specs(parts.layer_logical, rules)
+    lead = ("pp", None) if stage_layout else (None,)
     return {"shell": mesh_specs(parts.shell_logical, rules),
-            "blocks": jax.tree.map(lambda s: _layer_spec(s, stage_layout), blocks,
+            "blocks": jax.tree.map(lambda s: P(*lead, *s),
+                                   mesh_specs(parts.layer_logical, rules),
                                    is_leaf=lambda x: isinstance(x, P))}
 
 
-def _state_specs(optimizer: optax.GradientTransformation, shapes: TrainState,
-                 params: dict[str, Any]) -> TrainState:
+def _state_specs(shapes: TrainState, params: dict[str, Any]) -> TrainState:
     """Specs of a whole state: optimizer moments are sharded like the parameters they mirror,
     everything else (counts) replicated."""
     # a part of the optimizer's state shaped like the parameters mirrors them (optax's
@@ -74,15 +62,12 @@ def build_model_step(parts: ModelParts, optimizer: optax.GradientTransformation,
                     gates: str = "cond") -> StepProgram:
     """Compile-ready program of a user's model for `plan` on `devices`.
 
-    `example_params`: canonical parameters (arrays or shapes) fixing every leaf's shape;
-    `train` carries the step's slot counts, remat, donation and loss chunks; `optimizer` is
-    applied as given. `compute_dtype` ('bfloat16'): the blocks, embedding and head compute
-    in it from float32 master weights; the loss stays float32. `instrument` (plans where
-    the step is manual over every mesh axis: tp == 1, or the model's tensor parallelism
-    manual) brackets each device's stage work with host callbacks that get the step's
-    per-device knob. `gates`: how the pipeline skips idle work (step/body.py); a "cond"
-    program whose compiled step would hang becomes a "select" one when compiled
-    (`StepProgram.adopt_compiled`)."""
+    `example_params`: canonical parameters (arrays or shapes) fixing every leaf's shape.
+    `compute_dtype` ('bfloat16'): the model computes in it from float32 master weights; the
+    loss stays float32. `instrument` (steps manual over every mesh axis: tp == 1, or manual
+    tensor parallelism) brackets each device's stage work with host callbacks. `gates`: how
+    the pipeline skips idle work (step/body.py); a "cond" program whose compiled step would
+    hang becomes a "select" one (`StepProgram.adopt_compiled`)."""
     train = train or StepConfig()
     if plan.n_layers != parts.n_layers:
         raise PlanError(f"Plan.layers_per_stage={plan.layers_per_stage} sums to "
@@ -99,7 +84,7 @@ def build_model_step(parts: ModelParts, optimizer: optax.GradientTransformation,
     mb_slots = layout.microbatch_slots_for(plan, train.microbatch_slots)
     index_PxL = layout.stage_index(plan.layers_per_stage, layer_slots)  # numpy, no compile
     shapes = jax.eval_shape(lambda p: fresh_state(optimizer, p, index_PxL), example_params)
-    specs = _state_specs(optimizer, shapes, param_specs(parts, axis_rules, stage_layout=True))
+    specs = _state_specs(shapes, param_specs(parts, axis_rules, stage_layout=True))
     named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree,  # noqa: E731
                                       is_leaf=lambda x: isinstance(x, P))
     shardings = named(specs)
@@ -110,9 +95,9 @@ def build_model_step(parts: ModelParts, optimizer: optax.GradientTransformation,
     step_fn, grads_fn = step_functions(loss_sum, optimizer, shardings, mesh, train.donate_state)
     canonical = canonical_state_shapes(shapes, parts.n_layers)
     # outside the step the layers are spread over dp x pp (meshes/rules.py spread_spec)
-    canonical_sh = named(_state_specs(optimizer, canonical, _spread(
+    canonical_sh = named(_state_specs(canonical, _spread(
         parts, canonical_specs, example_params, dict(mesh.shape), lead=1)))
-    spread_stage = named(_state_specs(optimizer, shapes, _spread(
+    spread_stage = named(_state_specs(shapes, _spread(
         parts, specs.params, shapes.params, dict(mesh.shape), lead=2)))
 
     def canonical_of(state: TrainState, positions_L: jax.Array) -> TrainState:
@@ -160,11 +145,9 @@ def _sharded_loss_sum(parts: ModelParts, plan: Plan, mesh: jax.sharding.Mesh, sp
                       train: StepConfig, compute_dtype: str | None,
                       instrument: Instrument | None,
                       gates: str) -> Callable[[Any, Batch, Splits, jax.Array], jax.Array]:
-    """(params, batch, splits, step) -> the batch's summed token losses, per-device body in a
-    shard_map: manual over every axis when tp == 1 or the model's tensor parallelism is
-    manual (the knob array goes in, and so may an Instrument); else manual over 'dp' and
-    'pp' with 'tp' automatic; with dp = pp = 1 and tp > 1 no shard_map at all
-    (step/body.py says why)."""
+    """(params, batch, splits, step) -> the batch's summed token losses, the per-device body
+    in a shard_map manual over every axis (tp == 1 or manual tensor parallelism: the knobs
+    go in), else over 'dp' and 'pp', or none at dp = pp = 1 (step/body.py says why)."""
     manual = fully_manual(parts, plan)
     axes = ALL_AXES if manual else STEP_AXES if plan.dp * plan.pp > 1 else ()
     body = functools.partial(pipeline_loss_sum, parts=parts, pp=plan.pp,

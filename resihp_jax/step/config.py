@@ -1,8 +1,5 @@
 """StepConfig: the step's compilation settings (every model's), frozen and self-validating.
-
-The optimizer is no part of it: a model's programs carry their optax transformation (a
-user's, or a preset's `AdamWConfig`, models/optimizer.py), and a preset's attention kernel is
-chosen once where its programs are built (runtime/run/programs.py `preset_programs`).
+The optimizer is no part of it (a model's programs carry their optax transformation).
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Host callbacks around each device's stage work, forward and backward, inside the step.
 
 `Instrument` wraps a region of the per-device computation in two identity markers with
-custom VJPs. Each marker may call a host function with scalar operands only (the device's
-mesh coordinates, a per-device runtime `knob`, whether the tick is busy, the tick), in the
-forward pass and again, mirrored, in the backward pass. The runtime uses it to time stages
-and to inject fail-slow delays; the train step knows nothing of what the host function does.
+custom VJPs, each of which may call a host function with scalars (mesh coordinates, the
+device's runtime `knob`, busy, tick), forward and, mirrored, backward: the runtime times
+stages and injects fail-slow delays with it.
 
 A host callback is far from free (on XLA:CPU each one stalls the device's thread for a
-Python call, about 0.7 ms with 8 fake devices on 2 cores), so the markers call the host
-only where it is needed:
+Python call, about 0.7 ms with 8 fake devices on 2 cores), so the markers call the host:
 - forward, on a busy tick the caller marks `timed` (the train step times one micro-batch
   per stage and step), when the device's knob is not `OFF`;
 - forward and backward, on every busy tick of a device whose knob is a slowdown (> 1), so
@@ -88,7 +86,7 @@ def _marker(host: HostFn, fwd_event: int, bwd_event: int) -> Callable[..., jax.A
         return _call_host(host, fwd_event, x, coords, backward=False)
 
     def fwd(x, coords):  # noqa: ANN001, ANN202
-        return _call_host(host, fwd_event, x, coords, backward=False), coords
+        return mark(x, coords), coords
 
     def bwd(coords, g):  # noqa: ANN001, ANN202
         zeros = jax.tree.map(lambda c: jnp.zeros_like(c, dtype=jax.dtypes.float0)
@@ -116,9 +114,8 @@ class Instrument:
 
 class RegionTimer:
     """The host side of the markers: when each open region (keyed, e.g. by device
-    coordinates) started, and how long it lasted when it closes. Every host function that
-    times marked work (stage timing, fault injection, probes) uses this one timer. Each key
-    has one writer, its device's own callback thread, so no lock is needed."""
+    coordinates) started, and how long it lasted when it closes. Each key has one writer,
+    its device's own callback thread, so no lock is needed."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
@@ -141,9 +138,8 @@ class RegionTimer:
 
 
 class FaultHook(Protocol):
-    """What the trainer needs from a fault source: an Instrument host function, per-device
-    knobs for a step (raising for a dead device), and a view of the same
-    faults through another plan's mesh."""
+    """A fault source: an Instrument host function, per-device knobs for a step (raising
+    for a dead device), and the same faults seen through another plan's mesh."""
 
     def __call__(self, event: int, dp: int, pp: int, tp: int, knob: float, busy: bool,
                  tick: int) -> None: ...

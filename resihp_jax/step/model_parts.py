@@ -1,12 +1,10 @@
 """A user's Flax NNX model, taken apart for the pipeline and put back together after training.
 
 The contract: an `nnx.Module` with `embed(tokens_BxS, positions_BxS) -> h_BxSxD`, `blocks` (an
-`nnx.List`, or a list, which Flax 0.12 takes as `nnx.data([...])`, of blocks of one structure,
-each `block(h_BxSxD, segment_ids_BxS, positions_BxS) -> h_BxSxD`) and
-`head(h_BxSxD) -> logits_BxSxV`. Its parameters (`nnx.Param`)
-are split into the *shell* (everything outside `blocks`: what `embed` and `head` use) and the
-*layers* (the blocks' parameters stacked `[n_layers, ...]`, the pipeline's canonical layout).
-Logical axis names (`nnx.with_partitioning`) travel beside them as PartitionSpecs.
+`nnx.List` or a list, of blocks of one structure, each `block(h_BxSxD, segment_ids_BxS,
+positions_BxS) -> h_BxSxD`) and `head(h_BxSxD) -> logits_BxSxV`. Its parameters are split into
+the *shell* and the *layers* stacked `[n_layers, ...]` (docs/DESIGN.md, "The user's own model");
+logical axis names (`nnx.with_partitioning`) travel beside them as PartitionSpecs.
 """
 
 from __future__ import annotations
@@ -105,11 +103,6 @@ def _reseeded(rest: Any, noise: tuple[Any, ...] | None) -> Any:
     return jax.tree.map(fresh, rest, is_leaf=_is_variable)
 
 
-def _draws(*rests: Any) -> bool:
-    return any(isinstance(v, nnx.RngKey) for rest in rests
-               for v in jax.tree.leaves(rest, is_leaf=_is_variable))
-
-
 def _state(treedef: Any, pure: Any) -> nnx.State:
     """The nnx.State of parameters whose values are the leaves of `pure` (same key order:
     checked once in `_treedef`)."""
@@ -143,10 +136,12 @@ def split_model(model: Any) -> tuple[ModelParts, Any, Any]:
     layer_splits = [nnx.split(b, nnx.Param, ...) for b in blocks]
     block_def, _, block_rest = layer_splits[0]
     _check_same_blocks([(d, p) for d, p, _ in layer_splits])
+    draws = any(isinstance(v, nnx.RngKey) for rest in (shell_rest, block_rest)
+                for v in jax.tree.leaves(rest, is_leaf=_is_variable))
     parts = ModelParts(shell_def, _treedef(shell_params), shell_rest, block_def,
                        _treedef(layer_splits[0][1]), block_rest, blocks_type, len(blocks),
                        _logical(shell_params), _logical(layer_splits[0][1]),
-                       type(model).__name__, _draws(shell_rest, block_rest),
+                       type(model).__name__, draws,
                        tensor_parallel_of(model))
     layers = _stack_layers([nnx.to_pure_dict(p) for _, p, _ in layer_splits])
     return parts, nnx.to_pure_dict(shell_params), layers

@@ -1,14 +1,10 @@
 """Which parameters a compiled step gathers whole over 'tp'.
 
-A user's model gets its tensor parallelism from sharding propagation. Where XLA cannot split
-the code that uses a weight (a sort along its sharded dimension, a reshape that mixes the
-sharded dimension with another), it falls back to all-gathering the whole weight onto every
-member of the tp group: the step stays correct but each device holds and multiplies the
-full weight. This module reads the compiled step's HLO for all-gathers whose result has a
-parameter's shape and whose gathered dimension is one the parameter is sharded on over
-'tp', and names the parameter. It matches by shape (HLO keeps no parameter names inside the
-pipeline's loops), so an activation of exactly a weight's shape and rank (a [tokens, d_ff]
-one when tokens = d_model) could be named too; the reported shape tells.
+Where sharding propagation cannot split the code that uses a weight (a sort along its sharded
+dimension, a reshape mixing it with another), XLA all-gathers the whole weight onto every tp
+device: correct, but each holds and multiplies the full weight. The match is by shape (HLO
+keeps no parameter names inside the pipeline's loops), so an activation of exactly a weight's
+shape (a [tokens, d_ff] one when tokens = d_model) could be named too; the shape tells.
 """
 
 from __future__ import annotations
@@ -67,12 +63,9 @@ def _tp_sharded(params: dict[str, Any], specs: dict[str, Any]
 
 def parameter_gathers(hlo_text: str, params: dict[str, Any], specs: dict[str, Any]
                       ) -> list[ParameterGather]:
-    """The tp-sharded parameters that `hlo_text` all-gathers along a tp-sharded dimension.
-
-    params: canonical parameters `{"shell", "blocks"}` (arrays or shapes, blocks
-    `[n_layers, ...]`); specs: their mesh PartitionSpecs. A gathered result matches a
-    parameter when it has the parameter's shape (one layer's, for the blocks: the pipeline
-    takes one slot's weights at a time) and the gathered dimension is a tp one of it."""
+    """The tp-sharded parameters that `hlo_text` all-gathers along a tp-sharded dimension
+    (`params`: canonical, arrays or shapes; `specs`: their mesh PartitionSpecs), a block's
+    matched by one layer's shape (the pipeline takes one slot's weights at a time)."""
     found = list(gathered_results(hlo_text))
     report = []
     for name, shape, on_tp in _tp_sharded(params, specs):

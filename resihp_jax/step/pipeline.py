@@ -1,21 +1,11 @@
-"""The pipeline machinery of the train step (step/body.py holds its body): the
-GPipe schedule over 'pp' inside `shard_map` (`run_ticks`), gates that skip idle work
-(`gated`), and gradient accumulation over micro-batch slots (`accumulated_loss_sum`).
+"""The pipeline machinery of the train step (step/body.py holds its body): the GPipe
+schedule over 'pp' inside `shard_map` (`run_ticks`; autodiff of its tick scan runs the
+backward ticks in reverse), gates that skip idle work (`gated`), and gradient accumulation
+for a one-stage plan (`accumulated_loss_sum`).
 
-Schedule: a `lax.scan` over ticks t = 0 .. mb_slots + pp - 2. At tick t stage s runs
-micro-batch t - s (if its DP group has that many), then every stage passes its activation to
-the next with one collective permute. Reverse-mode autodiff of the scan gives the backward
-ticks in reverse order (all forwards, then all backwards: GPipe). Stages skip empty layer
-slots and missing micro-batches with `lax.cond`, so the uneven splits are runtime arrays and
-skipped work costs no compute. A one-stage plan (pp == 1) has no schedule to run: its step
-is gradient accumulation over the micro-batch slots, with no gates and so no forward re-run
-in the backward.
-
-Every collective of the schedule (the permute, the loss's sums) runs unconditionally, outside
-any `cond`: XLA:CPU deadlocks when only some devices reach a collective, and GPUs need every
-member of a group to join anyway. A gate's branches hold no collective that only part of a
-group reaches (a model's tp sums are joined by its whole tp group: the gate's predicate
-depends on 'dp' and 'pp' only).
+Every collective of the schedule (the permute, the loss's sums) runs outside any `cond`:
+XLA:CPU deadlocks when only some devices reach a collective, and GPUs need every member of a
+group to join anyway.
 """
 
 from __future__ import annotations
@@ -33,10 +23,9 @@ STEP_AXES = ("dp", "pp")  # activations differ across these; 'tp' devices hold e
 
 def _when(active: jax.Array, compute: Callable[[], Any], like: Any,
           axes: tuple[str, ...] = ALL_AXES, select: bool = False) -> Any:
-    """compute() if active, else zeros shaped like `like`; collective-free on both sides.
-    `select`: compute on every device and keep the result where active (no branch: for
-    programs with collectives that a branch would leave some devices out of,
-    meshes/branch_collectives.py)."""
+    """compute() if active, else zeros shaped like `like`. `select`: compute everywhere and
+    keep the result where active (no branch, for collectives a branch would leave some
+    devices out of: meshes/branch_collectives.py)."""
     zeros = lambda: vma.vary(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), like), axes)  # noqa: E731,E501
     if select:
         return jax.tree.map(lambda out, zero: jnp.where(active, out, zero),
@@ -50,18 +39,15 @@ def gated(fn: Callable[..., Any], on: jax.Array, masters: Any, compute: Any,
     """fn(compute, *acts, *aux) if `on`, else zeros; reverse mode is gated the same way
     (`select`: by selection, see `_when`).
 
-    `compute` is `masters` cast to the compute dtype once per step, outside the tick scan.
-    The gradient of `compute` is returned as the cotangent of `masters`, cast to their dtype
-    (float32): the tick and slot scans then accumulate weight gradients over micro-batches in
-    float32, never in bf16, and `compute` itself gets no cotangent.
+    `compute` is `masters` cast to the compute dtype once per step; its gradient comes back
+    as the cotangent of `masters`, in their dtype (float32), so the scans accumulate weight
+    gradients in float32, never in bf16.
 
-    A plain `cond` under autodiff returns its residuals as fresh outputs, so every layer's
-    weights get copied into per-slot, per-tick residual buffers (weight-sized traffic on
-    every tick). Here the saved residuals are the inputs themselves, which the enclosing
-    scans recognise as loop-invariant weights and never copy; the backward re-derives what
-    it needs inside its own cond. The inputs must already vary over every mesh axis, so no
-    reduction (a collective) is ever needed inside either cond. `axes`: the manual mesh
-    axes of the enclosing shard_map.
+    A plain `cond` under autodiff returns its residuals as fresh outputs, copying every
+    layer's weights into per-slot, per-tick residual buffers. Here the residuals are the
+    inputs themselves, which the enclosing scans see as loop-invariant and never copy; the
+    backward re-derives what it needs inside its own cond. The inputs must already vary over
+    every manual axis (`axes`), so no collective is needed inside either cond.
     """
     like = jax.eval_shape(fn, compute, *acts, *aux)
 
@@ -104,9 +90,8 @@ def run_ticks(work: Callable[..., tuple[jax.Array, jax.Array]], stage: jax.Array
               loss_axes: tuple[str, ...] | None = None) -> jax.Array:
     """The GPipe schedule: at tick t stage s runs micro-batch t - s when its group has it
     (`work(x_received, m, busy, t) -> (x_out, loss)`), then passes its activation on with one
-    collective permute. The summed losses of every stage and group (`axes`: the manual axes
-    the activations vary over and the losses are summed over, none outside a shard_map;
-    `loss_axes`, if given, those of the losses: a loss already whole over 'tp')."""
+    collective permute. Returns the losses summed over `axes` (or `loss_axes`, for a loss
+    already whole over 'tp')."""
     loss_axes = axes if loss_axes is None else loss_axes
     def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array):
         x_recv, loss_acc = carry
@@ -132,19 +117,12 @@ def accumulated_loss_sum(slot_loss: Callable[[Any, Any, jax.Array], jax.Array],
     """Sum over micro-batch slots m < n_busy of `slot_loss(prepare(masters), data, m)`, with
     gradient accumulation instead of a differentiated schedule.
 
-    Reverse mode of a scan over slots whose body is gated by a `cond` either copies the
-    weights into per-slot residuals or (`gated`) re-runs each forward in the backward. One
-    stage needs neither: each slot takes `value_and_grad` of its own loss (ordinary autodiff
-    through the layer scan, so each matmul runs once forward and twice backward, as in a
-    plain jit step) and adds the gradients to a float32 accumulator. A custom VJP hands the
-    accumulator, scaled by the incoming cotangent, back as the masters' gradient, so callers
-    differentiate this like any loss. `prepare` makes what the slots compute with (the
-    compute-dtype copy), once per step; the gradient with respect to it is cast to each
-    master's dtype before accumulating, which is what autodiff through the cast would give.
-    A slot the group has no micro-batch for costs nothing (`cond`; with `select`, it is
-    computed and dropped, see `_when`); a step of one slot, which every group fills, has
-    no loop and no branch. `masters` must already vary over `grad_axes`; the
-    loss comes out varying over `loss_axes`.
+    A gated scan either copies the weights into per-slot residuals or re-runs each forward
+    in the backward; here each slot takes `value_and_grad` of its own loss (each matmul once
+    forward, twice backward, as a plain jit step) into a float32 accumulator, which a custom
+    VJP hands back, scaled by the cotangent, as the masters' gradient. `prepare` makes the
+    compute-dtype copy once per step. `masters` must already vary over `grad_axes`; the loss
+    comes out varying over `loss_axes`.
     """
     def sum_slots(one_slot: Callable[[jax.Array], Any], like: Any, n_busy: jax.Array) -> Any:
         def typed(out: tuple[Any, Any]) -> tuple[Any, Any]:
@@ -161,10 +139,8 @@ def accumulated_loss_sum(slot_loss: Callable[[Any, Any, jax.Array], jax.Array],
             return jax.tree.map(jnp.add, acc, out), None
 
         if n_slots == 1:
-            # Every group has a micro-batch in slot 0 (Plan: at least one each): a step of
-            # one slot needs no loop and no branch, which cost buffer copies around them.
-            # (More slots keep slot 0 in the loop: peeled, the model's code would be written
-            # out twice, and the step would compile twice as long.)
+            # Every group has a micro-batch in slot 0 (Plan): no loop, no branch, fewer buffer
+            # copies. (More slots keep slot 0 in the loop: peeled, it compiles twice as long.)
             return typed(one_slot(jnp.int32(0)))
         return jax.lax.scan(add, zeros, jnp.arange(n_slots))[0]
 

@@ -1,10 +1,6 @@
-"""The program of one model on one mesh (`StepProgram`, what step/builder.py builds for every
-model): the jitted step (pipeline + TP + token-weighted DP, the optimizer's update), its
+"""The program of one model on one mesh (`StepProgram`): the jitted step, its
 loss-and-gradients, the layout moves, and the check a compiled step passes before it runs.
-
-The uneven layer and micro-batch splits are runtime inputs (`Splits`), so re-balancing
-reuses the same executable; only a new mesh shape, device set or slot count builds a new
-program.
+The splits are runtime inputs (`Splits`): only a new mesh or slot count builds a new program.
 """
 
 from __future__ import annotations
@@ -157,15 +153,12 @@ class StepProgram:
         if key not in self._placed:
             if len(self._placed) >= 16:  # (injected faults vary the knobs step by step)
                 self._placed.clear()
-            self._placed[key] = self._place_splits(knobs_DxPxT)
+            put = functools.partial(put_global, sharding=self.replicated)
+            self._placed[key] = Splits(
+                put(np.asarray(self.plan.layers_per_stage, np.int32)),
+                put(np.asarray(self.plan.microbatches_per_group, np.int32)),
+                put_global(knobs_DxPxT, NamedSharding(self.mesh, KNOB_SPEC)))
         return self._placed[key]
-
-    def _place_splits(self, knobs_DxPxT: np.ndarray) -> Splits:
-        put = functools.partial(put_global, sharding=self.replicated)
-        return Splits(put(np.asarray(self.plan.layers_per_stage, np.int32)),
-                      put(np.asarray(self.plan.microbatches_per_group, np.int32)),
-                      put_global(np.asarray(knobs_DxPxT, np.float32),
-                                 NamedSharding(self.mesh, KNOB_SPEC)))
 
     def stage_index(self) -> np.ndarray:
         return layout.stage_index(self.plan.layers_per_stage, self.layer_slots)
@@ -215,9 +208,8 @@ class StepProgram:
         return self.state_shapes
 
     def init_state(self, seed: Any) -> TrainState:
-        """State from `initial_params(seed)` (an int), or from canonical parameters
-        `{"shell": ..., "blocks": [n_layers, ...]}` given in its place, placed straight into
-        this program's shardings."""
+        """State from `initial_params(seed)` (an int) or from canonical parameters given in
+        its place, placed straight into this program's shardings."""
         params = seed
         if isinstance(seed, int):
             if self.initial_params is None:
@@ -229,19 +221,14 @@ class StepProgram:
     def adopt_compiled(self, compiled_step: Any, *, warn_over_memory: bool = True
                        ) -> StepProgram:
         """Check the compiled step before it ever runs, and return the program to run:
-        - a step whose pipeline branches hold a collective that some devices never reach
-          (it would hang: meshes/branch_collectives.py) is replaced by the same program
-          with gates by selection, said once (SelectedGatesWarning), or refused
-          (PlanError naming the construct and the plan) when it has none left;
-        - the attention kernels the model's blocks traced are checked against the dense
-          reference (once per configuration and process: a fused kernel that leaks across
-          documents is refused before the first step);
-        - each tp-sharded parameter the compiled step gathers whole is named
-          (ParameterGatherWarning): sharding propagation's fallback for code it cannot
-          split;
-        - a step that asks for more memory than its devices have is named
-          (OverMemoryWarning), unless `warn_over_memory` is False (its caller steps up the
-          remat policy instead: runtime/trainer/remat_choice.py)."""
+        - pipeline branches holding a collective some devices never reach (a hang) switch
+          to gates by selection (SelectedGatesWarning), or PlanError when there are none;
+        - the traced attention kernels are checked against the dense reference (a kernel
+          that leaks across documents is refused before the first step);
+        - each tp-sharded parameter gathered whole is named (ParameterGatherWarning);
+        - a step needing more memory than its devices have is named (OverMemoryWarning)
+          unless `warn_over_memory` is False (runtime/trainer/remat_choice.py steps up
+          the remat policy instead)."""
         hlo = compiled_step.as_text() if self.plan.tp > 1 else ""  # (once: a large text)
         if self.plan.tp > 1:
             hanging = branch_collectives(hlo, self.plan.tp)
@@ -260,9 +247,8 @@ class StepProgram:
         return dataclasses.replace(self, step_fn=compiled_step)
 
     def _warn_over_memory(self, compiled_step: Any) -> None:
-        """Say so, once per plan, where XLA's memory analysis of the compiled step asks for
-        more than its devices have (the memory model that chose the plan and its remat is an
-        estimate): the step would fail at its first allocation, deep in the run."""
+        """Warn where XLA's memory analysis asks for more than the devices have (the memory
+        model that chose the plan is an estimate): the step would fail deep in the run."""
         devices = list(self.mesh.devices.flat)
         have_gb = devices_memory_gb(devices, default_gb=0.0)
         try:
@@ -315,9 +301,8 @@ def step_functions(loss_sum: Callable[[Any, Batch, Splits, jax.Array], jax.Array
                    optimizer: optax.GradientTransformation, shardings: TrainState,
                    mesh: jax.sharding.Mesh, donate: bool) -> tuple[Callable, Callable]:
     """(train step, loss-and-gradients) jitted around `loss_sum(params, batch, splits, step)`
-    (the batch's summed token losses; loss-and-gradients passes step 0): the loss is its
-    token-weighted mean over the global batch, the update the optimizer's, the same for
-    every plan and every model."""
+    (the batch's summed token losses): the loss is their token-weighted mean over the global
+    batch, the same for every plan and every model."""
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P("dp"))
 
@@ -365,11 +350,10 @@ _FUNC = re.compile(r"func\.func\s+(?:\w+\s+)*@([\w.$-]+)\(")
 
 
 def matmul_count(lowered_or_compiled: Any) -> int:
-    """Matrix multiplications a step's program writes down, each counted once where it is
-    written (a loop body's once, however often the loop runs): the `dot_general` ops of a
-    lowered program's StableHLO, a function's counted at each call, or the `dot`
-    instructions (and cuBLAS calls) of a compiled program's HLO. A backward that re-runs
-    the forward shows up here as extra matmuls in the backward loop bodies."""
+    """Matrix multiplications a step's program writes down, each once where it is written
+    (a loop body's once): a lowered program's `dot_general`s (a function's at each call), or
+    a compiled one's `dot`s and cuBLAS calls. A backward that re-runs the forward shows up
+    as extra matmuls."""
     text = lowered_or_compiled.as_text()
     if isinstance(lowered_or_compiled, jax.stages.Compiled):
         return len(_HLO_DOT.findall(text)) + len(_GEMM_CALL.findall(text))
@@ -396,12 +380,12 @@ def placed_shapes(shapes: Any, shardings: Any) -> Any:
 def abstract_args(program: StepProgram) -> tuple[Any, Batch, Splits]:
     """(state, batch, splits) of `program.step_fn` as placed shapes."""
     plan, mesh = program.plan, program.mesh
-    state = placed_shapes(program.abstract_state(), program.state_shardings)
+    state = placed_shapes(program.state_shapes, program.state_shardings)
     rows = jax.ShapeDtypeStruct((plan.dp, program.mb_slots, plan.microbatch_size, plan.seq_len),
                                 jnp.int32, sharding=program.batch_sharding)
     rep = program.replicated
     splits = Splits(jax.ShapeDtypeStruct((plan.pp,), jnp.int32, sharding=rep),
                     jax.ShapeDtypeStruct((plan.dp,), jnp.int32, sharding=rep),
                     jax.ShapeDtypeStruct((plan.dp, plan.pp, plan.tp), jnp.float32,
-                                         sharding=jax.sharding.NamedSharding(mesh, KNOB_SPEC)))
+                                         sharding=NamedSharding(mesh, KNOB_SPEC)))
     return state, Batch(rows, rows, rows), splits

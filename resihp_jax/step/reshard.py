@@ -1,21 +1,16 @@
 """Move a training state from one plan's program to another's, in memory.
 
-A new split of the same mesh is one jitted program (`restage_fn`: gather out of the old stage
-layout, scatter into the new one, on the devices that hold them). A new mesh (other devices)
-goes through the host: JAX itself moves an array between device sets whose shards do not line
-up by fetching it whole to the host (`jax.device_put` across device sets), so the move reads
-each block of the old stage layout once (from a replica on a device the new plan keeps where dp
-holds one, so a stopped device is not read), picks the new layout's layers out of them with
-numpy (the old slot of each new slot: `canonical_index` composed with `stage_index`), and
-places the result with the new program's shardings. Against the route through the canonical
-layout (a program on the old mesh, `device_put`, a program on the new mesh) that is one read,
-one placement, no program, and two fewer copies of the state in fresh memory:
-`benchmarks/recovery.py --quick`'s prepared-mesh move took 0.16-0.46 s in seven runs, the
-canonical route 0.41-0.68 s in three. (Building each device's block in a buffer of its own that
-the CPU client adopts without a copy was tried: no faster, and the first step after it slower.)
-Fresh host memory is slow to touch the first time, so the host arrays are written into buffers
-the trainer reserved while it prepared the new mesh (`staging.HostStaging`): the prepared-mesh
-move of `benchmarks/recovery.py --quick` took 0.20 s with them, 0.59-0.66 s without.
+A new split of the same mesh is one jitted program (`restage_fn`). A new mesh goes through the
+host (as `jax.device_put` across device sets does anyway): each block of the old stage layout
+is read once (from a replica on a kept device where dp holds one, so a stopped device is not
+read), the new layout's layers picked out with numpy, and the result placed with the new
+shardings. Against the route through the canonical layout (a program on each mesh around a
+`device_put`) that is no program and two fewer copies of the state: `benchmarks/recovery.py
+--quick`'s prepared-mesh move took 0.16-0.46 s in seven runs, the canonical route 0.41-0.68 s
+in three. (Blocks in buffers the CPU client adopts without a copy: no faster, and the first step
+after it slower.) Fresh host memory is slow to touch, so the host arrays go into buffers the
+trainer reserved while preparing the mesh (`staging.HostStaging`): 0.20 s with them, 0.59-0.66 s
+without.
 """
 
 from __future__ import annotations
@@ -66,9 +61,7 @@ def move_state(state: TrainState, src: StepProgram, dst: StepProgram,
 
 def _restaged_on_host(state: TrainState, src: StepProgram, dst: StepProgram,
                       staging: HostStaging) -> TrainState:
-    """`state` (laid out for `src`) as host arrays in `dst`'s stage layout (one process).
-    Each block is read from one of its replicas, one on a device `dst` keeps where there is
-    one: a device the new plan leaves out (it stopped) is not read when dp holds a copy."""
+    """`state` (laid out for `src`) as host arrays in `dst`'s stage layout (one process)."""
     if not all(x.is_fully_addressable for x in jax.tree.leaves(state)):
         raise ConfigError("move_state moves a state onto other devices within one process; "
                           "in a job of several processes use move_via_orbax (each process "

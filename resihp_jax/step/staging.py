@@ -1,22 +1,16 @@
 """Host memory for the next move onto a new mesh, allocated and touched ahead of time.
 
-Within one process a move onto other devices goes through the host (`reshard.move_state`):
-the whole state, in the new plan's stage layout, is written into host arrays and placed from
-there. Memory is slow to touch the first time: every new page is a fault the kernel (on a
-virtual machine, the hypervisor too) must serve and zero. On the 2-core test machine it was the
-largest term of a switch onto a prepared mesh: `python benchmarks/recovery.py --quick` moved
-the state in 0.59-0.66 s without these buffers, 0.20 s with them. So while the trainer
-prepares a mesh's program in the background it also reserves that mesh's host buffers here,
-zeroed (every page touched), and the move takes them instead of allocating.
+A move onto other devices goes through host arrays (`reshard.move_state`), and fresh memory
+is slow to touch (every new page a fault the kernel, or hypervisor, serves and zeroes): on the
+2-core test machine `python benchmarks/recovery.py --quick` moved the state in 0.59-0.66 s
+without these buffers, 0.20 s with them. So while the trainer prepares a mesh it reserves that
+mesh's buffers here, zeroed, and the move takes them instead of allocating.
 
-The pool holds buffers by (shape, dtype), up to a byte budget, and each buffer is used once:
-a move may hand it to the device as it is. XLA:CPU adopts a host array without a copy only
-when its data starts on a 64-byte boundary (numpy aligns to 16), so every buffer here does:
-the placement then copies nothing for replicated and leading-axis-sharded leaves (`python
-benchmarks/recovery.py`, `small`, the prepared mesh's move: 0.073 s and 0.085 s in two full
-runs, against 0.19-0.21 s in three with numpy's own alignment). The first step on them
-writes its outputs to new memory (XLA cannot donate a buffer it adopted); what made that
-step slower than a steady one was mostly the executable's own first run, which
+Each buffer is used once (a move may hand it to the device as it is), and starts on a 64-byte
+boundary: only then does XLA:CPU adopt it without a copy (`python benchmarks/recovery.py`,
+`small`, the prepared mesh's move: 0.073 s and 0.085 s in two full runs, against 0.19-0.21 s
+in three with numpy's own alignment). The first step on them writes to new memory (XLA cannot
+donate an adopted buffer); its slowness was mostly the executable's first run, which
 `step/warmup.py` takes off the switch.
 """
 
@@ -31,9 +25,7 @@ import jax
 import numpy as np
 
 Key = tuple[tuple[int, ...], np.dtype]
-# XLA:CPU adopts a host array as a device buffer without a copy only when its data is aligned
-# to 64 bytes; numpy's own allocations are aligned to 16
-ALIGN = 64
+ALIGN = 64  # what XLA:CPU adopts without a copy; numpy's own allocations are aligned to 16
 
 
 def default_budget_bytes() -> int:

@@ -2,20 +2,14 @@
 first replica, with no slicing of replicated shards.
 
 Orbax's default (`use_replica_parallel`, on except where `JAX_PLATFORMS` names a GPU) splits
-a shard that several devices hold into one slice per replica so that each writes a part.
-Every slice is an eager `lax.slice` on a device array, compiled once per shape, sharding and
-offset: the first save under a plan compiles a small program per slice, again after every
-re-plan, more with more leaves (`benchmarks/checkpoint_save.py`: 32 for `small` on
-dp=2,pp=2,tp=2, and 4.4x the time of the save without them). A
-shard is written once either way, and with the pipeline and tensor axes sharding the
-weights, the writes stay spread over the hosts that hold the shards. The files are
-orbax's standard PyTree layout either way, so checkpoints written before read unchanged.
+a shard several devices hold into one slice per replica, each an eager `lax.slice` compiled
+once per shape, sharding and offset: the first save under each plan compiles a program per
+slice (`benchmarks/checkpoint_save.py`: 32 for `small` on dp=2,pp=2,tp=2, and 4.4x the time
+of the save without them). A shard is written once either way, the writes still spread over
+the hosts that hold the shards, and the files are orbax's standard PyTree layout.
 
-The device-to-host copy a save starts with goes through pinned host memory on GPUs: the
-handler leaves orbax's `enable_pinned_host_transfer` at its platform default, on where
-`jax.default_backend()` is 'gpu' (each shard `jax.device_put` to its device's `pinned_host`
-memory, a DMA the copy engines run beside the step's kernels), off on CPUs, whose device
-memory is host memory already.
+orbax's `enable_pinned_host_transfer` stays at its platform default: on GPUs the save's
+device-to-host copy goes through `pinned_host` memory (a DMA beside the step's kernels).
 """
 
 from __future__ import annotations
@@ -42,8 +36,8 @@ def save_args(tree: Any) -> Any:
 
 
 def restore_args(target: Any) -> Any:
-    """The orbax arguments that read a saved tree into `target`'s shapes, dtypes and
-    shardings (a pytree of `jax.ShapeDtypeStruct` with shardings) with `state_handler`."""
+    """The orbax arguments that read a saved tree into `target` (ShapeDtypeStructs with
+    shardings) with `state_handler`."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
     return ocp.args.PyTreeRestore(

@@ -1,18 +1,13 @@
 """Run a compiled program once, on a zero state, before a switch needs it.
 
-A compiled executable is not yet ready to run fast: its first run sets up what the runtime
-builds lazily. On XLA:CPU that is the runtime of each fused matrix kernel (XNNPACK/YNN, made
-at the first execution and pooled with the executable); on GPUs the kernels' modules are
-loaded and the collectives' communicators created at the first run. A switch onto a prepared
-mesh paid all of it in its first step: in full runs of `python benchmarks/recovery.py`
-(`small`, 8 fake CPU devices) that first step took 1.07x a steady one with
-`--no-warm-prepared`, 1.04x, 0.98x and 1.03x in three runs with the program run once here
-beforehand.
+An executable's first run sets up what the runtime builds lazily (XLA:CPU's fused matrix
+kernels; on GPUs the kernels' modules and the collectives' communicators). A switch onto a
+prepared mesh paid it in its first step: in full runs of `python benchmarks/recovery.py`
+(`small`, 8 fake CPU devices) that step took 1.07x a steady one with `--no-warm-prepared`,
+1.04x, 0.98x and 1.03x in three runs with the program run once here beforehand.
 
-The run is a real step of the program on a state of zeros (a state's worth of memory and the
-step's activations on the new mesh's devices while it lasts) and one packed batch of token 0,
-with every device's stage knob `OFF`, so no host callback fires: the detector's stage timer
-and a fault hook see nothing of it. Its result is dropped.
+The run is a real step on a state of zeros with every stage knob `OFF`, so no host callback
+fires (the stage timer and a fault hook see nothing); its result is dropped.
 """
 
 from __future__ import annotations

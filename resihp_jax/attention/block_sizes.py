@@ -1,21 +1,17 @@
 """Block sizes for the fused attention kernel that fit the GPU, and a fallback that runs.
 
 A Triton kernel whose buffers exceed the device's shared memory per block does not compile
-("Shared memory size limit exceeded"). Here the kernels' shared memory is estimated per
-kernel (forward, dq, dkv) from the item size, head dim, blocks and pipelining depth, and the
-largest power-of-two blocks not above the model's block size that fit are chosen; the model's
-`block_size` keeps its meaning for the math and the cost model (the kernels are exact for any
-power-of-two block dividing the row). The first time a configuration is used on a GPU its
-forward and backward are compiled ahead of time on a small input; a failure halves the blocks,
-and when even the smallest fails the block-sparse scan takes over, with one
-`KernelFallbackWarning`. Choices are cached per process. Compiler, limit and probed platforms
-are injectable (`fitting`), so CPU tests can make compiles fail.
+("Shared memory size limit exceeded"), so the largest power-of-two blocks not above the model's
+block size whose estimated shared memory fits are chosen (the kernels are exact for any such
+block dividing the row). A configuration's first use on a GPU compiles its forward and backward
+on a small input; a failure halves the blocks, and past the smallest the block-sparse scan takes
+over, with one `KernelFallbackWarning`. Choices are cached per process; compiler, limit and
+probed platforms are injectable (`fitting`), so CPU tests can make compiles fail.
 
-cuDNN's packed layout (attention/cudnn.py, `implementation="cudnn"`, the GPU default for bf16
-and fp16) is probed the same way first: where it does not compile (an older JAX or cuDNN, a
-GPU before Hopper, a head size it refuses) the fused kernel's choice above runs instead, with
-one `KernelFallbackWarning`; float32 goes to the fused kernel without one (cuDNN takes 16-bit
-inputs only).
+cuDNN's packed layout (attention/cudnn.py, the GPU default for bf16 and fp16) is probed first
+the same way: where it does not compile (an older JAX or cuDNN, a GPU before Hopper, a head size
+it refuses) the fused kernel's choice runs, with one `KernelFallbackWarning`; float32 goes to
+the fused kernel without one (cuDNN takes 16-bit inputs only).
 """
 
 from __future__ import annotations
@@ -79,13 +75,10 @@ def shared_memory_bytes(itemsize: int, head_dim: int, block_q: int, block_k: int
                         num_stages: int = flash.NUM_STAGES) -> dict[str, int]:
     """Estimated shared memory per block of each kernel, in bytes.
 
-    Why this shape: Triton's software pipeliner turns each load inside a loop whose value
-    reaches a `dot` into an asynchronous copy into shared memory with `num_stages` buffers
-    (the next iteration's tiles arrive while this one computes). A dot operand loaded once,
-    before the loop, is held in shared memory once (tensor-core dots read their operands
-    there). A tile computed in registers that feeds a dot as a transposed or re-laid-out
-    operand (p, ds: block_q x block_k in the dot's input dtype) passes through one shared
-    buffer. `num_warps` changes how the tiles are split over threads, not their bytes.
+    Why this shape: Triton's software pipeliner turns each load in a loop that reaches a
+    `dot` into an asynchronous copy with `num_stages` shared buffers; a dot operand loaded
+    before the loop is held there once; a register tile fed to a dot transposed or re-laid
+    out (p, ds) passes through one shared buffer. `num_warps` does not change the bytes.
     Calibration (one H100, jax 0.11.2): float32, head dim 64, blocks 128 requested 264192
     bytes, which is dkv's term exactly: 2 stages x (q, do: 2 x 32768 + lse, delta rows:
     2 x 512) + k, v held (2 x 32768) + p/ds (65536); float32 blocks 64 and bfloat16 head dim
@@ -272,17 +265,12 @@ def choose(config: KernelConfig) -> KernelChoice:
         choice = KernelChoice("blocksparse", config.block, config.block, "cuDNN needs a GPU")
         _warn(config, f"no GPU here ({config.platform})", choice, kernel="cuDNN packed attention")
         return choice
-    if config.cudnn_first:
-        with _LOCK:
-            if config not in _CHOICES:
-                _CHOICES[config] = _probe_cudnn(config, settings)
-            return _CHOICES[config]
-    if config.platform not in settings.platforms:
+    if not config.cudnn_first and config.platform not in settings.platforms:
         return KernelChoice("pallas", config.block, config.block, "interpreted: no limit")
-    if not flash.supports(config.block, config.block):
+    if not config.cudnn_first and not flash.supports(config.block, config.block):
         # not a compiled block size: the kernel's own check names the value and what is valid
         return KernelChoice("pallas", config.block, config.block, "not a Triton block size")
     with _LOCK:
         if config not in _CHOICES:
-            _CHOICES[config] = _probe(config, settings)
+            _CHOICES[config] = (_probe_cudnn if config.cudnn_first else _probe)(config, settings)
         return _CHOICES[config]

@@ -1,13 +1,10 @@
 """Start-up check of the selected attention kernel against the dense masked reference.
 
 Packed kernels are known to leak attention across documents when their block bookkeeping is
-wrong for some batch row or block boundary (maxtext#4476). Before a step is built with a
-kernel other than the reference ones, `check_attention` runs it once on cheap inputs made to
-catch that: two rows packed differently, documents crossing block boundaries, a one-token
-document, padding, grouped KV heads, the model's block size, head size and dtype. It compares
-outputs and gradients with `dense_attention`, and checks that changing the keys and values of
-some documents leaves every other document's outputs as they were. Once per process per
-configuration. `select_kernel` says which kernel and blocks a configuration runs.
+wrong for some row or block boundary (maxtext#4476). `check_attention` runs a kernel once per
+process and configuration on cheap inputs made to catch that (`packed_rows`, grouped KV heads,
+the model's block size, head size and dtype), comparing outputs and gradients with
+`dense_attention` and checking that other documents' keys and values move no output.
 """
 
 from __future__ import annotations
@@ -118,11 +115,9 @@ def _errors(kernel, block: int, head_dim: int, heads: tuple[int, int], dtype: st
 
 def select_kernel(implementation: str, *, platform: str, seq_len: int, block_size: int,
                   head_dim: int, n_heads: int, n_kv_heads: int, dtype: str) -> KernelChoice:
-    """The kernel and blocks `segment_attention` runs for this configuration on `platform`
-    (`implementation` as `segment_attention` takes it): cuDNN's packed layout, the fused
-    kernel at blocks that fit the GPU, or "blocksparse", each where the one before does not
-    compile. On GPUs the first call per
-    configuration compiles a probe (cached per process)."""
+    """The kernel and blocks `segment_attention` runs for this configuration on `platform`:
+    cuDNN's packed layout, the fused kernel at blocks that fit the GPU, or "blocksparse",
+    each where the one before does not compile (probed once per process on GPUs)."""
     kind = resolve_implementation(implementation, platform, seq_len=seq_len,
                                   block_size=block_size)
     if kind not in ("pallas", "cudnn"):
@@ -193,11 +188,9 @@ def step_attention(implementation: str, model: AttentionShape, seq_len: int,
 
 
 def check_traced(device: jax.Device) -> None:
-    """Check every per-document kernel configuration `segment_attention` has been traced
-    with in this process (`TRACED_KERNELS`) on `device`'s platform, each once. A user's
-    model calls it from its own blocks, so its configurations are known only once its step
-    is traced: its program runs this after compiling (the built-in step checks before it
-    builds, `step_attention`). Raises AttentionMismatch before the first step."""
+    """Check every per-document kernel configuration traced in this process (`TRACED_KERNELS`)
+    on `device`'s platform, each once: a user's model's are known only once its step is
+    traced, so its program runs this after compiling. Raises AttentionMismatch."""
     for kind, block, head_dim, n_heads, n_kv_heads, dtype in sorted(TRACED_KERNELS):
         check_attention(kind, block_size=block, head_dim=head_dim, n_heads=n_heads,
                         n_kv_heads=n_kv_heads, dtype=dtype, device=device)

@@ -6,12 +6,9 @@ takes it, costs O(S^2) whatever the documents).
 JAX exposes this only in a private module (`jax._src.cudnn.fused_attention_stablehlo`), so it
 is imported on use and any failure (an older JAX, no cuDNN, a dtype or head size cuDNN does
 not take) reaches the caller as an exception to fall back on. Documents are contiguous runs of
-one segment id, as the packer lays them out; padding (id 0) outputs exactly 0, as
-`segment_attention`'s do. `max_documents` is static (the kernel's grid and its softmax
-statistics grow with it): `packed_attention` needs a bound that holds, and
-`document_attention` (what `segment_attention(..., implementation="cudnn")` runs) takes the
-packed layout when every row has at most MAX_DOCUMENTS documents and cuDNN's masked attention
-(O(S^2), as `jax.nn.dot_product_attention` with a segment mask) for a batch that has more.
+one segment id; padding (id 0) outputs exactly 0. `max_documents` is static (the kernel's grid
+and softmax statistics grow with it), so `document_attention` runs cuDNN's masked attention
+for a batch with a row of more than MAX_DOCUMENTS documents.
 """
 
 from __future__ import annotations

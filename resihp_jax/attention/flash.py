@@ -1,14 +1,11 @@
 """Fused flash attention for packed rows, written with Pallas (Triton on GPUs, interpreted on
 CPU): causal, within segments (positive ids; 0 is padding), forward and backward fused.
 
-Documents are contiguous in a row, so a query can only attend keys from the start of its own
-document up to itself. Each query block's key loop therefore runs from the key block holding
-the start of its first query's document to its own last query; each key block's query loop
-(dk, dv) from its own first key to the end of its last key's document. The work grows with
-the sum of squared document lengths (up to block granularity), never with the squared row
-length. The loop bounds come from `key_block_ranges` / `query_block_ranges`, plain functions
-of the segment ids that run on numpy (to count the visited blocks) and on jax arrays (the
-kernels' inputs). Grouped KV heads (G dividing H) are read in place, never repeated.
+Documents are contiguous in a row, so each query block's key loop runs from the key block
+holding its first query's document start to its own last query, and each key block's query
+loop (dk, dv) from its own first key to its last key's document end: the work grows with the
+sum of squared document lengths. The bounds (`key_block_ranges`, `query_block_ranges`) run on
+numpy and jax arrays alike. Grouped KV heads (G dividing H) are read in place, never repeated.
 """
 
 from __future__ import annotations
@@ -361,8 +358,7 @@ def flash_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.A
     # theirs; autodiff of the pcast sums dk, dv over kv heads replicated across devices.
     q, k, v, seg = vma.vary(args, axes)
     d = q.shape[3]
-    # Pad the head dimension with zeros to a Triton tile width (no change to any dot
-    # product; the padded output columns are cut off).
+    # zeros pad the head dimension to a Triton tile width (no dot product changes)
     d_pad = padded_head_dim(d)
     o = _flash(*(_pad_head_dim(x, d_pad) for x in (q, k, v)), seg, block_q, block_k,
                bool(interpret), 1.0 / math.sqrt(d))

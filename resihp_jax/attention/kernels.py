@@ -1,15 +1,11 @@
 """Segment-aware block-sparse causal attention for packed rows: a row holds several documents
 (positive segment ids, 0 = padding) and token i attends token j iff both share a nonzero id and
-j <= i. Each row is cut into blocks; a scan over (query block, key block) pairs runs the block
-math under `lax.cond` only when the two blocks' ranges of segment ids overlap, so the cost grows
-with the sum of squared document lengths instead of the squared row length. A custom VJP
-recomputes probabilities block by block (flash-attention style), so the backward pass skips the
-same blocks and never holds an S x S matrix. `dense_attention` is the masked O(S^2) reference.
-`segment_attention(..., implementation=)` picks the kernel: this one ("blocksparse", the CPU
-default), cuDNN's packed layout of `cudnn.py` ("cudnn", the GPU default), the fused Pallas
-kernel of `flash.py` ("pallas", where cuDNN's does not compile or the inputs are float32),
-tokamax's kernels of `tokamax.py` ("tokamax", an optional package, chosen by name only) or
-"dense".
+j <= i. A scan over (query block, key block) pairs runs the block math under `lax.cond` only
+when the two blocks' ranges of segment ids overlap, so the cost grows with the sum of squared
+document lengths; a custom VJP recomputes probabilities block by block (flash-attention style),
+skipping the same blocks and never holding an S x S matrix. `segment_attention` picks this
+kernel ("blocksparse") or those of cudnn.py, flash.py and tokamax.py; `dense_attention` is
+the masked O(S^2) reference.
 """
 
 from __future__ import annotations
@@ -285,14 +281,12 @@ _sparse.defvjp(_sparse_fwd, _sparse_bwd)
 
 # ----------------------------------------------------------------------------- public API
 
-# How many times `segment_attention` was traced with a kernel whose cost grows per document:
-# a model's facts read it around tracing one block to learn how its attention cost grows
-# (step/facts.py).
+# Traces of `segment_attention` with a per-document kernel: step/facts.py reads it around
+# tracing one block to learn how a model's attention cost grows.
 TRACED_CALLS = [0]
-# Every configuration of a per-document kernel traced in this process: (kernel, block size,
-# head dim, heads, kv heads, dtype). A user's model calls `segment_attention` from its own
-# blocks, so its shapes are known only once its step is traced; the start-up check then runs
-# on each (attention/check.py `check_traced`).
+# Every per-document kernel configuration traced in this process, (kernel, block size, head
+# dim, heads, kv heads, dtype): a user's model's shapes are known only once its step is
+# traced, and the start-up check then runs on each (attention/check.py `check_traced`).
 TRACED_KERNELS: set[tuple[str, int, int, int, int, str]] = set()
 
 IMPLEMENTATIONS = ("auto", "blocksparse", "pallas", "cudnn", "tokamax", "dense")
@@ -309,11 +303,10 @@ def _auto_mesh_axes() -> tuple[str, ...]:
 
 def resolve_implementation(implementation: str, platform: str | None = None, *,
                            seq_len: int | None = None, block_size: int | None = None) -> str:
-    """The kernel `implementation` names; "auto" is "cudnn" on GPUs (cuDNN's packed layout,
-    which falls back to the fused Pallas kernel where it does not compile or for float32:
+    """The kernel `implementation` names; "auto" is "cudnn" on GPUs (falling back to Pallas:
     `flash_fit.choose`) where the rows split into blocks and no mesh axis is left to the
-    partitioner (which cannot split a Triton call), and the block-sparse scan elsewhere.
-    `platform`: the devices' platform (default: JAX's default backend)."""
+    partitioner (which cannot split a Triton call), else "blocksparse". `platform`: the
+    devices' platform (default: JAX's default backend)."""
     if implementation not in IMPLEMENTATIONS:
         raise ConfigError(f"attention implementation {implementation!r}: valid are "
                           f"{', '.join(IMPLEMENTATIONS)}")
@@ -333,13 +326,9 @@ def segment_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax
 
     `implementation`: "blocksparse" (a scan of conds over block pairs), "pallas" (fused flash
     kernel; Triton on GPUs, interpreted elsewhere), "cudnn" (cuDNN's packed layout, GPUs,
-    bf16/fp16: up to `cudnn.MAX_DOCUMENTS` documents a row, a batch with more runs cuDNN's
-    masked kernel), "tokamax" (tokamax's Mosaic GPU, Triton or XLA kernel given each token's
-    document start: an optional package, `resihp-jax[gpu]`; attention/tokamax.py), "dense"
-    (masked O(S^2) reference), or "auto" (see
-    `resolve_implementation`). The sparse kernels do work growing with the sum of squared
-    document lengths; on GPUs the fused kernel may run smaller blocks that fit, and a kernel
-    that does not compile falls back with one warning (`flash_fit.choose`)."""
+    bf16/fp16, up to `cudnn.MAX_DOCUMENTS` documents a row), "tokamax" (an optional package,
+    `resihp-jax[gpu]`), "dense" (the reference), or "auto" (`resolve_implementation`). On GPUs
+    a kernel that does not compile falls back with one warning (`flash_fit.choose`)."""
     _check_inputs(q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxS)
     s = q_BxSxHxK.shape[1]
     kind = resolve_implementation(implementation, seq_len=s, block_size=block_size)

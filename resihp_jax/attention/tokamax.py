@@ -5,10 +5,9 @@ causal, so the Mosaic kernels skip the blocks of other documents instead of mask
 
 tokamax is an optional dependency (`pip install 'resihp-jax[gpu]'`; on a host without a network
 its wheels travel with the tree, on `PYTHONPATH`), and the document mask is only reachable
-through its private kernel table (`tokamax._src.ops.attention`: the public
-`dot_product_attention` takes a boolean mask, which costs O(S^2)). Both are imported on use;
-where either is missing `unavailable()` says why, and `segment_attention` refuses the name in
-one line. Padding (segment id 0) outputs exactly 0, as every kernel of `segment_attention`'s.
+through its private kernel table (the public `dot_product_attention` takes a boolean mask,
+which costs O(S^2)). Both are imported on use; `unavailable()` says why either is missing.
+Padding (segment id 0) outputs exactly 0.
 """
 
 from __future__ import annotations
@@ -29,10 +28,9 @@ PREFERENCE = {"gpu": ("mosaic_gpu", "triton", "xla"), "cpu": ("xla",)}
 def _kernels() -> tuple[Any, Any]:
     """(tokamax's kernel table, its Mask class); ImportError where tokamax is missing.
 
-    tokamax reads its settings from absl flags, and on first use parses `sys.argv` for them
-    unless they are parsed already: the user's own arguments (`--steps 5`) then raise
-    UnrecognizedFlagError inside the step. They are marked parsed first (every tokamax setting
-    at its default), as a library that does not own the command line must."""
+    tokamax reads absl flags, parsing `sys.argv` on first use unless they are parsed already:
+    the user's own arguments (`--steps 5`) then raise UnrecognizedFlagError inside the step.
+    They are marked parsed first (every tokamax setting at its default)."""
     from absl import flags  # noqa: PLC0415 - tokamax's own dependency
     from tokamax._src.ops.attention import api, base  # noqa: PLC0415 - optional, private
 

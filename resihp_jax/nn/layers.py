@@ -1,10 +1,9 @@
 """Pure functions of a decoder's math (`rh.nn.layers`), shared by `rh.models.Llama`, the step's
 loss and a user's own blocks.
 
-Every function takes the parameters it needs as arrays and an optional tensor-parallel axis
-name: with `tp_axis=None` it computes on whole weights; inside a step manual over 'tp' it
-computes on this device's shard (vocabulary rows) and reduces over `tp_axis` where
-Megatron-style tensor parallelism needs it.
+Every function takes its parameters as arrays and an optional tensor-parallel axis name:
+`tp_axis=None` computes on whole weights; inside a step manual over 'tp', on this device's
+shard (vocabulary rows), reducing over `tp_axis` where Megatron-style parallelism needs it.
 """
 
 from __future__ import annotations
@@ -17,10 +16,6 @@ import jax.numpy as jnp
 # the name a model gives its attention output (`jax.ad_checkpoint.checkpoint_name(o, CONTEXT)`)
 # for `StepConfig(remat="projections")` to keep it rather than recompute the attention
 CONTEXT = "context"
-
-
-def _psum(x: jax.Array, axis: str | None) -> jax.Array:
-    return x if axis is None else jax.lax.psum(x, axis)
 
 
 def rms_norm(x_BxSxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
@@ -67,8 +62,9 @@ def embed_partial(table_VxD: jax.Array, tokens_BxS: jax.Array, offset: jax.Array
 def embed(table_VxD: jax.Array, tokens_BxS: jax.Array, tp_axis: str | None = None,
           dtype: str = "float32") -> jax.Array:
     """Token embeddings; with tp the table's rows are split over devices (vocab-parallel)."""
-    offset = vocab_offset(table_VxD.shape[0], tp_axis)
-    return _psum(embed_partial(table_VxD, tokens_BxS, offset, dtype), tp_axis)
+    partial = embed_partial(table_VxD, tokens_BxS, vocab_offset(table_VxD.shape[0], tp_axis),
+                            dtype)
+    return partial if tp_axis is None else jax.lax.psum(partial, tp_axis)
 
 
 @jax.custom_vjp

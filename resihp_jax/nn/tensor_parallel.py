@@ -1,15 +1,9 @@
 """Tensor parallelism written into a model's own blocks (`tensor_parallel = "manual"`).
 
-A model that opts into manual tensor parallelism runs its step in one `shard_map` manual over
-every mesh axis, tp included: each device's blocks see their own shards of the parameters
-(the heads, MLP columns and vocabulary rows its logical axis names map to 'tp') and finish
-the sums the shards leave partial with these helpers, Megatron's way. Outside such a step
-(tp = 1, 'tp' left to XLA, or no mesh at all) each helper is the plain operation, so the same
-model code runs everywhere.
-
-Why a model opts in: in a step manual over every axis the host callbacks of stage timing and
-injected slowdowns run, and so do kernels XLA cannot split (the fused attention kernels), at
-any tp; with 'tp' automatic neither reaches the blocks.
+Such a model's step is manual over every mesh axis, tp included: each device's blocks see their
+own shards and finish the sums the shards leave partial with these helpers, Megatron's way
+(docs/DESIGN.md, "The user's own model", says why a model opts in). Outside such a step each
+helper is the plain operation, so the same model code runs everywhere.
 """
 
 from __future__ import annotations
@@ -44,10 +38,8 @@ def tp_index() -> jax.Array | int:
 
 
 def vocab_embed(table_VxD: jax.Array, tokens_BxS: jax.Array) -> jax.Array:
-    """Rows of `table_VxD` for `tokens_BxS`. Under manual tp the table holds this device's
-    slice of the vocabulary (rows split over 'tp'): each device looks up the tokens it holds,
-    zeros for the others, and the tp sum completes every row (the vocab-parallel
-    lookup of nn/layers.py)."""
+    """Rows of `table_VxD` for `tokens_BxS`; under manual tp the table holds this device's
+    vocabulary rows and the vocab-parallel lookup of nn/layers.py completes every row."""
     if tp_size() == 1:
         return jnp.take(table_VxD, tokens_BxS, axis=0)
     return layers.embed(table_VxD, tokens_BxS, TP_AXIS, table_VxD.dtype)

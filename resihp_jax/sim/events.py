@@ -25,12 +25,6 @@ OURS = Ours.name
 STOP, REPLACE, SLOW_START, SLOW_END, DETECT, CLEAR, READY = range(7)
 
 
-def get_policy_class(name: str) -> type[SimPolicy]:
-    if name not in POLICIES:
-        raise ConfigError(f"unknown policy {name!r}; valid: {', '.join(POLICIES)}")
-    return POLICIES[name]
-
-
 @dataclass(frozen=True)
 class RunResult:
     policy: str
@@ -179,7 +173,9 @@ def simulate(name: str, cm: ClusterModel, trace: Trace, stop_rate_per_s: float, 
     """Run policy `name` through `trace` on cluster `cm`."""
     if trace.n_gpus != cm.n_gpus:
         raise ConfigError(f"trace is for {trace.n_gpus} GPUs, the cluster has {cm.n_gpus}")
-    policy = get_policy_class(name)(cm, Live())
+    if name not in POLICIES:
+        raise ConfigError(f"unknown policy {name!r}; valid: {', '.join(POLICIES)}")
+    policy = POLICIES[name](cm, Live())
     policy.mtbf_s = 1.0 / stop_rate_per_s if stop_rate_per_s > 0 else math.inf
     run = _Run(policy, trace, seed)
     run.run()

@@ -65,7 +65,7 @@ DETECTORS = {
 # What an in-process switch stalls beyond the step it runs (`python benchmarks/recovery.py`,
 # full run, `small` on 8 fake CPU devices): a new split of the same mesh, planning plus the
 # state's move, 0.29 s (0.04 + 0.25). A new mesh's state move is modelled with the 70B
-# state's size (see `ours.py`); its program is compiled on the spot
+# state's size (see `resihp.py`); its program is compiled on the spot
 # (`RestartCosts.compile_s`): the background precompiler prepares 4 likely meshes, at
 # cluster scale a small share of those a verdict can pick.
 SPLIT_ONLY_SWITCH_S = 0.29
@@ -85,79 +85,66 @@ def planning_s(n_gpus: int) -> float:
 @dataclass(frozen=True)
 class RestartCosts:
     """A fail-stop ends our incarnation: every process exits and the job relaunches on the
-    survivors, as a new job step in the same allocation (examples/slurm/*.sbatch: --no-kill,
-    the failed node left out). The engine ends every process, so no warm standby waits there
-    (docs/DESIGN.md, "The job: relaunch and the warm standby"). JAX 0.10.2 never persists
-    our stage-timed step: a relaunch onto another plan compiles it; one onto the same plan
-    loads the untimed step the last incarnation left in the shared compile cache and the
-    timed one compiles in the background (ResilienceConfig.untimed_start). A replaced GPU
-    rejoins only by a requeue (an allocation does not grow), which `terms(..., requeue=True)`
-    charges.
+    survivors as a new job step in the same allocation (examples/slurm/*.sbatch: --no-kill),
+    with no warm standby (docs/DESIGN.md, "The job: relaunch and the warm standby"). JAX
+    0.10.2 never persists our stage-timed step: a relaunch onto another plan compiles it; one
+    onto the same plan loads the untimed step from the shared compile cache and compiles the
+    timed one in the background. A replaced GPU rejoins only by a requeue (`requeue=True`).
     Each term, where its figure comes from, and how it scales:
 
     - detection. A failed GPU that ends its process is seen as `resihp launch` sees a kill
       (`python benchmarks/multiprocess.py --quick`, 4 processes x 2 fake CPU devices:
       `detect_kill_s` 0.10 s; srun's --kill-on-bad-exit acts on the same exit). One that hangs
-      its peers instead is cut by the step deadline (runtime/job/deadline.py `Ladder`:
-      max(`deadline_floor_s` 10 s, `deadline_factor` 3 x the predicted step)). Share of hangs,
-      `hang_share`: the Llama 3 paper (arXiv 2407.21783, Table 5) counts 7 of 419 unexpected
-      interruptions in 54 days on 16,384 H100s as NCCL watchdog timeouts.
-    - exit: every survivor writes, of the shards its devices hold (host_copies.py `dump`,
-      16 bytes per parameter, `state_bytes_per_param`: bf16 weights, fp32 master and Adam
-      moments), those it is one of the two writers of (copy_writers.py: two of the dp
-      replicas of each shard, so any one process lost leaves a copy) before it exits:
-      min(dp, 2) / dp of its shards, to its node's memory (`--local-copy-dir /dev/shm`, as
-      examples/slurm/*.sbatch run; local_copies.py): across the host link
-      (`host_link_bytes_per_s`, 64 GB/s: PCIe Gen5 x16 each way, NVIDIA's H100 datasheet
-      gives 128 GB/s both ways) and into /dev/shm at `local_write_bytes_per_s` per process
-      (`python benchmarks/local_copies.py`, full run, `small`: 2.91 GB/s, 323 MB in 0.111 s
-      on this 2-core machine).
-    - publish, only when the relaunch cannot restore in place (another plan: no spare took
-      the failed node's place, or a re-plan): each node copies its files into the shared
-      checkpoint directory. Storage: the Llama 3 paper's Tectonic, 2 TB/s sustained for
-      16,384 GPUs, taken per GPU (`storage_bytes_per_s_per_gpu`, 122 MB/s).
-    - relaunch: a new job step on the nodes left, from srun's call to its last task's start,
-      `step_launch_s` 0.02 s (`python benchmarks/slurm_relaunch.py`, 2 local nodes: median
-      0.0195 s of 20 steps); at scale srun's launch fans out over slurmd's tree of width
-      `tree_width` 50 (slurm.conf(5) TreeWidth default), one measured hop per level, over
-      nodes of `gpus_per_node` 8 GPUs (the Llama 3 paper's H100 hosts).
-    - requeue (a replaced GPU's rejoin only): SLURM starts a requeued job only after
-      AuthInfo cred_expire, 120 s by default (slurm.conf(5): "This also controls how long a
-      requeued job must wait before starting again"), `requeue_s`; the same benchmark
-      measures 14.4 s under a local cred_expire of 10 s.
+      its peers is cut by the step deadline (runtime/job/deadline.py `Ladder`:
+      max(`deadline_floor_s` 10 s, `deadline_factor` 3 x the predicted step)). `hang_share`:
+      the Llama 3 paper (arXiv 2407.21783, Table 5) counts 7 of 419 unexpected interruptions
+      in 54 days on 16,384 H100s as NCCL watchdog timeouts.
+    - exit: every survivor writes the shards it is one of the two writers of (copy_writers.py:
+      min(dp, 2) / dp of its shards, 16 bytes per parameter, `state_bytes_per_param`: bf16
+      weights, fp32 master and Adam moments) to its node's memory (`--local-copy-dir
+      /dev/shm`): across the host link (`host_link_bytes_per_s`, 64 GB/s: PCIe Gen5 x16 each
+      way, NVIDIA's H100 datasheet gives 128 GB/s both ways) and into /dev/shm at
+      `local_write_bytes_per_s` per process (`python benchmarks/local_copies.py`, full run,
+      `small`: 2.91 GB/s, 323 MB in 0.111 s on this 2-core machine).
+    - publish, only when the relaunch cannot restore in place (no spare took the failed
+      node's place, or a re-plan): each node copies its files into the shared checkpoint
+      directory at the Llama 3 paper's Tectonic, 2 TB/s sustained for 16,384 GPUs, taken per
+      GPU (`storage_bytes_per_s_per_gpu`, 122 MB/s).
+    - relaunch: from srun's call to its last task's start, `step_launch_s` 0.02 s (`python
+      benchmarks/slurm_relaunch.py`, 2 local nodes: median 0.0195 s of 20 steps); at scale
+      one measured hop per level of slurmd's tree of width `tree_width` 50 (slurm.conf(5)
+      TreeWidth default), over nodes of `gpus_per_node` 8 GPUs (the Llama 3 paper's hosts).
+    - requeue (a replaced GPU's rejoin only): SLURM starts a requeued job only after AuthInfo
+      cred_expire, 120 s by default (slurm.conf(5): "This also controls how long a requeued
+      job must wait before starting again"), `requeue_s`; the same benchmark measures 14.4 s
+      under a local cred_expire of 10 s.
     - start: process start and imports, `start_s` 2.08 s (`python benchmarks/multiprocess.py
       --quick`, fresh relaunch with --no-standby; every host starts its processes at once).
-    - init: `jax.distributed` and the first communicators, `init_s` 0.28 s measured on
-      `init_devices` 8 devices (same run), `init_scale_s` 265 s for stock NCCL's cold start
-      at `init_scale_gpus` 96K GPUs (NCCLX paper, arXiv 2510.20171: bootstrap and connection
+    - init: `jax.distributed` and the first communicators, `init_s` 0.28 s on `init_devices`
+      8 devices (same run), `init_scale_s` 265 s for stock NCCL's cold start at
+      `init_scale_gpus` 96K GPUs (NCCLX paper, arXiv 2510.20171: bootstrap and connection
       setup grow super-linearly); a power law through the two.
     - plan: `planning_s` (`python benchmarks/replan_quality.py`, above).
     - compile: `compile_s` 13.16 s, the stage-timed step of `tiny` on 4 processes x 2 CPU
       devices (`python benchmarks/multiprocess.py --quick`, fresh relaunch). No published
-      compile time of a 70B training step was found; this is what the same program takes
-      here, a lower bound for a 70B step (its layers are scanned, so the program's size grows
-      with the layer's, not the layer count).
-    - load, instead of the compile, when the relaunch is in place (the same plan and
-      processes): `compile_s` x `load_ratio` (`python benchmarks/untimed_start.py`, full run,
-      `tiny` on one CPU device, where this JAX's cache works: programs ready in 1.433 s
-      loaded against 4.764 s compiling the stage-timed step), plus `load_first_step_s`, what
-      the first step lost to the timed step compiling beside it (same run: 0.841 s against
-      0.398 s).
-    - restore in place (the same plan, each rank on its node, a spare in the failed node's
-      place): each device loads the shards its node wrote (min(dp, 2) / dp of its own) from
-      memory at `local_read_bytes_per_s` (same benchmark: 5.14 GB/s) and across the host
-      link, then one
+      compile time of a 70B training step was found; this is a lower bound for one (its
+      layers are scanned, so the program grows with the layer's size, not the layer count).
+    - load, instead of the compile, when the relaunch is in place: `compile_s` x `load_ratio`
+      (`python benchmarks/untimed_start.py`, full run, `tiny` on one CPU device: programs
+      ready in 1.433 s loaded against 4.764 s compiling the stage-timed step), plus
+      `load_first_step_s`, what the first step lost to the timed step compiling beside it
+      (same run: 0.841 s against 0.398 s).
+    - restore in place: each device loads the shards its node wrote from memory at
+      `local_read_bytes_per_s` (same benchmark: 5.14 GB/s) and across the host link, then one
       all-reduce over the replica axes fills the rest, exactly (its 2-byte leaves widened to
       4 bytes: `fill_bytes_factor`, 18 / 16 of the state's bytes) at
-      `network_bytes_per_s_per_gpu` (the Llama 3 paper's 400 Gbps RoCE per GPU, 50 GB/s),
-      2x the bytes for a ring all-reduce.
-    - restore otherwise: each device reads its share of the canonical state, which is
-      spread over every device of the new mesh (`spread_shardings`: 1/n of the state each),
-      from the published files at the storage share, then the step's layout is gathered
-      over the network.
-    - lost work: the step in flight when the GPU fails, `lost_step_share` of a step on
-      average (failures fall uniformly within a step); the survivors' copies lose nothing
-      more when dp >= 2.
+      `network_bytes_per_s_per_gpu` (the Llama 3 paper's 400 Gbps RoCE per GPU, 50 GB/s), 2x
+      the bytes for a ring all-reduce.
+    - restore otherwise: each device reads its 1/n share of the canonical state
+      (`spread_shardings`) from the published files at the storage share, then the step's
+      layout is gathered over the network.
+    - lost work: the step in flight, `lost_step_share` of a step on average (failures fall
+      uniformly within a step); the survivors' copies lose nothing more when dp >= 2.
     """
 
     detect_kill_s: float = 0.10

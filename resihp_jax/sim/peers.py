@@ -19,17 +19,15 @@ Numbers, and where they come from (stated where assumed; none tuned to make us w
   stage of peer pipelines, inside their pipeline bubbles first (best reading: bubbles fully
   usable); assumed 10 s detection + 10 s switch to a precomputed plan + the iteration in
   flight. No fail-slow handling.
-- greyhound: change-point detection (measured figures of our Greyhound-style detector: 42
-  false alarms in 500 healthy steps, each a probe stall; 10 of 11 step slowdowns from 1.08x
-  caught, after 1-2 steps); ladder: micro-batch
-  rebalancing across DP groups, or when the slowdown outweighs a restart over the episode's
-  expected remaining length (10 min compute, 24 min network), restart without the slow host.
+- greyhound: change-point detection (our Greyhound-style detector's figures,
+  `measured.DETECTORS`; each false alarm a probe stall); ladder: micro-batch rebalancing
+  across DP groups, or when the slowdown outweighs a restart over the episode's expected
+  remaining length (10 min compute, 24 min network), restart without the slow host.
   Fail-stops: checkpoint-restart (Greyhound handles fail-slow only).
-- malleus: straggler detection (median+MAD figures: 2 false alarms in 500 steps; every step
-  slowdown from 1.44x caught after 1 step, about half of 1.08-1.44x after 2),
-  re-plan with the same (pp, tp): layers off the slow stage, data split by speed, or the
-  slowest replica left out (as `scheduler/baselines.malleus`); 10 s planning + state
-  migration at 25 GB/s. Fail-stops: checkpoint-restart.
+- malleus: straggler detection (median+MAD figures, `measured.DETECTORS`), re-plan with the
+  same (pp, tp): layers off the slow stage, data split by speed, or the slowest replica left
+  out (as `scheduler/baselines.malleus`); 10 s planning + state migration at 25 GB/s.
+  Fail-stops: checkpoint-restart.
 Each policy's `stop_terms` lists what one fail-stop stalls, term by term (what `on_stop`
 charges); `benchmarks/cluster.py` prints them beside ours.
 """

@@ -1,32 +1,20 @@
 """Ours, as the code does it, at cluster scale; and ours with heterogeneous TP degrees.
 
-- Fail-slow: our detector's measured reach and delay (`measured.DETECTORS`: every step
-  slowdown from 1.17x caught after 2 steps, 1.08-1.17x three times in four after 3, 0 false
-  alarms in 500 healthy steps); then our scheduler's choice among plans: every top healthy
-  mesh shape over the usable GPUs, keeping the detected slow GPUs (layers moved off their
-  stage, micro-batches split by speed) or leaving the worst k out. The option that trains the
-  most tokens before the next expected failure wins (`scheduler/switching.choose`; the
-  horizon is the job's fail-stop MTBF, or the scheduler's 50,000 h per GPU without one):
-  a split-only change costs planning + `SPLIT_ONLY_SWITCH_S`; a new mesh planning + reshard
-  (state over 25 GB/s), and its compile (`RestartCosts.compile_s`) runs in the background
-  while the current mesh trains its best split (`ResilienceConfig.background_compile`), so
-  it costs the throughput that split lacks for compile_s, not a stall. A mesh this
-  incarnation already ran (the healthy one, once the slow GPU recovers) is kept compiled
-  and costs planning + reshard only.
-- Fail-stop: the incarnation ends; relaunch on the survivors as a new job step in the same
-  allocation, restore from the surviving replicas (0 steps lost), costs in
-  `measured.RestartCosts` (each term measured here or published, `stop_terms` lists them):
-  in place from the nodes' memory when the plan stays (a spare took the failed node's
-  ranks), else after the nodes publish their copies to shared storage.
-  Replaced GPUs rejoin at the next relaunch, or at once by a requeue (an allocation does not
-  grow: SLURM's requeue delay on top) when the capacity they add pays for it within the
-  horizon. Spare nodes (examples/slurm/*.sbatch: TRAIN_NODES below the allocation) avoid
-  both: the relaunch takes a free spare in the failed node's place, at full capacity, and
-  the repaired node becomes the spare. Their idle GPUs are charged (the rate is scaled by
-  n / (n + spares)); the job holds the count that costs least (`spare_nodes`).
-- Cache: plan choices are made on a health signature (usable GPUs per host, detected slow
-  factors), not by the full search per event; `benchmarks/cluster.py` checks the rates
-  against the real scheduler's plans at 256 GPUs.
+- Fail-slow: our detector's measured reach and delay (`measured.DETECTORS`), then our
+  scheduler's choice among every top healthy mesh shape, keeping the detected slow GPUs
+  (layers moved off their stage, micro-batches split by speed) or leaving the worst k out:
+  the option training the most before the next expected failure wins (the horizon is the
+  job's fail-stop MTBF, or the scheduler's 50,000 h per GPU). A split-only change costs
+  planning + `SPLIT_ONLY_SWITCH_S`; a new mesh planning + reshard (state over 25 GB/s), its
+  compile running in the background while the current mesh trains its best split (a
+  throughput cost, not a stall); a mesh this incarnation already ran stays compiled.
+- Fail-stop: relaunch on the survivors in the same allocation, restoring from the surviving
+  replicas, at `measured.RestartCosts` (`stop_terms` lists them): in place from the nodes'
+  memory when the plan stays, else after the nodes publish their copies. Replaced GPUs
+  rejoin at the next relaunch, or at once by a requeue when the capacity pays for it within
+  the horizon. Spare nodes avoid both (the relaunch takes one in the failed node's place);
+  their idle GPUs are charged, and the job holds the count that costs least (`spare_nodes`).
+- `benchmarks/cluster.py` checks the rates against the real scheduler's plans at 256 GPUs.
 The hetero-TP variant also keeps a host that lost GPUs in its replica at a smaller TP degree
 (tp - lost; NTP and the ResiHP paper do this; our code does not yet): that stage is slowed
 tp / (tp - lost), layers are moved off it, the replica gets fewer micro-batches. Assumed to

@@ -157,8 +157,7 @@ class Prober:
         if plan.n_devices == 1:
             return  # nothing to compare one device with: `run` builds and times nothing
         self.mesh = make_mesh(plan, devices)
-        self._timer = _ProbeTimer(plan.device_grid())
-        timer = self._timer
+        self._timer = timer = _ProbeTimer(plan.device_grid())
 
         def both(*args: object) -> None:  # the fault host first: its delay is timed
             if host is not None:

@@ -41,14 +41,11 @@ CHECK_AFTER = 6
 # milliseconds (every 12 steps well under 1%), on 8 fake devices of 2 CPU cores about as
 # much as one to three steps
 CHECK_PERIOD, CHECK_BUDGET = 12, 0.05
-# In a job of several processes (`Detector.job_checks`) the steps are timed only as a whole
-# and a user's model has no stage timing, so the checks are what names a slow host: from
-# step JOB_CHECK_START (the start-up's compiles are done), warm-up or not, every
-# JOB_CHECK_PERIOD steps or as many more as keep a probe run within JOB_CHECK_BUDGET of the
-# steps' time. A slowdown is then named at most JOB_CHECK_PERIOD + (CHECK_RUNS - 1) x
-# CHECK_EVERY = 9 steps after it began (issue 46's target: 10), wherever that falls, where a
-# probe run costs at most JOB_CHECK_BUDGET x JOB_CHECK_PERIOD steps (a GPU's: milliseconds;
-# 4 processes x 2 fake devices on 2 cores: 0.5 s against steps of 0.3-2 s)
+# With `Detector.job_checks` the checks are what names a slow host (steps timed only as a
+# whole, no stage timing): from step JOB_CHECK_START (start-up compiles done), every
+# JOB_CHECK_PERIOD steps within JOB_CHECK_BUDGET, so within 5 + (CHECK_RUNS - 1) x CHECK_EVERY
+# = 9 steps of its onset (issue 46's target: 10); a probe run: a GPU's milliseconds, 0.5 s
+# for 4 processes x 2 fake devices on 2 cores against steps of 0.3-2 s
 JOB_CHECK_START, JOB_CHECK_PERIOD, JOB_CHECK_BUDGET = 4, 5, 0.25
 # a refit of the cost model after its first runs beside the steps and takes effect this many
 # steps after it began (perfmodel/online.py): a window's refit took 44 ms on 2 CPU cores, a
@@ -98,8 +95,7 @@ class ResiHPDetector(Detector):
         self._rebase_ratios: list[float] = []  # observed / raw prediction over those steps
 
     def noise_of(self, plan: Plan | None) -> float:
-        """Sigma of the log prediction error of healthy steps under `plan` (`StepSignal.noise_of`:
-        a plan not known yet gets twice the largest sigma known, the cost model's included)."""
+        """Sigma of healthy steps' log prediction error under `plan` (`StepSignal.noise_of`)."""
         return self.step_signal.noise_of(plan, self.cost.noise if self.cost.ready else None)
 
     @property

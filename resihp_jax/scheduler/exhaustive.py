@@ -84,10 +84,10 @@ def _splits(grid: np.ndarray, current: Plan, limits: MemoryLimits, n_layers: int
     ids = tuple(grid.ravel().tolist())
     class_G = _speed_classes(grid, health)
     for layers in _compositions(n_layers, pp):
-        if not fits(limits, dp, pp, tp, max(layers), math.ceil(n_mb / dp)):
+        if not fits(limits, pp, tp, max(layers), math.ceil(n_mb / dp)):
             continue
         for counts in _class_balanced_counts(n_mb, class_G):
-            if fits(limits, dp, pp, tp, max(layers), max(counts)):
+            if fits(limits, pp, tp, max(layers), max(counts)):
                 yield Plan(dp, pp, tp, ids, layers, counts, current.microbatch_size,
                            current.seq_len)
 

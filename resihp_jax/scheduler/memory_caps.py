@@ -29,15 +29,9 @@ class MemoryLimits:
     remat: bool
 
 
-def fits(limits: MemoryLimits, dp: int, pp: int, tp: int, layer_slots: int,
-         mb_slots: int) -> bool:
-    """True when the shape fits with these padded layer and micro-batch counts."""
-    return _fits_one_group(limits, pp, tp, layer_slots, mb_slots)
-
-
 @functools.lru_cache(maxsize=65536)
-def _fits_one_group(limits: MemoryLimits, pp: int, tp: int, layer_slots: int,
-                    mb_slots: int) -> bool:
+def fits(limits: MemoryLimits, pp: int, tp: int, layer_slots: int, mb_slots: int) -> bool:
+    """True when a shape of any dp fits with these padded layer and micro-batch counts."""
     # A device's bytes depend on its stage's layers, its TP width and the micro-batches in
     # flight, not on how many DP replicas exist (no optimizer sharding over dp), so a one-group
     # probe answers for every dp without building 16k-device plans (tests pin this down).
@@ -50,13 +44,13 @@ def _fits_one_group(limits: MemoryLimits, pp: int, tp: int, layer_slots: int,
 
 def layer_cap(limits: MemoryLimits, dp: int, pp: int, tp: int, mb_slots: int) -> int:
     """Largest layers per stage that fit with `mb_slots` micro-batches (0: not even one)."""
-    return _largest(lambda n: fits(limits, dp, pp, tp, n, mb_slots), limits.model.n_layers)
+    return _largest(lambda n: fits(limits, pp, tp, n, mb_slots), limits.model.n_layers)
 
 
 def microbatch_cap(limits: MemoryLimits, dp: int, pp: int, tp: int, layer_slots: int,
                    n_microbatches: int) -> int:
     """Largest micro-batches per group that fit with `layer_slots` layers (0: not one)."""
-    return _largest(lambda m: fits(limits, dp, pp, tp, layer_slots, m), n_microbatches)
+    return _largest(lambda m: fits(limits, pp, tp, layer_slots, m), n_microbatches)
 
 
 def _largest(ok: Callable[[int], bool], upper: int) -> int:
@@ -65,4 +59,4 @@ def _largest(ok: Callable[[int], bool], upper: int) -> int:
 
 
 def clear_cache() -> None:
-    _fits_one_group.cache_clear()
+    fits.cache_clear()

@@ -46,10 +46,6 @@ class Reference:
     healthy_tokens_per_s: float
     capacity_fraction: float  # sum of alive speeds over the pool / pool size
 
-    @property
-    def bound_tokens_per_s(self) -> float:
-        return self.capacity_fraction * self.healthy_tokens_per_s
-
 
 def reference(current: Plan, health: Health, ctx: PlanningContext) -> Reference:
     healthy = current.tokens_per_step / step_time_s(current, None, ctx)
@@ -89,7 +85,7 @@ def run_policy(name: str, current: Plan, health: Health, ctx: PlanningContext,
     plan = proposal.plan
     step_s = math.inf if plan is None else step_time_s(plan, health, ctx)
     rate = 0.0 if plan is None else plan.tokens_per_step / step_s
-    bound = ref.bound_tokens_per_s
+    bound = ref.capacity_fraction * ref.healthy_tokens_per_s
     return Outcome(name, plan, step_s, rate, rate / ref.healthy_tokens_per_s,
                    rate / bound if bound > 0 else 0.0, proposal.switch_s, proposal.reason,
                    elapsed, proposal.preserves_global_batch, proposal.interim)

@@ -72,7 +72,7 @@ def _smallest(ok: Callable[[int], bool], upper: int) -> int | None:
 
 
 def _fits_even(limits: MemoryLimits, dp: int, pp: int, tp: int, current: Plan) -> bool:
-    return fits(limits, dp, pp, tp, math.ceil(limits.model.n_layers / pp),
+    return fits(limits, pp, tp, math.ceil(limits.model.n_layers / pp),
                 math.ceil(current.n_microbatches / dp))
 
 

@@ -38,13 +38,9 @@ class Candidate:
     label: str
 
 
-def slowness_of(health: Health) -> Callable[[int], float]:
-    return lambda d: 1.0 - min(health.speed(d), health.link_speed(d))
-
-
 def device_pool(current: Plan, health: Health, ctx: PlanningContext) -> DevicePool:
     usable = [d for d in ctx.pool if health.alive(d)]
-    return DevicePool(usable, slowness_of(health), current)
+    return DevicePool(usable, lambda d: 1.0 - min(health.speed(d), health.link_speed(d)), current)
 
 
 def memory_limits(current: Plan, ctx: PlanningContext) -> MemoryLimits:
@@ -112,7 +108,7 @@ def _rank_shape(shape: Shape, current: Plan, health: Health, ctx: PlanningContex
                 pool: DevicePool, limits: MemoryLimits) -> list[Ranked]:
     """The proxy's verdict on each layout of one shape (none if its even split cannot fit)."""
     (dp, pp, tp), n_layers, n_mb = shape, ctx.model.n_layers, current.n_microbatches
-    if not fits(limits, dp, pp, tp, math.ceil(n_layers / pp), math.ceil(n_mb / dp)):
+    if not fits(limits, pp, tp, math.ceil(n_layers / pp), math.ceil(n_mb / dp)):
         return []
     healthy = healthy_unit_costs(ctx.model, ctx.costs, pp, tp, current.microbatch_size,
                                  current.seq_len, ctx.remat)

@@ -1,9 +1,6 @@
-"""ModelFacts: what the cost model, the memory model, the scheduler and the simulator know of a
-model, and all they may ask of it.
-
-A `ModelConfig` (`rh.models.Llama`'s sizes) answers from its sizes; a user's NNX model answers from
-its own parameter shapes and XLA's cost analysis of one block (step/facts.py). Nothing
-outside the model packages reads a model's sizes (heads, d_ff, ...) directly.
+"""ModelFacts: all the cost and memory models, the scheduler and the simulator may ask of a
+model: a `ModelConfig` answers from its sizes, a user's NNX model from its parameter shapes and
+XLA's cost analysis of one block (step/facts.py). Nothing else reads a model's sizes directly.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 Forward tick t: stage s works on micro-batch t - s (if its group has it), then every stage
 joins a collective permute s -> s+1, so stage s starts tick t+1 once stages s-1, s, s+1 have
-finished tick t. The backward ticks replay the forward ticks in reverse with the same
-neighbour lock-step. Simulated as a max-plus recurrence over ticks with arrays over
-[stage, group], so thousands of groups cost no more Python than one.
+finished tick t; the backward ticks replay them in reverse. A max-plus recurrence over ticks
+on [stage, group] arrays: thousands of groups cost no more Python than one.
 """
 
 from __future__ import annotations

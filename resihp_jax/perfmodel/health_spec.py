@@ -1,8 +1,5 @@
-"""Text health specs (`17=2.0`, `42`) -> a validated Health map over a device pool.
-
-The CLI and the benchmarks describe faults as text; this module turns that text into the
-performance model's Health, rejecting unknown devices and impossible factors by name.
-"""
+"""Text health specs (`17=2.0`, `42`: the CLI's and the benchmarks' faults) -> a validated
+Health map over a device pool, rejecting unknown devices and impossible factors by name."""
 
 from __future__ import annotations
 

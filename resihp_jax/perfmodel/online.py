@@ -1,10 +1,10 @@
 """OnlineCostModel: learns CostParams from observed healthy steps, starting from nothing.
 
-For a fixed critical path the simulated step time is linear in the coefficients, so each
-refit simulates every observation with the current estimate to get its features along its
-critical path, solves a robust relative least squares on a sliding window, and repeats until
-the estimate settles. A second, 'contention' model adds work summed over all devices (what a
-host running many fake devices on few cores pays); it is used only when it fits much better.
+For a fixed critical path the simulated step time is linear in the coefficients, so a refit
+simulates each observation of a sliding window under the current estimate for its path's
+features, solves a robust relative least squares, and repeats until the estimate settles. A
+'contention' model adds work summed over all devices (what many fake devices on few cores
+pay); mode 'auto' uses it only when it fits much better.
 """
 
 from __future__ import annotations
@@ -66,15 +66,13 @@ class OnlineCostModel:
                  remat: bool = False, bwd_ratio: float = 2.0, window: int = 256,
                  min_steps: int = 8, refit_every: int = 4, mode: str = "auto",
                  max_refit_every: int | None = None, refit_lag: int = 0) -> None:
-        """`max_refit_every`: a refit that leaves the predictions where they were (within
-        STABLE_MOVE) doubles the steps to the next one, up to this many; one that moves them
-        starts again at `refit_every` (None: always `refit_every`). A refit re-simulates every
-        step of the window: where the model has settled it is most of the detector's host
-        time on the step loop's path. Deterministic, so every process of a job refits alike.
+        """`max_refit_every`: a refit leaving the predictions within STABLE_MOVE doubles the
+        steps to the next, up to this many (None: always `refit_every`): re-simulating the
+        window is most of the detector's host time on the step loop's path once settled.
         `refit_lag` > 0: after the first fit, a refit runs in a background thread on the
-        window as it was, and takes effect `refit_lag` observations later (waiting for it
-        then if it is not done): off the step loop's path (a 40 ms refit on a step of 46 ms),
-        and still deterministic."""
+        window as it was and takes effect `refit_lag` observations later (waited for then):
+        off the step loop's path (a 40 ms refit on a step of 46 ms). Both deterministic, so
+        every process of a job refits alike."""
         check_schedule(schedule)
         if mode not in MODES:
             raise ConfigError(f"OnlineCostModel mode={mode!r}: valid are {', '.join(MODES)}")

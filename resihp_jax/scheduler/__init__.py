@@ -1,7 +1,5 @@
-"""Scheduler: from device health to the best next Plan, with baselines under one interface.
-
-Pure numpy on top of the performance model; nothing here imports JAX.
-"""
+"""Scheduler: from device health to the best next Plan, with baselines under one interface
+(pure numpy on the performance model: nothing here imports JAX)."""
 
 from resihp_jax.scheduler.context import PlanningContext, SwitchCosts
 from resihp_jax.scheduler.resihp import resihp

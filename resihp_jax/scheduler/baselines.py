@@ -1,19 +1,18 @@
 """Other systems' policies, re-expressed as Plans under the same interface as ours.
 
-Each is given its best reasonable reading (choices it leaves open are made by the simulator
-in its favour), so comparisons against ours are not against a straw man:
+Each gets its best reasonable reading (the simulator makes the choices it leaves open in its
+favour), so ours is not compared against a straw man:
 - none: the current plan on the degraded devices; a dead device stops the job (0 throughput).
 - replica_drop (FT-HSDP / torchft): drop every DP replica holding a dead device, and one
-  holding a slow device when that is faster; survivors keep their own micro-batches, so the
-  global batch shrinks (as torchft does) and throughput counts only the rows trained.
-- oobleck: uniform re-mesh of the current tp over the healthy devices (or all alive ones when
-  keeping slow devices is faster), best pipeline depth, even layer and micro-batch splits.
-- greyhound: micro-batch rebalancing only, by each DP group's simulated time; a group holding
-  a dead device gets no micro-batches (it is left out, the global batch is kept).
-- malleus: the current (pp, tp) over the least slow devices with stragglers grouped,
-  speed-aware layer split and speed-proportional data split from its own analytic cost model
-  (an exact min-max solver stands in for Malleus' integer programs); no simulation, no
-  search over mesh shapes.
+  holding a slow device when faster; survivors keep their micro-batches (the global batch
+  shrinks, as in torchft; throughput counts only the rows trained).
+- oobleck: uniform re-mesh of the current tp over the healthy (or, if faster, all alive)
+  devices, best pipeline depth, even layer and micro-batch splits.
+- greyhound: micro-batch rebalancing only, by each DP group's simulated time; a group with a
+  dead device is left out (the global batch is kept).
+- malleus: the current (pp, tp) over the least slow devices, stragglers grouped, layer and
+  data splits by speed from its own analytic cost model (an exact min-max solver for its
+  integer programs); no simulation, no search over mesh shapes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Candidates of one mesh shape: device layouts, then layer and micro-batch splits for each.
 
-Layer splits are shared by every DP group, so which groups to balance for is a choice: the
-typical group (then slow groups simply get fewer micro-batches), the worst group per stage
-(when a slow stage index repeats in every group), an even split, or the current split (no
-layer moves). Each is paired with its best micro-batch split and ranked by the proxy.
+Every DP group shares the layer split, so it balances for the typical group (slow groups get
+fewer micro-batches), the worst per stage (a slow stage index in every group), evenly, or as
+now (no layer moves); each is paired with its best micro-batch split, ranked by the proxy.
 """
 
 from __future__ import annotations

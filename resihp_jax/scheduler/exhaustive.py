@@ -1,11 +1,9 @@
 """Exhaustive plan search for small clusters: the reference the fast search is checked against.
 
-Enumerates every mesh shape over the alive devices, every placement of the slow devices
-(each kept at any coordinate, or left out), every layer split and every micro-batch split
-that fits memory, and simulates each plan. Two symmetries of the performance model keep it
-exact yet small: healthy devices are interchangeable (only speeds and links tell devices
-apart), and DP groups with the same speeds share their micro-batches evenly (see
-`_class_balanced_counts`). Only for a few devices, layers and micro-batches.
+Simulates every mesh shape, placement of the slow devices (each anywhere, or left out), layer
+split and micro-batch split that fits memory. Exact yet small by two symmetries: healthy
+devices are interchangeable, and DP groups of equal speeds share micro-batches evenly
+(`_class_balanced_counts`). Only for a few devices, layers and micro-batches.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """How many layers per stage and micro-batches per group a mesh shape can hold in memory.
 
-The compiled step pads every stage to the largest layer count and every group to the largest
-micro-batch count, so memory is set by two maxima (layer slots, micro-batch slots) and both
-caps are single numbers per shape. Memory grows with each, so binary search finds them.
+The compiled step pads every stage and group to the largest layer and micro-batch counts, so
+memory is set by those two maxima, and each cap (one number per shape) is a binary search.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Device placement: which device sits at each (dp, pp, tp) coordinate.
 
-A tensor-parallel group runs at its slowest member's pace, and the tick-synchronous pipeline
-runs every stage of a DP group at its slowest stage's pace. So slow devices cost least when
-packed together: into one TP group first, then either into one DP group (that group then
-gets fewer micro-batches) or into one stage index across DP groups (that stage then gets
-fewer layers). Both packings are built by swaps from a base grid so healthy devices mostly
-stay where they were (less state to move). Which stage index the slow devices take matters
-too: the first and last stages carry the embedding and the head, so a layer split balances
-differently around a slow stage there; `to_stage` moves them by swapping two stage indices.
+A TP group runs at its slowest member's pace, a DP group's tick-synchronous pipeline at its
+slowest stage's, so slow devices cost least packed together: into one TP group, then into one
+DP group (it gets fewer micro-batches) or one stage index across DP groups (it gets fewer
+layers), by swaps from a base grid so healthy devices mostly stay (less state to move). The
+first and last stages carry the embedding and the head, so a layer split balances differently
+around a slow stage there: `to_stage` moves the slow stage index by swapping two.
 """
 
 from __future__ import annotations

@@ -25,12 +25,8 @@ def step_time_s(plan: Plan, health: Health | None, ctx: PlanningContext) -> floa
 
 def refine_microbatches(plan: Plan, health: Health | None, ctx: PlanningContext,
                         mb_cap: int | None = None, rounds: int = 2) -> tuple[Plan, float]:
-    """Re-split micro-batches by each group's simulated time per tick until it stops helping.
-
-    The proxy's split assumes each group's tick is its slowest stage's busy time; the
-    simulator also counts transfers and lock-step waits, so one or two rounds of splitting
-    by the simulated per-tick time of every group close the remaining gap.
-    """
+    """Re-split micro-batches by each group's simulated time per tick until it stops helping:
+    the proxy's ticks leave out the transfers and lock-step waits the simulator counts."""
     sim = simulate(plan, health, ctx)
     best, best_s = plan, sim.step_time_s
     for _ in range(rounds):

@@ -74,12 +74,9 @@ class Ranked:
 def rank_layouts(current: Plan, health: Health, ctx: PlanningContext, pool: DevicePool,
                  limits: MemoryLimits, keep: int) -> list[Ranked]:
     """Layouts by proxy step time: at least the best `keep`, and all of the current shape.
-
-    Branch and bound: shapes are visited by a lower bound on their proxy time (perfect layer
-    balance, micro-batches spread evenly, every device at full speed) and the visit stops
-    once that bound exceeds the `keep`-th best proxy time found, so hopeless shapes (deep
-    pipelines over a few groups, meshes that leave many devices idle) cost nothing.
-    """
+    Branch and bound: shapes in order of a lower bound on their proxy time (perfect balance,
+    every device at full speed), none past the `keep`-th best time found once its bound is,
+    so hopeless shapes (deep pipelines over a few groups, many idle devices) cost nothing."""
     n_mb, n_layers = current.n_microbatches, ctx.model.n_layers
     space = ShapeSpace(pool.n_usable, pool.n_slow, n_layers, n_mb, min_dp=ctx.min_dp)
     shapes = sorted((_proxy_lower_bound(shape, current, ctx), shape)

@@ -1,9 +1,8 @@
 """Candidate mesh shapes (dp, pp, tp) for a number of usable devices.
 
-tp must be a power of two dividing every dimension the model shards (`tp_dims`, the Plan's
-own check); pp at most the layer count; dp at most the micro-batch count (every DP group
-needs one). For each (pp, tp) the widest dp is the natural choice; narrower dps are kept only
-when they let the slowest devices sit out.
+tp: a power of two dividing every dimension the model shards (`tp_dims`); pp: at most the
+layers; dp: at most the micro-batches, the widest per (pp, tp), narrower ones only where they
+let the slowest devices sit out.
 """
 
 from __future__ import annotations

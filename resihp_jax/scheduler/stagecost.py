@@ -1,11 +1,10 @@
 """Per-stage work per micro-batch, measured with the simulator, and a fast step-time proxy.
 
-The search ranks hundreds of (shape, placement) pairs, too many to simulate each with every
-split. It needs, per stage, the busy time of one micro-batch as `layers * unit + fixed`
-(fixed: embedding on the first stage, head and loss on the last). Rather than re-derive the
-cost formulas, it asks the simulator: two one-micro-batch probes with 1 and 2 layers per stage
-give `unit` and `fixed` exactly. The proxy then assumes the tick-synchronous pipeline: a DP
-group's step lasts (micro-batches + stages - 1) ticks of its slowest stage.
+The search ranks hundreds of (shape, placement) pairs, too many to simulate with every split.
+Per stage it needs one micro-batch's busy time as `layers * unit + fixed` (fixed: embedding,
+head and loss), which two one-micro-batch simulator probes (1 and 2 layers per stage) give
+exactly, with no cost formula re-derived. The proxy: a DP group's step lasts (micro-batches +
+stages - 1) ticks of its slowest stage.
 """
 
 from __future__ import annotations

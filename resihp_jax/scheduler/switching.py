@@ -1,14 +1,11 @@
 """Is a new plan worth switching to? Its switch cost against its gain before the next failure.
 
-Switching costs the state every device must receive (layers it did not hold, or held as a
-different TP shard) over its link, plus a recompile when the mesh changes; changing only the
-layer or micro-batch split recompiles nothing. Until the next failure (expected after the
-horizon) a plan trains (horizon - switch cost) / step time steps; the option training the
-most steps wins, and staying costs nothing.
-
-With background compiles (`SwitchCosts.background`), a new mesh's program compiles while the
-best plan the current program can run (the *interim*: staying, or a new split) trains; the
-compile then costs only the steps the interim plan trains fewer than the new one would.
+A switch costs the state each device must receive (layers it did not hold, or held as another
+TP shard) plus a recompile when the mesh changes (a new split recompiles nothing). Until the
+next failure a plan trains (horizon - switch cost) / step time steps; the most steps win, and
+staying costs nothing. With background compiles (`SwitchCosts.background`) the best plan the
+current program can run (the *interim*) trains meanwhile: the compile costs only the steps it
+trains fewer than the new plan would.
 """
 
 from __future__ import annotations
@@ -90,11 +87,9 @@ def switch_seconds(old: Plan, new: Plan, model: ModelFacts, costs: SwitchCosts) 
 
 def with_background_compiles(current: Plan, stay: Option, options: list[Option],
                              costs: SwitchCosts, horizon_s: float) -> list[Option]:
-    """`options` (each costed by `switch_seconds`) re-costed for a compile in the background:
-    the interim plan (the best of staying and the splits needing no compile) is switched to
-    at once, and the new plan when its program is ready. During the compile the job trains
-    at the interim's rate, so the compile costs compile_s x (1 - interim rate / new rate) of
-    the new plan's time."""
+    """`options` (costed by `switch_seconds`) re-costed for a compile in the background: the
+    interim (the best of staying and the splits needing no compile) trains at once, so the
+    compile costs compile_s x (1 - interim rate / new rate) of the new plan's time."""
     compile_s = [compile_seconds(current, o.plan, costs) for o in options]
     free = [stay] + [o for o, c in zip(options, compile_s) if c == 0.0]
     interim = max(free, key=lambda o: (o.steps_within(horizon_s), -o.switch_s))

@@ -122,11 +122,10 @@ class Detector:
                        self.name)
 
     def _checked(self, step: int) -> Verdict | None:
-        """One run of a check (no step was suspect). Devices it names must stand out again
-        in CHECK_RUNS runs CHECK_EVERY steps apart, each device at its fastest over them:
-        with no step to back it, one run cannot tell a slow device from a passing burst of
-        other work on its host (a background compile on shared cores named a healthy
-        process 5x slow, back to back over both runs of one validation)."""
+        """One run of a check (no step was suspect). Devices it names must stand out again in
+        CHECK_RUNS runs CHECK_EVERY steps apart, each at its fastest over them: one run cannot
+        tell a slow device from a passing burst of other work on its host (a background
+        compile on shared cores named a healthy process 5x slow in both runs of a validation)."""
         t0 = self.clock()
         result = self.prober(step)
         # what one run stalled the step (the same in every process of a job: gathered)
@@ -159,9 +158,8 @@ class Detector:
         return self.healthy_time_s(plan, mb_tokens, mb_sum_l2)
 
     def wants_stage_times(self) -> bool:
-        """Should the next step carry per-stage times whatever the sampling (the trainer
-        times stages on 1 step in K otherwise, runtime/trainer/sampling.py)? A detector
-        without a stage signal never needs them."""
+        """Should the next step carry per-stage times whatever the sampling (else 1 step in K,
+        runtime/trainer/sampling.py)? A detector without a stage signal never needs them."""
         return False
 
     def cost_params(self) -> CostParams | None:

@@ -73,8 +73,7 @@ def _slots(name: str, value: int | None, minimum: int) -> int:
 def memory_bytes_per_device(plan: Plan, model: ModelFacts, *, schedule: str = "gpipe",
                             remat: bool | str = False, layer_slots: int | None = None,
                             mb_slots: int | None = None) -> np.ndarray:
-    """[dp, pp, tp] bytes per device. Optimizer state is Adam's two float32 moments;
-    activations are in the model's compute dtype."""
+    """[dp, pp, tp] bytes per device (activations in the model's compute dtype)."""
     check_schedule(schedule)
     layers = _slots("layer_slots", layer_slots, max(plan.layers_per_stage))
     slots = _slots("mb_slots", mb_slots, max(plan.microbatches_per_group))

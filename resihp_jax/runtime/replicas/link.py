@@ -15,7 +15,6 @@ so the healed replica reads the quorum's next batch.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -24,20 +23,12 @@ import numpy as np
 from resihp_jax.data import GlobalBatch
 from resihp_jax.plan import Plan
 from resihp_jax.runtime.replicas.engine import HostState, Quorum, ReplicaEngine, StateFns
+from resihp_jax.runtime.replicas.protocol import Healed
 from resihp_jax.runtime.replicas.shards import PieceMap, from_host_state, host_state
 from resihp_jax.runtime.replicas.split import replica_slots, share_of, split_counts
 from resihp_jax.runtime.replicas.two_programs import ReplicaFns, replica_functions
 
 _DATA_KEY, _STATE_PREFIX = "data_state", "state."
-
-
-@dataclass(frozen=True)
-class Healed:
-    """This replica's state was replaced by a peer's: the loop goes on from `step` (the
-    peer's newest committed step), reading from `data_state`, inside the same quorum."""
-    step: int
-    state: Any
-    data_state: dict[str, Any]
 
 
 class ReplicaLink:
@@ -80,7 +71,7 @@ class ReplicaLink:
         return (plan.replace(microbatches_per_group=mine.microbatches_per_group),
                 batch.microbatches(mine.first, mine.count))
 
-    def step(self, program: Any, state: Any, batch: Any, knobs_DxPxT: Any
+    def run(self, program: Any, state: Any, batch: Any, knobs_DxPxT: Any
              ) -> tuple[Any, dict[str, Any]]:
         """The step as two programs around the quorum's sum; the update only if committed."""
         fns = self._fns.get(id(program.loss_sum_fn))

@@ -33,11 +33,11 @@ from resihp_jax.runtime.config import DETECTOR_OFF, ResilienceConfig
 from resihp_jax.runtime.events import Replan, StepRecord, Switch
 from resihp_jax.runtime.programs.keeper import ProgramKeeper, StepPrograms
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer
+from resihp_jax.runtime.replicas.protocol import NoReplicas, Replicas
 from resihp_jax.runtime.trainer.agreement import primary_says, warm_up_agreement
 from resihp_jax.runtime.trainer.overhead import Overhead, run_overhead
 from resihp_jax.runtime.trainer.records import diverged
 from resihp_jax.runtime.trainer.replanner import Replanner
-from resihp_jax.runtime.trainer.replicas import NoReplicas, Replicas
 from resihp_jax.runtime.trainer.sampling import TimingSampler
 from resihp_jax.runtime.trainer.step_runner import Host, Probe, StepRunner, watches
 from resihp_jax.runtime.trainer.timing import StepTiming
@@ -124,6 +124,13 @@ class ResilientTrainer:
         judging: Judging | None = None  # the last step, judged while the next one runs
         while done < steps:
             data_before = self.data.state()
+            healed = self.runner.replicas.before_step(done + 1, self.state, data_before)
+            if healed is not None:  # a peer's state and position, at the quorum's step
+                self.state, done, data_before = healed.state, healed.step, healed.data_state
+                self.data.restore(data_before)
+                judging = None  # the steps it judged are not this replica's any more
+                if done >= steps:
+                    break
             batch = self.data.next_batch()
             try:
                 stepped = self.runner.step(done + 1, batch, beside=judging)

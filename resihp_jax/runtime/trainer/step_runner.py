@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from functools import partial
 from typing import Any, Callable, Sequence
 
 import jax
@@ -29,11 +28,11 @@ from resihp_jax.plan import Plan
 from resihp_jax.runtime.config import DETECTOR_OFF, ResilienceConfig
 from resihp_jax.runtime.events import StepRecord
 from resihp_jax.runtime.programs.keeper import ProgramKeeper
+from resihp_jax.runtime.replicas.protocol import Replicas
 from resihp_jax.runtime.recovery.checkpoint import Checkpointer, deadline_beside_write
 from resihp_jax.runtime.trainer.agreement import agreed, agreed_step
 from resihp_jax.runtime.trainer.host_cpu import CpuMeter
 from resihp_jax.runtime.trainer.records import device_batch
-from resihp_jax.runtime.trainer.replicas import Replicas
 from resihp_jax.runtime.trainer.sampling import TimingSampler
 from resihp_jax.runtime.trainer.timing import StageTimer, StepTiming, timed_step
 from resihp_jax.runtime.trainer.watching import Judging
@@ -127,6 +126,7 @@ class StepRunner:
         self.last_timing: StepTiming | None = None  # (its stage times None: ran untimed)
         self._last_l2_M = np.zeros(0)  # the newest step's attention work per micro-batch
         self._step_timed = True  # whether the last step ran its stage-timing callbacks
+        self._last_plan: Plan | None = None  # the newest step's (its replica's share)
 
     def step(self, step: int, batch: GlobalBatch, beside: Judging | None = None
              ) -> tuple[StepRecord, Verdict | None] | None:
@@ -134,8 +134,10 @@ class StepRunner:
         made meanwhile, whose agreed verdict comes back with the step's record. None: the
         replicas did not commit the step, and `state` is again the one before it (the caller
         runs its batch again; `beside` was not concluded). StepFailed: it failed or hung."""
-        program, plan, timer = self.keeper.program, self.keeper.plan, self.host.timer
-        self.replicas.before_step(step)
+        program, timer = self.keeper.program, self.host.timer
+        plan, batch = self.replicas.share(self.keeper.plan, batch)
+        if plan != program.plan:  # this replica's share of the global batch (no recompile)
+            program = program.with_plan(plan)
         arrays = device_batch(program, batch)
         instrumented = self.keeper.instrumented
         in_doubt = self.detector.wants_stage_times()
@@ -143,12 +145,11 @@ class StepRunner:
         self._step_timed = timed
         before = self.state
         dispatched = threading.Event()
-        on_gradients = partial(self.replicas.on_gradients, step)
 
         def run_once() -> tuple[TrainState, dict[str, Any], StepTiming]:
             try:
                 return timed_step(program, before, arrays, self.host.knobs(step, timed),
-                                  timer, dispatched, on_dispatch=on_gradients)
+                                  timer, dispatched, run=self.replicas.run)
             finally:
                 dispatched.set()  # (also when it failed before dispatching)
 
@@ -163,14 +164,14 @@ class StepRunner:
                 beside.judge()
             l2_M.append(mb_attention_l2(self.model, batch))
             self.last_prediction_s = self.detector.prediction_s(plan, mb_tokens(plan), l2_M[0])
-            return self.deadline_s(batch, l2_M[0])
+            return self.deadline_s(batch, l2_M[0], plan)
 
         spent_before = timer.spent_s
         self.state, metrics, timing = run_guarded(run_once, step, deadline,
                                                   in_flight=self.host.in_flight)
         self.spent["timing"] += timer.spent_s - spent_before
         if not self.replicas.should_commit(step):  # back to the state before the step
-            if program.train.donate_state:
+            if _deleted(before):  # the step donated it
                 raise ConfigError(f"the replicas did not commit step {step}, and the step "
                                   "donated the state to go back to: "
                                   "StepConfig(donate_state=False) keeps it")
@@ -187,14 +188,15 @@ class StepRunner:
             self.sampler.observe(timed, timing.step_time_s, timer.spent_s - spent_before,
                                  in_doubt=in_doubt)
         self.last_timing = timing
-        self._last_l2_M = l2_M[0]
+        self._last_l2_M, self._last_plan = l2_M[0], plan
         return StepRecord.of(int(self.state.step), plan, jax.device_get(metrics),
                              timing.step_time_s, batch), verdict
 
-    def deadline_s(self, batch: GlobalBatch, l2_M: np.ndarray | None = None) -> float:
+    def deadline_s(self, batch: GlobalBatch, l2_M: np.ndarray | None = None,
+                   plan: Plan | None = None) -> float:
         """How long this batch's step may take before it counts as hung (worked out while
         the devices run the step); `l2_M`: the batch's attention work, when already known."""
-        plan = self.keeper.plan
+        plan = plan or self.keeper.plan
         l2_M = mb_attention_l2(self.model, batch) if l2_M is None else l2_M
         predicted = self.detector.healthy_time_s(plan, mb_tokens(plan), l2_M)
         if predicted is None:
@@ -204,8 +206,8 @@ class StepRunner:
         return deadline_beside_write(self.checkpointer, deadline, self.config.step_timeout_s)
 
     def observation(self, record: StepRecord) -> StepObservation:
-        """The step just run, as the detector judges it."""
-        plan = self.keeper.plan
+        """The step just run, as the detector judges it (on the plan of its share)."""
+        plan = self._last_plan
         return StepObservation(record.step, plan, mb_tokens(plan), self._last_l2_M,
                                record.step_time_s, self.last_timing.stage_DxP,
                                self.last_timing.host_cpu)
@@ -230,6 +232,11 @@ class StepRunner:
         return ("; it ran without stage timing, which names a device that hangs "
                 "(ResilienceConfig(stage_timing_every=1) times every step)"
                 if not self._step_timed and self.keeper.instrumented else "")
+
+
+def _deleted(state: TrainState) -> bool:
+    return any(leaf.is_deleted() for leaf in jax.tree.leaves(state)
+               if isinstance(leaf, jax.Array))
 
 
 def watches(config: ResilienceConfig) -> bool:

@@ -112,20 +112,21 @@ class StageTimer:
 def timed_step(program: Any, state: Any, batch: Any, knobs_DxPxT: np.ndarray | None,
                timer: StageTimer | None = None,
                dispatched: threading.Event | None = None,
-               on_dispatch: Callable[[dict[str, Any]], None] | None = None
+               run: Callable[..., tuple[Any, dict[str, Any]]] | None = None
                ) -> tuple[Any, dict[str, Any], StepTiming]:
     """Run one step to completion and time it with `timer` (per-stage times too when it is
     the program's Instrument host; None: the step alone). `dispatched` is set once the step
-    is on its way to the devices; `on_dispatch` is then called with its metrics, still on the
-    devices (replicas.py), inside the timed region."""
+    is on its way to the devices. `run(program, state, batch, knobs)` runs the step (default:
+    the program's own; a cross-replica collaborator's, runtime/replicas/protocol.py)."""
     if timer is None:
         timer = StageTimer((program.plan.dp, program.plan.pp, program.plan.tp))
     timer.begin()
-    state, metrics = program.step(state, batch, knobs_DxPxT)
+    if run is None:
+        state, metrics = program.step(state, batch, knobs_DxPxT)
+    else:
+        state, metrics = run(program, state, batch, knobs_DxPxT)
     if dispatched is not None:
         dispatched.set()
-    if on_dispatch is not None:
-        on_dispatch(metrics)
     # the step's time is read when its loss is ready, which the loop fetches anyway
     jax.block_until_ready(metrics)
     timing = timer.end()

@@ -178,11 +178,6 @@ def fitting(settings: FitSettings) -> Iterator[None]:
         _CHOICES.clear()
 
 
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
-
-
 def _compile_error(compile_fn: CompileFn, config: KernelConfig, block: int) -> str | None:
     """The first line of the compile's error, None when it compiled. The compile runs in its
     own thread: `segment_attention` is usually called while the user's step is being traced,
@@ -192,7 +187,8 @@ def _compile_error(compile_fn: CompileFn, config: KernelConfig, block: int) -> s
         try:
             compile_fn(config, block)
         except Exception as error:  # noqa: BLE001 - any failure means: try something smaller
-            return _first_line(error)
+            lines = str(error).strip().splitlines()
+            return f"{type(error).__name__}: {lines[0] if lines else ''}"
         return None
 
     with ThreadPoolExecutor(1, thread_name_prefix="flash-fit") as pool:

@@ -33,9 +33,7 @@ class AttentionShape(Protocol):
     dtype: Any
 
 
-# Implementations that need no start-up check: the reference itself, and the block-sparse
-# kernel that the test suite holds to it.
-UNCHECKED = ("dense", "blocksparse")
+UNCHECKED = ("dense", "blocksparse")  # the reference, and the kernel the tests hold to it
 _passed: set[tuple] = set()
 
 
@@ -130,8 +128,7 @@ def check_attention(implementation: str, *, block_size: int, head_dim: int, n_he
                     n_kv_heads: int, dtype: str = "float32",
                     device: jax.Device | None = None) -> None:
     """Raise AttentionMismatch if `implementation` leaks across documents or disagrees with
-    `dense_attention`; a no-op for the reference kernels and for a configuration already
-    checked in this process."""
+    `dense_attention` (once per configuration and process)."""
     platform = (device or jax.devices()[0]).platform
     choice = select_kernel(implementation, platform=platform, seq_len=4 * block_size,
                            block_size=block_size, head_dim=head_dim, n_heads=n_heads,

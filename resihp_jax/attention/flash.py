@@ -333,10 +333,6 @@ def padded_head_dim(d: int) -> int:
     return max(MIN_BLOCK, 1 << (d - 1).bit_length())
 
 
-def _pad_head_dim(x: jax.Array, d: int) -> jax.Array:
-    return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, d - x.shape[3]))) if x.shape[3] < d else x
-
-
 def flash_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array,
                     segment_ids_BxS: jax.Array, *, block_q: int, block_k: int,
                     interpret: bool | None = None) -> jax.Array:
@@ -359,7 +355,7 @@ def flash_attention(q_BxSxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.A
     q, k, v, seg = vma.vary(args, axes)
     d = q.shape[3]
     # zeros pad the head dimension to a Triton tile width (no dot product changes)
-    d_pad = padded_head_dim(d)
-    o = _flash(*(_pad_head_dim(x, d_pad) for x in (q, k, v)), seg, block_q, block_k,
+    pad = ((0, 0), (0, 0), (0, 0), (0, padded_head_dim(d) - d))
+    o = _flash(*(jnp.pad(x, pad) if pad[3][1] else x for x in (q, k, v)), seg, block_q, block_k,
                bool(interpret), 1.0 / math.sqrt(d))
     return o[..., :d]

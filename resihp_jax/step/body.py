@@ -207,7 +207,13 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
     `step`: what a model's random streams draw from.
     `vocab_tp` > 1: manual tensor parallelism (axes ALL_AXES): the head returns this
     device's vocabulary slice, the loss is combined over 'tp' outside the gates."""
-    _check_axes(axes, instrument, knob)
+    if axes not in (ALL_AXES, STEP_AXES, ()):
+        raise ValueError(f"manual axes {axes}: expected {ALL_AXES}, {STEP_AXES} or ()")
+    if instrument is not None and axes != ALL_AXES:
+        raise ValueError(f"an Instrument needs a step manual over every mesh axis {ALL_AXES} "
+                         f"(plans with tp == 1); this one is manual over {axes}")
+    if instrument is not None and knob is None:
+        raise ValueError("an Instrument needs the per-device knob array")
     if gates not in GATES:
         raise ValueError(f"gates={gates!r}: expected one of {GATES}")
     select = gates == "select"
@@ -272,17 +278,6 @@ def pipeline_loss_sum(params: dict[str, Any], tokens: jax.Array, seg: jax.Array,
     return run_ticks(rematted(work, remat), stage, pp, mb_slots,
                      my_microbatches, x_like, axes,
                      loss_axes=STEP_AXES if vocab_tp > 1 else None)
-
-
-def _check_axes(axes: tuple[str, ...], instrument: Instrument | None,
-                knob: jax.Array | None) -> None:
-    if axes not in (ALL_AXES, STEP_AXES, ()):
-        raise ValueError(f"manual axes {axes}: expected {ALL_AXES}, {STEP_AXES} or ()")
-    if instrument is not None and axes != ALL_AXES:
-        raise ValueError(f"an Instrument needs a step manual over every mesh axis {ALL_AXES} "
-                         f"(plans with tp == 1); this one is manual over {axes}")
-    if instrument is not None and knob is None:
-        raise ValueError("an Instrument needs the per-device knob array")
 
 
 def _single_stage_loss_sum(params: dict[str, Any], data: tuple[jax.Array, ...],

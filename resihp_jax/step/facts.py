@@ -1,7 +1,6 @@
-"""The facts the planner and the cost models need (perfmodel/facts.py), read off a user's model:
-parameter counts from its parameter shapes, FLOPs from XLA's cost analysis of one block and
-of the head, activation sizes from the block's backward residuals, tensor-parallel dimensions
-from its logical axis names. Nothing is assumed about its architecture.
+"""The facts the planner and the cost models need (perfmodel/facts.py), read off a user's model
+(parameter shapes, XLA's cost analysis of a block and the head, the block's backward residuals,
+logical axis names), assuming nothing about its architecture.
 """
 
 from __future__ import annotations
@@ -26,16 +25,6 @@ ATTENTION_COSTS = ("document", "row")
 # block_size=128, say) is probed at half and all of the training rows' length, then at
 # that length and twice it.
 _PROBE_LENGTHS = (64, 128)
-
-
-def probe_lengths(seq_len: int | None) -> list[tuple[int, int]]:
-    """The pairs of row lengths to try, in order (see _PROBE_LENGTHS)."""
-    pairs = [_PROBE_LENGTHS]
-    if seq_len:
-        if seq_len % 2 == 0:
-            pairs.append((seq_len // 2, seq_len))
-        pairs.append((seq_len, 2 * seq_len))
-    return list(dict.fromkeys(pairs))
 
 
 @dataclass(frozen=True)
@@ -122,7 +111,12 @@ def model_facts(parts: ModelParts, shell: Any, layers: Any, name: str,
     training rows' length, gives probe lengths the model accepts when short rows do not."""
     layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layers)
     shell = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), shell)
-    pairs = probe_lengths(seq_len)
+    pairs = [_PROBE_LENGTHS]  # then the training rows' (see _PROBE_LENGTHS)
+    if seq_len and seq_len % 2 == 0:
+        pairs.append((seq_len // 2, seq_len))
+    if seq_len:
+        pairs.append((seq_len, 2 * seq_len))
+    pairs = list(dict.fromkeys(pairs))
     for i, (s1, s2) in enumerate(pairs):
         calls_before = TRACED_CALLS[0]
         try:

@@ -52,13 +52,6 @@ class Coords(NamedTuple):
     timed: jax.Array
 
 
-def _gate(coords: Coords, backward: bool) -> jax.Array:
-    slowed = coords.knob > 1.0
-    if backward:
-        return coords.busy & slowed
-    return coords.busy & (coords.knob != OFF) & (coords.timed | slowed)
-
-
 def _call_host(host: HostFn, event: int, x: jax.Array, coords: Coords,
                backward: bool) -> jax.Array:
     def on_host(dep, dp, pp, tp, knob, busy, tick):  # noqa: ANN001 - numpy scalars from XLA
@@ -75,8 +68,13 @@ def _call_host(host: HostFn, event: int, x: jax.Array, coords: Coords,
     def skip(dep: jax.Array, *operands: jax.Array) -> jax.Array:
         return jnp.zeros((), jnp.float32)
 
+    slowed = coords.knob > 1.0
+    if backward:
+        calls = coords.busy & slowed
+    else:
+        calls = coords.busy & (coords.knob != OFF) & (coords.timed | slowed)
     dep = jax.lax.stop_gradient(x.reshape(-1)[0].astype(jnp.float32))
-    zero = jax.lax.cond(_gate(coords, backward), call, skip, dep, *coords[:6])
+    zero = jax.lax.cond(calls, call, skip, dep, *coords[:6])
     return x + zero.astype(x.dtype)
 
 

@@ -136,13 +136,16 @@ def split_model(model: Any) -> tuple[ModelParts, Any, Any]:
     layer_splits = [nnx.split(b, nnx.Param, ...) for b in blocks]
     block_def, _, block_rest = layer_splits[0]
     _check_same_blocks([(d, p) for d, p, _ in layer_splits])
+    mode = getattr(model, "tensor_parallel", "auto")
+    if mode not in TENSOR_PARALLEL:
+        raise ConfigError(f"model {type(model).__name__}: tensor_parallel={mode!r}; expected "
+                          f"one of {TENSOR_PARALLEL}")
     draws = any(isinstance(v, nnx.RngKey) for rest in (shell_rest, block_rest)
                 for v in jax.tree.leaves(rest, is_leaf=_is_variable))
     parts = ModelParts(shell_def, _treedef(shell_params), shell_rest, block_def,
                        _treedef(layer_splits[0][1]), block_rest, blocks_type, len(blocks),
                        _logical(shell_params), _logical(layer_splits[0][1]),
-                       type(model).__name__, draws,
-                       tensor_parallel_of(model))
+                       type(model).__name__, draws, mode)
     layers = _stack_layers([nnx.to_pure_dict(p) for _, p, _ in layer_splits])
     return parts, nnx.to_pure_dict(shell_params), layers
 
@@ -154,15 +157,6 @@ def _stack_layers(per_layer: list[Any]) -> Any:
         return jax.tree.map(lambda *xs: jax.ShapeDtypeStruct((len(xs),) + tuple(xs[0].shape),
                                                             xs[0].dtype), *per_layer)
     return jax.jit(lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees))(per_layer)
-
-
-def tensor_parallel_of(model: Any) -> str:
-    """The model's `tensor_parallel` ("auto" unless it says "manual"); ConfigError else."""
-    mode = getattr(model, "tensor_parallel", "auto")
-    if mode not in TENSOR_PARALLEL:
-        raise ConfigError(f"model {type(model).__name__}: tensor_parallel={mode!r}; expected "
-                          f"one of {TENSOR_PARALLEL}")
-    return mode
 
 
 def check_contract(model: Any) -> None:

@@ -119,12 +119,9 @@ class StepProgram:
     # (params, batch, splits, step) -> the batch's summed token losses: what the step
     # differentiates, and what replicas build their two-program step on (runtime/replicas/)
     loss_sum_fn: Callable[..., Any] | None = None
-    # the same program with gates by selection: what a compiled step whose branches hold a
-    # collective some devices never reach is replaced by (`adopt_compiled`)
-    selecting: Callable[[], StepProgram] | None = None
-    # the splits placed on the devices, by split and knobs: a step reuses them rather than
-    # copying three small arrays to the devices each time (shared by `with_plan` copies:
-    # the key holds the split)
+    selecting: Callable[[], StepProgram] | None = None  # gates by selection (adopt_compiled)
+    # the splits placed on the devices, by split and knobs, reused rather than copied to the
+    # devices each step (shared by `with_plan` copies: the key holds the split)
     _placed: dict = field(default_factory=dict, compare=False, repr=False)
 
     def accepts(self, plan: Plan) -> bool:
@@ -243,25 +240,21 @@ class StepProgram:
                 parameter_gathers(hlo, canonical, self.param_specs),
                 self.plan.tp)
         if warn_over_memory:
-            self._warn_over_memory(compiled_step)
+            # XLA's analysis, as the memory model that chose the plan is an estimate: the
+            # step would fail at its first allocation, deep in the run
+            have_gb = devices_memory_gb(list(self.mesh.devices.flat), default_gb=0.0)
+            try:
+                need_gb = compiled_bytes(compiled_step) / 2**30
+            except Exception:  # noqa: BLE001 - a backend without the analysis
+                need_gb = 0.0
+            if have_gb and need_gb > have_gb:
+                warnings.warn(OverMemoryWarning(
+                    f"plan {self.plan.describe()}: the compiled step needs {need_gb:.3g} GiB "
+                    f"a device (XLA's memory analysis), its devices have {have_gb:.3g} GiB; it "
+                    f"will likely run out of memory (remat is {remat_name(self.train.remat)!r}:"
+                    f" 'projections' or 'full' keep less, as do smaller micro-batches or more "
+                    f"devices)"), stacklevel=1)
         return dataclasses.replace(self, step_fn=compiled_step)
-
-    def _warn_over_memory(self, compiled_step: Any) -> None:
-        """Warn where XLA's memory analysis asks for more than the devices have (the memory
-        model that chose the plan is an estimate): the step would fail deep in the run."""
-        devices = list(self.mesh.devices.flat)
-        have_gb = devices_memory_gb(devices, default_gb=0.0)
-        try:
-            need_gb = compiled_bytes(compiled_step) / 2**30
-        except Exception:  # noqa: BLE001 - a backend without the analysis
-            return
-        if have_gb and need_gb > have_gb:
-            warnings.warn(OverMemoryWarning(
-                f"plan {self.plan.describe()}: the compiled step needs {need_gb:.3g} GiB a "
-                f"device (XLA's memory analysis), its devices have {have_gb:.3g} GiB; it will "
-                f"likely run out of memory (remat is {remat_name(self.train.remat)!r}: "
-                f"'projections' or 'full' keep less, as do smaller micro-batches or more "
-                f"devices)"), stacklevel=2)
 
     def _without_branches(self, hanging: list[BranchCollective]) -> StepProgram:
         what = "; ".join(sorted({"a " + c.describe() for c in hanging}))

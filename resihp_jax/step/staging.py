@@ -29,8 +29,7 @@ ALIGN = 64  # what XLA:CPU adopts without a copy; numpy's own allocations are al
 
 
 def default_budget_bytes() -> int:
-    """A quarter of the host memory free now: room for the buffers of one move of a state a
-    few times smaller than the host's memory, never enough to push the host into swap."""
+    """A quarter of the host memory free now: one move's buffers, never enough to swap."""
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not a POSIX host: no staging

@@ -4,9 +4,8 @@ tick and all-reduce time of every candidate mesh shape, from the pipeline simula
 The nominal job is Llama-2-70B on N GPUs as `benchmarks/replan_quality.py` sets it up (tp=4
 below 4,096 GPUs, else 8; pp=16; dp = N // (pp*tp); 4*pp*dp micro-batches of one 4096-token
 row; gpipe with remat on 80 GB devices). The reference is the best healthy plan our search
-finds on all N GPUs (not the nominal plan), so no policy can score above 1 by fixing a poor
-starting plan; every policy starts on it. GPUs sit in hosts of 8 (an NVLink domain): a
-tensor-parallel group never spans hosts.
+finds, so no policy can score above 1 by fixing a poor starting plan; every policy starts on
+it. GPUs sit in hosts of 8 (an NVLink domain) that no tensor-parallel group spans.
 """
 
 from __future__ import annotations

@@ -92,8 +92,8 @@ class _Run:
         self._after_hook(t)
 
     def _after_hook(self, t: float) -> None:
-        """New rate; a switch the policy deferred is scheduled for when training resumes
-        plus its delay (the pending tuple's device slot carries the policy's generation)."""
+        """New rate; a deferred switch is due its delay after training resumes (the pending
+        tuple's device slot carries the policy's generation)."""
         self.clock.rate = self.policy.rate()
         if self.policy.deferred_s is not None:
             ready_t = max(t, self.clock.resume) + self.policy.deferred_s

@@ -1,9 +1,8 @@
 """What every simulated system is: live cluster health, and a policy reacting to its events.
 
-A policy returns, for each event, the seconds training stalls (detection, recovery, lost
-work, switching), and reports its throughput as a fraction of the best healthy plan's. The
-engine integrates the rate between events. `Live` is the cluster's true health; a policy
-sees fail-stops at once and fail-slows only once its detector has caught them (`known`).
+A policy returns, for each event, the seconds training stalls, and its throughput as a share
+of the best healthy plan's. `Live` is the cluster's true health; a policy sees fail-stops at
+once and fail-slows only once its detector has caught them (`known`).
 """
 
 from __future__ import annotations
@@ -58,9 +57,8 @@ class SimPolicy:
         return sum(self.stop_terms().values())
 
     def stop_terms(self) -> dict[str, float]:
-        """What one fail-stop stalls, term by term, when its replacement is already there:
-        `on_stop` charges their sum (plus any wait for a replacement), so a breakdown printed
-        from here is the simulator's own figure."""
+        """What one fail-stop stalls, term by term, its replacement already there (`on_stop`
+        charges their sum, plus any wait for a replacement)."""
         raise NotImplementedError
 
     def on_replace(self, device: int) -> float:

@@ -1,14 +1,11 @@
 """Closed-form step times of a degraded data-parallel job of pipelines, in the simulator's terms.
 
-A DP group of pp stages with m micro-batches takes tick * (m + pp - 1) * s, where tick is the
-healthy per-micro-batch stage time of its mesh shape (from the pipeline simulator) and s >= 1
-the group's slowdown. Groups then join one all-reduce (the shape's fixed time). With
-micro-batches rebalanced by speed (ours, Greyhound, Malleus, Oobleck's batch distribution)
-micro-batches are whole: the step is the least T at which the groups together fit all B,
-sum_g floor(T / (tick_g * s_g) - (pp_g - 1)) >= B (so a lost replica out of many with 8
+A DP group of pp stages with m micro-batches takes tick * (m + pp - 1) * s (tick: the shape's
+healthy per-micro-batch stage time; s >= 1 the group's slowdown), then one all-reduce (the
+shape's fixed time). Rebalanced by speed, micro-batches stay whole: the step is the least T
+with sum_g floor(T / (tick_g * s_g) - (pp_g - 1)) >= B (so a lost replica out of many with 8
 micro-batches each can cost a whole extra tick); without rebalancing the slowest group sets
-the pace. A slow device nobody has detected gates the step by its slowdown: the
-plan gave its group a healthy share.
+the pace. An undetected slow device gates the step by its slowdown.
 """
 
 from __future__ import annotations

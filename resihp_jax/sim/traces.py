@@ -6,13 +6,11 @@ Numbers and where they come from:
 - harsh: one fail-stop every 30 minutes whatever the size, as ResiHP evaluates.
 - failslow: one fail-slow episode every 30 minutes (ResiHP's harsh cadence), no fail-stops.
 - mixed: Llama 3 fail-stops plus fail-slow episodes every 30 minutes.
-Fail-slow episodes: half compute, half network (FALCON sees both kinds); compute slowdowns
-log-uniform in 1.1-5x lasting 10 minutes on average, network slowdowns lasting 24 minutes on
-average (Greyhound/FALCON), both exponential. A failed GPU is replaced (hot spare or repair)
-after an exponential time of mean `replace_s` (10 minutes: the synchronous restart FT-HSDP
-reports at O(100K) GPUs, which includes swapping in a spare). Arrivals are Poisson. Step-time
-noise from variable sequence lengths (CV 17%) enters through the detectors' measured false
-alarm rates and delays, which were measured under it; it adds no bias to mean throughput.
+Fail-slow episodes: half compute, half network (FALCON sees both kinds), slowdowns
+log-uniform in 1.1-5x, lasting exponentially 10 (compute) or 24 (network) minutes on average
+(Greyhound/FALCON). A failed GPU is replaced after an exponential time of mean `replace_s`
+(10 minutes: FT-HSDP's synchronous restart at O(100K) GPUs, a spare swapped in). Arrivals are
+Poisson. Step-time noise (CV 17%) enters through the detectors' figures, measured under it.
 """
 
 from __future__ import annotations

@@ -215,8 +215,10 @@ class HostCopies:
                           file=sys.stderr, flush=True)
                     continue
                 self._dumped.append(target)
+                nbytes = sum(a.nbytes for leaf in copy.leaves.values()
+                             for a in leaf.pieces.values())
                 print(f"{prog()}: {reason}: wrote this process's copy of step "
-                      f"{copy.step} ({_nbytes(copy) / 1e6:.1f} MB) in "
+                      f"{copy.step} ({nbytes / 1e6:.1f} MB) in "
                       f"{self.clock() - t0:.2f} s to {local or target}", file=sys.stderr,
                       flush=True)
             return self._dumped
@@ -291,10 +293,6 @@ def _copy_into(spare: _Copy | None, key: str, box: Box, host: np.ndarray) -> np.
         return np.array(host, copy=True)
     np.copyto(buffer, host)
     return buffer
-
-
-def _nbytes(copy: _Copy) -> int:
-    return sum(a.nbytes for leaf in copy.leaves.values() for a in leaf.pieces.values())
 
 
 def _write(copy: _Copy, target: Path, host: str, reason: str,

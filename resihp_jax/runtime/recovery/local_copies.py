@@ -69,45 +69,37 @@ def restore_in_place(copies: Any, program: Any,
     can_read = can_read or (lambda path, _device: path.exists())
     flat, treedef = jax.tree_util.tree_flatten_with_path(program.abstract_state())
     shardings = jax.tree_util.tree_leaves(program.state_shardings)
-    files = copies.local_files or {}
-    arrays, have_DxL = [], np.zeros((len(program.mesh.devices.flat), len(flat)), np.bool_)
-    position = {d.id: i for i, d in enumerate(program.mesh.devices.flat)}
+    files, mesh, arrays = copies.local_files or {}, program.mesh, []
+    have = np.zeros(mesh.devices.shape + (len(flat),), np.bool_)  # what each device loaded
+    position = {d.id: at for at, d in np.ndenumerate(mesh.devices)}
     for i, ((path, shape), sharding) in enumerate(zip(flat, shardings)):
         boxes = files.get(jax.tree_util.keystr(path), {})
         buffers = []
         for device, index in sharding.addressable_devices_indices_map(shape.shape).items():
             box = shard_box(index, shape.shape)
             seen = next((p for p in boxes.get(box, ()) if can_read(p, device)), None)
-            host = _load(seen, box, shape.dtype)
-            have_DxL[position[device.id], i] = host is not None
-            if host is None:
-                host = np.zeros([stop - start for start, stop in box], shape.dtype)
+            host, have[position[device.id] + (i,)] = _load(seen, box, shape.dtype)
             buffers.append(jax.device_put(host, device))
         arrays.append(jax.make_array_from_single_device_arrays(shape.shape, sharding, buffers))
-    have = _have_array(have_DxL, program.mesh)
+    have_array = jax.make_array_from_callback(
+        have.shape, NamedSharding(mesh, P(*mesh.axis_names, None)), lambda index: have[index])
     specs = tuple(s.spec for s in shardings)
-    filled, complete, n_filled = _fill_fn(program.mesh, specs)(tuple(arrays), have)
+    filled, complete, n_filled = _fill_fn(mesh, specs)(tuple(arrays), have_array)
     if not bool(np.asarray(complete.addressable_data(0))):
         return None
     return (jax.tree_util.tree_unflatten(treedef, list(filled)),
             int(np.asarray(n_filled.addressable_data(0))))
 
 
-def _load(path: Path | None, box: Any, dtype: Any) -> np.ndarray | None:
-    if path is None:
-        return None
+def _load(path: Path | None, box: Any, dtype: Any) -> tuple[np.ndarray, bool]:
+    """The shard in `path` and True; zeros and False where there is none (a replica fills)."""
     shape = tuple(stop - start for start, stop in box)
-    try:
-        return np.fromfile(path, dtype=jnp.dtype(dtype)).reshape(shape)
-    except (OSError, ValueError):  # gone or cut short: a replica fills it
-        return None
-
-
-def _have_array(have_DxL: np.ndarray, mesh: jax.sharding.Mesh) -> jax.Array:
-    """Which leaves each device loaded, one row per device, laid out over the mesh."""
-    shaped = have_DxL.reshape(mesh.devices.shape + have_DxL.shape[-1:])
-    sharding = NamedSharding(mesh, P(*mesh.axis_names, None))
-    return jax.make_array_from_callback(shaped.shape, sharding, lambda index: shaped[index])
+    if path is not None:
+        try:
+            return np.fromfile(path, dtype=jnp.dtype(dtype)).reshape(shape), True
+        except (OSError, ValueError):  # gone or cut short
+            pass
+    return np.zeros(shape, jnp.dtype(dtype)), False
 
 
 @functools.lru_cache(maxsize=8)

@@ -51,21 +51,18 @@ def restore_from(manager: ocp.CheckpointManager, directory: Path, program: StepP
     """`Checkpointer.restore`: the step of `manager` (in `directory`) at `step`, or the
     newest good one, placed into `program`'s plan; `check_identity` refuses another run's."""
     steps = sorted(manager.all_steps(), reverse=True)
-    if step is not None:
-        if step not in steps:
-            raise CheckpointError(f"no checkpoint for step {step} in {directory}; "
-                                  f"available: {sorted(steps)}")
-        try:
-            return _restore_step(manager, directory, program, step, check_identity)
-        except _Damaged as damage:
-            raise CheckpointError(str(damage)) from damage
+    if step is not None and step not in steps:
+        raise CheckpointError(f"no checkpoint for step {step} in {directory}; "
+                              f"available: {sorted(steps)}")
     if not steps:
         raise CheckpointError(f"no checkpoint in {directory}")
     damaged: list[str] = []
-    for candidate in steps:
+    for candidate in steps if step is None else [step]:
         try:
             restored = _restore_step(manager, directory, program, candidate, check_identity)
         except _Damaged as damage:
+            if step is not None:  # an explicit step is not fallen back from
+                raise CheckpointError(str(damage)) from damage
             damaged.append(str(damage))
             continue
         skipped = tuple(steps[:len(damaged)])
@@ -85,7 +82,14 @@ def _restore_step(manager: ocp.CheckpointManager, directory: Path, program: Step
     meta = _read_meta(manager, step, where)
     check_identity(meta.get("identity"), where)
     target = canonical_target(program)
-    _check_shapes(meta.get("leaves"), leaf_shapes(target), where, program)
+    saved, want = meta.get("leaves"), leaf_shapes(target)
+    # (no leaves: written before leaf shapes were recorded; orbax checks while reading)
+    for key in sorted(saved.keys() | want.keys()) if saved is not None else ():
+        if saved.get(key) != want.get(key):  # the first leaf whose shape or dtype differs
+            raise CheckpointError(
+                f"{where} does not match model {program.model.name!r}: leaf {key} is "
+                f"{saved.get(key, '<absent>')} in the checkpoint, "
+                f"{want.get(key, '<absent>')} in the model")
     try:
         loaded = manager.restore(step, args=ocp.args.Composite(
             state=restore_args(target)))["state"]
@@ -122,19 +126,6 @@ def _set_aside(manager: ocp.CheckpointManager, directory: Path, steps: tuple[int
             path.rename(aside)
     barrier("resihp_checkpoint_set_aside")
     manager.reload()
-
-
-def _check_shapes(saved: Mapping[str, Any] | None, target: Mapping[str, Any], where: str,
-                  program: StepProgram) -> None:
-    """CheckpointError naming the first leaf whose shape or dtype differs from the model's."""
-    if saved is None:
-        return  # written before leaf shapes were recorded: orbax checks while reading
-    for key in sorted(saved.keys() | target.keys()):
-        if saved.get(key) != target.get(key):
-            raise CheckpointError(
-                f"{where} does not match model {program.model.name!r}: leaf {key} is "
-                f"{saved.get(key, '<absent>')} in the checkpoint, "
-                f"{target.get(key, '<absent>')} in the model")
 
 
 def canonical_target(program: StepProgram) -> TrainState:

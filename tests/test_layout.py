@@ -35,13 +35,16 @@ LAYERS: list[set[str]] = [
     {"runtime.programs"},  # the steps compiled, kept and prepared: below the loop that runs them
     {"runtime.replicas"},  # replicas as failure domains: the split, the cross-replica engine
     {"runtime.job", "runtime.trainer"},
-    {"runtime.run", "runtime"},  # "runtime": the package's own __init__ (its map)
+    # "runtime": the package's own __init__ (its map); "runtime.replica_job": a job of
+    # replicas, each under a supervisor of its own (runtime/job)
+    {"runtime.run", "runtime", "runtime.replica_job"},
     {"demo"},
     {"cli"},
 ]
 # fault injection is a testing tool: the trainer takes a hook and owns no injector; only the
 # local launcher (which injects process faults), the demo and the command line use it
-FAULT_USERS = {"runtime.job", "demo", "cli"}
+FAULT_USERS = {"runtime.job", "runtime.replica_job", "demo", "cli"}  # (a job of replicas
+# hands each replica's supervisor its faults)
 
 
 def _module_name(path: Path) -> str:

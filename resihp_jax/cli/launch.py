@@ -46,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an excluded process comes back (a repaired host) once the job "
                              "is STEPS steps past its exclusion; the job restarts to take it "
                              "in (default: never)")
+    parser.add_argument("--replicas", type=int, default=1, metavar="R",
+                        help="split the N processes into R replicas of N/R consecutive "
+                             "processes: each its own JAX job with the same mesh, averaging "
+                             "gradients with the others through torchft. A dead or hung "
+                             "process restarts its replica alone; the others train on and "
+                             "the restarted one heals from a peer (default 1: one job; "
+                             'needs pip install "resihp_jax[ft]")')
     parser.add_argument("--max-restarts", type=int, default=8,
                         help="give up after this many relaunches (default 8)")
     parser.add_argument("--no-standby", action="store_true",
@@ -149,6 +156,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None,
     if platform == "gpu" and config.standby:
         print("resihp launch: no warm standby on GPUs (it would hold GPU memory beside the "
               "job); a relaunch starts fresh processes", file=out)
+    if args.replicas != 1:
+        return _run_replicas(config, args.replicas, out)
     summary = Supervisor(config, out=sys.stderr).run()
     print(f"\n{'restarts':<14}{summary.restarts}\n{'steps lost':<14}{summary.steps_lost}\n"
           f"{'final step':<14}{summary.final_step}", file=out)
@@ -159,3 +168,21 @@ def run(args: argparse.Namespace, out: TextIO | None = None,
         print(f"incarnation {i}: {plan}{how}", file=out)
     print(json.dumps(summary.to_json()), file=out)
     return 0
+
+
+def _run_replicas(config: LaunchConfig, n_replicas: int, out: TextIO) -> int:
+    from resihp_jax.runtime.replica_job import ReplicaJob  # noqa: PLC0415
+    from resihp_jax.runtime.replicas.torchft_engine import check_installed  # noqa: PLC0415
+
+    if n_replicas < 2:
+        raise ConfigError(f"--replicas={n_replicas}: must be >= 2 (or 1, the default: one job)")
+    check_installed()
+    job = ReplicaJob(config, n_replicas, out=sys.stderr)
+    print(f"resihp launch: {n_replicas} replicas of {config.procs // n_replicas} processes, "
+          f"Lighthouse at {job.lighthouse.address}", file=out)
+    summary = job.run()
+    for r, replica in enumerate(summary.replicas):
+        print(f"replica {r}: {replica.restarts} restarts, final step {replica.final_step}"
+              + (f", gave up: {summary.errors[r]}" if r in summary.errors else ""), file=out)
+    print(json.dumps(summary.to_json()), file=out)
+    return 1 if summary.errors else 0

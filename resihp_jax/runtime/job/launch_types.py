@@ -46,6 +46,11 @@ class LaunchConfig:
     # metrics destinations (`--metrics`): every process's run writes there (env_vars'
     # METRICS_ENV), and the supervisor each relaunch: its cause, seconds to recover, steps lost
     metrics: tuple[str, ...] = ()
+    # a replica of a job of several (replica_job.py): its variables for every process, and a
+    # failed process replaced (the replica restarts whole, its mesh the same as its peers')
+    # instead of its host excluded
+    extra_env: tuple[tuple[str, str], ...] = ()
+    replace_failed: bool = False
 
     @property
     def keeps_standby(self) -> bool:

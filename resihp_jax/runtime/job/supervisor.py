@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -92,6 +93,12 @@ class Supervisor:
                                     injected=self.summary.injected,
                                     throttled=self.summary.throttled)
         self.blame = Blame(config.stale_s, self.faults.since)
+        self._stop = threading.Event()  # `stop`: end the job's processes, no relaunch
+
+    def stop(self) -> None:
+        """End this job at the next poll, as finished (a job of replicas whose peers finished
+        the run: this replica cannot train alone)."""
+        self._stop.set()
 
     # ---- one incarnation -----------------------------------------------------------------
     def _spawn(self, hosts: list[str], beat_dir: Path) -> dict[str, subprocess.Popen]:
@@ -113,7 +120,7 @@ class Supervisor:
         service = distributed.start_service(f"127.0.0.1:{port}", len(hosts))
         env = dict(os.environ, **{HEARTBEAT_DIR_ENV: str(beat_dir), EXTERNAL_SERVICE_ENV: "1",
                                   PEER_LOST_ENV: str(self._peer_lost_file())},
-                   **self.faults.env(), **(extra_env or {}))
+                   **self.faults.env(), **dict(cfg.extra_env), **(extra_env or {}))
         if cfg.metrics:
             env[METRICS_ENV] = "\n".join(cfg.metrics)
         procs = []
@@ -174,6 +181,8 @@ class Supervisor:
         beats: dict[str, heartbeat.Beat] = {}
         while True:
             time.sleep(cfg.poll_s)
+            if self._stop.is_set():
+                return None, step, beats
             exited = {h: p.returncode for h, p in procs.items() if p.poll() is not None}
             failed = {h: c for h, c in exited.items() if c != 0}
             beats = heartbeat.read(beat_dir)
@@ -312,7 +321,7 @@ class Supervisor:
         if failure.detect_s is not None:
             summary.detect_s.append(failure.detect_s)
         self._readmit(record, step)
-        for host in failure.excluded():
+        for host in () if cfg.replace_failed else failure.excluded():
             record.exclude(host, failure.detail, step)
         record.incarnations += 1
         health_record.save(record, cfg.checkpoint_dir)

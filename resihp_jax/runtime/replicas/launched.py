@@ -50,3 +50,28 @@ def launched_engine(place: ReplicaPlace, group_rank: int, group_size: int,
                            lighthouse=place.lighthouse, store_host=host, store_port=int(port),
                            state=state)
     return engine, store
+
+
+def replicas_in_job(env: Mapping[str, str] = os.environ) -> int:
+    """How many replicas share each step's global batch (1 outside a job of replicas)."""
+    place = ReplicaPlace.from_env(env)
+    return 1 if place is None else place.n_replicas
+
+
+def launched_link(place: ReplicaPlace, microbatches_per_replica: int, dp_in: int) -> Any:
+    """The trainer's collaborator for this process of a launched replica (its engine made
+    once the link can hand it the state a peer's heal asks for)."""
+    import jax  # noqa: PLC0415
+
+    from resihp_jax.runtime.replicas.link import ReplicaLink  # noqa: PLC0415
+
+    kept: list[Any] = []
+
+    def engine(state: StateFns) -> ReplicaEngine:
+        made, store = launched_engine(place, jax.process_index(), jax.process_count(), state)
+        kept.append(store)  # served as long as the engine runs
+        return made
+
+    link = ReplicaLink(engine, place.n_replicas, microbatches_per_replica, dp_in)
+    link.store = kept
+    return link

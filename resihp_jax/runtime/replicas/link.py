@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from resihp_jax.data import GlobalBatch
+from resihp_jax.errors import ConfigError
 from resihp_jax.plan import Plan
 from resihp_jax.runtime.replicas.engine import HostState, Quorum, ReplicaEngine, StateFns
 from resihp_jax.runtime.replicas.protocol import Healed
@@ -65,6 +66,10 @@ class ReplicaLink:
     def share(self, plan: Plan, batch: GlobalBatch) -> tuple[Plan, GlobalBatch]:
         """This replica's plan and micro-batches for the step's quorum."""
         quorum = self.quorum
+        if batch.shape[0] != self.n_microbatches:
+            raise ConfigError(f"a batch of {batch.shape[0]} micro-batches: a job of "
+                              f"{self.n_replicas} replicas trains {self.n_microbatches} a step "
+                              "(each replica's plan's micro-batches, times the replicas)")
         counts = split_counts(self.n_microbatches, np.ones(quorum.live), self.dp_in,
                               self.mb_slots)
         mine = share_of(quorum.rank, counts, self.dp_in)

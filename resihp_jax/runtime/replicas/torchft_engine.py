@@ -11,6 +11,7 @@ imports either.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +35,14 @@ def _modules() -> tuple[Any, Any]:
         raise ConfigError(f"replicas need torch and torchft ({err.name} is missing): "
                           f"{INSTALL}") from None
     return torch, torchft
+
+
+def check_installed() -> None:
+    """ConfigError naming the install command where torch or torchft is missing (without
+    importing either: the launcher only starts processes)."""
+    missing = [m for m in ("torch", "torchft") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"--replicas needs {' and '.join(missing)}: {INSTALL}")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from resihp_jax.metrics.destinations import launched_metrics
 from resihp_jax.perfmodel.costs import REMAT_AUTO
 from resihp_jax.perfmodel.memory import devices_memory_gb
 from resihp_jax.runtime.run.auto_plan import auto_plan, auto_plan_and_remat
+from resihp_jax.runtime.replicas.launched import replicas_in_job
 from resihp_jax.runtime.config import RESUME_FORCE, RunConfig, check_metrics
 from resihp_jax.runtime.recovery.checkpoint_dir import refuse_held
 from resihp_jax.runtime.run.training import TrainingRun
@@ -236,8 +237,9 @@ def _batch_shape(data: Any) -> tuple[int, int]:
 
 
 def _batches(data: Any, plan: Plan, seed: int) -> Any:
-    shape = dict(n_microbatches=plan.n_microbatches, microbatch_size=plan.microbatch_size,
-                 seq_len=plan.seq_len)
+    # in a job of replicas each step's global batch is every replica's plan's micro-batches
+    shape = dict(n_microbatches=plan.n_microbatches * replicas_in_job(),
+                 microbatch_size=plan.microbatch_size, seq_len=plan.seq_len)
     if hasattr(data, "next_batch") and hasattr(data, "state") and hasattr(data, "restore"):
         return data  # an iterator of ours (or one like it)
     if all(hasattr(data, m) for m in ("item", "item_size", "items_per_epoch", "fingerprint")):

@@ -65,7 +65,8 @@ class ProcessRun:
                  phases: dict[str, float], out: TextIO, *, programs: Any = None,
                  on_step: Callable[[StepRecord], None] | None = None,
                  compiles_from: float | None = None, devices: Any = None,
-                 fault_hook: Any = None, listeners: Sequence[Listener] = ()) -> None:
+                 fault_hook: Any = None, listeners: Sequence[Listener] = (),
+                 replicas: Any = None) -> None:
         """`programs`, `on_step`: the model's step builder and a callback after every step.
         `compiles_from`: see RecordSink. `devices`: the devices a one-process run may use
         and re-plan onto (default: every device; rh.fit's `devices`, where given: its
@@ -88,7 +89,8 @@ class ProcessRun:
         # trainer reads each where it is, and the ladder was built from the same ones
         self.trainer = ResilientTrainer(model, train_cfg, plan, devices, data,
                                         config.resilience, fault_hook=fault_hook,
-                                        on_long_work=self._long_work, programs=programs)
+                                        on_long_work=self._long_work, programs=programs,
+                                        replicas=replicas)
         self.trainer.warm_up()
         self.report.say_remat(self.trainer, None)
         if self.trainer.checkpointer is not None:  # a resume forced on purpose

@@ -26,6 +26,7 @@ from resihp_jax.perfmodel.facts import ModelFacts
 from resihp_jax.runtime.job import standby
 from resihp_jax.runtime.job.devices import select_devices
 from resihp_jax.runtime.job.distributed import JobSpec
+from resihp_jax.runtime.replicas.launched import ReplicaPlace, launched_link
 from resihp_jax.runtime.config import ResilienceConfig, RunConfig
 from resihp_jax.runtime.job.deadline import Ladder
 from resihp_jax.step.config import StepConfig
@@ -148,10 +149,14 @@ class TrainingRun:
         copies = copies_mode(config, plan, self.model)
         # the micro-batch slots the step was given, else as many as this plan's groups use
         slots = self.train_cfg.microbatch_slots or max(plan.microbatches_per_group)
+        place, replicas = ReplicaPlace.from_env(), None
+        if place is not None:  # a launched replica: slots for the share of a smallest quorum
+            replicas = launched_link(place, plan.n_microbatches, plan.dp)
+            slots = max(slots, replicas.mb_slots)
         train_cfg = self.train_cfg.replace(microbatch_slots=slots, donate_state=copies != "keep")
-        data = self.data or BatchIterator(config.data, n_microbatches=plan.n_microbatches,
-                                          microbatch_size=plan.microbatch_size,
-                                          seq_len=plan.seq_len, seed=config.seed)
+        data = self.data or BatchIterator(
+            config.data, n_microbatches=plan.n_microbatches * (place.n_replicas if place else 1),
+            microbatch_size=plan.microbatch_size, seq_len=plan.seq_len, seed=config.seed)
         self._describe(job, plan, copies)
         from resihp_jax.runtime.run.process import ProcessRun  # noqa: PLC0415
 
@@ -159,7 +164,8 @@ class TrainingRun:
                           self.ladder, self.phases, self.out, programs=self.programs,
                           on_step=self.on_step, compiles_from=self._compiles_from,
                           devices=self.devices if job.spec.single else None,
-                          fault_hook=self.fault_hook, listeners=self.listeners)
+                          fault_hook=self.fault_hook, listeners=self.listeners,
+                          replicas=replicas)
 
     def _take_over(self, go_file: Path, job: Any, plan: Plan, run: Any) -> Any:
         """A standby process: wait for the go, then train as the job's process on the host

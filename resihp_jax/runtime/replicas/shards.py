@@ -59,8 +59,11 @@ class PieceMap:
         leaves = []
         for meta in self.leaves:
             arrays = []
+            shard_shape = meta.sharding.shard_shape(meta.shape)
             for holders in meta.devices:
                 piece = next(it)
+                if isinstance(piece, np.ndarray):  # (a transport may send a scalar as [1])
+                    piece = piece.reshape(shard_shape)
                 arrays.extend(jax.device_put(piece, device) for device in holders)
             leaves.append(jax.make_array_from_single_device_arrays(
                 meta.shape, meta.sharding, arrays))

@@ -1,19 +1,15 @@
 """Process 0's coordination service, as the job's other processes see it.
 
 Under SLURM and Kubernetes process 0 hosts JAX's coordination service. When process 0 dies,
-the service's connections close, and JAX's coordination client in every other process logs
-a fatal error and aborts the process (SIGABRT, exit 134): whatever runs the job then sees
-every process crash, blames every node, and the survivors never write their copies of the
-last step. JAX 0.10 takes no callback that could make that error non-fatal (the client's
-`missed_heartbeat_callback` cannot be handed its status from Python: it aborts too), so the
-abort is caught instead: a SIGABRT handler asks whether the service still answers at its
-address; where it does not, the process says in one line that process 0 is gone, writes its
-copy of the last step, and exits with HUNG_EXIT (75) like any process that lost a peer. Any
-other abort (the service answers: a genuine crash) goes on as it would have.
-
-A step that fails because process 0 died (its collective breaks first) is named the same way
-(`lost_line`, asked by exits.py), and whichever path ends the process first is the only one
-that speaks (`leaving`).
+JAX's coordination client in every other process aborts it (SIGABRT, exit 134): every
+process seems to crash, every node is blamed, and the survivors never write their copies.
+JAX 0.10 takes no callback that could make that error non-fatal (`missed_heartbeat_callback`
+cannot be handed its status from Python: it aborts too), so a SIGABRT handler asks whether
+the service still answers; where it does not, the process says in one line that process 0
+is gone, writes its copy and exits HUNG_EXIT (75) like any process that lost a peer. Any
+other abort goes on as it would have. A step that fails because process 0 died is named the
+same way (`lost_line`, asked by exits.py); whichever path ends the process first is the only
+one that speaks (`leaving`).
 """
 
 from __future__ import annotations

@@ -2,24 +2,14 @@
 
 A normal interpreter exit would wait on JAX's distributed shutdown barrier, which the peers
 of a failed process never reach: the job would hang instead of restarting. So a job process
-reports its error in one line and leaves with `os._exit`. The codes, for whatever restarts
-the job (`resihp launch`, examples/slurm/*.sbatch, a Kubernetes policy):
-
-- 0: trained to the last step.
-- 1: anything else (a crash): restart, counted as a failure.
-- 2 (USER_ERROR): refused input (a bad flag, path or plan, another run's checkpoints, a GPU
-  job that found only CPU devices, a diverged loss): a restart cannot fix it.
-- 74 (PREEMPTED_EXIT): SIGTERM (the scheduler preempts the job, `scancel --signal=TERM`, or
-  srun ends the job after another process failed); the newest survivors' copy is written
-  first. A preemption is not the job's fault: requeue it without counting it.
-- 75 (HUNG_EXIT, EX_TEMPFAIL): a step failed (a peer died) or passed its deadline (a peer or
-  a device hangs), or process 0 died and took the job's coordination service with it (one
-  line names it, coordinator.py), or `resihp launch` ends the job after another process
-  failed (its SIGTERM comes with the failure named: env_vars.PEER_LOST_ENV): restart,
-  counted; the process that exits 75 is not the one to blame.
-- 76/77 (HostsLeftOut): a re-plan leaves a slow host out (76 on that host, 77 on the
-  others); the health record excludes it: restart without it.
-A process killed by a signal shows as 128+N in a shell or srun (137: SIGKILL).
+reports its error in one line and leaves with `os._exit`, with one of the codes of
+`EXIT_CODES` (docs/DESIGN.md, "How a job process ends", has what restarts each): 0 trained;
+1 crashed (restart, counted); 2 USER_ERROR, refused input (never restarted); 74
+PREEMPTED_EXIT, SIGTERM (requeue, not counted); 75 HUNG_EXIT, a step failed or hung, process
+0 died (coordinator.py) or `resihp launch` ended the job after another process failed
+(env_vars.PEER_LOST_ENV): restart, this process not to blame; 76/77 (HostsLeftOut) a
+re-plan left a slow host out (76 on it, 77 elsewhere): restart without it. A process killed
+by a signal shows as 128+N in a shell or srun (137: SIGKILL).
 """
 
 from __future__ import annotations

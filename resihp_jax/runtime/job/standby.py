@@ -1,32 +1,15 @@
-"""Warm standby: the processes of a job's likely next incarnation, started while the job
-runs, so that a relaunch after one lost process pays neither process start, nor joining,
-nor compiling.
+"""Warm standby: the processes of a job's likely next incarnation (one process fewer), started,
+joined and compiled while the job runs, so that a relaunch after one lost process pays none
+of that (docs/DESIGN.md, "The job: relaunch and the warm standby", has the protocol and why
+it is safe). Until its go file (env_vars.STANDBY_GO_FILE_ENV) appears a standby has read no
+checkpoint or survivors' copy and written nothing the job reads. Everything here runs without
+JAX; the supervisor's side is a `StandbyKeeper`.
 
-The supervisor (`resihp launch`) starts a standby of n-1 processes beside a running
-incarnation of n, with its own coordination service and a go file to wait for (named by
-env_vars.STANDBY_GO_FILE_ENV). Each standby process starts Python, joins its own job, plans
-and compiles exactly as a relaunch on n-1 processes would, then marks itself ready and
-waits. Until the go file
-appears it has read no checkpoint and no survivors' copy and written nothing the job reads
-(only its logs and its files under DIR/standby/). When the running incarnation fails leaving
-n-1 usable hosts, the supervisor ends it (its survivors write their copies) and writes the go
-file (atomically): the host ids the standby's processes take on, in process order. The
-standby then reads the job's state and trains. Everything here runs without JAX.
-
-The supervisor's side is a `StandbyKeeper`: it starts a standby, watches it at each poll,
-hands it to a relaunch it fits, and ends it.
-
-A standby's processes take only the cores the job leaves idle, until they are promoted
-(`background`, `foreground`). A standby compiles the next incarnation's programs (and then
-its likely re-plans) for minutes while the job trains. Where both share a host's cores
-(`resihp launch` on one machine) that compile took 0.25 of a core per standby process, three
-of them 0.75 of the job's 2 cores, in bursts that fell on whichever of the job's processes was
-running: its devices' timings (the detector's probes) swung 0.4x-2.2x of the median on
-healthy processes. Linux's SCHED_IDLE policy runs a thread only when no normal thread wants
-the core. Set on a process right after it starts, every thread it creates inherits it;
-promotion sets each thread back to SCHED_OTHER. Where the policy is missing (not Linux) or
-refused, nothing changes and the caller is told why: a standby at normal priority still
-works, only louder.
+Why a ready standby waits at SCHED_IDLE (`background`, undone by `foreground` on promotion):
+its compiles (the next incarnation's programs, then its likely re-plans) took 0.25 of a core
+per standby process, three of them 0.75 of the job's 2 cores, in bursts that swung the
+detector's probes on healthy processes 0.4x-2.2x of the median. Threads inherit the policy;
+where it is missing (not Linux) or refused, nothing changes and the caller is told why.
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
 """The local supervisor behind `resihp launch`: start N processes of one multi-controller
-job, watch them, and do for a local job what a cluster's restart policy does for a real one.
+job, watch them, and do for a local job what a cluster's restart policy does for a real one
+(docs/DESIGN.md, "The job: relaunch and the warm standby").
 
-A process that exits is seen at the next poll. A hung one (alive, no progress) is caught
-when the job's step has not advanced within the deadline its processes publish (a multiple
-of the predicted healthy time of the step in flight, with a floor); the culprit is the
-process whose heartbeat went stale (frozen), the others being merely blocked in collectives
-(blame.py). Either way every process is ended, the culprit's host is recorded as excluded in
-the job's health record, and the job is relaunched on the survivors, which restore the
-newest checkpoint into the plan the scheduler picks for them.
-
-While an incarnation of n >= 2 processes runs, a warm standby of n-1 processes waits
-beside it (standby.py, kept by a `StandbyKeeper`): started with the job's first incarnation,
-and after a relaunch once the relaunched incarnation has trained its first step, so that it
-never competes with a relaunch's critical path (its restore and first step). A failure that
-leaves n-1 usable hosts promotes it: the supervisor ends the incarnation as always (its
-survivors write their copies), then gives the standby the word, and the standby restores and
-trains with the programs it compiled while it waited. Any other failure, or a standby that
-died, relaunches fresh processes.
-
-Each process gets its devices from the supervisor's environment, never from a JAX backend
-of its own (accelerators.py): on a GPU node its share of the GPUs (CUDA_VISIBLE_DEVICES, kept
-by host across relaunches, so a survivor stays on its GPUs) and no standby (it would hold GPU
-memory beside the job before its go); elsewhere fake CPU devices.
-
-Faults for testing (`LaunchConfig.faults`) are injected by the `ProcessFaults` the
-supervisor holds (faults/processes.py), which it calls at fixed points: before the first
-start, at each poll with the step every process has finished, before it ends an
-incarnation, and when it blames a host. Time is injected (`clock`).
+An exit is seen at the next poll; a hang when the job's step has not advanced within the
+deadline its processes publish, the culprit being the process whose heartbeat went stale
+(blame.py). Either way every process is ended, the culprit's host excluded in the health
+record, and the job relaunched on the survivors: the warm standby (standby.py) when it fits,
+else fresh processes. Each process gets its devices from the supervisor's environment, never
+from a JAX backend of its own (accelerators.py). Test faults are `ProcessFaults`'
+(faults/processes.py); time is injected (`clock`).
 """
 
 from __future__ import annotations
@@ -101,11 +83,6 @@ class Supervisor:
         self._stop.set()
 
     # ---- one incarnation -----------------------------------------------------------------
-    def _spawn(self, hosts: list[str], beat_dir: Path) -> dict[str, subprocess.Popen]:
-        logs = [self._log(f"incarnation{self._incarnation}-{host}") for host in hosts]
-        procs, self._service = self._start(hosts, beat_dir, logs)
-        return dict(zip(hosts, procs))
-
     def _log(self, name: str) -> Path:
         logs = self.config.checkpoint_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -150,7 +127,9 @@ class Supervisor:
             return held.promote(live)
         if self._incarnation > 0:
             self.summary.relaunched_by.append("fresh")
-        return self._spawn(live, beat_dir)
+        logs = [self._log(f"incarnation{self._incarnation}-{host}") for host in live]
+        procs, self._service = self._start(live, beat_dir, logs)
+        return dict(zip(live, procs))
 
     def _peer_lost_file(self) -> Path:
         """Where `_end` names a failure for the processes it then ends (PEER_LOST_ENV)."""

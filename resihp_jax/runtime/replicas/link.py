@@ -28,6 +28,7 @@ from resihp_jax.runtime.replicas.protocol import Healed
 from resihp_jax.runtime.replicas.shards import PieceMap, from_host_state, host_state
 from resihp_jax.runtime.replicas.split import replica_slots, share_of, split_counts
 from resihp_jax.runtime.replicas.two_programs import ReplicaFns, replica_functions
+from resihp_jax.step.program import abstract_args
 
 _DATA_KEY, _STATE_PREFIX = "data_state", "state."
 
@@ -41,7 +42,11 @@ class ReplicaLink:
         self.n_replicas, self.dp_in = n_replicas, dp_in
         self.n_microbatches = n_replicas * microbatches_per_replica
         self.mb_slots = replica_slots(self.n_microbatches, n_replicas, dp_in)
-        self.engine = engine((self._save, self._load))
+        # made at the first quorum, not before: a Manager heartbeats from its start, and a
+        # replica heartbeating while it still compiles holds every quorum of its peers up to
+        # the join timeout (their steps then pass their deadlines)
+        self._make_engine = engine
+        self.engine: ReplicaEngine | None = None
         self.quorum: Quorum | None = None
         self.committed = False
         self._current: tuple[Any, dict[str, Any]] | None = None  # (state, data position)
@@ -53,6 +58,8 @@ class ReplicaLink:
         """The step's quorum, before its batch is read; Healed where this replica was behind
         it (the loop then trains the quorum's step from the peer's state and position)."""
         self._current = (state, data_state)
+        if self.engine is None:
+            self.engine = self._make_engine((self._save, self._load))
         self.quorum = self.engine.start_step()
         if self._received is not None:
             received, self._received = self._received, None
@@ -76,14 +83,29 @@ class ReplicaLink:
         return (plan.replace(microbatches_per_group=mine.microbatches_per_group),
                 batch.microbatches(mine.first, mine.count))
 
+    def prepare(self, program: Any) -> None:
+        """Compile the two programs for `program` now, before this replica joins a quorum:
+        its peers would otherwise wait in the first sum for its compile (past their
+        collective timeout, and their steps past their deadlines)."""
+        self._fns_for(program)
+
+    def _fns_for(self, program: Any) -> Any:
+        key = id(program.loss_sum_fn)
+        if key not in self._fns:
+            fns = replica_functions(program.loss_sum_fn, program.optimizer,
+                                    program.state_shardings, program.mesh,
+                                    program.train.donate_state)
+            state, batch, splits = abstract_args(program)
+            total = jax.ShapeDtypeStruct((), np.float32, sharding=program.replicated)
+            self._fns[key] = ReplicaFns(
+                fns.sums.lower(state.params, batch, splits, state.step).compile(),
+                fns.update.lower(state, state.params, total, total).compile())
+        return self._fns[key]
+
     def run(self, program: Any, state: Any, batch: Any, knobs_DxPxT: Any
              ) -> tuple[Any, dict[str, Any]]:
         """The step as two programs around the quorum's sum; the update only if committed."""
-        fns = self._fns.get(id(program.loss_sum_fn))
-        if fns is None:
-            fns = self._fns[id(program.loss_sum_fn)] = replica_functions(
-                program.loss_sum_fn, program.optimizer, program.state_shardings,
-                program.mesh, program.train.donate_state)
+        fns = self._fns_for(program)
         total, grads, count = fns.sums(state.params, batch, program.splits(knobs_DxPxT),
                                        state.step)
         grad_pieces = PieceMap.of(grads)
@@ -103,7 +125,8 @@ class ReplicaLink:
         return self.committed
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
 
     # ---- what a peer's heal asks of this process -----------------------------------------
     def _save(self) -> HostState:

@@ -5,6 +5,8 @@ collaborator across replicas (`ReplicaLink` on torchft's `Manager`, called at th
 torchtitan loop calls it) is handed to the trainer as `replicas` and called, in this order,
 at each step (a failed step, or one not committed, runs again: its calls come again):
 
+0. `prepare(program)`: once, before the loop's first step: compile what `run` needs, so
+   that a replica joins its peers only once it can step with them.
 1. `before_step(step, state, data_state)`: on the loop's thread, before the step's batch is
    read; `state` and `data_state` are the newest committed step's (what a peer healing from
    this one receives). It may block (a quorum) or raise (the run ends). `Healed`: this
@@ -42,6 +44,8 @@ class Healed:
 class Replicas(Protocol):
     """A collaborator across replicas, called at four points of every step."""
 
+    def prepare(self, program: Any) -> None: ...
+
     def before_step(self, step: int, state: Any, data_state: dict[str, Any]
                     ) -> Healed | None: ...
 
@@ -55,6 +59,9 @@ class Replicas(Protocol):
 
 class NoReplicas:
     """A replica alone: nothing to agree with, the program's own step, every step kept."""
+
+    def prepare(self, program: Any) -> None:
+        return None
 
     def before_step(self, step: int, state: Any, data_state: dict[str, Any]) -> None:
         return None

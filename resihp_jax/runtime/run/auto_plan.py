@@ -1,10 +1,8 @@
 """`plan="auto"`: the scheduler's best plan for the devices present and a global batch.
 
-The scheduler searches meshes, layouts, layer and micro-batch splits for a fixed global batch
-(micro-batch count x size). A user's batch fixes only its rows and row length, so every way
-of cutting the rows into micro-batches is searched too (more, smaller micro-batches fill the
-pipeline better; fewer, larger ones pay less overhead per micro-batch); the predicted
-fastest plan wins. Deterministic: every process of a job computes the same plan.
+The scheduler searches for a fixed micro-batch count and size; a user's batch fixes only its
+rows and row length, so every way of cutting the rows into micro-batches is searched too and
+the predicted fastest plan wins. Deterministic: every process of a job computes the same plan.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """A checkpoint of the retired built-in decoder converted into the one step's state.
 
-Before every model trained through one step builder, `resihp train` and the demo trained a
-built-in decoder whose canonical state was `{embed, layers, head}`; `rh.models.Llama`'s is
-`{shell, blocks}`. Both hold the same arrays (the layers stacked `[n_layers, ...]` alike),
-so a checkpoint converts by renaming its leaves, in the parameters and in every optimizer
-statistic that mirrors them (Adam's mu and nu). Its optimizer was the presets' AdamW with
-the learning rate scheduled, not injected: the converted state holds Adam's statistics and
-counts as written, inside the injected optimizer's state (`AdamWConfig.optimizer()`, its
-hyper-parameters those of the last update the checkpoint made). The step, the data position
-and the plan it was written under carry over unchanged, and the checkpoint gains the identity
-of the preset's run (`preset_programs(...).identity`), so `resihp train --resume` continues
-it exactly where it stopped.
-
-The conversion reads every array onto the host: a machine with host memory for one copy of the
-state runs it (`tools/convert_decoder_checkpoint.py`).
+The decoder's canonical state was `{embed, layers, head}`, `rh.models.Llama`'s is `{shell,
+blocks}`: the same arrays (layers stacked `[n_layers, ...]` alike), so a checkpoint converts
+by renaming its leaves, in the parameters and in every optimizer statistic that mirrors them.
+Its optimizer was the presets' AdamW with the learning rate scheduled, not injected: Adam's
+statistics and counts go as written into the injected optimizer's state, its
+hyper-parameters those of the last update the checkpoint made. Step, data position and plan
+carry over, and the checkpoint gains the preset run's identity, so `resihp train --resume`
+continues exactly where it stopped. Every array is read onto the host: a machine with host
+memory for one copy of the state runs it (`tools/convert_decoder_checkpoint.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +26,7 @@ from resihp_jax.models.config import ModelConfig
 from resihp_jax.models.optimizer import AdamWConfig
 from resihp_jax.runtime.recovery.checksum import leaf_shapes, state_checksums
 from resihp_jax.runtime.recovery.run_identity import retired_layout
+from resihp_jax.runtime.run.model_identity import path_names
 from resihp_jax.runtime.run.programs import ModelPrograms, preset_programs
 from resihp_jax.step.program import TrainState
 
@@ -53,18 +49,6 @@ def new_path(old: tuple[str, ...]) -> tuple[str, ...]:
         if pair[0] == "layers" and pair[1] in _BLOCK_PATHS:
             return old[:i] + ("blocks", *_BLOCK_PATHS[pair[1]]) + old[i + 2:]
     return old
-
-
-def path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
-    """A key path as plain names, whatever holds the leaf: a dict, a named tuple's field or a
-    list (orbax reads a saved named tuple back as a dict, a tuple as a list)."""
-    names = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                names.append(str(getattr(key, attr)))
-                break
-    return tuple(names)
 
 
 def retired_optimizer(adamw: AdamWConfig) -> optax.GradientTransformation:

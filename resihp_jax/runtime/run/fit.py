@@ -30,18 +30,16 @@ from resihp_jax.perfmodel.costs import REMAT_AUTO
 from resihp_jax.perfmodel.memory import devices_memory_gb
 from resihp_jax.runtime.run.auto_plan import auto_plan, auto_plan_and_remat
 from resihp_jax.runtime.replicas.launched import replicas_in_job
-from resihp_jax.runtime.config import RESUME_FORCE, RunConfig, check_metrics
+from resihp_jax.runtime.config import RESUME_FORCE, ResilienceConfig, RunConfig, check_metrics
 from resihp_jax.runtime.recovery.checkpoint_dir import refuse_held
 from resihp_jax.runtime.run.training import TrainingRun
 from resihp_jax.runtime.run.programs import read_facts, model_programs
 from resihp_jax.runtime.programs.compiles import install
-from resihp_jax.runtime.events import StepRecord
+from resihp_jax.runtime.events import Replan, StepRecord
 from resihp_jax.runtime.trainer.overhead import Overhead
-from resihp_jax.runtime.events import Replan
-from resihp_jax.runtime.config import ResilienceConfig
 from resihp_jax.step.config import StepConfig
 from resihp_jax.step.facts import MeasuredFacts
-from resihp_jax.step.model_parts import (DEFAULT_AXIS_RULES)
+from resihp_jax.step.model_parts import DEFAULT_AXIS_RULES
 
 
 @dataclass(frozen=True)
@@ -152,7 +150,7 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     config = RunConfig(
         metrics=metrics, profile_steps=profile_steps, steps=steps, seed=seed,
         data=type(data).__name__, resume=resume if checkpoint_dir is not None else False,
-        progress=_show_progress(progress),
+        progress=sys.stderr.isatty() if progress is None else progress,
         survivor_copies="auto" if checkpoint_dir is not None else "off",
         resilience=resilience.replace(checkpoint_dir=checkpoint_dir,
                                       local_copy_dir=local_copy_dir))
@@ -182,10 +180,6 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     return FitResult(parts.assemble(canonical["shell"], canonical["blocks"]),
                      {r.step: r.loss for r in result.records}, result.replans,
                      result.records, facts, result.plan, plan, result.overhead)
-
-
-def _show_progress(progress: bool | None) -> bool:
-    return sys.stderr.isatty() if progress is None else progress
 
 
 def _auto_plan(facts: MeasuredFacts, remat: bool | str, data: Any,

@@ -1,12 +1,8 @@
-"""What a run does with the loop's events, one listener per job: the survivors' copies of each
-step, the heartbeat that tells the job's supervisor each step's deadline, the re-plan report
-(and the health record's slow devices), the user's `on_step`; the records and metrics are
-`RecordSink`'s (record_sink.py), the demo's display the demo's own (demo/display.py).
-
-The run (process.py) hands every `StepRecord` and `Replan` the trainer yields to each
-listener in turn, with the trainer itself for what the event does not carry (the state, the
-plan, the checkpointer). A listener may return a changed record (the copies add what copying
-the state cost); the ones after it see that.
+"""What a run does with the loop's events, one listener per job: the survivors' copies, the
+heartbeat that tells the supervisor each step's deadline, the re-plan report, the user's
+`on_step`; records and metrics are `RecordSink`'s (record_sink.py), the demo's display its own.
+The run (process.py) hands each event to every listener in turn, with the trainer for what
+the event does not carry; a listener may return a changed record, which the ones after it see.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """The identity of a run of a user's model and optax optimizer (see recovery/run_identity.py).
 
-An optax optimizer is a pair of functions: nothing on it says its learning rate or schedule.
-So it is described by what it does: its state's structure (which transformations, on which
-leaves), the hyper-parameters `optax.inject_hyperparams` keeps in that state, and a
-fingerprint of its updates on a small fixed probe (the parameters' own tree with every
-dimension cut to at most 3), taken for a few consecutive steps and then once at each of
-several far-off step counts, so that a schedule that differs only late is seen too. The probe
-runs once, in one program, on a host CPU device; its values are rounded before hashing, so
-the same optimizer built again in another process gives the same fingerprint.
-
-A resume forced past a changed optimizer continues with the state it restored, except for the
-hyper-parameters `inject_hyperparams` keeps in that state: those are the optimizer's as built
-now (`with_current_hyperparams`), else the change the user forced would not take effect.
+Nothing on an optax optimizer says its learning rate or schedule, so it is described by what
+it does: its state's structure, the hyper-parameters `optax.inject_hyperparams` keeps there,
+and a fingerprint of its updates on a small fixed probe (the parameters' tree, every
+dimension cut to at most 3) for a few consecutive steps and at several far-off step counts
+(a schedule that differs only late is seen too). The probe runs once, in one program, on a
+host CPU device, its values rounded before hashing: the same optimizer built again in another
+process gives the same fingerprint. A resume forced past a changed optimizer keeps the state
+it restored but takes the injected hyper-parameters as built now
+(`with_current_hyperparams`), else the change the user forced would not take effect.
 """
 
 from __future__ import annotations
@@ -51,14 +48,16 @@ def model_run_identity(model_name: str, params: Any, optimizer: optax.GradientTr
 def param_shapes(params: Any) -> dict[str, str]:
     """'blocks.up.kernel' -> 'dtype[d0,d1,...]' of every parameter."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    return {_dotted(path): f"{np.dtype(leaf.dtype).name}[{','.join(map(str, leaf.shape))}]"
+    return {".".join(path_names(path)):
+            f"{np.dtype(leaf.dtype).name}[{','.join(map(str, leaf.shape))}]"
             for path, leaf in leaves}
 
 
-def _dotted(path: tuple[Any, ...]) -> str:
-    names = (getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
-             for key in path)
-    return ".".join(map(str, names))
+def path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
+    """A key path as plain names, whatever holds the leaf: a dict, a named tuple's field or a
+    list (orbax reads a saved named tuple back as a dict, a tuple as a list)."""
+    return tuple(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
+                 for key in path)
 
 
 def optimizer_identity(optimizer: optax.GradientTransformation, params: Any,

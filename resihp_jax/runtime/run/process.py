@@ -1,15 +1,9 @@
 """The steps of one training process: the one loop of `resihp train` (with `--adapt` or
-without), `rh.fit` and the demo, the ResilientTrainer's, under whatever it is asked to watch.
-
-Start-up (restore or initialize, the survivors' copies, SIGTERM's save), the heartbeat that
-tells the job's supervisor each step's deadline, and each finished step's record. With the
-detector on, every process times its own devices, the timings are combined across processes
-so every detector sees the same step, process 0's verdict and plan are every process's, and
-the switch happens in the running processes (a new split in place; a new mesh through orbax
-and a recompile). With everything off (`resihp train` without `--adapt`) the loop still
-learns each step's deadline from the steps before it. A failed or hung step cannot be
-survived in place by a job of several processes: the process exits for a relaunch on the
-survivors.
+without), `rh.fit` and the demo, the ResilientTrainer's, under whatever it is asked to watch:
+start-up (restore or initialize, the survivors' copies, SIGTERM's save), the loop's events
+handed to its listeners (listeners.py), and what it trained (`RunResult`). A failed or hung
+step cannot be survived in place by a job of several processes: the process exits for a
+relaunch on the survivors.
 """
 
 from __future__ import annotations
@@ -27,10 +21,9 @@ from resihp_jax.runtime.recovery.copy_writers import node_of_host
 from resihp_jax.runtime.recovery.host_copies import HostCopies, activate, deactivate
 from resihp_jax.runtime.recovery.preemption import SaveOnSigterm
 from resihp_jax.runtime.programs.deferred import compile_layouts
-from resihp_jax.runtime.events import StepRecord
+from resihp_jax.runtime.events import Replan, StepRecord
 from resihp_jax.runtime.trainer.overhead import Overhead
 from resihp_jax.runtime.trainer.resilient import ResilientTrainer
-from resihp_jax.runtime.events import Replan
 from resihp_jax.runtime.recovery.resume import start_state
 from resihp_jax.runtime.config import RESUME_FORCE, RunConfig
 from resihp_jax.runtime.run.model_identity import with_current_hyperparams
@@ -89,7 +82,8 @@ class ProcessRun:
         # trainer reads each where it is, and the ladder was built from the same ones
         self.trainer = ResilientTrainer(model, train_cfg, plan, devices, data,
                                         config.resilience, fault_hook=fault_hook,
-                                        on_long_work=self._long_work, programs=programs,
+                                        on_long_work=lambda what: self.beats.long_work(
+                                            self.trainer.plan), programs=programs,
                                         replicas=replicas)
         self.trainer.warm_up()
         self.report.say_remat(self.trainer, None)
@@ -168,10 +162,6 @@ class ProcessRun:
                                    start.record)
         return start.step
 
-    def _long_work(self, what: str) -> None:
-        """A probe or a switch (it may compile) is under way: allow it the start-up time."""
-        self.beats.long_work(self.trainer.plan)
-
     def _listeners(self, sink: RecordSink) -> list[Listener]:
         """Who hears each event, in order: the copies first (before the next step donates
         the state; the record then says what the copy cost), the records and metrics, the
@@ -196,7 +186,9 @@ class ProcessRun:
         finally:
             for listener in listeners:
                 listener.close(trainer)
-            self.overhead = trainer.overhead(sink.records, metrics_s=sink.metrics_s)
+            # what writing the metrics cost (None: none are written)
+            metrics_s = sink.metrics.metrics.seconds if sink.metrics is not None else None
+            self.overhead = trainer.overhead(sink.records, metrics_s=metrics_s)
         self.result = RunResult(sink.records, list(trainer.replans), trainer.plan,
                                 self.overhead, trainer.state, trainer.program)
         return sink.records

@@ -1,13 +1,8 @@
 """A model made ready for the trainer, as `rh.fit` makes it: split into its shell and stacked
-blocks, its facts read off it (what the planner and the cost models know), and for each plan
-its step program, starting from the model's own parameters.
-
-Anything that trains a model (rh.fit, `resihp train`, `resihp demo`, the benchmarks) builds it
-here, a preset of `rh.models.Llama` (`preset_programs`) and every other registry model
-(`registered_programs`) exactly as a user's, so all of them run the same step: the Instrument
-(stage timing, injected per-device slowdowns) reaches the model's step exactly where it can:
-under plans with tp == 1, or at any tp for a model with manual tensor parallelism
-(step/builder.py says why).
+blocks, its facts read off it, and for each plan its step program from the model's own
+parameters. Everything that trains a model (rh.fit, `resihp train`, `resihp demo`, the
+benchmarks) builds it here, a preset (`preset_programs`) and every other registry model
+(`registered_programs`) exactly as a user's, so all of them run the same step.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from resihp_jax.metrics.writers import metrics_file  # noqa: F401 - the JSON lines file's home
 from resihp_jax.runtime.config import RunConfig
 from resihp_jax.runtime.run.listeners import Listener
 from resihp_jax.runtime.run.run_metrics import RunMetrics
@@ -36,11 +35,9 @@ class RecordSink(Listener):
         # a resumed run continues the metrics of the run it resumes, from its checkpoint:
         # records of steps after it (lost with the failed incarnation) are dropped
         self.metrics = (RunMetrics.open(config, start, start_record, model=model,
-                                        learning_rate=learning_rate, say=self._say)
+                                        learning_rate=learning_rate,
+                                        say=lambda line: print(line, file=out, flush=True))
                         if config.metrics and primary else None)
-
-    def _say(self, line: str) -> None:
-        print(line, file=self.out, flush=True)
 
     def step(self, record: StepRecord, trainer: Any) -> None:
         self.add(record, predicted_s=trainer.last_prediction_s, state=trainer.state,
@@ -60,11 +57,6 @@ class RecordSink(Listener):
             self.metrics.step(record, **observed)
         self.bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}")
         self.bar.update()
-
-    @property
-    def metrics_s(self) -> float | None:
-        """What writing the metrics cost (None: none are written)."""
-        return self.metrics.seconds if self.metrics is not None else None
 
     def _count_compiles(self) -> None:
         if self.compiles_from is None:

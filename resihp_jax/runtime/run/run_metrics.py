@@ -1,11 +1,8 @@
-"""Process 0's metrics of one run: each step's record and the events around it (the plan when
-it changes, verdicts, re-plans and what they won, checkpoints), handed to `Metrics`
-(resihp_jax/metrics), which writes them off the loop's path.
-
-What a step's entry adds to its record is read off values the loop has anyway: the detector's
-prediction for that batch, the model's FLOPs against the device's peak (MFU, where the peak
-is known), the learning rate (the optimizer's own, where it is an optax `inject_hyperparams`
-one: every preset's is, models/optimizer.py).
+"""Process 0's metrics of one run: each step's record and the events around it (plan changes,
+verdicts, re-plans and their gain, checkpoints), handed to `Metrics` (resihp_jax/metrics),
+which writes them off the loop's path. A step's entry adds what the loop has anyway: the
+detector's prediction, MFU where the device's peak is known, and the learning rate where the
+optimizer is an optax `inject_hyperparams` one (every preset's is).
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ from resihp_jax.metrics import Metrics
 from resihp_jax.metrics.entry import (checkpoint_entry, peak_flops, plan_entry, replan_entry,
                                       step_entry, step_flops, verdict_entry)
 from resihp_jax.runtime.config import RunConfig
-from resihp_jax.runtime.events import StepRecord
-from resihp_jax.runtime.events import Replan
+from resihp_jax.runtime.events import Replan, StepRecord
 
 # (step, state) -> the learning rate that step applied, or None
 LearningRate = Callable[[int, Any], "float | None"]
@@ -47,10 +43,6 @@ class RunMetrics:
         run._step = start
         metrics.between_steps(start)  # a profile from the first step starts now
         return run
-
-    @property
-    def seconds(self) -> float:
-        return self.metrics.seconds
 
     def step(self, record: StepRecord, *, predicted_s: float | None = None, state: Any = None,
              checkpointer: Any = None) -> None:

@@ -1,15 +1,12 @@
-"""TrainingRun: the run `resihp train` performs, as a library object built from typed configs.
+"""TrainingRun: the run `resihp train` performs, as a library object built from typed configs
+(a script that builds the same configs runs exactly what the command runs): join the job,
+take the requested plan on the devices its health record leaves usable (the scheduler's plan
+when they are too few: a relaunch on the survivors), then train (process.py).
 
-One process, or one process of a multi-controller job: join the job, read its health record,
-take the requested plan on the devices it leaves usable (the scheduler's plan when they are
-too few: a relaunch on the survivors), restore or initialize, train under step deadlines and
-keep the survivors' copies. With `RunConfig.adapt` the ResilientTrainer watches every step and
-re-plans in place. A script that builds the same configs runs exactly what the command runs.
-
-A process of a warm standby (runtime/job/standby.py) goes as far as a relaunch would before
-it touches the job's state: joined, planned, its programs compiled. There, and only there,
-it waits for its go; then it takes the hosts the go names, plans again from the job's
-health record (compiling anew only if that plan differs) and restores.
+A warm standby process (runtime/job/standby.py) goes as far as a relaunch would before it
+touches the job's state: joined, planned, compiled. There it waits for its go, then takes the
+hosts the go names, plans again from the health record (compiling anew only if that plan
+differs) and restores.
 """
 
 from __future__ import annotations

@@ -122,6 +122,7 @@ class ResilientTrainer:
             self.state = self.program.init_state(seed)
         done = int(self.state.step)
         judging: Judging | None = None  # the last step, judged while the next one runs
+        self.runner.replicas.prepare(self.program)
         while done < steps:
             data_before = self.data.state()
             healed = self.runner.replicas.before_step(done + 1, self.state, data_before)
@@ -243,6 +244,9 @@ class ResilientTrainer:
 
     def close(self) -> None:
         self.keeper.close()
+        close_replicas = getattr(self.runner.replicas, "close", None)  # (an engine's links)
+        if close_replicas is not None:
+            close_replicas()
 
     # ---- what the parts hold -------------------------------------------------------------
     @property

@@ -90,7 +90,7 @@ def main() -> int:
     engine = TorchftEngine(replica=args.replica, n_replicas=args.replicas, group_rank=0,
                            group_size=1, lighthouse=args.lighthouse, store_host="127.0.0.1",
                            store_port=store.port, state=(save, load),
-                           timeouts=Timeouts(collective_s=2.0, heartbeat_s=3.0, join_s=10.0,
+                           timeouts=Timeouts(collective_s=1.0, heartbeat_s=1.5, join_s=10.0,
                                              quorum_s=60.0))
     if args.ready:
         open(args.ready, "w").close()

@@ -1,12 +1,10 @@
 """Fault injection on fake devices: slow a chosen device by a factor from a chosen step (and
 optionally let it recover), or stop it.
 
-`FaultInjector` is an Instrument host function. It times each device's busy stage work
-(start -> end event, forward and backward) and, when the device's runtime knob is a slowdown
-factor f > 1, sleeps (f - 1) * elapsed at the end event, so everything bracketed by the
-Instrument on that device (train step forward and backward, detector probes) takes f times as
-long. `knobs(step)` is the [dp, pp, tp] array to pass as `knobs_DxPxT`; it raises
-`DeviceStoppedError` naming the device(s) when a device of the plan is dead at that step.
+`FaultInjector` is an Instrument host function: it times each device's busy stage work and,
+when the device's knob is a slowdown factor f > 1, sleeps (f - 1) * elapsed at the end event,
+so everything the Instrument brackets on that device takes f times as long. `knobs(step)`
+raises `DeviceStoppedError` when a device of the plan is dead at that step.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """The faults a launcher injects into its processes, and the fault gates they wait at.
 
-A `Fault` kills (SIGKILL), hangs (SIGSTOP) or slows (throttle.py, from outside) one process of
-a job once every process has finished a given step; a slowdown may be lifted when the job
-reaches a later step. `ProcessFaults` is what a launcher (`resihp launch`: job/supervisor.py)
-holds for one job's faults and calls at fixed points: `close_gates` before the job's first
-process starts, `env` for each process it starts, `inject` at each poll with the last step
-every process has finished, `lift_all` before it ends an incarnation's processes, `since`
-when it blames a host (how long after its fault the failure was seen), `remove_gates` at the
-end. Time is injected (`clock`).
+A `Fault` kills (SIGKILL), hangs (SIGSTOP) or slows (throttle.py) one process of a job once
+every process has finished a given step; a slowdown may be lifted at a later step.
+`ProcessFaults` holds one job's faults for its launcher (job/supervisor.py), which calls it
+at fixed points (each method says when). Time is injected (`clock`).
 
-Fault gates (env_vars.FAULT_GATES_ENV, given to every process when there are faults): a
-directory holding `step{N}` for each step a fault is due at. A process that has told the step
-it finished waits while that step's gate is there (`wait_at_gate`, from its heartbeat: it
-keeps beating, so it is not frozen, and it is in no step, so no step deadline runs), until the
-launcher has injected the step's faults and removed the gate. The fault then lands between
-steps N and N+1 of every process, whatever the host's load, never after a later step the job
-trained meanwhile, before a poll saw the step.
+Fault gates (env_vars.FAULT_GATES_ENV): a directory holding `step{N}` for each step a fault
+is due at. A process that has told the step it finished waits while that step's gate is
+there (`wait_at_gate`, from its heartbeat: it keeps beating, so it is not frozen, and it is
+in no step, so no step deadline runs), until the launcher has injected the step's faults and
+removed the gate. The fault then lands between steps N and N+1 whatever the host's load,
+never after a later step the job trained before a poll saw the step.
 """
 
 from __future__ import annotations
@@ -113,7 +108,7 @@ class ProcessFaults:
             for fault in self.faults:
                 gate_path(self.gates, fault.step).touch()
 
-    def remove_gates(self) -> None:
+    def remove_gates(self) -> None:  # at the job's end
         shutil.rmtree(self.gates, ignore_errors=True)
 
     def inject(self, procs: Mapping[str, Any], step: int) -> bool:
@@ -126,12 +121,13 @@ class ProcessFaults:
         return self._open_gates(procs, step)
 
     def lift_all(self) -> None:
-        """Lift every slowdown: a throttled process runs (and writes its copy) again."""
+        """Before an incarnation's processes are ended: lift every slowdown, so a throttled
+        process runs (and writes its copy) again."""
         for fault in list(self._throttles):
             self._lift(fault)
 
     def since(self, host: str | None) -> float | None:
-        """Seconds since `host`'s fault was injected, once (None: none was)."""
+        """Seconds since `host`'s fault was injected, once, for blaming it (None: none was)."""
         at = self._fault_time.pop(host, None) if host else None
         return None if at is None else self.clock() - at
 

@@ -1,12 +1,9 @@
 """A slow disk under a Checkpointer: each background write lasts at least a given time.
 
-`slow_writes(ckpt, seconds)` makes every asynchronous write that `ckpt` starts look, to the
-step loop and to orbax, as if it ran for at least `seconds` after its save returned: the
-write counts as under way until then (and the real write underneath is then taken as
-ended: the fault's time covers it), and waiting for it (orbax does before a next save, as
-does `Checkpointer.wait`) lasts until then. The real write still happens underneath, so
-what is saved is real and restorable. The clock and the sleep are injected: a test advances
-a fake clock instead of waiting.
+After `slow_writes(ckpt, seconds)` every asynchronous write `ckpt` starts counts as under way
+for at least `seconds` after its save returned, and waiting for it (orbax does before a next
+save, as does `Checkpointer.wait`) lasts until then; the real write still happens
+underneath, so what is saved is restorable. Clock and sleep are injected for tests.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """Make a running process really slower, from outside: a slow device, reproduced on a host.
 
-A device that is FACTOR times slower takes FACTOR times as long for its own work and no
-longer to wait for its peers. On shared host cores a process's "device time" is the time it
-wants a core: running, or runnable and waiting for one. The kernel counts both per thread
-(/proc/PID/task/*/schedstat: run and run-queue wait), so the throttle reads them every
-`period_s` and, after each `period_s` of such busy time, stops the process's group (SIGSTOP)
-for FACTOR - 1 times as long, then continues it (SIGCONT). Time the process spends blocked
-(in a collective, waiting for a slower peer) is never stretched, and on a loaded host, where
-it gets a small share of a core, the stretch follows the time its work really takes: a CPU
-quota of 1/FACTOR in wall time does neither (on 2 cores shared by 4 processes, x4 cost the
-job only 1.35x: `benchmarks/multiprocess.py`). Busy time counts each stretch once however
-many of the process's threads were busy in it (its devices work in parallel).
-
-Where those counters cannot be read (not Linux, schedstats off), the throttle falls back to
-the wall-clock duty cycle (run period/FACTOR, stop for the rest) and says so in `mode`.
-Used by `resihp launch --slow`; the counters and the clock are injected for tests.
+A device FACTOR times slower takes FACTOR times as long for its own work, and no longer to
+wait for its peers. On shared host cores a process's "device time" is the time it wants a
+core (running, or runnable and waiting), which the kernel counts per thread
+(/proc/PID/task/*/schedstat). So after each `period_s` of such busy time the throttle stops
+the process's group (SIGSTOP) for FACTOR - 1 times as long, then continues it. Blocked time
+(a collective waiting for a slower peer) is never stretched, and on a loaded host the stretch
+follows the time its work really takes; a CPU quota of 1/FACTOR does neither (on 2 cores
+shared by 4 processes, x4 cost the job only 1.35x: `benchmarks/multiprocess.py`). Where the
+counters cannot be read, the throttle falls back to a wall-clock duty cycle and says so in
+`mode`. Used by `resihp launch --slow`; the counters and the clock are injected for tests.
 """
 
 from __future__ import annotations

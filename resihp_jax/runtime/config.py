@@ -1,9 +1,7 @@
 """The settings of a run, as one tree: `RunConfig` (how long, on which data, what is kept)
 holds `ResilienceConfig` (how faults are detected, planned around and recovered from).
-
-`rh.fit` builds them from its arguments and `resihp train` from its flags; both hand the same
-objects down unchanged to the trainer, which reads each setting where it is.
-"""
+`rh.fit` and `resihp train` build them and hand them down unchanged (docs/api.md has each
+field's account)."""
 
 from __future__ import annotations
 
@@ -53,9 +51,8 @@ class ResilienceConfig:
     recompile_s: float = 10.0  # charged for a new mesh until a compile has been measured
     horizon_s: float = 3600.0  # expected seconds to the next failure
     checkpoint_dir: str | None = None
-    # 'auto': an interval in seconds from a save's measured blocking cost and the job's
-    # expected time between failures (Young, see recovery/cadence.py); an integer: every N
-    # steps. A save due while the previous write is still going is put off, never waited for
+    # 'auto': Young's interval from a save's measured cost and the mtbf (recovery/cadence.py);
+    # an integer: every N steps. A save due while the last write still goes is put off
     checkpoint_interval: int | str = "auto"
     # the job's expected seconds between failures (None: 50,000 GPU-hours over its devices)
     mtbf_s: float | None = None
@@ -73,27 +70,22 @@ class ResilienceConfig:
     # them, a hung step names its device, injected faults act through them). False: never
     # (step times only; no fault_hook)
     stage_timing: bool = True
-    # which steps carry those callbacks: 'auto' 1 in K, K keeping their measured cost within
-    # a quarter of `overhead_budget`, and every step while the detector is in doubt (its
-    # warm-up, a step over its slack); an integer: every K-th step (1: every step, which
-    # also names a device that hangs in any step, see runtime/trainer/sampling.py)
+    # which steps carry them: 'auto' 1 in K within a quarter of `overhead_budget` (every step
+    # while the detector is in doubt); K: every K-th (runtime/trainer/sampling.py)
     stage_timing_every: int | str = "auto"
     # JAX's persistent compilation cache (None: off). It holds every program without host
     # callbacks (state moves, the step when no instrument is attached): JAX never persists
     # an executable that calls back into Python.
     compile_cache_dir: str | None = field(default_factory=default_cache_dir)
-    # With the cache on: start on the step without stage timing (a relaunch onto a plan the
-    # job ran before loads it from the cache instead of compiling), while the stage-timed
-    # step compiles in the background and takes over at a step boundary. Until it does, the
-    # detector sees step times only, and a hung step names no device. None: in a job of
-    # several processes only (where a hung step restarts the job anyway; one process
-    # re-plans around the device it names).
+    # With the cache on: start on the untimed step (a relaunch onto a plan the job ran loads
+    # it instead of compiling) while the stage-timed one compiles in the background; until
+    # it takes over a hung step names no device. None: in a job of several processes only
+    # (a hung step restarts the job anyway; one process re-plans around the device named).
     untimed_start: bool | None = None
-    # Run each prepared program once, in the background, on a zero state (step/warmup.py),
-    # so the first step after a switch onto its mesh pays none of the executable's first-run
-    # setup. Off by default: while it runs it holds a second state and the step's activations
-    # on the new mesh's devices, which on GPUs share memory with the running step. One
-    # process only (a run's collectives would interleave with the step's across processes).
+    # Run each prepared program once in the background on a zero state (step/warmup.py): a
+    # switch onto its mesh pays no first-run setup. Off by default: meanwhile it holds a
+    # second state and activations on devices the running step shares (GPUs). One process
+    # only (its collectives would interleave with the step's across processes).
     warm_prepared: bool = False
 
     def __post_init__(self) -> None:
@@ -207,8 +199,7 @@ class RunConfig:
             raise ConfigError(f"RunConfig.devices={self.devices}: must be >= 1 or None")
 
     @property
-    def checkpoint_dir(self) -> str | None:
-        """Where the run keeps its state (`resilience.checkpoint_dir`), read in many places."""
+    def checkpoint_dir(self) -> str | None:  # `resilience.checkpoint_dir`, read in many places
         return self.resilience.checkpoint_dir
 
 

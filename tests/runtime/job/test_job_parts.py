@@ -22,7 +22,7 @@ from resihp_jax.runtime.job.relaunch_plan import cover_processes, plan_for_devic
 from resihp_jax.faults.processes import Fault
 from resihp_jax.runtime.job.launch_types import LaunchConfig
 from resihp_jax.runtime.job.supervisor import Supervisor
-from resihp_jax.runtime.run.record_sink import metrics_file
+from resihp_jax.metrics.writers import metrics_file
 from resihp_jax.runtime.job.coordinator import HUNG_EXIT
 from resihp_jax.runtime.trainer.watching import Unwatched
 

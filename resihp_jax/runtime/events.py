@@ -48,7 +48,6 @@ class StepRecord:
                    batch.content_crc, end_unix_s=time.time())
 
 
-
 @dataclass(frozen=True)
 class Switch:
     """How the trainer moved onto a new plan."""

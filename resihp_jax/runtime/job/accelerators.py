@@ -1,11 +1,9 @@
 """The node's GPUs for `resihp launch`, found without starting JAX, and what each process of
-the job gets: its share of the GPUs (CUDA_VISIBLE_DEVICES), or fake CPU devices where the
-node has no accelerator.
+the job gets: its share of the GPUs (CUDA_VISIBLE_DEVICES), or fake CPU devices.
 
-The supervisor must not start JAX itself: a backend in the supervisor would hold a CUDA
-context on every GPU beside the job's processes. So the GPUs are read from the driver's
-own listing (`nvidia-smi -L`, else /proc/driver/nvidia/gpus), narrowed to the allocation's
-CUDA_VISIBLE_DEVICES where one is set; the listing is injected for tests.
+The supervisor must not start JAX: a backend there would hold a CUDA context on every GPU
+beside the job's processes. So the GPUs come from the driver's listing (`nvidia-smi -L`, else
+/proc/driver/nvidia/gpus), narrowed to the allocation's CUDA_VISIBLE_DEVICES where set.
 """
 
 from __future__ import annotations

@@ -2,15 +2,12 @@
 process: imports, model built, `rh.fit`, with no `rh.join_job()` line.
 
 `jax.distributed.initialize` must come before anything starts a JAX backend, and building a
-model does; the script's `import resihp_jax` comes before it. So a process that `resihp
-launch` started (it sets RESIHP_COORDINATOR and RESIHP_NUM_PROCESSES for a user's command), a
-Kubernetes pod with the same variables, or one task of several in a SLURM step (srun) or an
-Open MPI job joins here. It only connects to the job's coordination service: no backend
-starts (that happens at `rh.fit` or `rh.join_job()`, which read the health record and the
-hosts then). Nothing happens in a plain process, in the `resihp` CLI (`resihp train` joins
-from its own flags, `resihp launch` supervises and must never join), or with
-RESIHP_JOIN_ON_IMPORT=0 (a script that calls `jax.distributed.initialize` itself). A
-failure to join ends the process as `rh.join_job()` would: one line and the job's exit code.
+model does; the script's `import resihp_jax` comes before it. So a process `resihp launch`
+started (RESIHP_COORDINATOR, RESIHP_NUM_PROCESSES), a Kubernetes pod with the same
+variables, or one task of several in a SLURM step (srun) or an Open MPI job only connects to
+its coordination service here (no backend starts). Nothing happens in a plain process, in
+the `resihp` CLI (`resihp train` joins from its flags, `resihp launch` must never join), or
+with RESIHP_JOIN_ON_IMPORT=0. A failure to join ends the process as `rh.join_job()` would.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Which process failed, and how: the supervisor's reading of its processes' exits and
-heartbeats.
-
-A process killed by a signal or failing on its own is the culprit; processes that gave up
-waiting (a step past its deadline: HUNG_EXIT) are victims, and the culprit is then the one
-whose heartbeat froze. A hang (the job's step did not advance within its deadline) blames
-the one process whose heartbeat went stale, when there is exactly one. A re-plan that left
-slow hosts out is a planned exit, not a failure of theirs. And when the supervisor ends the
-others, a frozen process cannot write its copy: it is killed at once.
+heartbeats. A process killed by a signal or failing on its own is the culprit; processes
+that gave up waiting (HUNG_EXIT) are victims, and the culprit is then the one whose heartbeat
+froze. A hang blames the one process whose heartbeat went stale, when there is exactly one.
+A re-plan that left slow hosts out is a planned exit, not a failure of theirs.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Step deadlines from the cost model, and the ladder of time limits built on them.
 
 A step counts as hung once it has run `factor` times the predicted healthy time of its own
-batch (the cost model knows what this batch should cost: a step of long sequences may take
-longer than one of short ones), and never before `floor_s`. Until the online cost model has
-seen enough healthy steps to predict, the deadline is `startup_s`, which also covers the
-first step's compilation.
-
-The other limits of a job sit on the same ladder (`Ladder`): the coordination service's
-heartbeat timeout and the initialization timeout lie above every step deadline, so a hung
-step is caught by its deadline first and the culprit can be named, instead of the job being
-torn down by a generic timeout that names no one.
+batch (a batch of long sequences may rightly take longer), never before `floor_s`; until the
+cost model predicts, `startup_s`, which also covers the first compile. The coordination
+service's heartbeat timeout and the initialization timeout lie above every step deadline,
+so a hung step is caught by its deadline first and the culprit can be named.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """One process of a multi-controller job: who it is, and joining the job.
 
-A job is described by the coordinator address, the number of processes and this process's
-id, from flags (`--coordinator`, `--num-processes`, `--process-id`), from the matching
-environment variables (RESIHP_COORDINATOR, RESIHP_NUM_PROCESSES, RESIHP_PROCESS_ID), or,
-with none given, from the cluster's own environment through JAX's auto-detection (SLURM,
-Open MPI; Kubernetes needs the `kubernetes` package, so our Kubernetes example sets the
-variables instead). The host id is the stable name the job's health record uses for this
-process: its JAX process id is renumbered on every relaunch, its host is not.
-
+A job is the coordinator address, the number of processes and this process's id, from
+flags, from the matching RESIHP_* variables, or, with none given, from the cluster's own
+environment through JAX's auto-detection (SLURM, Open MPI; Kubernetes needs the `kubernetes`
+package, so our Kubernetes example sets the variables). The host id is the stable name the
+health record uses: a process's JAX id is renumbered on every relaunch, its host is not.
 Everything here but `initialize` runs before JAX is imported, so a bad value is reported
 before any device starts.
 """

@@ -24,8 +24,7 @@ from typing import Any, Callable
 
 from resihp_jax.env_vars import PEER_LOST_ENV
 from resihp_jax.errors import HostsLeftOut, JobStepFailed, Preempted, ResihpError
-from resihp_jax.runtime.job.coordinator import leaving, lost_line
-from resihp_jax.runtime.job.coordinator import HUNG_EXIT
+from resihp_jax.runtime.job.coordinator import HUNG_EXIT, leaving, lost_line
 # what host_copies.py exits with on SIGTERM, and where resihp launch names the failure that
 # ends a job before its SIGTERM (from a JAX-free module: this one imports no JAX)
 from resihp_jax.runtime.recovery.preemption import PREEMPTED_EXIT, peer_lost

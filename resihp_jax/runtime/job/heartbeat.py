@@ -1,13 +1,9 @@
 """A process's heartbeat file: its last completed step, the deadline of the step in flight,
 and its plan, rewritten by a background thread every `interval_s`.
 
-A supervisor reads these to see progress (the job's step), to inject faults at a step, and
-to tell a frozen process from one that waits in a collective: a frozen process (stopped, or
-stuck with the interpreter blocked) stops rewriting its file, a waiting one does not.
-
-Fault gates (env_vars.FAULT_GATES_ENV, set by the supervisor when it injects faults): once
-a process has told the step it finished it waits at that step's gate, beating all the while,
-until the supervisor has injected the step's faults (faults/processes.py).
+A supervisor reads these to see progress, to inject faults at a step (at its fault gate,
+faults/processes.py), and to tell a frozen process (stopped, or the interpreter blocked: its
+file goes stale) from one waiting in a collective (it keeps beating).
 """
 
 from __future__ import annotations

@@ -46,19 +46,17 @@ class Job:
     def excluded_here(self) -> list[str]:
         return sorted(h for h in self.hosts if h in self.record.excluded)
 
-    def host_of(self, device_id: int) -> str:
-        import jax  # noqa: PLC0415
-
-        return self.hosts[next(d.process_index for d in jax.devices() if d.id == device_id)]
-
     def record_slowdown(self, device_ids: tuple[int, ...], factor: float,
                         checkpoint_dir: str | Path) -> None:
         """Process 0 notes in the health record that these devices' hosts ran `factor`
         slow, so the next incarnation plans for them from its first step."""
         if not self.primary:
             return
+        import jax  # noqa: PLC0415
+
+        process_of = {d.id: d.process_index for d in jax.devices()}
         for device in device_ids:
-            host = self.host_of(device)
+            host = self.hosts[process_of[device]]
             self.record.slow[host] = max(factor, self.record.slow.get(host, 1.0))
         health_record.save(self.record, checkpoint_dir)
 

@@ -1,7 +1,5 @@
-"""What a local launch (`resihp launch`: supervisor.py) is given and what it reports: its
-configuration (`LaunchConfig`), each failure it saw (`Failure`) and the job's account
-(`Summary`).
-"""
+"""What a local launch (`resihp launch`: supervisor.py) is given (`LaunchConfig`) and what it
+reports: each failure it saw (`Failure`) and the job's account (`Summary`)."""
 
 from __future__ import annotations
 
@@ -31,24 +29,21 @@ class LaunchConfig:
     # an excluded host returns (repaired) once the job is this many steps past its
     # exclusion: the job restarts to take it in (a planned restart; None: never)
     readmit_after_steps: int | None = None
-    # the user's own command (e.g. python my_train.py ARGS), run as each process instead of
-    # `resihp train train_args`; it learns its place in the job from our variables (env_vars.py)
+    # the user's own command, run as each process instead of `resihp train train_args`; it
+    # learns its place in the job from our variables (env_vars.py)
     command: tuple[str, ...] | None = None
     # keep the likely next incarnation (one process fewer) started and compiled (standby.py)
     standby: bool = True
     # a kill or hang due at a step waits until the standby is ready, as a failure in a long
     # job finds it (benchmarks; the job must run long enough for it)
     faults_wait_for_standby: bool = False
-    # "cpu": devices_per_proc fake CPU devices per process; "gpu": devices_per_proc of the
-    # node's `gpus` per process (CUDA_VISIBLE_DEVICES), process p{i} always on the i-th share
+    # devices_per_proc fake CPU devices, or of the node's `gpus` (p{i} always on the i-th share)
     platform: str = "cpu"
     gpus: tuple[str, ...] = ()
-    # metrics destinations (`--metrics`): every process's run writes there (env_vars'
-    # METRICS_ENV), and the supervisor each relaunch: its cause, seconds to recover, steps lost
+    # `--metrics`: every process's run writes there (METRICS_ENV), the supervisor its relaunches
     metrics: tuple[str, ...] = ()
-    # a replica of a job of several (replica_job.py): its variables for every process, and a
-    # failed process replaced (the replica restarts whole, its mesh the same as its peers')
-    # instead of its host excluded
+    # a replica of a job of several (replica_job.py): its variables, and a failed process
+    # replaced (the replica restarts whole, its mesh its peers') instead of its host excluded
     extra_env: tuple[tuple[str, str], ...] = ()
     replace_failed: bool = False
 
@@ -115,8 +110,7 @@ class Summary:
     standby_rss_mb: list[float] = field(default_factory=list)  # each promoted standby's memory
     # seconds a relaunch waited for a standby that took over before it was ready
     standby_waits_s: list[float] = field(default_factory=list)
-    # each slowdown once lifted: how it was applied (throttle.py's mode), the slowed
-    # process's busy seconds meanwhile and the seconds it was held stopped
+    # each slowdown once lifted (ProcessFaults.throttled)
     throttled: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:

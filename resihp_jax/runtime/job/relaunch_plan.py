@@ -1,14 +1,11 @@
-"""The plan an incarnation of a job runs: the one asked for, when the devices it was given
-allow it, else the scheduler's best plan on those devices.
+"""The plan an incarnation of a job runs: the one asked for where its devices allow it, else
+the scheduler's best plan on them.
 
-A relaunch after a fail-stop comes back on fewer devices than the plan on the command line
-needs. The requested plan is then laid over the devices there are, with stand-in devices
-for the missing ones (priced as dead; the messages call them missing: their process was
-excluded, never started or did not join), and the scheduler re-plans it exactly as it would
-after a device died in place: same global batch (micro-batch count and size), new mesh, layer
-split and micro-batch split. Devices of hosts the health record saw slow are priced slow.
-A job that asked for DP replicas keeps at least two when the devices allow: every shard then
-still has a copy in another group, so the next dead process costs no step either.
+A relaunch after a fail-stop has fewer devices than the requested plan needs: the plan is laid
+over those there are, stand-ins for the missing ones priced as dead (the messages say
+missing: their process was excluded, never started or did not join), and the scheduler
+re-plans it as after a death in place, for the same global batch. Devices of hosts the health
+record saw slow are priced slow.
 """
 
 from __future__ import annotations

@@ -131,8 +131,7 @@ def foreground(pid: int) -> str | None:
 
 @dataclass
 class Standby:
-    """The supervisor's handle on a standby: its processes (by process id), its own
-    coordination service, and the directory of its go and ready files."""
+    """The supervisor's handle on a standby: its processes, coordination service, go file."""
     procs: list[subprocess.Popen]
     service: Any
     go: Path
@@ -195,9 +194,8 @@ Start = Callable[[list[str], Path, list[Path], dict[str, str]], tuple[list[subpr
 
 class StandbyKeeper:
     """The supervisor's side: at most one standby beside the running incarnation, started
-    with the supervisor's own `start` (its logs from `log`), under DIR/standby/. A promoted
-    standby that was not ready yet is reported once it is: the seconds the relaunch waited
-    for it go into `waits_s`."""
+    with the supervisor's own `start` (its logs from `log`), under DIR/standby/; `waits_s`
+    gets the seconds each relaunch waited for a standby that was not ready yet."""
 
     def __init__(self, checkpoint_dir: Path, start: Start, log: Callable[[str], Path], *,
                  enabled: bool = True, out: TextIO = sys.stderr,
@@ -232,9 +230,8 @@ class StandbyKeeper:
 
     def check(self) -> None:
         """A standby that ended on its own is dropped (never counted as a failure); one that
-        became ready goes to idle priority: its waiting and its later compiles (the likely
-        re-plans) must not take the job's cores. A promoted standby that was not ready is
-        reported once it is: how long the relaunch waited for it."""
+        became ready goes to idle priority; a promoted one that was not ready is reported
+        once it is (how long the relaunch waited)."""
         held = self.held
         if held is not None and not held.alive():
             codes = [p.poll() for p in held.procs]

@@ -83,6 +83,11 @@ class Supervisor:
         self._stop.set()
 
     # ---- one incarnation -----------------------------------------------------------------
+    def _spawn(self, hosts: list[str], beat_dir: Path) -> dict[str, subprocess.Popen]:
+        logs = [self._log(f"incarnation{self._incarnation}-{host}") for host in hosts]
+        procs, self._service = self._start(hosts, beat_dir, logs)
+        return dict(zip(hosts, procs))
+
     def _log(self, name: str) -> Path:
         logs = self.config.checkpoint_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -127,9 +132,7 @@ class Supervisor:
             return held.promote(live)
         if self._incarnation > 0:
             self.summary.relaunched_by.append("fresh")
-        logs = [self._log(f"incarnation{self._incarnation}-{host}") for host in live]
-        procs, self._service = self._start(live, beat_dir, logs)
-        return dict(zip(live, procs))
+        return self._spawn(live, beat_dir)
 
     def _peer_lost_file(self) -> Path:
         """Where `_end` names a failure for the processes it then ends (PEER_LOST_ENV)."""

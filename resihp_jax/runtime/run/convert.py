@@ -27,7 +27,7 @@ from resihp_jax.models.optimizer import AdamWConfig
 from resihp_jax.runtime.recovery.checksum import leaf_shapes, state_checksums
 from resihp_jax.runtime.recovery.run_identity import retired_layout
 from resihp_jax.runtime.run.model_identity import path_names
-from resihp_jax.runtime.run.programs import ModelPrograms, preset_programs
+from resihp_jax.runtime.run.programs import preset_programs
 from resihp_jax.step.program import TrainState
 
 # the built-in decoder's name of each block leaf -> its path in rh.models.Llama's blocks
@@ -57,13 +57,6 @@ def retired_optimizer(adamw: AdamWConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(adamw.grad_clip),
                        optax.adamw(adamw.schedule(), b1=adamw.b1, b2=adamw.b2,
                                    weight_decay=adamw.weight_decay))
-
-
-def target_state(programs: ModelPrograms, adamw: AdamWConfig) -> TrainState:
-    """Shapes of the decoder's state as `programs`' canonical parameters lay it out, under
-    its optimizer (`retired_optimizer`)."""
-    opt_state = jax.eval_shape(retired_optimizer(adamw).init, programs.params)
-    return TrainState(jax.ShapeDtypeStruct((), np.int32), programs.params, opt_state)
 
 
 def injected_state(retired: TrainState, optimizer: optax.GradientTransformation) -> TrainState:
@@ -137,7 +130,10 @@ def convert_checkpoint(source: Path, destination: Path, step: int | None = None,
     # the kernel is no part of the state: "dense" checks none
     _, programs = preset_programs(model, identity["batch"]["seq_len"], optimizer=adamw,
                                   attention="dense")
-    retired = converted_state(raw, target_state(programs, adamw), where)
+    # the decoder's state's shapes, laid out as `programs`' parameters, under its optimizer
+    target = TrainState(jax.ShapeDtypeStruct((), np.int32), programs.params,
+                        jax.eval_shape(retired_optimizer(adamw).init, programs.params))
+    retired = converted_state(raw, target, where)
     state = injected_state(retired, programs.optimizer)
     on_host = jax.device_put(state, jax.devices("cpu")[0])
     run = programs.identity({**identity["data"], **identity["batch"]})

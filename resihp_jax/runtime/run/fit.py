@@ -82,24 +82,19 @@ def fit(model: Any, data: Any, *, optimizer: optax.GradientTransformation, plan:
     on_step: called after every step with its StepRecord (`.step`, `.loss`, ...).
     compute_dtype: None (the parameters' own dtype, float32) or 'bfloat16' (bf16 compute from
         float32 master weights; loss, softmax statistics and gradients in float32).
-    metrics: where process 0 writes each step's scalars and each event, off the loop's path:
-        'tensorboard:DIR', 'wandb:PROJECT', 'jsonl:PATH' (or a path), an object with
-        `write(entry)`, or a list of them (default: $RESIHP_METRICS, set by `resihp launch
-        --metrics`, else none).
+    metrics: where process 0 writes, off the loop's path: 'tensorboard:DIR', 'wandb:PROJECT',
+        'jsonl:PATH' (or a path), an object with `write(entry)`, or a list (default:
+        $RESIHP_METRICS, from `resihp launch --metrics`).
     profile_steps: (first, end): a jax.profiler trace of steps first..end-1 into the metrics
         directory (TensorBoard's profile tab); `kill -USR2` traces the next 3 steps anyway.
-    resume: with a checkpoint directory, True continues from its newest state, refusing one
-        another run wrote (a changed model class or parameter shapes, optimizer, data or
-        batch shape: CheckpointError naming what changed); 'force' continues even then, and
-        prints one line naming what differed; False starts from step 0, refusing a
-        checkpoint directory that already holds checkpoints (as `resihp train` without
-        --resume does) and a job's process (a relaunched one must continue).
-    remat: what the backward recomputes: False or "none" (nothing), "projections" (keeps the
-        matmuls' outputs and the attention output a model names "context", recomputes the
-        rest), True or "full" (each stage's whole forward); "auto" (default): for each plan,
-        the first of those three whose compiled step fits the devices' memory (the devices'
-        own, or `resilience.device_memory_gb`): the memory model's pick, stepped up while
-        XLA's memory analysis of the compiled step says it does not fit; said once.
+    resume: True continues from checkpoint_dir's newest state, refusing another run's (a
+        changed model, optimizer, data or batch shape: CheckpointError naming it); 'force'
+        continues even then, naming what differed; False starts from step 0, refusing a
+        directory that holds checkpoints and a job's process (a relaunched one must continue).
+    remat: what the backward recomputes: False or "none", "projections" (keeps the matmuls'
+        outputs and the attention output a model names "context"), True or "full" (each
+        stage's forward); "auto" (default): per plan, the first of those whose compiled step
+        fits the devices' memory (theirs, or `resilience.device_memory_gb`); said once.
     """
     install()  # the start-up count includes the model's split and facts below
     started = time.time()

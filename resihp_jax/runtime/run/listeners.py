@@ -72,14 +72,12 @@ def next_deadline_s(ladder: Ladder, steps: int, done: int, predicted_s: float | 
 
 
 class Heartbeats(Listener):
-    """The heartbeat's step and the deadline of the step in flight (job/heartbeat.py): after
-    each step the next one's, after a re-plan and during long work the start-up time (the
-    next step may compile)."""
+    """The heartbeat's step (None outside a launched job) and the deadline of the step in
+    flight: after each step the next one's, after a re-plan and during long work the start-up
+    time (the next step may compile); the start-up's `phases` go with every beat."""
 
     def __init__(self, heartbeat: Any, ladder: Ladder, steps: int,
                  phases: dict[str, float]) -> None:
-        """`heartbeat`: job/heartbeat.py's (None outside a launched job); `phases`: the
-        start-up's phases, published with every beat."""
         self.heartbeat, self.ladder, self.steps, self.phases = heartbeat, ladder, steps, phases
         self.done = 0  # the newest step told
 

@@ -60,8 +60,7 @@ def path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
                  for key in path)
 
 
-def optimizer_identity(optimizer: optax.GradientTransformation, params: Any,
-                       ) -> dict[str, Any]:
+def optimizer_identity(optimizer: optax.GradientTransformation, params: Any) -> dict[str, Any]:
     """What the optimizer is, read off its state and its updates (module docstring)."""
     shapes = jax.eval_shape(optimizer.init, params)
     try:

@@ -60,17 +60,15 @@ class ProcessRun:
                  compiles_from: float | None = None, devices: Any = None,
                  fault_hook: Any = None, listeners: Sequence[Listener] = (),
                  replicas: Any = None) -> None:
-        """`programs`, `on_step`: the model's step builder and a callback after every step.
-        `compiles_from`: see RecordSink. `devices`: the devices a one-process run may use
-        and re-plan onto (default: every device; rh.fit's `devices`, where given: its
-        background compiles then prepare plans on those alone)."""
+        """`compiles_from`: see RecordSink. `devices`: those a one-process run may use and
+        re-plan onto (default: every device; where given, background compiles prepare plans
+        on those alone)."""
         import jax  # noqa: PLC0415
 
         self.config, self.job, self.data, self.out, self.phases = config, job, data, out, phases
         self.ladder, self.on_step, self.copies = ladder, on_step, copies
         self.model, self.train_cfg, self.programs = model, train_cfg, programs
         self.compiles_from = compiles_from
-        self.overhead: Overhead | None = None  # what resilience cost, once trained
         self.result: RunResult | None = None  # once trained
         self.listeners = list(listeners)  # besides the run's own (see `_listeners`)
         self.beats = Heartbeats(Heartbeat.from_env(job.spec.host_id), ladder, config.steps,
@@ -93,7 +91,11 @@ class ProcessRun:
             self.trainer.checkpointer.say = lambda line: print(line, file=out, flush=True)
         phases["compile_s"] = time.perf_counter() - t0
         self.kept = host_copies(copies, job, self.trainer.checkpointer)
-        self.sigterm = save_on_sigterm(self.trainer.checkpointer, self.kept)
+        # one process without survivors' copies: SIGTERM saves the step under way and ends
+        # the run (preemption.py); where copies are kept, they answer SIGTERM instead
+        ckpt = self.trainer.checkpointer
+        self.sigterm = (SaveOnSigterm(ckpt) if ckpt is not None and self.kept is None
+                        and jax.process_count() == 1 else None)
 
     def prepare_all(self) -> None:
         """Compile now what the trainer would compile after its first step (a warm standby,
@@ -188,9 +190,9 @@ class ProcessRun:
                 listener.close(trainer)
             # what writing the metrics cost (None: none are written)
             metrics_s = sink.metrics.metrics.seconds if sink.metrics is not None else None
-            self.overhead = trainer.overhead(sink.records, metrics_s=metrics_s)
+            overhead = trainer.overhead(sink.records, metrics_s=metrics_s)
         self.result = RunResult(sink.records, list(trainer.replans), trainer.plan,
-                                self.overhead, trainer.state, trainer.program)
+                                overhead, trainer.state, trainer.program)
         return sink.records
 
     def _on_error(self, events: Iterator[Any]) -> Iterator[Any]:
@@ -250,16 +252,6 @@ def host_copies(mode: str | None, job: Any, ckpt: Any) -> HostCopies | None:
     activate(kept)
     kept.exit_on_sigterm()
     return kept
-
-
-def save_on_sigterm(ckpt: Any, kept: HostCopies | None) -> SaveOnSigterm | None:
-    """A one-process run without survivors' copies: SIGTERM saves the step under way and
-    ends the run (preemption.py). Where copies are kept, they answer SIGTERM instead."""
-    import jax  # noqa: PLC0415
-
-    if ckpt is None or kept is not None or jax.process_count() > 1:
-        return None
-    return SaveOnSigterm(ckpt)
 
 
 def close_host_copies(kept: HostCopies | None) -> None:

@@ -125,9 +125,5 @@ def _hyperparams(opt_state: Any) -> Any:
     hyper = getattr(opt_state, "hyperparams", None)
     if isinstance(hyper, dict) and "learning_rate" in hyper:
         return hyper["learning_rate"]
-    if isinstance(opt_state, (tuple, list)):
-        for part in opt_state:
-            found = _hyperparams(part)
-            if found is not None:
-                return found
-    return None
+    parts = opt_state if isinstance(opt_state, (tuple, list)) else ()
+    return next((found for found in map(_hyperparams, parts) if found is not None), None)

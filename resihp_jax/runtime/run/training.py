@@ -45,12 +45,11 @@ class TrainingRun:
                  devices: Sequence[Any] | None = None,
                  compiles_from: float | None = None, fault_hook: Any = None,
                  listeners: Sequence[Any] = ()) -> None:
-        """`programs`: the model's step builder (runtime/run/programs.py: a user's model's or
-        a preset's, the same either way). The keywords: the batches (default: from
-        `config.data`), a callback after every step, the devices of a one-process run, when
-        its start-up began (time.time(); default: `run()`), for the count of executables
-        built on the way to the first step (`rh.fit` compiles before `run`), and (the demo's)
-        a fault hook and listeners of its own."""
+        """`programs`: the model's step builder (programs.py). The keywords: the batches
+        (default: from `config.data`), a callback after every step, the devices of a
+        one-process run, when its start-up began (time.time(), default `run()`: for the count
+        of compiles before the first step; `rh.fit` compiles earlier), and (the demo's) a
+        fault hook and listeners of its own."""
         self.model, self.train_cfg, self.requested = model, train_cfg, plan
         self.config = config
         self.spec = job or JobSpec()
@@ -59,8 +58,6 @@ class TrainingRun:
         self.phases: dict[str, float] = {}
         self.data, self.programs, self.on_step = data, programs, on_step
         self.devices = devices
-        # faults injected into the step (the demo's) and listeners of the loop's events
-        # besides the run's own (runtime/run/listeners.py)
         self.fault_hook, self.listeners = fault_hook, tuple(listeners)
         self.active: Any = None  # the loop of the current run (ProcessRun)
         self._started = compiles_from
@@ -124,8 +121,8 @@ class TrainingRun:
             run.close()  # waits for the final checkpoint
         if records:
             print(report(records), file=self.out)
-            if run.overhead is not None and job.primary:
-                print(run.overhead.describe(), file=self.out)
+            if run.result.overhead is not None and job.primary:
+                print(run.result.overhead.describe(), file=self.out)
             if job.primary and self.config.checkpoint_dir is not None:
                 from resihp_jax.runtime.recovery.host_copies import remove_copies  # noqa: PLC0415
 

@@ -72,6 +72,5 @@ def launched_link(place: ReplicaPlace, microbatches_per_replica: int, dp_in: int
         kept.append(store)  # served as long as the engine runs
         return made
 
-    link = ReplicaLink(engine, place.n_replicas, microbatches_per_replica, dp_in)
-    link.store = kept
-    return link
+    # (`engine` holds `kept`, and the link holds `engine`: the store lives as long as the link)
+    return ReplicaLink(engine, place.n_replicas, microbatches_per_replica, dp_in)

@@ -139,6 +139,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None,
                    for text in getattr(args, kind))
     check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
     directory = Path(args.checkpoint_dir or tempfile.mkdtemp(prefix="resihp-launch-"))
+    if args.replicas != 1:  # refused before anything is printed or made
+        from resihp_jax.runtime.replicas.split import check_replicas  # noqa: PLC0415
+
+        check_replicas(args.procs, args.replicas)
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts={args.max_restarts}: must be >= 0")
     metrics = metrics_destinations(args.metrics) or ()
@@ -174,8 +178,6 @@ def _run_replicas(config: LaunchConfig, n_replicas: int, out: TextIO) -> int:
     from resihp_jax.runtime.replica_job import ReplicaJob  # noqa: PLC0415
     from resihp_jax.runtime.replicas.torchft_engine import check_installed  # noqa: PLC0415
 
-    if n_replicas < 2:
-        raise ConfigError(f"--replicas={n_replicas}: must be >= 2 (or 1, the default: one job)")
     check_installed()
     job = ReplicaJob(config, n_replicas, out=sys.stderr)
     print(f"resihp launch: {n_replicas} replicas of {config.procs // n_replicas} processes, "

@@ -28,6 +28,7 @@ from resihp_jax.metrics import parse_destinations
 from resihp_jax.runtime.job.launch_types import LaunchConfig, Summary
 from resihp_jax.runtime.job.supervisor import Supervisor, free_port
 from resihp_jax.runtime.replicas.lighthouse import LighthouseProcess
+from resihp_jax.runtime.replicas.split import check_replicas
 
 
 @dataclass
@@ -74,11 +75,7 @@ def replica_metrics(metrics: tuple[str, ...], replica: int) -> tuple[str, ...]:
 def replica_configs(config: LaunchConfig, n_replicas: int, lighthouse: str
                     ) -> list[LaunchConfig]:
     """One launch of `config.procs / n_replicas` processes per replica, in a directory each."""
-    if n_replicas < 2:
-        raise ConfigError(f"--replicas={n_replicas}: a job of replicas needs at least 2")
-    if config.procs % n_replicas:
-        raise ConfigError(f"--procs={config.procs} does not split into --replicas="
-                          f"{n_replicas} equal groups")
+    check_replicas(config.procs, n_replicas)
     per = config.procs // n_replicas
     faults = split_faults(config.faults, n_replicas, per)
     return [dataclasses.replace(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from resihp_jax.errors import PlanError
+from resihp_jax.errors import ConfigError, PlanError
 from resihp_jax.plan import even_split
 from resihp_jax.scheduler.splits import min_max_split
 
@@ -27,6 +27,16 @@ def majority(n_replicas: int) -> int:
     if n_replicas < 1:
         raise PlanError(f"a job needs at least 1 replica; got {n_replicas}")
     return n_replicas // 2 + 1
+
+
+def check_replicas(procs: int, n_replicas: int) -> None:
+    """A job of `n_replicas` replicas over `procs` processes, or a ConfigError naming why not."""
+    if n_replicas < 2:
+        raise ConfigError(f"--replicas={n_replicas}: a job of replicas needs at least 2 (1, "
+                          "the default, is one job)")
+    if procs % n_replicas:
+        raise ConfigError(f"--procs={procs} does not split into --replicas={n_replicas} "
+                          "equal groups")
 
 
 def replica_slots(n_microbatches: int, n_replicas: int, dp_in: int) -> int:

@@ -52,6 +52,7 @@ class ReplicaLink:
         self._current: tuple[Any, dict[str, Any]] | None = None  # (state, data position)
         self._received: HostState | None = None
         self._fns: dict[int, ReplicaFns] = {}  # by the id of the program they were built for
+        self._grad_pieces: dict[int, PieceMap] = {}  # the gradients' layout, by the same key
 
     # ---- what the trainer calls ----------------------------------------------------------
     def before_step(self, step: int, state: Any, data_state: dict[str, Any]) -> Healed | None:
@@ -108,7 +109,9 @@ class ReplicaLink:
         fns = self._fns_for(program)
         total, grads, count = fns.sums(state.params, batch, program.splits(knobs_DxPxT),
                                        state.step)
-        grad_pieces = PieceMap.of(grads)
+        key = id(program.loss_sum_fn)  # (the layout is the program's: not walked each step)
+        grad_pieces = self._grad_pieces.get(key) or self._grad_pieces.setdefault(
+            key, PieceMap.of(grads))
         # the loss sum and token count are replicated: this process's own copy is summed
         summed = self.engine.sum_pieces([*grad_pieces.pieces(grads), total.addressable_data(0),
                                          count.addressable_data(0)])

@@ -56,7 +56,8 @@ def spare_nodes(n_gpus: int, node_size: int, mtbf_s: float, replace_s: float,
     waiting = replace_s / mtbf_s
     best, best_cost = 0, math.inf
     for k in range(most + 1):
-        covered = sum(math.exp(-waiting) * waiting ** i / math.factorial(i) for i in range(k + 1))
+        # a failure finds a spare free when fewer than k nodes await their replacement
+        covered = sum(math.exp(-waiting) * waiting ** i / math.factorial(i) for i in range(k))
         idle = k * node_size / (n_gpus + k * node_size)
         cost = idle + (1.0 - covered) * (rejoin_s + uncovered_s) / mtbf_s
         if cost < best_cost:

@@ -255,6 +255,9 @@ def test_spare_nodes_cost_least_and_stand_in_for_a_failed_node(cm) -> None:  # n
 
     assert spare_nodes(256, 8, math.inf, 600.0, 250.0) == 0  # no failures: none
     assert spare_nodes(256, 8, 86400.0, 600.0, 250.0) == 0  # 8 of 264 GPUs idle: too dear
+    # without a spare every failure costs its rejoin: 100 s every 30 minutes (5.6%) is dearer
+    # than one idle node (3%)
+    assert spare_nodes(256, 8, 1800.0, 600.0, 100.0) == 1
     many = spare_nodes(16384, 8, 1500.0, 600.0, 250.0)  # a failure every 25 min
     assert 1 <= many <= 4
     # more spares never pay less: each one added covers fewer failures

@@ -1,6 +1,6 @@
 """The event-driven simulation: one policy through one trace, throughput piecewise constant
 between events (fail-stop, replacement, fail-slow start and end, and the policy's own
-detections, clearances and deferred switches), stalls taken out of the timeline.
+detections, clearances, deferred switches and timers), stalls taken out of the timeline.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from resihp_jax.sim.cluster import ClusterModel
 from resihp_jax.sim.resihp import Ours, OursHeteroTP
 from resihp_jax.sim.peers import CheckpointRestart, FtHsdp, Greyhound, Malleus, Oobleck, ReCycle
 from resihp_jax.sim.policy import Live, SimPolicy
+from resihp_jax.sim.replicas import OursReplicas
 from resihp_jax.sim.traces import Trace
 
 POLICIES: dict[str, type[SimPolicy]] = {cls.name: cls for cls in (
-    Ours, OursHeteroTP, CheckpointRestart, FtHsdp, Oobleck, ReCycle, Greyhound, Malleus)}
+    Ours, OursHeteroTP, OursReplicas, CheckpointRestart, FtHsdp, Oobleck, ReCycle, Greyhound,
+    Malleus)}
 OURS = Ours.name
-STOP, REPLACE, SLOW_START, SLOW_END, DETECT, CLEAR, READY = range(7)
+STOP, REPLACE, SLOW_START, SLOW_END, DETECT, CLEAR, READY, WAKE = range(8)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,9 @@ class _Run:
             ready_t = max(t, self.clock.resume) + self.policy.deferred_s
             heapq.heappush(self.pending, (ready_t, READY, self.policy.generation, -1))
             self.policy.deferred_s = None
+        for at_s, key, serial in self.policy.wakeups:
+            heapq.heappush(self.pending, (at_s, WAKE, key, serial))
+        self.policy.wakeups.clear()
 
     def _handle(self, t: float, kind: int, index: int) -> tuple[float, bool]:
         tr, live, policy = self.trace, self.live, self.policy
@@ -147,6 +152,8 @@ class _Run:
             hook = functools.partial(policy.on_clear, dev)
         elif kind == READY and dev == policy.generation:
             hook = policy.on_ready
+        elif kind == WAKE:
+            hook = functools.partial(policy.on_wake, dev, episode)
         else:
             return
         self.clock.advance(t)

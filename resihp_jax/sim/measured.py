@@ -223,3 +223,47 @@ class RestartCosts:
 
 
 OUR_RESTART = RestartCosts()
+
+
+@dataclass(frozen=True)
+class ReplicaCosts:
+    """Ours with replica failure domains (`resihp launch --replicas R`, docs/DESIGN.md
+    "Replicas as failure domains"): a fail-stop ends the incarnation of the replica holding
+    the GPU only. Each figure, where it comes from (the measured ones are to be refreshed
+    from `python benchmarks/replicas.py --quick`, whose JSON line has the same keys):
+
+    - the survivors' stall: `survivor_stall_s` 1.76 s from a SIGKILL to the survivors' next
+      committed step (3 replicas of 2 processes, `tiny`, 2 CPU cores; torchft's 1.5 s
+      heartbeat timeout dominates). At GPU scale every survivor's quorum and cross-replica
+      communicators are rebuilt as FT-HSDP's are (the same kind of engine: torchft, FT-HSDP's
+      FTAR), so the survivors are charged FT-HSDP's per-failure stall as `peers.FtHsdp`
+      charges it (arXiv 2602.00277: 3 minutes at O(100K) GPUs, largely that
+      re-configuration), never less than the CPU figure.
+    - the healthy price: `replicas_over_one_job` 0.97, tokens/s with R replicas over one job
+      on the same devices; issue 71's GPU target (llama-1b), charged as if met: the GPU
+      figure is owed and the CPU one pending.
+    - the downed replica's time out, training on at (R - down) / R of the replicas, nothing
+      lost: `RestartCosts`' detect, relaunch, start, init and compile, at the replica's size
+      (its own `jax.distributed` world and NCCL communicators); then the heal, each process
+      pulling its pieces of a live peer's state (`RestartCosts.state_bytes_per_param`) over
+      torchft's HTTP transport at `heal_bytes_per_s` 4.1 GB/s (torchft pull request 106: 12 GB
+      of CUDA tensors in 2.92 s, 10 parallel chunks; this machine healed 200 MB in 2.1 s on
+      2 loaded CPU cores, shared/FT_NOTES.md; `heal_s` of the benchmark to refresh it).
+    - a replica relaunches on the same number of hosts, so its mesh stays its peers'
+      (runtime/replica_job.py `replace_failed`): on a spare node, or once its GPU is back.
+    """
+
+    survivor_stall_s: float = 1.76
+    replicas_over_one_job: float = 0.97
+    heal_bytes_per_s: float = 12e9 / 2.92
+
+    def out_terms(self, replica_gpus: int, params_per_device: float, step_s: float,
+                  restart: RestartCosts = OUR_RESTART) -> dict[str, float]:
+        """Seconds of each term of a downed replica's time out, once its GPUs are there."""
+        relaunch = restart.terms(replica_gpus, params_per_device, step_s, dp=1)
+        kept = ("detect", "relaunch", "start", "init", "compile")
+        heal = params_per_device * restart.state_bytes_per_param / self.heal_bytes_per_s
+        return {**{t: relaunch[t] for t in kept}, "heal": heal}
+
+
+REPLICAS = ReplicaCosts()

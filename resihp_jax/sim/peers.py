@@ -56,6 +56,11 @@ def sync_restart_s(n_gpus: int) -> float:
     return 120.0 + 4.8e-3 * n_gpus
 
 
+def ft_hsdp_stall_s(n_gpus: int) -> float:
+    """FT-HSDP's per-failure stall: 3 minutes at O(100K) GPUs, scaled with the restart time."""
+    return FT_HSDP_STALL_100K_S * sync_restart_s(n_gpus) / sync_restart_s(100_000)
+
+
 class CheckpointRestart(SimPolicy):
     name = "checkpoint_restart"
 
@@ -144,8 +149,7 @@ class FtHsdp(SimPolicy):
     name = "ft_hsdp"
 
     def stop_terms(self) -> dict[str, float]:
-        scale = sync_restart_s(self.cm.n_gpus) / sync_restart_s(100_000)
-        return {"drop replica": FT_HSDP_STALL_100K_S * scale}
+        return {"drop replica": ft_hsdp_stall_s(self.cm.n_gpus)}
 
     def rate(self) -> float:
         dropped = {self.replica_of(d) for d in self.live.dead}

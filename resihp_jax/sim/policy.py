@@ -50,6 +50,9 @@ class SimPolicy:
         # `deferred_s` after each hook and calls `on_ready` then, unless `generation` moved on
         self.deferred_s: float | None = None
         self.generation = 0
+        # timers of their own (a replica's rejoin): (time, key, serial) the engine calls
+        # `on_wake(key, serial)` at; the policy ignores a serial it has moved past
+        self.wakeups: list[tuple[float, int, int]] = []
 
     # ---- hooks (return stall seconds) ------------------------------------------------
     def on_stop(self, device: int, replace_at_s: float, now_s: float) -> float:
@@ -78,6 +81,10 @@ class SimPolicy:
 
     def on_ready(self) -> float:
         """A deferred switch's program is ready: switch (returns the stall)."""
+        return 0.0
+
+    def on_wake(self, key: int, serial: int) -> float:
+        """A timer of `wakeups` is due (returns the stall)."""
         return 0.0
 
     def rate(self) -> float:

@@ -53,3 +53,7 @@ REPLICAS_ENV = "RESIHP_REPLICAS"
 LIGHTHOUSE_ENV = "RESIHP_LIGHTHOUSE"
 # HOST:PORT of the replica's own store, served by its process 0; set and read as REPLICA_ENV
 REPLICA_STORE_ENV = "RESIHP_REPLICA_STORE"
+# "1" in a relaunched replica: its JSON lines metrics keep what its earlier incarnations
+# wrote (it heals to its peers' step, training none of the steps again); the launcher
+# (runtime/job/supervisor.py) and a cluster recipe; metrics/sink.py
+REPLICA_REJOIN_ENV = "RESIHP_REPLICA_REJOIN"

@@ -35,6 +35,7 @@ PROCESS_FILES = frozenset({
     "tests/runtime/recovery/test_local_copies_multiprocess.py",
     "tests/runtime/replicas/test_torchft_engine.py",
     "tests/runtime/test_replica_job.py",
+    "tests/cli/test_replica_recipes.py",
     "tests/runtime/trainer/test_agreement.py",
 })
 

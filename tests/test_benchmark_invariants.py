@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # chaos.py imports its sibling train_subprocess
 
 from benchmarks import chaos, cluster, gpu_suite, multiprocess, replan_quality  # noqa: E402
-from benchmarks import resilience_price, user_slow  # noqa: E402
+from benchmarks import replicas, resilience_price, user_slow  # noqa: E402
 from benchmarks.invariants import (batches_match, every_step_once, losses_equal,  # noqa: E402
                                    max_rel_diff, step_gaps, verdict)
 
@@ -299,3 +299,55 @@ def test_slurm_faults_fails_on_a_fault_not_fired_a_job_not_done_a_step_or_a_batc
         assert exited.value.code == 2 and len(err.splitlines()) == 1 and said in err, err
     assert slurm_faults.parse_args(["--quick"]).preempt is False
     assert slurm_faults.parse_args(["--quick", "--preempt"]).preempt is True
+
+
+def _replicas_row(steps: int = 12, kill_at: int = 3, back_at: int = 8) -> tuple[dict, list]:
+    """A replicas run as replicas.py reads it: replica 1 killed after step `kill_at`, healed
+    back at step `back_at`; the reference's records; every invariant holding."""
+    from resihp_jax.runtime.job.launch_types import Failure, Summary
+    from resihp_jax.runtime.replica_job import ReplicaSummary
+
+    reference = [{"step": s, "loss": 10.0 / s, "batch_crc": 1000 + s,
+                  "end_unix_s": float(s)} for s in range(1, steps + 1)]
+    killed = [dict(r) for r in reference if r["step"] <= kill_at or r["step"] >= back_at]
+    sums = [Summary(), Summary(restarts=1, failures=[Failure("died", "p0", kill_at, 0.1, "")]),
+            Summary()]
+    logs = {0: "", 2: "", 1: f"replicas: healed from a live peer to step {back_at - 1} in "
+                             f"0.50 s (1.0 MB this process)\nreplicas: step {back_at - 1}: "
+                             "parameters equal across the quorum's 3 replicas"}
+    row = {"summary": ReplicaSummary(sums), "records": [[dict(r) for r in reference], killed,
+                                                         [dict(r) for r in reference]],
+           "logs": logs}
+    return row, reference
+
+
+def _replicas_code(row: dict, reference: list, steps: int = 12) -> tuple[int, str]:
+    rep = replicas.replica_account(row, reference, steps, 3, None)
+    job = {"kill": {"fault_fired": True, "every_step_once": True, "losses_rel_diff": 0.0}}
+    return _verdict(*replicas.invariants(rep, job))
+
+
+def test_replicas_fails_on_a_restarted_peer_a_step_a_batch_a_loss_or_unequal_params() -> None:
+    row, reference = _replicas_row()
+    rep = replicas.replica_account(row, reference, 12, 3, None)
+    assert rep["steps_trained_while_down"] == 4 and rep["heal_s"] == 0.5
+    assert rep["other_replicas_restarted"] == 0 and rep["params_equal_after_heal"]
+    assert _replicas_code(row, reference) == (0, "")
+    broken = copy.deepcopy(row)
+    broken["summary"].replicas[2].restarts = 1  # a replica without a fault restarted
+    assert "other_replicas_restarted_0 broken" in _replicas_code(broken, reference)[1]
+    broken = copy.deepcopy(row)
+    del broken["records"][0][5], broken["records"][2][5]  # step 6 trained by nobody
+    assert "every_step_once broken" in _replicas_code(broken, reference)[1]
+    broken = copy.deepcopy(row)
+    broken["records"][0][4]["batch_crc"] = 7  # step 5 on another batch
+    assert "batches_match broken" in _replicas_code(broken, reference)[1]
+    broken = copy.deepcopy(row)
+    broken["records"][2][6]["loss"] *= 1.001
+    assert "losses_equal broken" in _replicas_code(broken, reference)[1]
+    broken = copy.deepcopy(row)
+    broken["logs"][1] = broken["logs"][1].replace("parameters equal", "parameters differ")
+    assert "params_equal_after_heal broken" in _replicas_code(broken, reference)[1]
+    broken = copy.deepcopy(row)
+    broken["summary"].replicas[1].failures = []  # the kill never fired
+    assert "faults_fired broken" in _replicas_code(broken, reference)[1]

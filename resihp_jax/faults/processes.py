@@ -76,18 +76,21 @@ class ProcessFaults:
 
     `procs` below are the running incarnation's processes by host (anything with a `pid`).
     `hold`, when given, holds kills and hangs back while it says so (a launcher waiting for
-    its standby to be ready); slowdowns are never held. Each fault is recorded as it is
+    its standby to be ready); slowdowns are never held. `hold_at_gate`: the processes wait at
+    a held fault's gate (the job is held there), else they go on and the fault lands at the
+    first step the hold allows, wherever the processes are in it (a job of replicas: a
+    replica held at a gate would hold its peers' quorums). Each fault is recorded as it is
     injected (`injected`), each slowdown once lifted (`throttled`: how it was applied, the
     process's busy seconds meanwhile and the seconds it was held stopped)."""
 
     def __init__(self, faults: Sequence[Fault], gates: Path, *, out: TextIO = sys.stderr,
                  clock: Callable[[], float] = time.monotonic,
-                 hold: Callable[[], bool] | None = None,
+                 hold: Callable[[], bool] | None = None, hold_at_gate: bool = True,
                  injected: list[str] | None = None, throttled: list[dict] | None = None,
                  send: Callable[[int, int], None] = signal_group,
                  throttle: Callable[[int, float], Any] = Throttle) -> None:
         self.faults, self.gates = tuple(faults), Path(gates)
-        self.out, self.clock, self._hold = out, clock, hold
+        self.out, self.clock, self._hold, self._hold_at_gate = out, clock, hold, hold_at_gate
         self.injected = [] if injected is None else injected
         self.throttled = [] if throttled is None else throttled
         self._send, self._throttle = send, throttle
@@ -165,8 +168,10 @@ class ProcessFaults:
 
     def _open_gates(self, procs: Mapping[str, Any], step: int) -> bool:
         live, waiting = list(procs), set()
+        passing = not self._hold_at_gate and self._hold is not None and self._hold()
         for fault in self.faults:
-            if fault not in self._fired and fault.host_in(live) in procs:
+            if fault not in self._fired and fault.host_in(live) in procs and \
+                    not (passing and fault.kind != "slow"):
                 waiting.add(fault.step)
         for fault in self.faults:
             if fault.step <= step and fault.step not in waiting:

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from resihp_jax.env_vars import METRICS_ENV
+from resihp_jax.env_vars import METRICS_ENV, REPLICA_ENV
 from resihp_jax.errors import ConfigError
 
 VALID = ("tensorboard:DIR, wandb:PROJECT (or ENTITY/PROJECT), jsonl:PATH, a file path "
@@ -38,6 +38,25 @@ def launched_metrics(environ: Any = None) -> tuple[str, ...] | None:
     text = (os.environ if environ is None else environ).get(METRICS_ENV, "")
     found = tuple(line for line in text.splitlines() if line.strip())
     return found or None
+
+
+def for_replica(destinations: tuple[Destination, ...], environ: Any = None
+                ) -> tuple[Destination, ...]:
+    """In a replica of a job of replicas (REPLICA_ENV), a JSON lines file and a TensorBoard
+    directory of its own (`steps.jsonl` -> `steps.replica1.jsonl`, DIR -> DIR/replica1): the
+    replicas are given the same destinations and each writes every step. Elsewhere unchanged."""
+    replica = (os.environ if environ is None else environ).get(REPLICA_ENV)
+    if replica is None:
+        return destinations
+    out = []
+    for d in destinations:
+        if d.kind == "jsonl":
+            root, ext = os.path.splitext(str(d.target))
+            d = Destination("jsonl", f"{root}.replica{replica}{ext}")
+        elif d.kind == "tensorboard":
+            d = Destination("tensorboard", os.path.join(str(d.target), f"replica{replica}"))
+        out.append(d)
+    return tuple(out)
 
 
 def parse_destinations(metrics: Any, name: str = "metrics") -> tuple[Destination, ...]:

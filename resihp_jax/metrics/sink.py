@@ -8,14 +8,17 @@ as an event.
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
 import time
 from typing import Any, Callable
 
+from resihp_jax.env_vars import REPLICA_REJOIN_ENV
 from resihp_jax.errors import ConfigError
-from resihp_jax.metrics.destinations import Destination, metrics_directory, parse_destinations
+from resihp_jax.metrics.destinations import (Destination, for_replica, metrics_directory,
+                                             parse_destinations)
 from resihp_jax.metrics.entry import MetricsEntry, gain_entry
 from resihp_jax.metrics.profile import Profiler, check_steps
 from resihp_jax.metrics.writers import JsonlWriter, first_line, open_writer
@@ -34,7 +37,7 @@ class Metrics:
     def __init__(self, destinations: Any, *, start: int = 0, start_record: dict | None = None,
                  name: str | None = None, profile_steps: Any = None,
                  say: Callable[[str], None] | None = None, signal_profile: bool = True) -> None:
-        self.destinations: tuple[Destination, ...] = parse_destinations(destinations)
+        self.destinations: tuple[Destination, ...] = for_replica(parse_destinations(destinations))
         self.say = say or _stderr
         steps = check_steps(profile_steps)
         self.directory = metrics_directory(self.destinations)
@@ -45,7 +48,8 @@ class Metrics:
         self.loop_s = 0.0  # the loop's time handing entries over
         self.writer_s = 0.0  # the metrics thread's time writing
         self.written = 0
-        self._writers: list[Any] = [JsonlWriter(str(d.target), start, start_record)
+        rejoin = os.environ.get(REPLICA_REJOIN_ENV) == "1"
+        self._writers: list[Any] = [JsonlWriter(str(d.target), start, start_record, rejoin)
                                     for d in self.destinations if d.kind == "jsonl"]
         self._to_open = [d for d in self.destinations if d.kind != "jsonl"]
         self._name = name

@@ -91,8 +91,9 @@ def wandb_mode() -> str:
 class JsonlWriter:
     """Each step's whole record as one JSON line (events are for the dashboards)."""
 
-    def __init__(self, path: str, start: int = 0, start_record: dict | None = None) -> None:
-        self.file = metrics_file(path, start, start_record)
+    def __init__(self, path: str, start: int = 0, start_record: dict | None = None,
+                 rejoin: bool = False) -> None:
+        self.file = metrics_file(path, start, start_record, rejoin)
 
     def write(self, entry: MetricsEntry) -> None:
         if entry.kind == "step" and entry.record is not None:
@@ -103,9 +104,13 @@ class JsonlWriter:
         self.file.close()
 
 
-def metrics_file(path: str, start: int, start_record: dict | None = None) -> TextIO:
+def metrics_file(path: str, start: int, start_record: dict | None = None,
+                 rejoin: bool = False) -> TextIO:
     """`path` opened for appending after keeping only the records of steps <= `start`
-    (with `start_record` added if the record of step `start` is not among them)."""
+    (with `start_record` added if the record of step `start` is not among them); `rejoin`:
+    a relaunched replica, which keeps every record (it heals past them, training none again)."""
+    if rejoin:
+        return open(path, "a")  # noqa: SIM115
     if start == 0:
         return open(path, "w")  # noqa: SIM115
     try:

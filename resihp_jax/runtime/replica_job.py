@@ -18,13 +18,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, TextIO
 
 from resihp_jax.env_vars import LIGHTHOUSE_ENV, REPLICA_ENV, REPLICA_STORE_ENV, REPLICAS_ENV
 from resihp_jax.errors import ConfigError
 from resihp_jax.faults.processes import Fault
-from resihp_jax.metrics import parse_destinations
 from resihp_jax.runtime.job.launch_types import LaunchConfig, Summary
 from resihp_jax.runtime.job.supervisor import Supervisor, free_port
 from resihp_jax.runtime.replicas.lighthouse import LighthouseProcess
@@ -57,21 +55,6 @@ def split_faults(faults: tuple[Fault, ...], n_replicas: int, per_replica: int
     return [tuple(f) for f in out]
 
 
-def replica_metrics(metrics: tuple[str, ...], replica: int) -> tuple[str, ...]:
-    """The launch's metrics destinations for one replica: a JSON lines file and a TensorBoard
-    directory of its own (`steps.jsonl` -> `steps.replica1.jsonl`, DIR -> DIR/replica1)."""
-    out = []
-    for text, dest in zip(metrics, parse_destinations(metrics, "--metrics")):
-        if dest.kind == "jsonl":
-            path = Path(dest.target)
-            out.append(str(path.with_name(f"{path.stem}.replica{replica}{path.suffix}")))
-        elif dest.kind == "tensorboard":
-            out.append(f"tensorboard:{Path(dest.target) / f'replica{replica}'}")
-        else:
-            out.append(text)
-    return tuple(out)
-
-
 def replica_configs(config: LaunchConfig, n_replicas: int, lighthouse: str
                     ) -> list[LaunchConfig]:
     """One launch of `config.procs / n_replicas` processes per replica, in a directory each."""
@@ -81,7 +64,6 @@ def replica_configs(config: LaunchConfig, n_replicas: int, lighthouse: str
     return [dataclasses.replace(
         config, procs=per, checkpoint_dir=config.checkpoint_dir / f"replica{r}",
         faults=faults[r], standby=False, replace_failed=True,
-        metrics=replica_metrics(config.metrics, r),
         # a replica's survivors need not write copies: its peers hold the state
         grace_s=min(config.grace_s, 5.0),
         extra_env=(*config.extra_env, (REPLICA_ENV, str(r)), (REPLICAS_ENV, str(n_replicas)),
@@ -98,7 +80,10 @@ class ReplicaJob:
         self.lighthouse = LighthouseProcess(n_replicas, free_port(),
                                             config.checkpoint_dir / "lighthouse.log")
         self.configs = replica_configs(config, n_replicas, self.lighthouse.address)
-        self.supervisors = [Supervisor(c, out=out, clock=clock) for c in self.configs]
+        # the job's faults land one at a time: each once every replica trains (a fault due
+        # while a replica is still down waits, the processes going on meanwhile)
+        self.supervisors = [Supervisor(c, out=out, clock=clock, fault_hold=self._one_down)
+                            for c in self.configs]
         self._finished = threading.Event()  # a replica trained the whole run
 
     def run(self) -> ReplicaSummary:
@@ -124,6 +109,9 @@ class ReplicaJob:
                 thread.join()
             self.lighthouse.stop()
         return summary
+
+    def _one_down(self) -> bool:
+        return not all(s.training for s in self.supervisors)
 
     def _supervise(self, replica: int, summary: ReplicaSummary) -> None:
         try:

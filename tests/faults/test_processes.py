@@ -77,6 +77,25 @@ def test_a_held_fault_keeps_the_job_at_its_gate_and_a_slowdown_is_never_held(
          "busy_s": 1.25, "stopped_s": 2.5}]
 
 
+def test_a_fault_held_off_the_gate_lets_the_job_go_on_and_lands_once_released(
+        tmp_path: Path) -> None:
+    """A job of replicas: a fault due while another replica is down waits, and the
+    processes train on past its step meanwhile."""
+    held = [True]
+    faults = ProcessFaults((Fault("hang", 1, 3),), tmp_path / "gates", out=io.StringIO(),
+                           hold=lambda: held[0], hold_at_gate=False,
+                           send=lambda pid, sig: sent.append((pid, sig)))
+    sent: list[tuple[int, int]] = []
+    faults.close_gates()
+    procs = _procs("p0", "p1")
+    assert not faults.inject(procs, 3)  # held, but not at its gate: the job goes on
+    assert sent == [] and not gate_path(faults.gates, 3).exists()
+    assert not faults.inject(procs, 5) and sent == []
+    held[0] = False
+    faults.inject(procs, 6)  # released: it lands at the step the job is at
+    assert sent == [(101, signal.SIGSTOP)] and faults.injected == ["step 6: hang p1"]
+
+
 def test_a_fault_by_rank_strikes_the_running_incarnation_and_lift_all_frees_the_slowed(
         tmp_path: Path) -> None:
     faults, sent, _ = _faults(tmp_path, Fault("hang", 1, 1, by_rank=True), Fault("slow", 0, 1, 2.0))

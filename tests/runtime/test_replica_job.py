@@ -13,7 +13,8 @@ from resihp_jax.env_vars import LIGHTHOUSE_ENV, REPLICA_ENV, REPLICA_STORE_ENV, 
 from resihp_jax.errors import ConfigError
 from resihp_jax.faults.processes import Fault
 from resihp_jax.runtime.job.launch_types import LaunchConfig
-from resihp_jax.runtime.replica_job import replica_configs, replica_metrics
+from resihp_jax.metrics.destinations import for_replica, parse_destinations
+from resihp_jax.runtime.replica_job import replica_configs
 
 
 def _config(tmp_path: Path, procs: int = 6, **kw) -> LaunchConfig:
@@ -37,9 +38,12 @@ def test_each_replica_gets_its_processes_faults_directory_and_variables(tmp_path
 
 
 def test_each_replica_writes_metrics_of_its_own(tmp_path: Path) -> None:
-    got = replica_metrics((str(tmp_path / "steps.jsonl"), f"tensorboard:{tmp_path / 'tb'}"), 2)
-    assert got == (str(tmp_path / "steps.replica2.jsonl"),
-                   f"tensorboard:{tmp_path / 'tb' / 'replica2'}")
+    given = parse_destinations((str(tmp_path / "steps.jsonl"), f"tensorboard:{tmp_path / 'tb'}",
+                                "wandb:proj"))
+    got = for_replica(given, {REPLICA_ENV: "2"})
+    assert [d.target for d in got] == [str(tmp_path / "steps.replica2.jsonl"),
+                                       str(tmp_path / "tb" / "replica2"), "proj"]
+    assert for_replica(given, {}) == given  # a run outside a job of replicas: unchanged
 
 
 @pytest.mark.parametrize("procs, replicas, message", [

@@ -28,6 +28,9 @@ class Beat:
     phases: dict[str, float] = field(default_factory=dict)  # start-up breakdown, seconds
     source: str = ""  # where the incarnation's state came from, e.g. "survivors@12"
     since: float = 0.0  # wall clock of the update that set this step and deadline
+    # a replica's process waiting on its peers' quorum: a frozen process of its own replica
+    # (which the quorum waits for) is then hung at once, whatever the deadline
+    waiting: bool = False
 
 
 class Heartbeat:
@@ -50,9 +53,10 @@ class Heartbeat:
         return cls(directory, host, gates=os.environ.get(FAULT_GATES_ENV)) if directory else None
 
     def update(self, step: int, deadline_s: float, plan: str,
-               phases: dict[str, float] | None = None) -> None:
+               phases: dict[str, float] | None = None, waiting: bool = False) -> None:
         self._state = {"step": int(step), "deadline_s": float(deadline_s), "plan": plan,
-                       "phases": dict(phases or self._state["phases"]), "since": time.time()}
+                       "phases": dict(phases or self._state["phases"]), "since": time.time(),
+                       "waiting": waiting}
         self._updated = True
         self._write()
         if self.gates is not None:

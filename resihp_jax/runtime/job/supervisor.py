@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from resihp_jax.env_vars import (CHECKPOINT_DIR_ENV, EXTERNAL_SERVICE_ENV, HEARTBEAT_DIR_ENV,
-                                 JOB_SPEC_ENV, METRICS_ENV, PEER_LOST_ENV)
+                                 JOB_SPEC_ENV, METRICS_ENV, PEER_LOST_ENV, REPLICA_ENV,
+                                 REPLICA_REJOIN_ENV)
 from resihp_jax.errors import ConfigError
 from resihp_jax.faults.processes import ProcessFaults, signal_group
 from resihp_jax.metrics import Destination, Metrics, parse_destinations
+from resihp_jax.metrics.destinations import for_replica
 from resihp_jax.metrics.entry import relaunch_entry
 from resihp_jax.runtime.job import distributed, heartbeat
 from resihp_jax.runtime.job.blame import PLANNED_EXITS, Blame
@@ -37,13 +39,14 @@ from resihp_jax.runtime.job.standby import StandbyKeeper
 from resihp_jax.runtime.recovery import health_record
 
 
-def _launch_destinations(metrics: tuple[str, ...]) -> tuple[Destination, ...]:
+def _launch_destinations(metrics: tuple[str, ...], env: dict[str, str]
+                         ) -> tuple[Destination, ...]:
     """Where the supervisor writes its relaunches: a TensorBoard directory's `launch` run
-    (beside the job's, never in the same files), W&B runs named `launch`; JSON lines files
-    hold steps only."""
+    (beside the job's, never in the same files; a replica's beside its own), W&B runs named
+    `launch`; JSON lines files hold steps only."""
     return tuple(Destination("tensorboard", str(Path(d.target) / "launch"))
                  if d.kind == "tensorboard" else d
-                 for d in parse_destinations(metrics, "--metrics")
+                 for d in for_replica(parse_destinations(metrics, "--metrics"), env)
                  if d.kind in ("tensorboard", "wandb"))
 
 
@@ -55,7 +58,10 @@ def free_port() -> int:
 
 class Supervisor:
     def __init__(self, config: LaunchConfig, out: TextIO = sys.stderr,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 fault_hold: Callable[[], bool] | None = None) -> None:
+        """`fault_hold`: kills and hangs wait while it says so, without holding the processes
+        at the fault's step (a job of replicas: a fault lands once every replica trains)."""
         self.config, self.out, self.clock = config, out, clock
         self.summary = Summary()
         self._last_detected = 0.0  # when the last failure was detected
@@ -71,11 +77,14 @@ class Supervisor:
         wait = config.faults_wait_for_standby and config.keeps_standby
         self.faults = ProcessFaults(config.faults, config.checkpoint_dir / "fault_gates",
                                     out=out, clock=clock,
-                                    hold=(lambda: not self.standby.ready()) if wait else None,
+                                    hold=fault_hold or ((lambda: not self.standby.ready())
+                                                        if wait else None),
+                                    hold_at_gate=fault_hold is None,
                                     injected=self.summary.injected,
                                     throttled=self.summary.throttled)
         self.blame = Blame(config.stale_s, self.faults.since)
         self._stop = threading.Event()  # `stop`: end the job's processes, no relaunch
+        self.training = False  # the running incarnation has trained a step
 
     def stop(self) -> None:
         """End this job at the next poll, as finished (a job of replicas whose peers finished
@@ -105,6 +114,8 @@ class Supervisor:
                    **self.faults.env(), **dict(cfg.extra_env), **(extra_env or {}))
         if cfg.metrics:
             env[METRICS_ENV] = "\n".join(cfg.metrics)
+        if self._incarnation and REPLICA_ENV in env:  # its records before the heal stay
+            env[REPLICA_REJOIN_ENV] = "1"
         procs = []
         for index, (host, path) in enumerate(zip(hosts, logs)):
             log = open(path, "w")  # noqa: SIM115
@@ -160,6 +171,7 @@ class Supervisor:
         """Until every process exits 0 (None) or one fails; also the job's last step."""
         cfg = self.config
         step, advanced_at, started = start_step, self.clock(), False
+        self.training = False
         beats: dict[str, heartbeat.Beat] = {}
         while True:
             time.sleep(cfg.poll_s)
@@ -175,6 +187,7 @@ class Supervisor:
                     self._relaunched(now_step)
                     self.standby.start(len(procs), self._incarnation + 1)
                 step, advanced_at, started = now_step, self._advanced_at(beats, now_step), True
+                self.training = True
             self.standby.check()
             if failed and set(failed.values()) <= PLANNED_EXITS:
                 # a re-plan left processes out: all exit on their own, those left out with
@@ -201,10 +214,18 @@ class Supervisor:
             # model, with their floor); their own step deadlines use the same figure
             limit = cfg.startup_s if not started else \
                 max((b.deadline_s for b in beats.values()), default=cfg.startup_s)
-            if self.clock() - advanced_at > limit:
-                hung = self.blame.hung(beats, step, limit)
+            if self.clock() - advanced_at > limit or self._frozen_while_waited_on(beats):
+                hung = self.blame.hung(beats, step, min(limit, self.clock() - advanced_at))
                 hung.stalled_s = self.clock() - advanced_at
                 return hung, step, beats
+
+    def _frozen_while_waited_on(self, beats: dict[str, heartbeat.Beat]) -> bool:
+        """A process of a replica waits on its peers' quorum while another of its own
+        processes is frozen (the quorum waits for that one: its replica never joins)."""
+        if not any(b.waiting for b in beats.values()):
+            return False
+        now = time.time()
+        return any(now - b.time > self.config.stale_s for b in beats.values())
 
     def _relaunched(self, step: int) -> None:
         """The relaunched incarnation trained its first step: write the relaunch."""
@@ -224,7 +245,7 @@ class Supervisor:
 
     # ---- the job -------------------------------------------------------------------------
     def run(self) -> Summary:
-        destinations = _launch_destinations(self.config.metrics)
+        destinations = _launch_destinations(self.config.metrics, dict(self.config.extra_env))
         if destinations:
             self.metrics = Metrics(destinations, name="launch", signal_profile=False,
                                    say=lambda line: print(line, file=self.out, flush=True))
@@ -258,6 +279,7 @@ class Supervisor:
                 self.summary.steps_lost += self._steps_lost
             self._first_progress_at: float | None = None
             failure, step, beats = self._watch(procs, beat_dir, first)
+            self.training = False  # (until the next incarnation trains: a fault waits)
             detected_at = self.clock() if failure is not None else None
             self._end(procs, failure, beats)
             if failure is not None:

@@ -53,19 +53,34 @@ class StepPrograms(Protocol):
         ...
 
 
+# a built program compiled: (the program to run, the executable whose memory it needs);
+# `warn_over_memory` as StepProgram.adopt_compiled's
+CompileFn = Callable[[StepProgram, bool], tuple[StepProgram, Any]]
+
+
+def _compile_step(program: StepProgram, warn_over_memory: bool) -> tuple[StepProgram, Any]:
+    """The program's one step compiled now (what runs, and what needs the memory)."""
+    compiled = compile_step(program, warn_over_memory=warn_over_memory)
+    return compiled, compiled.step_fn
+
+
 class ProgramKeeper:
     """Compiles, keeps and prepares a trainer's programs; holds the one running now.
 
     `instrument`: the Instrument every program calls (one host, so a program compiled ahead
     needs no rebuild when its plan becomes current); `faults`: a fault hook acts through its
-    callbacks; `staging`: the host buffers a move onto a prepared mesh fills. Builds and
-    installs `plan`'s step now; its layout moves wait for `start_background`."""
+    callbacks; `staging`: the host buffers a move onto a prepared mesh fills; `compile_fn`:
+    how a built program is compiled (default: its one step; a replica compiles the programs
+    it runs instead, runtime/replicas/link.py). Builds and installs `plan`'s step now; its
+    layout moves wait for `start_background`."""
 
     def __init__(self, model: ModelFacts, train_cfg: StepConfig, plan: Plan,
                  devices: Sequence[jax.Device], programs: StepPrograms, config: ResilienceConfig,
                  instrument: Instrument, *, faults: bool, staging: HostStaging,
-                 on_install: Callable[[Plan], None]) -> None:
+                 on_install: Callable[[Plan], None],
+                 compile_fn: CompileFn | None = None) -> None:
         self.model, self.train_cfg, self.devices = model, train_cfg, devices
+        self._compile = compile_fn or _compile_step
         self.programs, self.config, self.staging = programs, config, staging
         self._instrument, self._faults, self._on_install = instrument, faults, on_install
         self._cache_dir = enable_compilation_cache(config.compile_cache_dir)
@@ -112,15 +127,15 @@ class ProgramKeeper:
             return self.programs(cfg, plan, self.devices, instrument)
 
         if train_cfg.remat != REMAT_AUTO:
-            program = compile_step(build(train_cfg))
+            program, _ = self._compile(build(train_cfg), True)
         else:  # the policy that fits this mesh (remat_choice.py)
             memory_gb = self.memory_gb or DEFAULT_DEVICE_MEMORY_GB
-            program, policy, why = within_memory(
-                lambda policy, last: compile_step(build(train_cfg.replace(remat=policy)),
-                                                  warn_over_memory=last),
+            (program, _), policy, why = within_memory(
+                lambda policy, last: self._compile(build(train_cfg.replace(remat=policy)),
+                                                   last),
                 remat_for_memory(self.model, plan, memory_gb),
                 self.memory_gb * 2**30 if self.memory_gb else None,
-                lambda program: compiled_bytes(program.step_fn))
+                lambda compiled: compiled_bytes(compiled[1]))
             self.remat_chosen[plan.mesh_key()] = (policy, why)  # any thread: one key, one write
         return compile_program(program) if layouts else program
 

@@ -7,9 +7,11 @@ and form a new quorum (torchft_engine.py retries a quorum the restart broke).
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -21,7 +23,9 @@ from resihp_jax.runtime.replicas.torchft_engine import INSTALL, Timeouts
 
 def lighthouse_command(n_replicas: int, port: int, timeouts: Timeouts,
                        tick_ms: int = 50) -> list[str]:
-    found = shutil.which("torchft_lighthouse")
+    # beside this Python first: a virtual environment's commands are there, activated or not
+    found = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or \
+        shutil.which("torchft_lighthouse")
     if found is None:
         raise ConfigError(f"--replicas needs torchft's torchft_lighthouse command: {INSTALL}")
     return [found, "--min_replicas", str(majority(n_replicas)), "--bind", f"[::]:{port}",

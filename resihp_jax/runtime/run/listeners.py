@@ -8,6 +8,7 @@ the event does not carry; a listener may return a changed record, which the ones
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 if TYPE_CHECKING:  # (the demo's command line imports this before JAX may start)
@@ -80,15 +81,28 @@ class Heartbeats(Listener):
                  phases: dict[str, float]) -> None:
         self.heartbeat, self.ladder, self.steps, self.phases = heartbeat, ladder, steps, phases
         self.done = 0  # the newest step told
+        self.deadline_s = 0.0  # the step in flight's, as last told
+        self._waiting_from = 0.0  # when a wait on the replicas' quorum was said
 
-    def beat(self, step: int, deadline_s: float, plan: Any) -> None:
-        self.done = step
+    def beat(self, step: int, deadline_s: float, plan: Any, waiting: bool = False) -> None:
+        self.done, self.deadline_s = step, deadline_s
         if self.heartbeat is not None:
-            self.heartbeat.update(step, deadline_s, plan.describe(), self.phases)
+            self.heartbeat.update(step, deadline_s, plan.describe(), self.phases, waiting)
 
     def long_work(self, plan: Any) -> None:
         """A probe or a switch (it may compile) is under way: allow it the start-up time."""
         self.beat(self.done, self.ladder.startup_s, plan)
+
+    def waiting(self, waiting: bool, plan: Any) -> None:
+        """A replica waits on its peers' quorum (`waiting`: the start-up time allowed, as a
+        replica waiting for a majority to return is not hung), or no longer: the step's own
+        deadline again, plus the time waited (the launcher counts from the step's start)."""
+        if waiting:
+            self._waiting_from, deadline_s = time.monotonic(), self.deadline_s
+            self.beat(self.done, self.ladder.startup_s, plan, waiting=True)
+            self.deadline_s = deadline_s
+        else:
+            self.beat(self.done, self.deadline_s + time.monotonic() - self._waiting_from, plan)
 
     def step(self, record: StepRecord, trainer: Any) -> None:
         self.beat(record.step, next_deadline_s(self.ladder, self.steps, record.step,

@@ -83,6 +83,8 @@ class ProcessRun:
                                         on_long_work=lambda what: self.beats.long_work(
                                             self.trainer.plan), programs=programs,
                                         replicas=replicas)
+        if replicas is not None:  # a replica waiting on its peers' quorum is not hung
+            replicas.on_wait = lambda waiting: self.beats.waiting(waiting, self.trainer.plan)
         self.trainer.warm_up()
         self.report.say_remat(self.trainer, None)
         if self.trainer.checkpointer is not None:  # a resume forced on purpose

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -48,8 +49,12 @@ class Replanner:
                  devices: Sequence[jax.Device], data: BatchIterator, keeper: ProgramKeeper,
                  detector: Detector, checkpointer: Checkpointer | None, staging: HostStaging,
                  clock: Callable[[], float] = time.perf_counter,
-                 on_long_work: Callable[[str], None] | None = None) -> None:
+                 on_long_work: Callable[[str], None] | None = None,
+                 fixed_layout: bool = False) -> None:
         self.model, self.config, self.devices, self.data = model, config, devices, data
+        # a replica of a job of replicas: its shards must stay its peers' (the cross-replica
+        # sum pairs them by place), so a plan that moves them is refused
+        self.fixed_layout = fixed_layout
         self.keeper, self.detector, self.checkpointer = keeper, detector, checkpointer
         self.staging, self.clock, self.on_long_work = staging, clock, on_long_work
         self.health = Health()
@@ -95,6 +100,13 @@ class Replanner:
                                f"devices {list(verdict.devices)} {verdict.kind} "
                                f"x{verdict.slowdown:.2f}; plan {new.describe()}")
         reason = outcome.reason
+        if self.fixed_layout and not (new.same_mesh(old)
+                                      and new.layers_per_stage == old.layers_per_stage):
+            reason = (f"plan {new.describe()} would move the shards, which a replica keeps as "
+                      f"its peers' (across replicas only the micro-batch split moves, off a "
+                      f"slow replica): kept {old.describe()}")
+            print(f"replicas: {reason}", file=sys.stderr, flush=True)
+            new, interim = old, None
         if interim is not None:
             self.keeper.precompiler.prepare_first(new)
             self._pending = (new, verdict, reason)

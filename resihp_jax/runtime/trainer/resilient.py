@@ -90,7 +90,8 @@ class ResilientTrainer:
         # step (`start_background`), so nothing competes with it for the host's cores
         self.keeper = ProgramKeeper(model, train_cfg, plan, devices, programs, config,
                                     Instrument(host), faults=fault_hook is not None,
-                                    staging=self.staging, on_install=installed)
+                                    staging=self.staging, on_install=installed,
+                                    compile_fn=getattr(replicas, "compile_step", None))
         self.precompiler, self.remat_chosen = self.keeper.precompiler, self.keeper.remat_chosen
         detector = (Unwatched() if config.detector == DETECTOR_OFF else
                     make_detector(config.detector, prober=self.probe, model=model, clock=clock))
@@ -107,7 +108,8 @@ class ResilientTrainer:
                                  self.sampler, self.spent_s,
                                  NoReplicas() if replicas is None else replicas, clock)
         self.replanner = Replanner(model, config, devices, data, self.keeper, detector,
-                                   self.checkpointer, self.staging, clock, on_long_work)
+                                   self.checkpointer, self.staging, clock, on_long_work,
+                                   fixed_layout=replicas is not None)
         self.replans = self.replanner.replans
         self._costs_fitted = False
 

@@ -8,6 +8,8 @@ programs call back into (its fault hook, its stage timer); `Probe` is the detect
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -135,6 +137,7 @@ class StepRunner:
         replicas did not commit the step, and `state` is again the one before it (the caller
         runs its batch again; `beside` was not concluded). StepFailed: it failed or hung."""
         program, timer = self.keeper.program, self.host.timer
+        whole_crc = batch.content_crc  # the record names the global batch, not the share
         plan, batch = self.replicas.share(self.keeper.plan, batch)
         if plan != program.plan:  # this replica's share of the global batch (no recompile)
             program = program.with_plan(plan)
@@ -189,8 +192,9 @@ class StepRunner:
                                  in_doubt=in_doubt)
         self.last_timing = timing
         self._last_l2_M, self._last_plan = l2_M[0], plan
-        return StepRecord.of(int(self.state.step), plan, jax.device_get(metrics),
-                             timing.step_time_s, batch), verdict
+        record = StepRecord.of(int(self.state.step), plan, jax.device_get(metrics),
+                               timing.step_time_s, batch)
+        return dataclasses.replace(record, batch_crc=whole_crc), verdict
 
     def deadline_s(self, batch: GlobalBatch, l2_M: np.ndarray | None = None,
                    plan: Plan | None = None) -> float:

@@ -156,6 +156,20 @@ def test_supervisor_blames_the_frozen_process_not_those_that_gave_up(tmp_path: P
     assert (killed.kind, killed.host) == ("died", "p3") and "SIGKILL" in killed.detail
 
 
+def test_a_replica_waiting_on_a_frozen_process_of_its_own_is_hung_at_once(
+        tmp_path: Path) -> None:
+    """A replica's process waiting on its peers' quorum publishes a long deadline; a frozen
+    process of its own replica (which the quorum waits for) is then a hang without waiting
+    out that deadline. A wait alone, or a frozen process with nobody waiting, is not."""
+    import dataclasses
+
+    sup = _supervisor(tmp_path)
+    waiting = dataclasses.replace(_beat(0.1), waiting=True)
+    assert sup._frozen_while_waited_on({"p0": waiting, "p1": _beat(30.0)})
+    assert not sup._frozen_while_waited_on({"p0": waiting, "p1": _beat(0.1)})
+    assert not sup._frozen_while_waited_on({"p0": _beat(0.1), "p1": _beat(30.0)})
+
+
 def test_launch_config_names_a_bad_fault(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--kill names process 4; valid: 0..3"):
         LaunchConfig(4, 2, tmp_path, (), (Fault("kill", 4, 2),))
@@ -170,6 +184,21 @@ def test_metrics_of_lost_steps_are_dropped_on_resume(tmp_path: Path) -> None:
     path.write_text("not json\n")
     with pytest.raises(ConfigError, match="not a metrics file"):
         metrics_file(str(path), 4)
+
+
+def test_a_rejoining_replica_keeps_the_records_of_its_earlier_incarnations(
+        tmp_path: Path) -> None:
+    """A relaunched replica starts at step 0 and heals to its peers' step: what it wrote
+    before it died stays (a whole job's relaunch from step 0 trains those steps again and
+    starts the file anew)."""
+    path = tmp_path / "m.replica1.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 4)))
+    with metrics_file(str(path), 0, rejoin=True) as f:
+        f.write(json.dumps({"step": 9, "loss": 2.0}) + "\n")
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 9]
+    with metrics_file(str(path), 0):
+        pass
+    assert path.read_text() == ""
 
 
 def test_the_record_of_the_restored_step_is_added_when_its_writer_died(tmp_path: Path) -> None:

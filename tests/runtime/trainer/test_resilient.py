@@ -137,6 +137,24 @@ def test_a_slow_device_trains_an_interim_split_while_the_new_mesh_compiles(
     np.testing.assert_allclose([r.loss for r in records], reference[:4], rtol=2e-5)
 
 
+def test_a_replica_keeps_its_shards_where_a_plan_would_move_them(capsys) -> None:
+    """In a replica of a job of replicas the shards must stay its peers' (the cross-replica
+    sum pairs them by place): a re-plan that moves them is refused in one line, the plan
+    kept."""
+    from resihp_jax.runtime.replicas.protocol import NoReplicas
+
+    config = ResilienceConfig(precompile=0, compile_cache_dir=None)
+    trainer = ResilientTrainer(CFG, TRAIN, PLAN, jax.devices(), _data(), config,
+                               programs=PROGRAMS(), replicas=NoReplicas())
+    list(trainer.run(1))
+    replan = trainer.react(Verdict(1, (5,), "compute", 4.0, 1.0))
+    trainer.close()
+    assert replan.new_plan == PLAN and trainer.plan == PLAN and trainer.pending_plan is None
+    err = capsys.readouterr().err
+    assert "would move the shards, which a replica keeps as its peers'" in err
+    assert f"kept {PLAN.describe()}" in err
+
+
 class _Predicts:
     """A detector stand-in that predicts a fixed healthy step time (or nothing)."""
 

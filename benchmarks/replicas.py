@@ -291,8 +291,8 @@ def main() -> int:
                              "output) in DIR, emptied first (default: a temporary one)")
     args = parser.parse_args()
     # the hang is due soon after the kill: it waits until the killed replica trains again
-    kill_at, hang_at, tail = 20, 30, 20
-    job_steps = kill_at + (10 if args.quick else 40)
+    kill_at, hang_at, tail = 20, 30, 10
+    job_steps = kill_at + (5 if args.quick else 40)
     with tempfile.TemporaryDirectory(prefix="resihp-replicas-") as tmp:
         root = Path(args.keep) if args.keep else Path(tmp)
         if args.keep:

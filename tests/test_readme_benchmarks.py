@@ -33,6 +33,8 @@ INVARIANTS = {
     "benchmarks/recovery.py": ("switch_kinds", "compiles_0_split_only", "compiles_0_mesh_warm",
                                "dead_devices_left", "every_step_once"),
     "benchmarks/replan_quality.py": ("no_dead_device_planned", "ours_not_above_optimum"),
+    "benchmarks/replicas.py": ("faults_fired", "other_replicas_restarted_0", "every_step_once",
+                               "batches_match", "losses_equal", "params_equal_after_heal"),
     "benchmarks/resilience_price.py": ("slow_writer_fired", "waits_on_previous_save_0",
                                        "every_step_once", "batches_match", "losses_equal"),
     "benchmarks/user_slow.py": ("reference_complete", "faults_fired", "every_step_once",

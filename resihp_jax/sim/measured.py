@@ -232,7 +232,7 @@ class ReplicaCosts:
     the GPU only. Each figure, where it comes from (the measured ones are to be refreshed
     from `python benchmarks/replicas.py --quick`, whose JSON line has the same keys):
 
-    - the survivors' stall: `survivor_stall_s` 1.76 s from a SIGKILL to the survivors' next
+    - the survivors' stall: `survivor_stall_s` 1.74 s from a SIGKILL to the survivors' next
       committed step (3 replicas of 2 processes, `tiny`, 2 CPU cores; torchft's 1.5 s
       heartbeat timeout dominates). At GPU scale every survivor's quorum and cross-replica
       communicators are rebuilt as FT-HSDP's are (the same kind of engine: torchft, FT-HSDP's
@@ -253,7 +253,7 @@ class ReplicaCosts:
       (runtime/replica_job.py `replace_failed`): on a spare node, or once its GPU is back.
     """
 
-    survivor_stall_s: float = 1.76
+    survivor_stall_s: float = 1.74
     replicas_over_one_job: float = 0.97
     heal_bytes_per_s: float = 12e9 / 2.92
 

@@ -55,6 +55,7 @@ class Replanner:
         # a replica of a job of replicas: its shards must stay its peers' (the cross-replica
         # sum pairs them by place), so a plan that moves them is refused
         self.fixed_layout = fixed_layout
+        self._refused: set[str] = set()  # the plans refused for it, each said once
         self.keeper, self.detector, self.checkpointer = keeper, detector, checkpointer
         self.staging, self.clock, self.on_long_work = staging, clock, on_long_work
         self.health = Health()
@@ -105,7 +106,9 @@ class Replanner:
             reason = (f"plan {new.describe()} would move the shards, which a replica keeps as "
                       f"its peers' (across replicas only the micro-batch split moves, off a "
                       f"slow replica): kept {old.describe()}")
-            print(f"replicas: {reason}", file=sys.stderr, flush=True)
+            if new.describe() not in self._refused:  # said once a plan (a verdict recurs)
+                self._refused.add(new.describe())
+                print(f"replicas: {reason}", file=sys.stderr, flush=True)
             new, interim = old, None
         if interim is not None:
             self.keeper.precompiler.prepare_first(new)

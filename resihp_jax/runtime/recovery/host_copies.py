@@ -132,6 +132,7 @@ class HostCopies:
         self._copies: list[_Copy] = []  # oldest first
         self._lock = threading.Lock()
         self._dumped: list[Path] | None = None
+        self._ending = False  # dump() was called: this process is on its way out
         self._terminate: _TermWatcher | None = None
 
     # ---- every step ------------------------------------------------------------------------
@@ -191,6 +192,7 @@ class HostCopies:
         same paths). Both steps kept are written: processes stopped at different moments
         (one just past a step, one still in it) then share the older one."""
         with self._lock:
+            self._ending = True
             if self._dumped is not None or not self._copies:
                 return self._dumped or []
             self._dumped = []
@@ -240,6 +242,12 @@ class HostCopies:
         exit_fn(code)
 
     def close(self) -> None:
+        """Stop answering SIGTERM, unless the copies were written (`dump`): the process is then
+        ending after a failure, and the launcher's SIGTERM may come at any moment before its
+        `os._exit`. Under the default action it would kill the process unheard, without the
+        line naming the failure and the code (75) that tells the job to restart."""
+        if self._ending:
+            return
         if self._terminate is not None:
             self._terminate.close()
             self._terminate = None

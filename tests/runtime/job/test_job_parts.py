@@ -306,6 +306,43 @@ def test_sigterm_after_a_named_failure_exits_75_naming_it(tmp_path: Path, monkey
     assert last.endswith("exiting with 75")
 
 
+def test_a_sigterm_while_a_failed_run_unwinds_still_ends_it_with_its_line(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    """Once a failed run wrote its copies, closing them (the run's `finally`) keeps SIGTERM
+    answered: the launcher's SIGTERM may land before the process's own exit line, and the
+    default action would end it unheard (no line naming the failure, no 75). Copies closed
+    after a run that did not fail give SIGTERM back as it was."""
+    import os
+    import signal
+
+    from resihp_jax.env_vars import PEER_LOST_ENV
+    from resihp_jax.runtime.recovery import host_copies
+
+    named = tmp_path / "peer_lost"
+    named.write_text("died: process p0 exited with signal SIGKILL\n")
+    monkeypatch.setenv(PEER_LOST_ENV, str(named))
+    before = signal.getsignal(signal.SIGTERM)
+    finished = host_copies.HostCopies(tmp_path, "p1")
+    finished.exit_on_sigterm(lambda code: None)
+    finished.close()
+    assert signal.getsignal(signal.SIGTERM) == before
+    failed, codes = host_copies.HostCopies(tmp_path, "p1"), []
+    failed.exit_on_sigterm(codes.append)
+    watcher = failed._terminate
+    try:
+        failed.dump("training stopped by an error")
+        failed.close()
+        # asserted before the signal is sent: under the default action it would end pytest
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, before)
+        os.kill(os.getpid(), signal.SIGTERM)
+        watcher._thread.join()  # the watcher answers on its own thread, then returns
+    finally:
+        watcher.close()
+    assert codes == [HUNG_EXIT]
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "the job is ending: died: process p0 exited with signal SIGKILL" in last
+
+
 def test_a_broken_collective_waits_for_the_launcher_to_name_the_failure(tmp_path: Path) -> None:
     """A peer's death breaks the others' collectives before the launcher notices it: a
     process of a launched job waits for the launcher's name of the failure (its file, or the
